@@ -1,0 +1,77 @@
+// The converter's in-memory description of a source model, produced by every reader (llama2.c, HF, GGUF, synthetic)
+// and consumed by the one GGUF writer. Tensors are described, not loaded: each carries a loader, so models larger
+// than memory stream through one tensor at a time.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/core/ggml_type.h"
+#include "runtime/core/gguf.h"
+#include "runtime/core/status.h"
+
+namespace nflash::converter {
+
+// FFN activation: silu: w2(silu(w1 x) * w3 x); relu: w2(relu(w1 x) * w3 x); drelu: w2(relu(w1 x) * relu(w3 x)).
+enum class FfnActivation : uint8_t { kSilu, kRelu, kDRelu };
+const char* FfnActivationName(FfnActivation a);                     // "silu", "relu", "drelu"
+std::optional<FfnActivation> ParseFfnActivation(std::string_view s);  // the same names
+
+struct ModelConfig {
+  std::string architecture = "llama";  // GGUF general.architecture (always "llama" for the families nflash reads)
+  std::string name;                    // general.name
+  int64_t n_vocab = 0;
+  int64_t dim = 0;             // llama.embedding_length
+  int64_t n_layers = 0;        // llama.block_count
+  int64_t n_ff = 0;            // llama.feed_forward_length (per expert for MoE)
+  int64_t n_heads = 0;         // llama.attention.head_count
+  int64_t n_kv_heads = 0;      // llama.attention.head_count_kv
+  int64_t context_length = 0;  // llama.context_length
+  float rope_theta = 10000.0f;  // llama.rope.freq_base
+  float norm_eps = 1e-5f;       // llama.attention.layer_norm_rms_epsilon
+  // Linear RoPE scaling (HF rope_scaling {"type": "linear", "factor": f}); 1 = none.
+  float rope_scale_linear = 1.0f;
+  int64_t n_experts = 0;       // llama.expert_count (0: dense FFN)
+  int64_t n_experts_used = 0;  // llama.expert_used_count
+  FfnActivation activation = FfnActivation::kSilu;
+  bool tied_embeddings = false;  // no output.weight: the head reuses token_embd.weight
+  int64_t head_dim() const { return n_heads > 0 ? dim / n_heads : 0; }
+};
+
+struct TokenizerData {
+  std::string model;  // tokenizer.ggml.model: "llama" (SentencePiece BPE) or "gpt2" (byte-level BPE); empty: none
+  std::string pre;    // tokenizer.ggml.pre (gpt2 pre-tokenizer name), optional
+  std::vector<std::string> tokens;
+  std::vector<float> scores;          // may be empty for gpt2
+  std::vector<int32_t> token_types;   // llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user, 5 unused, 6 byte
+  std::vector<std::string> merges;    // gpt2 only: "a b"
+  int32_t bos_id = -1, eos_id = -1, unk_id = -1, pad_id = -1;
+  std::optional<bool> add_bos, add_eos;
+};
+
+// One tensor of the source, named and shaped in GGUF's convention (llama.cpp names; dims[0] is the row length) and
+// already in GGUF's layout (HF q/k permutation undone, transposes applied) by its loader.
+struct SourceTensor {
+  std::string name;
+  std::vector<uint64_t> dims;
+  GgmlType source_type = GgmlType::kF32;
+  // The tensor as F32 in GGUF layout, n_elements floats.
+  std::function<Result<std::vector<float>>()> load_f32;
+  // The tensor's raw bytes in `source_type` (GGUF sources only), so an unchanged type is copied bit for bit. Optional.
+  std::function<Result<std::vector<uint8_t>>()> load_raw;
+};
+
+struct SourceModel {
+  std::string source_path;
+  std::string source_format;  // "llama2c-v0", "llama2c-v1", "hf-safetensors", "gguf", "synthetic"
+  ModelConfig config;
+  TokenizerData tokenizer;
+  std::vector<SourceTensor> tensors;
+  // Extra keys copied into the output as they are (e.g. nflash.* or powerinfer.* keys of a GGUF source).
+  std::vector<std::pair<std::string, GgufValue>> extra_metadata;
+};
+
+}  // namespace nflash::converter

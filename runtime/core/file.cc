@@ -1,0 +1,291 @@
+// Implementations of the File abstraction: pread, mmap, in-memory, fault-injecting, atomic writer.
+#include "runtime/core/file.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <mutex>
+
+namespace nflash {
+namespace {
+
+// Writes are staged in a buffer of this size: large enough that syscalls cost nothing next to the copy.
+constexpr size_t kWriteBufferBytes = size_t{4} << 20;
+
+Status CheckRange(const std::string& path, uint64_t file_size, uint64_t offset, size_t size) {
+  if (offset > file_size || size > file_size - offset) {
+    return Status::IOError(path + ": read of " + std::to_string(size) + " bytes at offset " + std::to_string(offset) +
+                           " goes past the end of the file (" + std::to_string(file_size) + " bytes)");
+  }
+  return Status::Ok();
+}
+
+class PreadFile final : public ReadableFile {
+ public:
+  PreadFile(std::string path, int fd, uint64_t size) : path_(std::move(path)), fd_(fd), size_(size) {}
+  ~PreadFile() override { ::close(fd_); }
+  Status ReadAt(uint64_t offset, size_t size, void* dst) const override {
+    NF_RETURN_IF_ERROR(CheckRange(path_, size_, offset, size));
+    auto* out = static_cast<uint8_t*>(dst);
+    size_t done = 0;
+    while (done < size) {
+      ssize_t n = ::pread(fd_, out + done, size - done, static_cast<off_t>(offset + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return Status::FromErrno(path_ + ": pread at offset " + std::to_string(offset + done), errno);
+      }
+      if (n == 0) {
+        return Status::IOError(path_ + ": unexpected end of file at offset " + std::to_string(offset + done));
+      }
+      done += static_cast<size_t>(n);
+    }
+    return Status::Ok();
+  }
+  uint64_t Size() const override { return size_; }
+  const std::string& Path() const override { return path_; }
+
+ private:
+  std::string path_;
+  int fd_;
+  uint64_t size_;
+};
+
+class MmapFile final : public ReadableFile {
+ public:
+  MmapFile(std::string path, const uint8_t* data, uint64_t size) : path_(std::move(path)), data_(data), size_(size) {}
+  ~MmapFile() override {
+    if (size_ > 0) ::munmap(const_cast<uint8_t*>(data_), size_);
+  }
+  Status ReadAt(uint64_t offset, size_t size, void* dst) const override {
+    NF_RETURN_IF_ERROR(CheckRange(path_, size_, offset, size));
+    std::memcpy(dst, data_ + offset, size);
+    return Status::Ok();
+  }
+  uint64_t Size() const override { return size_; }
+  const std::string& Path() const override { return path_; }
+  const uint8_t* Data() const override { return data_; }
+
+ private:
+  std::string path_;
+  const uint8_t* data_;
+  uint64_t size_;
+};
+
+Result<std::pair<int, uint64_t>> OpenForRead(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::FromErrno("cannot open " + path, errno);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    return Status::FromErrno("cannot stat " + path, err);
+  }
+  if (S_ISDIR(st.st_mode)) {
+    ::close(fd);
+    return Status::InvalidArgument(path + " is a directory, expected a file");
+  }
+  return std::make_pair(fd, static_cast<uint64_t>(st.st_size));
+}
+
+}  // namespace
+
+Status ReadableFile::ReadBatch(std::span<const ReadRequest> requests) const {
+  for (const ReadRequest& r : requests) NF_RETURN_IF_ERROR(ReadAt(r.offset, r.size, r.dst));
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<ReadableFile>> OpenPreadFile(const std::string& path) {
+  NF_ASSIGN_OR_RETURN(auto fd_size, OpenForRead(path));
+  return std::unique_ptr<ReadableFile>(new PreadFile(path, fd_size.first, fd_size.second));
+}
+
+Result<std::unique_ptr<ReadableFile>> OpenMmapFile(const std::string& path) {
+  NF_ASSIGN_OR_RETURN(auto fd_size, OpenForRead(path));
+  auto [fd, size] = fd_size;
+  const uint8_t* data = nullptr;
+  if (size > 0) {
+    void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      int err = errno;
+      ::close(fd);
+      return Status::FromErrno("cannot mmap " + path, err);
+    }
+    data = static_cast<const uint8_t*>(p);
+  }
+  ::close(fd);  // the mapping keeps the file referenced
+  return std::unique_ptr<ReadableFile>(new MmapFile(path, data, size));
+}
+
+Result<std::unique_ptr<ReadableFile>> ReadFileToMemory(const std::string& path) {
+  NF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(path));
+  return std::unique_ptr<ReadableFile>(new MemoryFile(path, std::move(bytes)));
+}
+
+Result<std::vector<uint8_t>> ReadWholeFile(const std::string& path) {
+  NF_ASSIGN_OR_RETURN(auto f, OpenPreadFile(path));
+  std::vector<uint8_t> bytes(f->Size());
+  NF_RETURN_IF_ERROR(f->ReadAt(0, bytes.size(), bytes.data()));
+  return bytes;
+}
+
+bool FileExists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+Status MemoryFile::ReadAt(uint64_t offset, size_t size, void* dst) const {
+  NF_RETURN_IF_ERROR(CheckRange(path_, bytes_.size(), offset, size));
+  if (size > 0) std::memcpy(dst, bytes_.data() + offset, size);
+  return Status::Ok();
+}
+
+struct FaultInjectingFile::State {
+  std::mutex mu;                    // guards remaining
+  std::vector<int> remaining;       // per rule: faults left (-1: unlimited)
+  std::atomic<int64_t> injected{0};
+};
+
+FaultInjectingFile::~FaultInjectingFile() = default;
+
+void FaultInjectingFile::AddRule(const Rule& rule) {
+  if (!state_) state_ = std::make_unique<State>();
+  rules_.push_back(rule);
+  state_->remaining.push_back(rule.count);
+}
+
+int64_t FaultInjectingFile::InjectedCount() const { return state_ ? state_->injected.load() : 0; }
+
+Status FaultInjectingFile::ReadAt(uint64_t offset, size_t size, void* dst) const {
+  int hit = -1;
+  if (state_) {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    for (size_t i = 0; i < rules_.size(); ++i) {
+      const Rule& r = rules_[i];
+      bool overlaps = offset < r.offset + std::min(r.length, UINT64_MAX - r.offset) && r.offset < offset + size;
+      if (!overlaps || state_->remaining[i] == 0) continue;
+      if (state_->remaining[i] > 0) --state_->remaining[i];
+      hit = static_cast<int>(i);
+      break;
+    }
+    if (hit >= 0) state_->injected.fetch_add(1);
+  }
+  if (hit < 0) return base_->ReadAt(offset, size, dst);
+  const Rule& r = rules_[hit];
+  switch (r.fault) {
+    case Fault::kEio:
+      return Status::FromErrno(Path() + ": pread at offset " + std::to_string(offset) + " (injected)", EIO);
+    case Fault::kShortRead: {
+      size_t got = size / 2;
+      NF_RETURN_IF_ERROR(base_->ReadAt(offset, got, dst));
+      return Status::IOError(Path() + ": short read at offset " + std::to_string(offset) + ": got " +
+                             std::to_string(got) + " of " + std::to_string(size) + " bytes (injected)");
+    }
+    case Fault::kBitFlip: {
+      NF_RETURN_IF_ERROR(base_->ReadAt(offset, size, dst));
+      uint64_t at = std::max(offset, r.offset) - offset;  // first byte of the read inside the rule's range
+      if (at < size) static_cast<uint8_t*>(dst)[at] ^= 0x10;
+      return Status::Ok();
+    }
+  }
+  return Status::Internal("unknown fault kind");
+}
+
+Result<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(const std::string& path, bool overwrite) {
+  if (!overwrite && FileExists(path)) {
+    return Status::InvalidArgument(path + " exists; pass --force to overwrite it");
+  }
+  std::string tmp = path + ".tmp-" + std::to_string(::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::FromErrno("cannot create " + tmp, errno);
+  auto w = std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, tmp, fd));
+  w->buffer_.reserve(kWriteBufferBytes);
+  return w;
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_) ::unlink(tmp_path_.c_str());
+}
+
+Status AtomicFileWriter::FlushBuffer() {
+  size_t done = 0;
+  while (done < buffer_.size()) {
+    ssize_t n = ::write(fd_, buffer_.data() + done, buffer_.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno("write to " + tmp_path_, errno);
+    }
+    done += static_cast<size_t>(n);
+  }
+  buffer_.clear();
+  return Status::Ok();
+}
+
+Status AtomicFileWriter::Append(const void* data, size_t size) {
+  if (committed_ || fd_ < 0) return Status::Internal("append to a closed writer for " + path_);
+  const auto* p = static_cast<const uint8_t*>(data);
+  offset_ += size;
+  if (buffer_.size() + size > kWriteBufferBytes) {
+    NF_RETURN_IF_ERROR(FlushBuffer());
+    if (size >= kWriteBufferBytes) {  // large block: write through
+      buffer_.assign(p, p + size);
+      Status s = FlushBuffer();
+      buffer_.reserve(kWriteBufferBytes);
+      return s;
+    }
+  }
+  buffer_.insert(buffer_.end(), p, p + size);
+  return Status::Ok();
+}
+
+Status AtomicFileWriter::PadTo(uint64_t alignment) {
+  if (alignment == 0) return Status::Internal("PadTo(0)");
+  static const uint8_t kZeros[256] = {};
+  uint64_t pad = (alignment - offset_ % alignment) % alignment;
+  while (pad > 0) {
+    size_t n = static_cast<size_t>(std::min<uint64_t>(pad, sizeof(kZeros)));
+    NF_RETURN_IF_ERROR(Append(kZeros, n));
+    pad -= n;
+  }
+  return Status::Ok();
+}
+
+Status AtomicFileWriter::WriteAt(uint64_t offset, const void* data, size_t size) {
+  if (offset + size > offset_) return Status::Internal("WriteAt past the written end of " + path_);
+  NF_RETURN_IF_ERROR(FlushBuffer());
+  const auto* p = static_cast<const uint8_t*>(data);
+  size_t done = 0;
+  while (done < size) {
+    ssize_t n = ::pwrite(fd_, p + done, size - done, static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno("pwrite to " + tmp_path_, errno);
+    }
+    done += static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+Status AtomicFileWriter::Commit() {
+  if (committed_) return Status::Ok();
+  NF_RETURN_IF_ERROR(FlushBuffer());
+  if (::fsync(fd_) != 0) return Status::FromErrno("fsync " + tmp_path_, errno);
+  if (::close(fd_) != 0) {
+    fd_ = -1;
+    return Status::FromErrno("close " + tmp_path_, errno);
+  }
+  fd_ = -1;
+  if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
+    return Status::FromErrno("rename " + tmp_path_ + " to " + path_, errno);
+  }
+  committed_ = true;
+  return Status::Ok();
+}
+
+}  // namespace nflash

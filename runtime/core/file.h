@@ -1,0 +1,127 @@
+// File abstraction: positional reads (pread or mmap), an in-memory file and a fault-injecting wrapper for tests,
+// and an atomic writer (temporary name, renamed on Commit) for every output nflash produces.
+// io_uring / O_DIRECT readers (sparse runtime) implement the same ReadableFile interface.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "runtime/core/status.h"
+
+namespace nflash {
+
+// One read of a batch: `size` bytes at `offset` into `dst`.
+struct ReadRequest {
+  uint64_t offset = 0;
+  size_t size = 0;
+  void* dst = nullptr;
+};
+
+// A file read at explicit offsets. Thread-safety: ReadAt/ReadBatch may be called concurrently (implementations keep no
+// cursor); the object must outlive all calls.
+class ReadableFile {
+ public:
+  virtual ~ReadableFile() = default;
+  // Reads exactly `size` bytes at `offset`; a read past the end or a short read is an error naming path and offset.
+  virtual Status ReadAt(uint64_t offset, size_t size, void* dst) const = 0;
+  // Reads every request; the default issues them one by one. Stops at the first error.
+  virtual Status ReadBatch(std::span<const ReadRequest> requests) const;
+  virtual uint64_t Size() const = 0;
+  virtual const std::string& Path() const = 0;
+  // The whole file as memory when it is mapped or in memory, else nullptr. Valid while the object lives.
+  virtual const uint8_t* Data() const { return nullptr; }
+};
+
+// pread(2) on a file descriptor.
+Result<std::unique_ptr<ReadableFile>> OpenPreadFile(const std::string& path);
+// Read-only, private mmap(2) of the whole file: Data() is non-null.
+Result<std::unique_ptr<ReadableFile>> OpenMmapFile(const std::string& path);
+// Reads the whole file into memory (Data() is non-null, no mapping kept).
+Result<std::unique_ptr<ReadableFile>> ReadFileToMemory(const std::string& path);
+
+// A file held in memory (tests, synthetic inputs). `path` is only used in messages.
+class MemoryFile final : public ReadableFile {
+ public:
+  MemoryFile(std::string path, std::vector<uint8_t> bytes) : path_(std::move(path)), bytes_(std::move(bytes)) {}
+  Status ReadAt(uint64_t offset, size_t size, void* dst) const override;
+  uint64_t Size() const override { return bytes_.size(); }
+  const std::string& Path() const override { return path_; }
+  const uint8_t* Data() const override { return bytes_.data(); }
+  const std::vector<uint8_t>& bytes() const { return bytes_; }
+
+ private:
+  std::string path_;
+  std::vector<uint8_t> bytes_;
+};
+
+// Wraps a file and injects faults into reads that touch [offset, offset + length): an EIO error, a short read (the
+// read returns fewer bytes: reported as an error by ReadAt), or flipped bits in the returned data (silent corruption,
+// to be caught by checksums). `count` limits how many reads are affected (-1: every one), so "fails once, then the
+// retry succeeds" can be tested. Data() is always nullptr so that callers go through ReadAt.
+// Thread-safety: as ReadableFile; the fault counters are atomic.
+class FaultInjectingFile final : public ReadableFile {
+ public:
+  enum class Fault : uint8_t { kEio, kShortRead, kBitFlip };
+  struct Rule {
+    Fault fault = Fault::kEio;
+    uint64_t offset = 0;
+    uint64_t length = UINT64_MAX;
+    int count = -1;
+  };
+  explicit FaultInjectingFile(std::shared_ptr<const ReadableFile> base) : base_(std::move(base)) {}
+  ~FaultInjectingFile() override;
+  void AddRule(const Rule& rule);
+  Status ReadAt(uint64_t offset, size_t size, void* dst) const override;
+  uint64_t Size() const override { return base_->Size(); }
+  const std::string& Path() const override { return base_->Path(); }
+  // Number of reads a fault was injected into so far.
+  int64_t InjectedCount() const;
+
+ private:
+  struct State;
+  std::shared_ptr<const ReadableFile> base_;
+  std::vector<Rule> rules_;
+  std::unique_ptr<State> state_ = nullptr;
+};
+
+// Writes a new file under a temporary name beside `path` ("<path>.tmp-<pid>") and renames it over `path` on Commit().
+// Destroying an uncommitted writer removes the temporary file, so a failed run never leaves a partial output.
+// Thread-safety: not thread-safe.
+class AtomicFileWriter {
+ public:
+  // Fails if `path` exists and `overwrite` is false ("<path> exists; pass --force to overwrite").
+  static Result<std::unique_ptr<AtomicFileWriter>> Create(const std::string& path, bool overwrite);
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  Status Append(const void* data, size_t size);
+  // Appends zero bytes until Offset() is a multiple of `alignment`.
+  Status PadTo(uint64_t alignment);
+  // Overwrites bytes already written (e.g. a header completed at the end).
+  Status WriteAt(uint64_t offset, const void* data, size_t size);
+  uint64_t Offset() const { return offset_; }
+  const std::string& path() const { return path_; }
+  // Flushes, fsyncs and renames the temporary file to the final path.
+  Status Commit();
+
+ private:
+  AtomicFileWriter(std::string path, std::string tmp_path, int fd) : path_(std::move(path)), tmp_path_(std::move(tmp_path)), fd_(fd) {}
+  Status FlushBuffer();
+  std::string path_;
+  std::string tmp_path_;
+  int fd_ = -1;
+  uint64_t offset_ = 0;
+  std::vector<uint8_t> buffer_;
+  bool committed_ = false;
+};
+
+// Convenience: the whole file as bytes.
+Result<std::vector<uint8_t>> ReadWholeFile(const std::string& path);
+bool FileExists(const std::string& path);
+
+}  // namespace nflash

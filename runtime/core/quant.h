@@ -1,0 +1,42 @@
+// Block quantization with llama.cpp's exact layouts (files interoperate): Q8_0 and Q4_0, blocks of 32 with an fp16
+// scale; plus row conversion to/from F32, F16 and BF16.
+#pragma once
+
+#include <cstdint>
+
+#include "runtime/core/ggml_type.h"
+#include "runtime/core/status.h"
+
+namespace nflash {
+
+// Elements per quantization block (ggml's QK8_0 / QK4_0).
+inline constexpr int kQBlock = 32;
+
+#pragma pack(push, 1)
+// ggml block_q8_0: x[i] ~= d * qs[i].
+struct BlockQ8_0 {
+  uint16_t d;             // fp16 scale = max|x| / 127
+  int8_t qs[kQBlock];
+};
+// ggml block_q4_0: x[i] ~= d * (q[i] - 8); byte j holds element j in its low nibble and element j+16 in its high.
+struct BlockQ4_0 {
+  uint16_t d;             // fp16 scale = (signed value of max|x|) / -8
+  uint8_t qs[kQBlock / 2];
+};
+#pragma pack(pop)
+static_assert(sizeof(BlockQ8_0) == 34, "must match ggml block_q8_0");
+static_assert(sizeof(BlockQ4_0) == 18, "must match ggml block_q4_0");
+
+// Reference quantizers, bit-identical to ggml's quantize_row_*_ref. `n` must be a multiple of kQBlock.
+void QuantizeRowQ8_0(const float* x, BlockQ8_0* y, int64_t n);
+void QuantizeRowQ4_0(const float* x, BlockQ4_0* y, int64_t n);
+void DequantizeRowQ8_0(const BlockQ8_0* x, float* y, int64_t n);
+void DequantizeRowQ4_0(const BlockQ4_0* x, float* y, int64_t n);
+
+// Converts `n` floats to a row of `type` (F32, F16, BF16, Q8_0, Q4_0); Unsupported for other types, InvalidArgument
+// when n is not a multiple of the block size.
+Status QuantizeRow(GgmlType type, const float* x, void* dst, int64_t n);
+// Converts a row of `type` (F32, F16, BF16, Q8_0, Q4_0) to floats.
+Status DequantizeRow(GgmlType type, const void* src, float* y, int64_t n);
+
+}  // namespace nflash

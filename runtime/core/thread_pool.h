@@ -1,0 +1,44 @@
+// A fixed-size thread pool for data-parallel loops. Passed explicitly to whatever computes; never a singleton.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace nflash {
+
+// Thread-safety: ParallelFor may be called from one thread at a time (it is not re-entrant); the calling thread takes
+// part in the work, so a pool of N threads starts N-1 workers.
+class ThreadPool {
+ public:
+  // `num_threads` <= 0 means all hardware threads.
+  explicit ThreadPool(int num_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int NumThreads() const { return num_threads_; }
+  // Calls fn(begin, end, thread_index) over a partition of [0, n) into at most NumThreads() contiguous chunks whose
+  // sizes are multiples of `grain` (except the last). Returns when every chunk is done.
+  void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t, int)>& fn);
+  static int HardwareThreads();
+
+ private:
+  void WorkerLoop(int index);
+  int num_threads_;
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  const std::function<void(int64_t, int64_t, int)>* job_ = nullptr;
+  int64_t job_n_ = 0;
+  int64_t job_chunk_ = 0;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+};
+
+}  // namespace nflash

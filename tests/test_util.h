@@ -1,0 +1,39 @@
+// Helpers shared by the test suites: temporary directories, paths into ../shared, running the nflash binary.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace nflash::testing {
+
+// A fresh directory under $TMPDIR (or /tmp), removed with its contents when the object dies.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+  std::string File(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// NFLASH_SHARED_DIR + "/" + relative (the read-only models and text beside the repository).
+std::string SharedPath(const std::string& relative);
+// The path of the built `nflash` binary.
+std::string NflashBinary();
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr, interleaved
+};
+// Runs `command` through /bin/sh, capturing stdout+stderr.
+CommandResult RunCommand(const std::string& command);
+
+void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes);
+void WriteText(const std::string& path, const std::string& text);
+
+}  // namespace nflash::testing
