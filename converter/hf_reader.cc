@@ -1,1 +1,442 @@
-// placeholder: being written
+// Hugging Face directory reader: config.json, (sharded) safetensors weights and tokenizer to a SourceModel.
+#include "converter/hf_reader.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <tuple>
+
+#include "converter/hf_tokenizer.h"
+#include "converter/readers.h"
+#include "converter/safetensors.h"
+#include "runtime/core/file.h"
+#include "runtime/core/log.h"
+
+namespace nflash::converter {
+namespace {
+
+using nlohmann::json;
+
+// llama.cpp's token type for vocabulary padding rows ([PAD<i>]) and the score it gives them.
+constexpr int32_t kTokenTypeUnused = 5;
+constexpr float kPadScore = -1000.0f;
+// Missing tensors listed by name in the error before "and N more", to keep the message readable.
+constexpr size_t kMaxMissingListed = 8;
+
+// A config.json accessor whose errors name the file and the field. Thread-safety: read-only, as the json it wraps.
+class ConfigFields {
+ public:
+  ConfigFields(const json& doc, const std::string& path) : doc_(doc), path_(path) {}
+
+  bool Has(const char* key) const { return doc_.contains(key) && !doc_[key].is_null(); }
+
+  Result<int64_t> Int(const char* key) const {
+    if (!Has(key)) return Status::InvalidArgument(path_ + ": missing required field \"" + key + "\"");
+    return IntValue(key);
+  }
+  Result<int64_t> Int(const char* key, int64_t fallback) const { return Has(key) ? IntValue(key) : fallback; }
+  Result<int64_t> PositiveInt(const char* key) const {
+    NF_ASSIGN_OR_RETURN(int64_t v, Int(key));
+    if (v <= 0) return BadValue(key, "a positive integer");
+    return v;
+  }
+  Result<double> Float(const char* key) const {
+    if (!Has(key)) return Status::InvalidArgument(path_ + ": missing required field \"" + key + "\"");
+    return FloatValue(key);
+  }
+  Result<double> Float(const char* key, double fallback) const { return Has(key) ? FloatValue(key) : fallback; }
+  Result<bool> Bool(const char* key, bool fallback) const {
+    if (!Has(key)) return fallback;
+    if (!doc_[key].is_boolean()) return BadValue(key, "a boolean");
+    return doc_[key].get<bool>();
+  }
+  Result<std::string> String(const char* key, const std::string& fallback) const {
+    if (!Has(key)) return fallback;
+    if (!doc_[key].is_string()) return BadValue(key, "a string");
+    return doc_[key].get<std::string>();
+  }
+  Status BadValue(const std::string& key, const std::string& expected) const {
+    return Status::InvalidArgument(path_ + ": field \"" + key + "\": expected " + expected + ", found " +
+                                   doc_[key].dump());
+  }
+
+ private:
+  Result<int64_t> IntValue(const char* key) const {
+    const json& v = doc_[key];
+    if (v.is_number_integer()) return v.get<int64_t>();
+    // Some exporters write integers as 4096.0.
+    if (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>() && std::fabs(v.get<double>()) < 1e15) {
+      return static_cast<int64_t>(v.get<double>());
+    }
+    return BadValue(key, "an integer");
+  }
+  Result<double> FloatValue(const char* key) const {
+    if (!doc_[key].is_number()) return BadValue(key, "a number");
+    return doc_[key].get<double>();
+  }
+  const json& doc_;
+  const std::string& path_;
+};
+
+// One source tensor of a shard.
+struct ShardTensor {
+  std::shared_ptr<const SafetensorsFile> file;
+  SafetensorsTensor tensor;
+};
+
+// The output tensor and where its data comes from.
+struct TensorPlan {
+  std::string gguf_name;
+  std::vector<uint64_t> dims;         // GGUF dims
+  std::vector<std::string> hf_names;  // one, or one per expert (stacked)
+  int64_t rope_heads = 0;             // > 0: undo the HF q/k row permutation with this many heads
+};
+
+std::vector<uint64_t> Reversed(std::vector<uint64_t> v) { return {v.rbegin(), v.rend()}; }
+
+// GGUF row (h * head_dim + 2i + j) = HF row (h * head_dim + j * head_dim/2 + i): see hf_reader.h.
+std::vector<float> UndoRopePermutation(const std::vector<float>& hf, int64_t n_heads, int64_t rows, int64_t cols) {
+  std::vector<float> out(hf.size());
+  const int64_t head_dim = rows / n_heads;
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < n_heads; ++h) {
+    for (int64_t i = 0; i < half; ++i) {
+      for (int64_t j = 0; j < 2; ++j) {
+        const float* src = hf.data() + (h * head_dim + j * half + i) * cols;
+        float* dst = out.data() + (h * head_dim + 2 * i + j) * cols;
+        std::copy(src, src + cols, dst);
+      }
+    }
+  }
+  return out;
+}
+
+std::string BaseName(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  const size_t slash = dir.find_last_of('/');
+  return slash == std::string::npos ? dir : dir.substr(slash + 1);
+}
+
+Result<json> ReadJsonFile(const std::string& path) {
+  NF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(path));
+  try {
+    return json::parse(bytes.begin(), bytes.end());
+  } catch (const json::exception& e) {
+    return Status::Corruption(path + ": JSON does not parse: " + e.what());
+  }
+}
+
+// name -> tensor over all shards.
+Result<std::map<std::string, ShardTensor>> OpenWeights(const std::string& dir) {
+  std::map<std::string, ShardTensor> out;
+  const std::string single = dir + "/model.safetensors";
+  const std::string index_path = dir + "/model.safetensors.index.json";
+  auto add_file = [&](const std::string& path) -> Result<std::shared_ptr<const SafetensorsFile>> {
+    NF_ASSIGN_OR_RETURN(SafetensorsFile st, SafetensorsFile::OpenPath(path));
+    return std::make_shared<const SafetensorsFile>(std::move(st));
+  };
+  if (FileExists(single)) {
+    NF_ASSIGN_OR_RETURN(auto file, add_file(single));
+    for (const SafetensorsTensor& t : file->tensors()) out.emplace(t.name, ShardTensor{file, t});
+    return out;
+  }
+  if (!FileExists(index_path)) {
+    if (FileExists(dir + "/pytorch_model.bin") || FileExists(dir + "/pytorch_model.bin.index.json")) {
+      return Status::Unsupported(dir + ": PyTorch .bin checkpoints are not supported; save the model as safetensors");
+    }
+    return Status::NotFound(dir + ": no weights: neither model.safetensors nor model.safetensors.index.json exists");
+  }
+  NF_ASSIGN_OR_RETURN(json index, ReadJsonFile(index_path));
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {
+    return Status::Corruption(index_path + ": missing object field \"weight_map\"");
+  }
+  std::map<std::string, std::shared_ptr<const SafetensorsFile>> shards;
+  for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
+    if (!it.value().is_string()) {
+      return Status::Corruption(index_path + ": weight_map[\"" + it.key() + "\"]: expected a file name, found " +
+                                it.value().dump());
+    }
+    const std::string shard = it.value().get<std::string>();
+    // Shards live beside the index; a path leaving the directory is not a HF layout.
+    if (shard.empty() || shard[0] == '/' || shard.find("..") != std::string::npos) {
+      return Status::Corruption(index_path + ": weight_map[\"" + it.key() + "\"]: shard \"" + shard +
+                                "\" is not a file name inside the model directory");
+    }
+    auto found = shards.find(shard);
+    if (found == shards.end()) {
+      const std::string shard_path = dir + "/" + shard;
+      if (!FileExists(shard_path)) {
+        return Status::NotFound(index_path + ": weight_map[\"" + it.key() + "\"] names shard " + shard_path +
+                                ", which does not exist");
+      }
+      NF_ASSIGN_OR_RETURN(auto file, add_file(shard_path));
+      found = shards.emplace(shard, std::move(file)).first;
+    }
+    const SafetensorsTensor* t = found->second->Find(it.key());
+    if (t == nullptr) {
+      return Status::Corruption(index_path + ": weight_map[\"" + it.key() + "\"] names shard " + shard +
+                                ", which has no such tensor");
+    }
+    out.emplace(it.key(), ShardTensor{found->second, *t});
+  }
+  return out;
+}
+
+// Builds the list of output tensors for `c` (see hf_reader.h for the mapping).
+std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
+  const auto dim = static_cast<uint64_t>(c.dim);
+  const auto kv_dim = static_cast<uint64_t>(c.head_dim() * c.n_kv_heads);
+  const auto n_ff = static_cast<uint64_t>(c.n_ff);
+  const auto n_vocab = static_cast<uint64_t>(c.n_vocab);
+  std::vector<TensorPlan> plan;
+  plan.push_back({"token_embd.weight", {dim, n_vocab}, {"model.embed_tokens.weight"}, 0});
+  for (int64_t l = 0; l < c.n_layers; ++l) {
+    const std::string hf = "model.layers." + std::to_string(l) + ".";
+    const std::string gg = "blk." + std::to_string(l) + ".";
+    plan.push_back({gg + "attn_norm.weight", {dim}, {hf + "input_layernorm.weight"}, 0});
+    plan.push_back({gg + "attn_q.weight", {dim, dim}, {hf + "self_attn.q_proj.weight"}, c.n_heads});
+    plan.push_back({gg + "attn_k.weight", {dim, kv_dim}, {hf + "self_attn.k_proj.weight"}, c.n_kv_heads});
+    plan.push_back({gg + "attn_v.weight", {dim, kv_dim}, {hf + "self_attn.v_proj.weight"}, 0});
+    plan.push_back({gg + "attn_output.weight", {dim, dim}, {hf + "self_attn.o_proj.weight"}, 0});
+    plan.push_back({gg + "ffn_norm.weight", {dim}, {hf + "post_attention_layernorm.weight"}, 0});
+    // FFN order gate, down, up: the order the llama2.c reader uses, so the same model gives the same file layout.
+    if (c.n_experts == 0) {
+      plan.push_back({gg + "ffn_gate.weight", {dim, n_ff}, {hf + "mlp.gate_proj.weight"}, 0});
+      plan.push_back({gg + "ffn_down.weight", {n_ff, dim}, {hf + "mlp.down_proj.weight"}, 0});
+      plan.push_back({gg + "ffn_up.weight", {dim, n_ff}, {hf + "mlp.up_proj.weight"}, 0});
+      continue;
+    }
+    const auto n_exp = static_cast<uint64_t>(c.n_experts);
+    plan.push_back({gg + "ffn_gate_inp.weight", {dim, n_exp}, {hf + "block_sparse_moe.gate.weight"}, 0});
+    for (const auto& [gguf_part, hf_part, dims] :
+         {std::tuple<const char*, const char*, std::vector<uint64_t>>{"ffn_gate_exps", "w1", {dim, n_ff, n_exp}},
+          {"ffn_down_exps", "w2", {n_ff, dim, n_exp}},
+          {"ffn_up_exps", "w3", {dim, n_ff, n_exp}}}) {
+      TensorPlan p{gg + gguf_part + ".weight", dims, {}, 0};
+      for (int64_t e = 0; e < c.n_experts; ++e) {
+        p.hf_names.push_back(hf + "block_sparse_moe.experts." + std::to_string(e) + "." + hf_part + ".weight");
+      }
+      plan.push_back(std::move(p));
+    }
+  }
+  plan.push_back({"output_norm.weight", {dim}, {"model.norm.weight"}, 0});
+  if (!c.tied_embeddings) plan.push_back({"output.weight", {dim, n_vocab}, {"lm_head.weight"}, 0});
+  return plan;
+}
+
+// The loader of one planned tensor: reads each source (in F32), undoes the RoPE permutation, stacks experts.
+std::function<Result<std::vector<float>>()> MakeLoader(std::vector<ShardTensor> sources, int64_t rope_heads) {
+  return [sources = std::move(sources), rope_heads]() -> Result<std::vector<float>> {
+    if (sources.size() == 1) {
+      const ShardTensor& s = sources[0];
+      NF_ASSIGN_OR_RETURN(std::vector<float> data, s.file->ReadF32(s.tensor));
+      if (rope_heads > 0) {
+        const auto rows = static_cast<int64_t>(s.tensor.shape[0]);
+        const auto cols = static_cast<int64_t>(s.tensor.shape[1]);
+        return UndoRopePermutation(data, rope_heads, rows, cols);
+      }
+      return data;
+    }
+    std::vector<float> out;
+    for (const ShardTensor& s : sources) {
+      NF_ASSIGN_OR_RETURN(std::vector<float> part, s.file->ReadF32(s.tensor));
+      if (out.empty()) out.reserve(part.size() * sources.size());
+      out.insert(out.end(), part.begin(), part.end());
+    }
+    return out;
+  };
+}
+
+}  // namespace
+
+Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path) {
+  json doc;
+  try {
+    doc = json::parse(text);
+  } catch (const json::exception& e) {
+    return Status::Corruption(path + ": JSON does not parse: " + e.what());
+  }
+  if (!doc.is_object()) return Status::Corruption(path + ": expected a JSON object");
+  try {
+    ConfigFields f(doc, path);
+    ModelConfig c;
+    if (!f.Has("architectures")) return Status::InvalidArgument(path + ": missing required field \"architectures\"");
+    if (!doc["architectures"].is_array() || doc["architectures"].empty() || !doc["architectures"][0].is_string()) {
+      return f.BadValue("architectures", "a non-empty array of strings");
+    }
+    const std::string arch = doc["architectures"][0].get<std::string>();
+    const bool mixtral = arch == "MixtralForCausalLM" || arch == "TurboSparseMixtralForCausalLM";
+    if (!mixtral && arch != "LlamaForCausalLM" && arch != "MistralForCausalLM") {
+      return Status::Unsupported(path + ": architectures[0] \"" + arch +
+                                 "\" is not supported (expected LlamaForCausalLM, MistralForCausalLM or "
+                                 "MixtralForCausalLM)");
+    }
+    c.architecture = "llama";
+    NF_ASSIGN_OR_RETURN(c.dim, f.PositiveInt("hidden_size"));
+    NF_ASSIGN_OR_RETURN(c.n_ff, f.PositiveInt("intermediate_size"));
+    NF_ASSIGN_OR_RETURN(c.n_layers, f.PositiveInt("num_hidden_layers"));
+    NF_ASSIGN_OR_RETURN(c.n_heads, f.PositiveInt("num_attention_heads"));
+    NF_ASSIGN_OR_RETURN(c.n_kv_heads, f.Int("num_key_value_heads", c.n_heads));
+    NF_ASSIGN_OR_RETURN(c.context_length, f.PositiveInt("max_position_embeddings"));
+    NF_ASSIGN_OR_RETURN(c.n_vocab, f.PositiveInt("vocab_size"));
+    NF_ASSIGN_OR_RETURN(double eps, f.Float("rms_norm_eps"));
+    NF_ASSIGN_OR_RETURN(double theta, f.Float("rope_theta", 10000.0));
+    NF_ASSIGN_OR_RETURN(c.tied_embeddings, f.Bool("tie_word_embeddings", false));
+    if (!(eps > 0)) return f.BadValue("rms_norm_eps", "a positive number");
+    if (!(theta > 0)) return f.BadValue("rope_theta", "a positive number");
+    c.norm_eps = static_cast<float>(eps);
+    c.rope_theta = static_cast<float>(theta);
+
+    if (c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0) {
+      return f.BadValue("num_key_value_heads", "a positive divisor of num_attention_heads (" +
+                                                   std::to_string(c.n_heads) + ")");
+    }
+    if (c.dim % c.n_heads != 0 || (c.dim / c.n_heads) % 2 != 0) {
+      return Status::InvalidArgument(path + ": hidden_size " + std::to_string(c.dim) + " / num_attention_heads " +
+                                     std::to_string(c.n_heads) + " must be an even integer head size for RoPE");
+    }
+    if (f.Has("head_dim")) {
+      NF_ASSIGN_OR_RETURN(int64_t head_dim, f.Int("head_dim"));
+      if (head_dim != c.head_dim()) {
+        return Status::Unsupported(path + ": field \"head_dim\" is " + std::to_string(head_dim) +
+                                   ", but the GGUF llama layout needs hidden_size / num_attention_heads = " +
+                                   std::to_string(c.head_dim()));
+      }
+    }
+
+    if (f.Has("rope_scaling")) {
+      const json& rs = doc["rope_scaling"];
+      if (!rs.is_object()) return f.BadValue("rope_scaling", "null or an object");
+      std::string type;
+      if (rs.contains("type") && rs["type"].is_string()) type = rs["type"].get<std::string>();
+      if (rs.contains("rope_type") && rs["rope_type"].is_string()) type = rs["rope_type"].get<std::string>();
+      if (type == "linear") {
+        if (!rs.contains("factor") || !rs["factor"].is_number() || !(rs["factor"].get<double>() > 0)) {
+          return f.BadValue("rope_scaling", "a positive \"factor\" for linear scaling");
+        }
+        c.rope_scale_linear = static_cast<float>(rs["factor"].get<double>());
+      } else if (type != "default") {
+        return Status::Unsupported(path + ": field \"rope_scaling\": type \"" + type +
+                                   "\" is not supported (only \"linear\")");
+      }
+    }
+
+    NF_ASSIGN_OR_RETURN(std::string act, f.String("hidden_act", "silu"));
+    if (act == "silu" || act == "swish") {
+      c.activation = FfnActivation::kSilu;
+    } else if (act == "relu") {
+      c.activation = FfnActivation::kRelu;
+    } else {
+      return Status::Unsupported(path + ": field \"hidden_act\": \"" + act +
+                                 "\" is not supported (expected \"silu\" or \"relu\")");
+    }
+    if (arch == "TurboSparseMixtralForCausalLM") c.activation = FfnActivation::kDRelu;
+    if (f.Has("nflash_ffn_activation")) {
+      NF_ASSIGN_OR_RETURN(std::string override_act, f.String("nflash_ffn_activation", ""));
+      std::optional<FfnActivation> a = ParseFfnActivation(override_act);
+      if (!a) return f.BadValue("nflash_ffn_activation", "\"silu\", \"relu\" or \"drelu\"");
+      c.activation = *a;
+    }
+
+    if (mixtral) {
+      NF_ASSIGN_OR_RETURN(c.n_experts, f.PositiveInt("num_local_experts"));
+      NF_ASSIGN_OR_RETURN(c.n_experts_used, f.PositiveInt("num_experts_per_tok"));
+      if (c.n_experts_used > c.n_experts) {
+        return f.BadValue("num_experts_per_tok", "at most num_local_experts (" + std::to_string(c.n_experts) + ")");
+      }
+    }
+    return c;
+  } catch (const json::exception& e) {
+    return Status::Corruption(path + ": unexpected JSON structure: " + e.what());
+  }
+}
+
+Result<SourceModel> ReadHfDirectory(const std::string& dir) {
+  const std::string config_path = dir + "/config.json";
+  if (!FileExists(config_path)) return Status::NotFound(config_path + ": no such file (not a HF model directory?)");
+  NF_ASSIGN_OR_RETURN(std::vector<uint8_t> config_bytes, ReadWholeFile(config_path));
+  SourceModel model;
+  model.source_path = dir;
+  model.source_format = "hf-safetensors";
+  NF_ASSIGN_OR_RETURN(model.config,
+                      ParseHfConfig(std::string_view(reinterpret_cast<const char*>(config_bytes.data()),
+                                                     config_bytes.size()),
+                                    config_path));
+  ModelConfig& c = model.config;
+  c.name = BaseName(dir);
+
+  NF_ASSIGN_OR_RETURN(model.tokenizer, ReadHfTokenizer(dir));
+  TokenizerData& tok = model.tokenizer;
+  if (static_cast<int64_t>(tok.tokens.size()) > c.n_vocab) {
+    return Status::InvalidArgument(dir + ": the tokenizer has " + std::to_string(tok.tokens.size()) +
+                                   " tokens, more than config.json vocab_size " + std::to_string(c.n_vocab));
+  }
+  // Embedding rows beyond the tokenizer are padding (as llama.cpp writes them).
+  if (static_cast<int64_t>(tok.tokens.size()) < c.n_vocab) {
+    NF_LOG(Info) << dir << ": padding the vocabulary from " << tok.tokens.size() << " to " << c.n_vocab
+                 << " tokens with [PAD<id>]";
+    for (auto i = static_cast<int64_t>(tok.tokens.size()); i < c.n_vocab; ++i) {
+      tok.tokens.push_back("[PAD" + std::to_string(i) + "]");
+      if (!tok.scores.empty()) tok.scores.push_back(kPadScore);
+      tok.token_types.push_back(kTokenTypeUnused);
+    }
+  }
+
+  NF_ASSIGN_OR_RETURN(auto weights, OpenWeights(dir));
+  std::set<std::string> used;
+  if (c.tied_embeddings && weights.count("lm_head.weight")) {
+    NF_LOG(Debug) << dir << ": tie_word_embeddings is true; lm_head.weight is ignored";
+    used.insert("lm_head.weight");
+  }
+  std::vector<std::string> missing;
+  for (TensorPlan& p : PlanTensors(c)) {
+    std::vector<ShardTensor> sources;
+    // The shape each HF source must have: the reverse of the GGUF dims (per expert for stacked tensors).
+    std::vector<uint64_t> gguf_part = p.dims;
+    if (p.hf_names.size() > 1) gguf_part.pop_back();
+    const std::vector<uint64_t> want = Reversed(gguf_part);
+    std::optional<SafetensorsDtype> dtype;
+    for (const std::string& name : p.hf_names) {
+      auto it = weights.find(name);
+      if (it == weights.end()) {
+        missing.push_back(name);
+        continue;
+      }
+      used.insert(name);
+      const SafetensorsTensor& t = it->second.tensor;
+      if (t.shape != want) {
+        return Status::InvalidArgument(it->second.file->path() + ": tensor \"" + name + "\" has shape " +
+                                       ShapeToString(t.shape) + ", expected " + ShapeToString(want) +
+                                       " from config.json");
+      }
+      if (!dtype) dtype = t.dtype;
+      sources.push_back(it->second);
+    }
+    if (sources.size() != p.hf_names.size()) continue;
+    SourceTensor st;
+    st.name = p.gguf_name;
+    st.dims = p.dims;
+    // Mixed dtypes across experts are read fine (everything goes through F32); the first one is reported.
+    st.source_type = SafetensorsDtypeToGgml(*dtype);
+    st.load_f32 = MakeLoader(std::move(sources), p.rope_heads);
+    model.tensors.push_back(std::move(st));
+  }
+  if (!missing.empty()) {
+    std::string list;
+    for (size_t i = 0; i < missing.size() && i < kMaxMissingListed; ++i) list += (i ? ", " : "") + missing[i];
+    if (missing.size() > kMaxMissingListed) list += " and " + std::to_string(missing.size() - kMaxMissingListed) + " more";
+    return Status::NotFound(dir + ": " + std::to_string(missing.size()) + " required tensor(s) missing: " + list);
+  }
+  for (const auto& [name, t] : weights) {
+    if (!used.count(name)) {
+      NF_LOG(Debug) << t.file->path() << ": skipping tensor \"" << name << "\" (not used)";
+    }
+  }
+  return model;
+}
+
+}  // namespace nflash::converter

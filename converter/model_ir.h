@@ -9,16 +9,17 @@
 #include <string>
 #include <vector>
 
+#include "runtime/core/ffn_activation.h"
 #include "runtime/core/ggml_type.h"
 #include "runtime/core/gguf.h"
 #include "runtime/core/status.h"
 
 namespace nflash::converter {
 
-// FFN activation: silu: w2(silu(w1 x) * w3 x); relu: w2(relu(w1 x) * w3 x); drelu: w2(relu(w1 x) * relu(w3 x)).
-enum class FfnActivation : uint8_t { kSilu, kRelu, kDRelu };
-const char* FfnActivationName(FfnActivation a);                     // "silu", "relu", "drelu"
-std::optional<FfnActivation> ParseFfnActivation(std::string_view s);  // the same names
+// The FFN activation kinds are shared with the runtime (runtime/core/ffn_activation.h).
+using ::nflash::FfnActivation;
+using ::nflash::FfnActivationName;
+using ::nflash::ParseFfnActivation;
 
 struct ModelConfig {
   std::string architecture = "llama";  // GGUF general.architecture (always "llama" for the families nflash reads)

@@ -1,6 +1,9 @@
 // Entry points of the converter: one reader per source format, and the GGUF model writer.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+#include <map>
 #include <string>
 
 #include "converter/model_ir.h"
@@ -12,6 +15,9 @@ namespace nflash::converter {
 // llama2.c checkpoint (legacy v0, or v1 "ak42" header) plus its tokenizer.bin. llama2.c files do not record the FFN
 // activation, so the caller says it (default silu).
 Result<SourceModel> ReadLlama2c(const std::string& path, const std::string& tokenizer_path, FfnActivation activation);
+// The tokenizer beside a llama2.c checkpoint: tokenizer.bin, else the only tok*.bin in its folder. InvalidArgument
+// ("missing tokenizer: pass --tokenizer ...") when there is none, or when several tok*.bin make it ambiguous.
+Result<std::string> FindLlama2cTokenizer(const std::string& checkpoint);
 // Hugging Face directory: config.json, model.safetensors or sharded model-*-of-*.safetensors with
 // model.safetensors.index.json, tokenizer.json and/or tokenizer.model. Llama/Mistral/Mixtral architectures.
 Result<SourceModel> ReadHfDirectory(const std::string& dir);
@@ -26,5 +32,23 @@ struct WriteOptions {
 };
 // Writes `model` as a llama.cpp-compatible GGUF v3 file (temporary name, renamed when complete).
 Status WriteModelGguf(const SourceModel& model, const WriteOptions& options);
+
+// What WriteModelGguf wrote (for the convert command's summary line).
+struct WriteSummary {
+  size_t n_tensors = 0;
+  uint64_t file_bytes = 0;
+  std::map<GgmlType, size_t> tensors_by_type;
+  std::map<GgmlType, uint64_t> bytes_by_type;
+  // 2-D tensors written as F16 because their row length is not a multiple of the quantization block (32).
+  size_t f16_fallbacks = 0;
+  // Tensors whose bytes were copied unchanged from the source (same type, GGUF or fp32 source).
+  size_t raw_copies = 0;
+  double seconds = 0;
+};
+// As above, and fills `summary` (may be nullptr) when the file was written.
+Status WriteModelGguf(const SourceModel& model, const WriteOptions& options, WriteSummary* summary);
+// The type WriteModelGguf gives a tensor: 1-D tensors and MoE router weights F32, others `requested`, except F16 when
+// `requested` is a block type whose block size does not divide the row length (dims[0]).
+GgmlType OutputTensorType(const SourceTensor& tensor, GgmlType requested);
 
 }  // namespace nflash::converter

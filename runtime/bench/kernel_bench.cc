@@ -1,1 +1,316 @@
-// placeholder: being written
+// Kernel microbenchmarks: STREAM-like memory bandwidth measured in the same run, then GEMV / sparse GEMV /
+// AccumulateRows per weight type as GB/s of weights and as a fraction of that bandwidth (bw_ratio), and GEMM GFLOP/s.
+//
+// Usage: nflash_kernel_bench [--isa=scalar|avx2] [google benchmark flags]
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "runtime/core/kernels.h"
+#include "runtime/core/quant.h"
+#include "runtime/core/thread_pool.h"
+
+namespace nflash {
+namespace {
+
+// 1 GiB: far beyond any cache this code runs on, so every pass streams from DRAM.
+constexpr size_t kStreamBytes = size_t{1} << 30;
+// llama-7b FFN: n_ff x dim. The up/gate matrices are 11008 x 4096; the down matrix stored transposed has the same
+// shape (one row of length dim per neuron).
+constexpr int64_t kRows = 11008;
+constexpr int64_t kCols = 4096;
+// Weights are rotated over copies totalling at least this much, so a matrix small enough for a big L3 (Q4_0 is
+// 25 MB) is still read from DRAM.
+constexpr size_t kWeightWorkingSet = size_t{1} << 30;
+// Sparse kernels select this fraction of the rows (PowerInfer-style activation sparsity).
+constexpr double kSparseFraction = 0.10;
+constexpr int kMaxThreads = 2;  // the target machines have 2 cores
+constexpr int kRepetitions = 5;
+constexpr double kMinTimeSeconds = 0.2;
+
+ThreadPool* Pool(int threads) {
+  static std::unique_ptr<ThreadPool> pools[kMaxThreads + 1];
+  if (!pools[threads]) pools[threads] = std::make_unique<ThreadPool>(threads);
+  return pools[threads].get();
+}
+
+// One 1 GiB buffer, touched once so its pages exist before anything is timed.
+uint8_t* StreamBuffer() {
+  static uint8_t* buf = [] {
+    auto* p = static_cast<uint8_t*>(std::aligned_alloc(64, kStreamBytes));
+    if (p == nullptr) {
+      std::fprintf(stderr, "cannot allocate the 1 GiB bandwidth buffer\n");
+      std::exit(1);
+    }
+    for (size_t i = 0; i < kStreamBytes; i += 4096) p[i] = static_cast<uint8_t>(i >> 12);
+    std::memset(p, 1, kStreamBytes);
+    return p;
+  }();
+  return buf;
+}
+
+// Read-only: an integer sum (vectorizes with any SSE level, and the result is used so nothing is elided).
+uint64_t ReadPass(int threads) {
+  const auto* p = reinterpret_cast<const uint64_t*>(StreamBuffer());
+  const int64_t n = kStreamBytes / 8;
+  uint64_t sums[kMaxThreads] = {};
+  Pool(threads)->ParallelFor(n, 4096, [&](int64_t b, int64_t e, int t) {
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (int64_t i = b; i + 4 <= e; i += 4) s0 += p[i], s1 += p[i + 1], s2 += p[i + 2], s3 += p[i + 3];
+    sums[t] = s0 + s1 + s2 + s3;
+  });
+  return std::accumulate(sums, sums + kMaxThreads, uint64_t{0});
+}
+
+// Copy: the first half of the buffer into the second (bytes moved = read + written = 1 GiB).
+void CopyPass(int threads) {
+  uint8_t* p = StreamBuffer();
+  const int64_t half = kStreamBytes / 2;
+  Pool(threads)->ParallelFor(half, 1 << 20, [&](int64_t b, int64_t e, int) { std::memcpy(p + half + b, p + b, e - b); });
+}
+
+// Triad a = b + s * c over three 256 MiB double arrays (bytes moved = 3 x 256 MiB).
+constexpr size_t kTriadBytes = kStreamBytes / 4;
+void TriadPass(int threads) {
+  auto* d = reinterpret_cast<double*>(StreamBuffer());
+  const int64_t n = kTriadBytes / 8;
+  double* a = d;
+  const double* b = d + n;
+  const double* c = d + 2 * n;
+  Pool(threads)->ParallelFor(n, 4096, [&](int64_t lo, int64_t hi, int) {
+    for (int64_t i = lo; i < hi; ++i) a[i] = b[i] + 3.0 * c[i];
+  });
+}
+
+double ReadBandwidth[kMaxThreads + 1];  // bytes per second, measured at startup
+
+double MedianSeconds(int runs, const std::function<void()>& fn) {
+  std::vector<double> t;
+  for (int i = 0; i < runs; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+void MeasureBandwidth() {
+  std::printf("Memory bandwidth (median of 5 passes over 1 GiB), GB/s = 1e9 bytes/s:\n");
+  std::printf("  threads  read    copy    triad\n");
+  for (int threads = 1; threads <= kMaxThreads; ++threads) {
+    uint64_t sink = 0;
+    ReadPass(threads);  // warm the pool's threads
+    const double read = MedianSeconds(5, [&] { sink += ReadPass(threads); });
+    const double copy = MedianSeconds(5, [&] { CopyPass(threads); });
+    const double triad = MedianSeconds(5, [&] { TriadPass(threads); });
+    benchmark::DoNotOptimize(sink);
+    ReadBandwidth[threads] = kStreamBytes / read;
+    std::printf("  %-7d  %-6.1f  %-6.1f  %-6.1f\n", threads, kStreamBytes / read / 1e9, kStreamBytes / copy / 1e9,
+                3.0 * kTriadBytes / triad / 1e9);
+  }
+  std::fflush(stdout);
+}
+
+void BM_MemRead(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  for (auto _ : state) benchmark::DoNotOptimize(ReadPass(threads));
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * kStreamBytes);
+}
+
+void BM_MemTriad(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  for (auto _ : state) TriadPass(threads);
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * 3 * kTriadBytes);
+}
+
+// Copies of one kRows x kCols matrix of `type`, back to back, filling at least kWeightWorkingSet.
+struct WeightSet {
+  GgmlType type;
+  size_t matrix_bytes = 0;
+  int copies = 0;
+  uint8_t* data = nullptr;
+  MatrixView Copy(int i) const {
+    return DenseMatrix(type, data + static_cast<size_t>(i % copies) * matrix_bytes, kRows, kCols);
+  }
+};
+
+const WeightSet& Weights(GgmlType type) {
+  static WeightSet current{GgmlType::kF32};
+  if (current.data != nullptr && current.type == type) return current;
+  std::free(current.data);  // one type at a time keeps the footprint at ~1 GiB
+  current = WeightSet{type};
+  const size_t row_bytes = *RowBytes(type, kCols);
+  current.matrix_bytes = row_bytes * kRows;
+  current.copies = static_cast<int>((kWeightWorkingSet + current.matrix_bytes - 1) / current.matrix_bytes);
+  current.data = static_cast<uint8_t*>(std::aligned_alloc(64, current.matrix_bytes * current.copies));
+  std::mt19937 rng(42);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  std::vector<float> row(kCols);
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (auto& v : row) v = normal(rng);
+    (void)QuantizeRow(type, row.data(), current.data + r * row_bytes, kCols);
+  }
+  for (int i = 1; i < current.copies; ++i) {
+    std::memcpy(current.data + i * current.matrix_bytes, current.data, current.matrix_bytes);
+  }
+  return current;
+}
+
+std::vector<float> RandomVector(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = normal(rng);
+  return v;
+}
+
+// Sorted random subset, as a predictor's active-neuron list would be.
+std::vector<int32_t> SparseRows() {
+  std::vector<int32_t> all(kRows);
+  std::iota(all.begin(), all.end(), 0);
+  std::mt19937 rng(7);
+  std::shuffle(all.begin(), all.end(), rng);
+  all.resize(static_cast<size_t>(kRows * kSparseFraction));
+  std::sort(all.begin(), all.end());
+  return all;
+}
+
+void SetWeightCounters(benchmark::State& state, int threads, double bytes_per_iter) {
+  const double bytes = bytes_per_iter * static_cast<double>(state.iterations());
+  state.SetBytesProcessed(static_cast<int64_t>(bytes));
+  state.counters["bw_ratio"] = benchmark::Counter(bytes / ReadBandwidth[threads], benchmark::Counter::kIsRate);
+}
+
+void BM_Gemv(benchmark::State& state, GgmlType type) {
+  const int threads = static_cast<int>(state.range(0));
+  const WeightSet& w = Weights(type);
+  const auto x = RandomVector(kCols, 1);
+  const Activation act(x.data(), 1, kCols);
+  std::vector<float> y(kRows);
+  int i = 0;
+  for (auto _ : state) {
+    Gemv(w.Copy(i++), act, y.data(), Pool(threads));
+    benchmark::ClobberMemory();
+  }
+  SetWeightCounters(state, threads, static_cast<double>(w.matrix_bytes));
+}
+
+// The same kernel on the first 64 rows only (~150 KB to 1 MB: L2-resident): the compute ceiling of one core, to tell
+// a compute-bound kernel from a memory-bound one.
+constexpr int64_t kCachedRows = 64;
+void BM_GemvCached(benchmark::State& state, GgmlType type) {
+  const WeightSet& w = Weights(type);
+  MatrixView view = w.Copy(0);
+  view.rows = kCachedRows;
+  const auto x = RandomVector(kCols, 1);
+  const Activation act(x.data(), 1, kCols);
+  std::vector<float> y(kCachedRows);
+  for (auto _ : state) {
+    Gemv(view, act, y.data(), nullptr);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kCachedRows * view.row_bytes));
+}
+
+void BM_GemvRows(benchmark::State& state, GgmlType type) {
+  const int threads = static_cast<int>(state.range(0));
+  const WeightSet& w = Weights(type);
+  const auto x = RandomVector(kCols, 1);
+  const Activation act(x.data(), 1, kCols);
+  const auto rows = SparseRows();
+  std::vector<float> y(rows.size());
+  int i = 0;
+  for (auto _ : state) {
+    GemvRows(w.Copy(i++), rows, act, y.data(), Pool(threads));
+    benchmark::ClobberMemory();
+  }
+  SetWeightCounters(state, threads, static_cast<double>(rows.size() * w.Copy(0).row_bytes));
+}
+
+void BM_AccumulateRows(benchmark::State& state, GgmlType type) {
+  const int threads = static_cast<int>(state.range(0));
+  const WeightSet& w = Weights(type);
+  const auto rows = SparseRows();
+  const auto a = RandomVector(static_cast<int64_t>(rows.size()), 2);
+  std::vector<float> y(kCols, 0.0f);
+  int i = 0;
+  for (auto _ : state) {
+    AccumulateRows(w.Copy(i++), rows, a.data(), y.data(), Pool(threads));
+    benchmark::ClobberMemory();
+  }
+  SetWeightCounters(state, threads, static_cast<double>(rows.size() * w.Copy(0).row_bytes));
+}
+
+void BM_Gemm(benchmark::State& state, GgmlType type) {
+  const int threads = static_cast<int>(state.range(0));
+  const int64_t n = state.range(1);
+  const WeightSet& w = Weights(type);
+  const auto x = RandomVector(n * kCols, 3);
+  const Activation act(x.data(), n, kCols);
+  std::vector<float> y(n * kRows);
+  for (auto _ : state) {
+    Gemm(w.Copy(0), act, y.data(), Pool(threads));
+    benchmark::ClobberMemory();
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * kRows * kCols * n * state.iterations() / 1e9,
+                                                 benchmark::Counter::kIsRate);
+}
+
+void Register() {
+  auto common = [](benchmark::internal::Benchmark* b) {
+    b->UseRealTime()->Repetitions(kRepetitions)->ReportAggregatesOnly(true)->MinTime(kMinTimeSeconds);
+    b->Unit(benchmark::kMillisecond);
+  };
+  common(benchmark::RegisterBenchmark("MemRead", BM_MemRead)->Arg(1)->Arg(2)->ArgName("threads"));
+  common(benchmark::RegisterBenchmark("MemTriad", BM_MemTriad)->Arg(1)->Arg(2)->ArgName("threads"));
+  const GgmlType types[] = {GgmlType::kQ4_0, GgmlType::kQ8_0, GgmlType::kF16, GgmlType::kBF16, GgmlType::kF32};
+  for (GgmlType t : types) {
+    const std::string name(GgmlTypeName(t));
+    common(benchmark::RegisterBenchmark(("Gemv/" + name).c_str(), BM_Gemv, t)->Arg(1)->Arg(2)->ArgName("threads"));
+    common(benchmark::RegisterBenchmark(("GemvL2/" + name).c_str(), BM_GemvCached, t));
+    common(benchmark::RegisterBenchmark(("GemvRows10/" + name).c_str(), BM_GemvRows, t)
+               ->Arg(1)->Arg(2)->ArgName("threads"));
+    common(benchmark::RegisterBenchmark(("AccumulateRows10/" + name).c_str(), BM_AccumulateRows, t)
+               ->Arg(1)->Arg(2)->ArgName("threads"));
+    common(benchmark::RegisterBenchmark(("Gemm/" + name).c_str(), BM_Gemm, t)
+               ->Args({1, 32})->Args({2, 32})->Args({2, 128})->ArgNames({"threads", "n"}));
+  }
+}
+
+}  // namespace
+}  // namespace nflash
+
+int main(int argc, char** argv) {
+  // Our own flag first: --isa=scalar forces the scalar kernels (the default is the best the CPU has).
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--isa=scalar") == 0 || std::strcmp(argv[i], "--isa=avx2") == 0) {
+      const bool avx2 = std::strcmp(argv[i], "--isa=avx2") == 0;
+      if (!nflash::SetKernelIsa(avx2 ? nflash::KernelIsa::kAvx2 : nflash::KernelIsa::kScalar)) {
+        std::fprintf(stderr, "this CPU cannot run %s\n", argv[i]);
+        return 2;
+      }
+      for (int j = i; j + 1 < argc; ++j) argv[j] = argv[j + 1];
+      --argc;
+      --i;
+    }
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
+  std::printf("Kernel ISA: %s\n", nflash::KernelIsaName(nflash::ActiveIsa()));
+  nflash::MeasureBandwidth();
+  nflash::Register();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -6,6 +6,7 @@
 
 #include "converter/commands.h"
 #include "runtime/cli/command.h"
+#include "runtime/cli/run_command.h"
 #include "runtime/core/log.h"
 
 int main(int argc, char** argv) {
@@ -23,6 +24,8 @@ int main(int argc, char** argv) {
   converter::RegisterConvertCommand(app, &action);
   converter::RegisterInspectCommand(app, &action);
   converter::RegisterSynthCommand(app, &action);
+  cli::RegisterRunCommand(app, &action);
+  cli::RegisterPerplexityCommand(app, &action);
 
   try {
     app.parse(argc, argv);

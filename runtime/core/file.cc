@@ -154,7 +154,7 @@ struct FaultInjectingFile::State {
 FaultInjectingFile::~FaultInjectingFile() = default;
 
 void FaultInjectingFile::AddRule(const Rule& rule) {
-  if (!state_) state_ = std::make_unique<State>();
+  if (!state_) state_ = std::make_shared<State>();
   rules_.push_back(rule);
   state_->remaining.push_back(rule.count);
 }

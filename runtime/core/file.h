@@ -85,7 +85,7 @@ class FaultInjectingFile final : public ReadableFile {
   struct State;
   std::shared_ptr<const ReadableFile> base_;
   std::vector<Rule> rules_;
-  std::unique_ptr<State> state_ = nullptr;
+  std::shared_ptr<State> state_;  // shared_ptr: State is defined in file.cc
 };
 
 // Writes a new file under a temporary name beside `path` ("<path>.tmp-<pid>") and renames it over `path` on Commit().

@@ -30,6 +30,16 @@ inline constexpr uint32_t kGgufMagic = 0x46554747;  // "GGUF" read as little-end
 inline constexpr uint32_t kGgufVersion = 3;
 // ggml's default when general.alignment is absent.
 inline constexpr uint32_t kGgufDefaultAlignment = 32;
+// ggml's GGML_MAX_NAME (64) counts the terminating NUL: longer tensor names cannot be loaded by llama.cpp.
+inline constexpr size_t kGgufMaxTensorNameBytes = 63;
+// ggml's GGML_MAX_DIMS.
+inline constexpr uint32_t kGgufMaxDims = 4;
+// Nested arrays are read recursively; the bound keeps a hostile file from exhausting the stack (real files nest at
+// most once). A deeper file is Unsupported, not Corruption: the format itself sets no limit.
+inline constexpr int kGgufMaxArrayDepth = 16;
+// Metadata values held in memory (~40 bytes each, so ~640 MiB at the bound); the largest real vocabularies
+// (262k tokens plus merges, scores and types) need ~2M. A file beyond it is ResourceExhausted.
+inline constexpr uint64_t kGgufMaxMetadataValues = uint64_t{1} << 24;
 
 enum class GgufType : uint32_t {
   kUint8 = 0,
@@ -135,6 +145,8 @@ class GgufWriter {
   void Set(std::string key, GgufValue value);
   // Declares a tensor; InvalidArgument for a duplicate name, bad dims count, or a row length not a multiple of the
   // type's block size.
+  // Also InvalidArgument: an empty name, a name over kGgufMaxTensorNameBytes, more than INT64_MAX elements, AddTensor
+  // after Begin. A zero dimension is allowed (a zero-byte tensor), as ggml allows it.
   Status AddTensor(std::string name, GgmlType type, std::vector<uint64_t> dims);
   Status Begin(const std::string& path, bool overwrite);
   Status WriteTensorData(std::string_view name, std::span<const uint8_t> bytes);
@@ -146,6 +158,9 @@ class GgufWriter {
   std::unique_ptr<AtomicFileWriter> out_;
   size_t next_tensor_ = 0;
   uint32_t alignment_ = kGgufDefaultAlignment;
+  uint64_t data_start_ = 0;  // absolute file offset of the data section, known after Begin
+  bool begun_ = false;       // Begin was called (successfully or not): metadata and tensors are frozen
+  Status misuse_;            // a Set() after Begin, reported by WriteTensorData/Finish since Set returns nothing
 };
 
 }  // namespace nflash

@@ -1,1 +1,226 @@
-// placeholder: being written
+// Kernel front end: validates views, picks the ISA, quantizes activations and splits work over the thread pool.
+#include "runtime/core/kernels.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "runtime/core/kernels_internal.h"
+
+namespace nflash {
+namespace {
+
+using internal::IsaKernels;
+using internal::RowSet;
+using internal::TokenSet;
+
+// Work per thread chunk in weight bytes: below this, waking a worker (tens of microseconds) costs more than it saves.
+constexpr int64_t kMinChunkBytes = 64 * 1024;
+// Rows per chunk are a multiple of this, so chunks start on micro-tile boundaries (4 rows) with room to spare.
+constexpr int64_t kRowGrain = 16;
+// AccumulateRows splits columns in multiples of 256: a multiple of the 32-element block, and 1 KiB of y per grain so
+// two threads never write the same cache line.
+constexpr int64_t kColGrain = 256;
+
+bool DetectAvx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+std::atomic<KernelIsa>& IsaState() {
+  static std::atomic<KernelIsa> isa{CpuHasAvx2() ? KernelIsa::kAvx2 : KernelIsa::kScalar};
+  return isa;
+}
+
+const IsaKernels& Kernels() {
+  return IsaState().load(std::memory_order_relaxed) == KernelIsa::kAvx2 ? internal::kAvx2Kernels
+                                                                         : internal::kScalarKernels;
+}
+
+// A broken caller invariant (the runtime validates matrices when it loads them): report and abort.
+[[noreturn]] void Die(const std::string& msg) {
+  std::fprintf(stderr, "nflash kernels: %s\n", msg.c_str());
+  std::abort();
+}
+
+void CheckOrDie(const Status& s) {
+  if (!s.ok()) Die(s.ToString());
+}
+
+bool IsQuantized(GgmlType type) { return type == GgmlType::kQ8_0 || type == GgmlType::kQ4_0; }
+
+TokenSet Tokens(const MatrixView& w, const Activation& x) {
+  CheckOrDie(ValidateMatrix(w, "weights"));
+  if (x.cols() != w.cols) {
+    Die("activation has " + std::to_string(x.cols()) + " columns, weights have " + std::to_string(w.cols));
+  }
+  if (IsQuantized(w.type) && x.q8() == nullptr && x.n() > 0) Die("quantized weights need a Q8_0 activation");
+  return TokenSet{x.f32(), x.q8(), x.n(), x.cols()};
+}
+
+// Rows per chunk so that a chunk streams at least kMinChunkBytes, rounded to the row grain.
+int64_t RowGrain(const MatrixView& w, int64_t n_tokens) {
+  const int64_t bytes = static_cast<int64_t>(w.row_bytes) * std::max<int64_t>(1, n_tokens);
+  const int64_t rows = std::max<int64_t>(1, kMinChunkBytes / std::max<int64_t>(1, bytes));
+  return (rows + kRowGrain - 1) / kRowGrain * kRowGrain;
+}
+
+void DotRowsParallel(const MatrixView& w, const RowSet& rs, int64_t count, const TokenSet& x, float* y,
+                     int64_t y_stride, ThreadPool* pool) {
+  if (count <= 0 || x.n <= 0) return;
+  const IsaKernels& k = Kernels();
+  if (pool == nullptr || pool->NumThreads() == 1) {
+    k.dot_rows(w.type, rs, 0, count, x, y, y_stride);
+    return;
+  }
+  pool->ParallelFor(count, RowGrain(w, x.n), [&](int64_t begin, int64_t end, int) {
+    k.dot_rows(w.type, rs, begin, end, x, y, y_stride);
+  });
+}
+
+void CheckRows(const MatrixView& w, std::span<const int32_t> rows) {
+  for (int32_t r : rows) {
+    if (r < 0 || r >= w.rows) {
+      Die("row index " + std::to_string(r) + " out of range [0, " + std::to_string(w.rows) + ")");
+    }
+  }
+}
+
+}  // namespace
+
+MatrixView DenseMatrix(GgmlType type, const void* data, int64_t rows, int64_t cols) {
+  const auto bytes = RowBytes(type, static_cast<uint64_t>(std::max<int64_t>(cols, 0)));
+  return MatrixView{type, data, rows, cols, bytes ? static_cast<size_t>(*bytes) : 0};
+}
+
+Status ValidateMatrix(const MatrixView& w, const char* name) {
+  switch (w.type) {
+    case GgmlType::kF32:
+    case GgmlType::kF16:
+    case GgmlType::kBF16:
+    case GgmlType::kQ8_0:
+    case GgmlType::kQ4_0:
+      break;
+    default:
+      return Status::Unsupported(std::string(name) + ": type " + std::string(GgmlTypeName(w.type)) +
+                                 " has no kernel (expected f32, f16, bf16, q8_0 or q4_0)");
+  }
+  if (w.cols <= 0 || w.rows < 0) {
+    return Status::InvalidArgument(std::string(name) + ": shape " + std::to_string(w.rows) + " x " +
+                                   std::to_string(w.cols) + " (expected rows >= 0, cols > 0)");
+  }
+  const auto bytes = RowBytes(w.type, static_cast<uint64_t>(w.cols));
+  if (!bytes) {
+    return Status::InvalidArgument(std::string(name) + ": " + std::to_string(w.cols) +
+                                   " columns is not a multiple of the block size of " +
+                                   std::string(GgmlTypeName(w.type)));
+  }
+  if (w.row_bytes < *bytes) {
+    return Status::InvalidArgument(std::string(name) + ": row_bytes " + std::to_string(w.row_bytes) + " < " +
+                                   std::to_string(*bytes) + " needed by " + std::to_string(w.cols) + " " +
+                                   std::string(GgmlTypeName(w.type)) + " elements");
+  }
+  if (w.rows > 0 && w.data == nullptr) return Status::InvalidArgument(std::string(name) + ": null data");
+  return Status::Ok();
+}
+
+bool CpuHasAvx2() {
+  static const bool has = DetectAvx2();
+  return has;
+}
+
+KernelIsa ActiveIsa() { return IsaState().load(std::memory_order_relaxed); }
+
+bool SetKernelIsa(KernelIsa isa) {
+  if (isa == KernelIsa::kAvx2 && !CpuHasAvx2()) return false;
+  IsaState().store(isa, std::memory_order_relaxed);
+  return true;
+}
+
+const char* KernelIsaName(KernelIsa isa) { return isa == KernelIsa::kAvx2 ? "avx2" : "scalar"; }
+
+void Activation::Set(const float* x, int64_t n, int64_t cols) {
+  x_ = x;
+  n_ = n;
+  cols_ = cols;
+  q8_.clear();
+  if (cols % kQBlock != 0 || n <= 0) return;
+  const int64_t nb = cols / kQBlock;
+  q8_.resize(static_cast<size_t>(n * nb));
+  for (int64_t t = 0; t < n; ++t) QuantizeRowQ8_0(x + t * cols, q8_.data() + t * nb, cols);
+}
+
+float RowDot(const MatrixView& w, int64_t row, const Activation& x, int64_t token) {
+  const TokenSet all = Tokens(w, x);
+  if (row < 0 || row >= w.rows || token < 0 || token >= x.n()) {
+    Die("RowDot: row " + std::to_string(row) + " / token " + std::to_string(token) + " out of range");
+  }
+  const TokenSet one{all.f32 ? all.f32 + token * all.cols : nullptr,
+                     all.q8 ? all.q8 + token * (all.cols / kQBlock) : nullptr, 1, all.cols};
+  const RowSet rs{static_cast<const uint8_t*>(w.data) + static_cast<size_t>(row) * w.row_bytes, w.row_bytes, nullptr};
+  float y = 0.0f;
+  Kernels().dot_rows(w.type, rs, 0, 1, one, &y, 1);
+  return y;
+}
+
+void Gemv(const MatrixView& w, const float* x, float* y, ThreadPool* pool) {
+  Activation a(x, 1, w.cols);
+  Gemv(w, a, y, pool);
+}
+
+void Gemv(const MatrixView& w, const Activation& x, float* y, ThreadPool* pool) {
+  if (x.n() != 1) Die("Gemv: activation has " + std::to_string(x.n()) + " tokens, expected 1");
+  Gemm(w, x, y, pool);
+}
+
+void Gemm(const MatrixView& w, const float* x, int64_t n, float* y, ThreadPool* pool) {
+  Activation a(x, n, w.cols);
+  Gemm(w, a, y, pool);
+}
+
+void Gemm(const MatrixView& w, const Activation& x, float* y, ThreadPool* pool) {
+  const TokenSet ts = Tokens(w, x);
+  const RowSet rs{static_cast<const uint8_t*>(w.data), w.row_bytes, nullptr};
+  DotRowsParallel(w, rs, w.rows, ts, y, w.rows, pool);
+}
+
+void GemvRows(const MatrixView& w, std::span<const int32_t> rows, const float* x, float* y, ThreadPool* pool) {
+  Activation a(x, 1, w.cols);
+  GemvRows(w, rows, a, y, pool);
+}
+
+void GemvRows(const MatrixView& w, std::span<const int32_t> rows, const Activation& x, float* y, ThreadPool* pool) {
+  const TokenSet ts = Tokens(w, x);
+  CheckRows(w, rows);
+  const RowSet rs{static_cast<const uint8_t*>(w.data), w.row_bytes, rows.data()};
+  const int64_t count = static_cast<int64_t>(rows.size());
+  DotRowsParallel(w, rs, count, ts, y, count, pool);
+}
+
+void AccumulateRows(const MatrixView& w, std::span<const int32_t> rows, const float* a, float* y, ThreadPool* pool) {
+  CheckOrDie(ValidateMatrix(w, "weights"));
+  CheckRows(w, rows);
+  const int64_t count = static_cast<int64_t>(rows.size());
+  if (count == 0) return;
+  const RowSet rs{static_cast<const uint8_t*>(w.data), w.row_bytes, rows.data()};
+  const IsaKernels& k = Kernels();
+  // Columns per chunk so that a chunk streams at least kMinChunkBytes of the selected rows.
+  const int64_t bytes_per_col = std::max<int64_t>(1, static_cast<int64_t>(w.row_bytes) * count / w.cols);
+  const int64_t min_cols = std::max<int64_t>(1, kMinChunkBytes / bytes_per_col);
+  const int64_t grain = (min_cols + kColGrain - 1) / kColGrain * kColGrain;
+  if (pool == nullptr || pool->NumThreads() == 1 || w.cols <= grain) {
+    k.accumulate(w.type, rs, count, a, 0, w.cols, y);
+    return;
+  }
+  pool->ParallelFor(w.cols, grain, [&](int64_t begin, int64_t end, int) {
+    k.accumulate(w.type, rs, count, a, begin, end, y);
+  });
+}
+
+}  // namespace nflash

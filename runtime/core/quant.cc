@@ -1,1 +1,167 @@
-// placeholder: being written
+// Reference quantizers and row conversions, bit-identical to ggml's quantize_row_*_ref / dequantize_row_*.
+#include "runtime/core/quant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "runtime/core/float16.h"
+
+namespace nflash {
+
+void QuantizeRowQ8_0(const float* x, BlockQ8_0* y, int64_t n) {
+  const int64_t nb = n / kQBlock;
+  for (int64_t i = 0; i < nb; ++i) {
+    const float* xb = x + i * kQBlock;
+    float amax = 0.0f;
+    for (int j = 0; j < kQBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    // ggml computes the quants with the fp32 d (not the fp16-rounded one it stores).
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    y[i].d = Fp32ToFp16(d);
+    for (int j = 0; j < kQBlock; ++j) y[i].qs[j] = static_cast<int8_t>(std::round(xb[j] * id));
+  }
+}
+
+void QuantizeRowQ4_0(const float* x, BlockQ4_0* y, int64_t n) {
+  const int64_t nb = n / kQBlock;
+  for (int64_t i = 0; i < nb; ++i) {
+    const float* xb = x + i * kQBlock;
+    float amax = 0.0f;
+    float max = 0.0f;  // the signed value with the largest magnitude (first one on ties, as ggml)
+    for (int j = 0; j < kQBlock; ++j) {
+      if (amax < std::fabs(xb[j])) {
+        amax = std::fabs(xb[j]);
+        max = xb[j];
+      }
+    }
+    const float d = max / -8.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    y[i].d = Fp32ToFp16(d);
+    for (int j = 0; j < kQBlock / 2; ++j) {
+      // x*id lies in [-8, 8]; +8.5 then truncation rounds to nearest, and 16 (the opposite extreme) clamps to 15.
+      const int q0 = std::min(15, static_cast<int>(static_cast<int8_t>(xb[j] * id + 8.5f)));
+      const int q1 = std::min(15, static_cast<int>(static_cast<int8_t>(xb[j + kQBlock / 2] * id + 8.5f)));
+      y[i].qs[j] = static_cast<uint8_t>(q0 | (q1 << 4));
+    }
+  }
+}
+
+void DequantizeRowQ8_0(const BlockQ8_0* x, float* y, int64_t n) {
+  const int64_t nb = n / kQBlock;
+  for (int64_t i = 0; i < nb; ++i) {
+    const float d = Fp16ToFp32(x[i].d);
+    for (int j = 0; j < kQBlock; ++j) y[i * kQBlock + j] = static_cast<float>(x[i].qs[j]) * d;
+  }
+}
+
+void DequantizeRowQ4_0(const BlockQ4_0* x, float* y, int64_t n) {
+  const int64_t nb = n / kQBlock;
+  for (int64_t i = 0; i < nb; ++i) {
+    const float d = Fp16ToFp32(x[i].d);
+    for (int j = 0; j < kQBlock / 2; ++j) {
+      const int q0 = (x[i].qs[j] & 0x0f) - 8;
+      const int q1 = (x[i].qs[j] >> 4) - 8;
+      y[i * kQBlock + j] = static_cast<float>(q0) * d;
+      y[i * kQBlock + j + kQBlock / 2] = static_cast<float>(q1) * d;
+    }
+  }
+}
+
+namespace {
+
+Status CheckRowLength(GgmlType type, int64_t n, const char* what) {
+  if (n < 0) {
+    return Status::InvalidArgument(std::string(what) + ": negative row length " + std::to_string(n));
+  }
+  const uint32_t block = TypeInfo(type).block_size;
+  if (n % block != 0) {
+    return Status::InvalidArgument(std::string(what) + ": row of " + std::to_string(n) + " elements is not a multiple of " +
+                                   std::to_string(block) + " (block size of " + std::string(GgmlTypeName(type)) + ")");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status QuantizeRow(GgmlType type, const float* x, void* dst, int64_t n) {
+  switch (type) {
+    case GgmlType::kF32:
+    case GgmlType::kF16:
+    case GgmlType::kBF16:
+    case GgmlType::kQ8_0:
+    case GgmlType::kQ4_0:
+      break;
+    default:
+      return Status::Unsupported("QuantizeRow: type " + std::string(GgmlTypeName(type)) +
+                                 " is not supported (expected f32, f16, bf16, q8_0 or q4_0)");
+  }
+  NF_RETURN_IF_ERROR(CheckRowLength(type, n, "QuantizeRow"));
+  switch (type) {
+    case GgmlType::kF32:
+      std::copy(x, x + n, static_cast<float*>(dst));
+      break;
+    case GgmlType::kF16: {
+      auto* out = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) out[i] = Fp32ToFp16(x[i]);
+      break;
+    }
+    case GgmlType::kBF16: {
+      auto* out = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) out[i] = Fp32ToBf16(x[i]);
+      break;
+    }
+    case GgmlType::kQ8_0:
+      QuantizeRowQ8_0(x, static_cast<BlockQ8_0*>(dst), n);
+      break;
+    case GgmlType::kQ4_0:
+      QuantizeRowQ4_0(x, static_cast<BlockQ4_0*>(dst), n);
+      break;
+    default:
+      break;
+  }
+  return Status::Ok();
+}
+
+Status DequantizeRow(GgmlType type, const void* src, float* y, int64_t n) {
+  switch (type) {
+    case GgmlType::kF32:
+    case GgmlType::kF16:
+    case GgmlType::kBF16:
+    case GgmlType::kQ8_0:
+    case GgmlType::kQ4_0:
+      break;
+    default:
+      return Status::Unsupported("DequantizeRow: type " + std::string(GgmlTypeName(type)) +
+                                 " is not supported (expected f32, f16, bf16, q8_0 or q4_0)");
+  }
+  NF_RETURN_IF_ERROR(CheckRowLength(type, n, "DequantizeRow"));
+  switch (type) {
+    case GgmlType::kF32: {
+      const auto* in = static_cast<const float*>(src);
+      std::copy(in, in + n, y);
+      break;
+    }
+    case GgmlType::kF16: {
+      const auto* in = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) y[i] = Fp16ToFp32(in[i]);
+      break;
+    }
+    case GgmlType::kBF16: {
+      const auto* in = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) y[i] = Bf16ToFp32(in[i]);
+      break;
+    }
+    case GgmlType::kQ8_0:
+      DequantizeRowQ8_0(static_cast<const BlockQ8_0*>(src), y, n);
+      break;
+    case GgmlType::kQ4_0:
+      DequantizeRowQ4_0(static_cast<const BlockQ4_0*>(src), y, n);
+      break;
+    default:
+      break;
+  }
+  return Status::Ok();
+}
+
+}  // namespace nflash

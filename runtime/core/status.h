@@ -90,7 +90,8 @@ class [[nodiscard]] Result {
     if (!nf_status_.ok()) return nf_status_;           \
   } while (0)
 
-// `lhs = value of expr` (a Result<T>), or returns its Status from the enclosing function.
+// `lhs = value of expr` (a Result<T>), or returns its Status from the enclosing function. Expands to several
+// statements: not usable as the body of an unbraced if/for.
 #define NF_ASSIGN_OR_RETURN(lhs, expr) NF_ASSIGN_OR_RETURN_IMPL_(NF_CONCAT_(nf_result_, __LINE__), lhs, expr)
 #define NF_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                              \

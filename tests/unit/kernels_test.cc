@@ -1,1 +1,322 @@
-// placeholder: being written
+// Tests of the compute kernels: every kernel x weight type x ISA against a double-precision reference built from the
+// dequantized weights (and the Q8_0-quantized activation where the kernel quantizes it), AVX2 vs scalar agreement,
+// odd shapes, thread-count independence (bit-exact) and sparse = dense restricted to the chosen rows.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "runtime/core/kernels.h"
+#include "runtime/core/quant.h"
+#include "runtime/core/thread_pool.h"
+
+namespace nflash {
+namespace {
+
+constexpr GgmlType kTypes[] = {GgmlType::kF32, GgmlType::kF16, GgmlType::kBF16, GgmlType::kQ8_0, GgmlType::kQ4_0};
+// fp32 unit roundoff.
+constexpr double kU = 1.0 / (1 << 24);
+
+bool IsQuant(GgmlType t) { return t == GgmlType::kQ8_0 || t == GgmlType::kQ4_0; }
+
+std::vector<float> RandomFloats(int64_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = normal(rng);
+  return v;
+}
+
+// A matrix of `type` from random floats, with optional padding after each row, and its dequantized values.
+struct TestMatrix {
+  GgmlType type;
+  int64_t rows, cols;
+  size_t row_bytes;
+  std::vector<uint8_t> data;
+  std::vector<double> deq;  // rows x cols
+  MatrixView view() const { return MatrixView{type, data.data(), rows, cols, row_bytes}; }
+};
+
+TestMatrix MakeMatrix(GgmlType type, int64_t rows, int64_t cols, uint32_t seed, size_t pad = 0) {
+  TestMatrix m{type, rows, cols, *RowBytes(type, cols) + pad, {}, {}};
+  m.data.assign(m.row_bytes * rows + 1, 0xee);
+  m.deq.resize(rows * cols);
+  const auto f = RandomFloats(rows * cols, seed, 0.5f);
+  std::vector<float> back(cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    EXPECT_TRUE(QuantizeRow(type, f.data() + r * cols, m.data.data() + r * m.row_bytes, cols).ok());
+    EXPECT_TRUE(DequantizeRow(type, m.data.data() + r * m.row_bytes, back.data(), cols).ok());
+    for (int64_t c = 0; c < cols; ++c) m.deq[r * cols + c] = back[c];
+  }
+  return m;
+}
+
+// The activation as the kernel sees it: Q8_0-rounded for quantized weights, else as is.
+std::vector<double> EffectiveActivation(GgmlType type, const float* x, int64_t cols) {
+  std::vector<double> out(cols);
+  if (IsQuant(type)) {
+    std::vector<BlockQ8_0> q(cols / 32);
+    QuantizeRowQ8_0(x, q.data(), cols);
+    std::vector<float> back(cols);
+    DequantizeRowQ8_0(q.data(), back.data(), cols);
+    for (int64_t c = 0; c < cols; ++c) out[c] = back[c];
+  } else {
+    for (int64_t c = 0; c < cols; ++c) out[c] = x[c];
+  }
+  return out;
+}
+
+// Tolerance from the recursive-summation bound |err| <= m * u * sum |terms| (first order), m = the most roundings
+// any term goes through. Both ISAs keep 8 partial sums (lane c % 8) for float types, so a term sees at most cols/8
+// lane additions, 3 horizontal ones, up to 7 tail additions and its product: m <= cols/8 + 16. Quantized types sum
+// exact integer block dots, so a term (d_w * d_x * sumi, two roundings) sees at most cols/32 additions: m <=
+// cols/32 + 16. A kernel that sums in a different structure (e.g. in float inside a block) exceeds it.
+struct RefDot {
+  double value;
+  double tol;
+};
+RefDot Reference(const TestMatrix& m, int64_t row, const std::vector<double>& x) {
+  double s = 0, a = 0;
+  for (int64_t c = 0; c < m.cols; ++c) {
+    s += m.deq[row * m.cols + c] * x[c];
+    a += std::fabs(m.deq[row * m.cols + c] * x[c]);
+  }
+  const double m_roundings = (IsQuant(m.type) ? m.cols / 32 : m.cols / 8) + 16;
+  return {s, m_roundings * kU * a + 1e-30};
+}
+
+std::string Name(GgmlType t, int64_t rows, int64_t cols) {
+  return std::string(GgmlTypeName(t)) + " " + std::to_string(rows) + "x" + std::to_string(cols) + " isa " +
+         KernelIsaName(ActiveIsa());
+}
+
+// Shapes: 1 row, rows not a multiple of the 4-row tile, cols = 32 (one block), wide rows; float types also get
+// column counts that are not multiples of 8 (vector tails).
+std::vector<std::pair<int64_t, int64_t>> Shapes(GgmlType t) {
+  std::vector<std::pair<int64_t, int64_t>> s = {{1, 32}, {3, 32}, {5, 64}, {7, 96}, {17, 256}, {6, 4096}};
+  if (!IsQuant(t)) s.insert(s.end(), {{1, 1}, {5, 7}, {9, 13}, {4, 35}, {3, 100}});
+  return s;
+}
+
+class KernelIsaTest : public ::testing::TestWithParam<KernelIsa> {
+ protected:
+  void SetUp() override {
+    if (!SetKernelIsa(GetParam())) GTEST_SKIP() << "CPU lacks " << KernelIsaName(GetParam());
+  }
+  void TearDown() override { SetKernelIsa(CpuHasAvx2() ? KernelIsa::kAvx2 : KernelIsa::kScalar); }
+};
+
+TEST_P(KernelIsaTest, GemvAndRowDotMatchReference) {
+  for (GgmlType type : kTypes) {
+    for (auto [rows, cols] : Shapes(type)) {
+      for (size_t pad : {size_t{0}, size_t{6}}) {
+        const TestMatrix m = MakeMatrix(type, rows, cols, static_cast<uint32_t>(rows * 131 + cols), pad);
+        const auto x = RandomFloats(cols, 99);
+        const auto xe = EffectiveActivation(type, x.data(), cols);
+        std::vector<float> y(rows, -1.0f);
+        Gemv(m.view(), x.data(), y.data(), nullptr);
+        const Activation act(x.data(), 1, cols);
+        for (int64_t r = 0; r < rows; ++r) {
+          const RefDot ref = Reference(m, r, xe);
+          ASSERT_NEAR(y[r], ref.value, ref.tol) << Name(type, rows, cols) << " row " << r << " pad " << pad;
+          EXPECT_EQ(RowDot(m.view(), r, act), y[r]) << Name(type, rows, cols) << " row " << r;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(KernelIsaTest, GemmMatchesReferenceAndEqualsGemvPerTokenExactly) {
+  for (GgmlType type : kTypes) {
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 32}, {7, 64}, {18, 128}, {33, 96}}) {
+      const TestMatrix m = MakeMatrix(type, rows, cols, static_cast<uint32_t>(rows + cols));
+      for (int64_t n : {1, 2, 3, 5, 8, 17}) {
+        const auto x = RandomFloats(n * cols, static_cast<uint32_t>(n));
+        std::vector<float> y(n * rows, -1.0f);
+        Gemm(m.view(), x.data(), n, y.data(), nullptr);
+        for (int64_t t = 0; t < n; ++t) {
+          std::vector<float> yv(rows);
+          Gemv(m.view(), x.data() + t * cols, yv.data(), nullptr);
+          const auto xe = EffectiveActivation(type, x.data() + t * cols, cols);
+          for (int64_t r = 0; r < rows; ++r) {
+            const RefDot ref = Reference(m, r, xe);
+            ASSERT_NEAR(y[t * rows + r], ref.value, ref.tol) << Name(type, rows, cols) << " n " << n << " t " << t;
+            ASSERT_EQ(y[t * rows + r], yv[r]) << Name(type, rows, cols) << " n " << n << " t " << t << " r " << r;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Duplicate-free random subset of [0, rows), in random order.
+std::vector<int32_t> RandomRows(int64_t rows, double fraction, uint32_t seed) {
+  std::vector<int32_t> all(rows);
+  std::iota(all.begin(), all.end(), 0);
+  std::mt19937 rng(seed);
+  std::shuffle(all.begin(), all.end(), rng);
+  all.resize(std::max<int64_t>(1, static_cast<int64_t>(rows * fraction)));
+  return all;
+}
+
+TEST_P(KernelIsaTest, GemvRowsEqualsDenseRestrictedToTheRows) {
+  for (GgmlType type : kTypes) {
+    const int64_t rows = 203, cols = 160;
+    const TestMatrix m = MakeMatrix(type, rows, cols, 5);
+    const auto x = RandomFloats(cols, 6);
+    std::vector<float> dense(rows);
+    Gemv(m.view(), x.data(), dense.data(), nullptr);
+    for (double fraction : {0.0, 0.1, 0.37, 1.0}) {
+      auto idx = RandomRows(rows, fraction, 8);
+      std::vector<float> y(idx.size(), -1.0f);
+      GemvRows(m.view(), idx, x.data(), y.data(), nullptr);
+      for (size_t k = 0; k < idx.size(); ++k) ASSERT_EQ(y[k], dense[idx[k]]) << Name(type, rows, cols) << " k " << k;
+    }
+    // Several tokens through one shared Activation: y is tokens x rows.size().
+    const auto x3 = RandomFloats(3 * cols, 12);
+    const Activation act(x3.data(), 3, cols);
+    const auto idx = RandomRows(rows, 0.2, 9);
+    std::vector<float> y(3 * idx.size());
+    GemvRows(m.view(), idx, act, y.data(), nullptr);
+    std::vector<float> full(3 * rows);
+    Gemm(m.view(), act, full.data(), nullptr);
+    for (int t = 0; t < 3; ++t)
+      for (size_t k = 0; k < idx.size(); ++k) ASSERT_EQ(y[t * idx.size() + k], full[t * rows + idx[k]]);
+  }
+}
+
+TEST_P(KernelIsaTest, AccumulateRowsMatchesReference) {
+  for (GgmlType type : kTypes) {
+    for (auto [rows, cols] : Shapes(type)) {
+      const TestMatrix m = MakeMatrix(type, rows, cols, static_cast<uint32_t>(7 * rows + cols));
+      for (double fraction : {0.0, 0.5, 1.0}) {
+        const auto idx = RandomRows(rows, fraction, 3);
+        const auto a = RandomFloats(idx.size(), 4);
+        const auto y0 = RandomFloats(cols, 5);
+        std::vector<float> y = y0;
+        AccumulateRows(m.view(), idx, a.data(), y.data(), nullptr);
+        // Sequential sum of K+1 terms with one extra rounding per term for the a*d scale: error <=
+        // (K + 4) u (|y0| + sum |a w|).
+        const double k = static_cast<double>(idx.size());
+        for (int64_t c = 0; c < cols; ++c) {
+          double s = y0[c], abs = std::fabs(y0[c]);
+          for (size_t i = 0; i < idx.size(); ++i) {
+            s += a[i] * m.deq[idx[i] * cols + c];
+            abs += std::fabs(a[i] * m.deq[idx[i] * cols + c]);
+          }
+          ASSERT_NEAR(y[c], s, (k + 4) * kU * abs) << Name(type, rows, cols) << " col " << c << " k " << k;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(KernelIsaTest, ThreadCountsGiveBitIdenticalResults) {
+  // Sizes chosen so that the kernels' minimum chunk (64 KiB of weights) still yields 2-3 chunks per call.
+  for (GgmlType type : kTypes) {
+    const int64_t rows = 1500, cols = 1024;
+    const TestMatrix m = MakeMatrix(type, rows, cols, 21);
+    const auto x = RandomFloats(4 * cols, 22);
+    const auto idx = RandomRows(rows, 0.4, 23);
+    const auto a = RandomFloats(idx.size(), 24);
+    std::vector<float> gemv1, gemm1, rows1, acc1;
+    for (int threads : {1, 2, 3}) {
+      ThreadPool pool(threads);
+      std::vector<float> gemv(rows), gemm(4 * rows), sparse(idx.size()), acc(cols, 0.25f);
+      Gemv(m.view(), x.data(), gemv.data(), &pool);
+      Gemm(m.view(), x.data(), 4, gemm.data(), &pool);
+      GemvRows(m.view(), idx, x.data(), sparse.data(), &pool);
+      AccumulateRows(m.view(), idx, a.data(), acc.data(), &pool);
+      if (threads == 1) {
+        gemv1 = gemv, gemm1 = gemm, rows1 = sparse, acc1 = acc;
+        continue;
+      }
+      const std::string what = Name(type, rows, cols) + " threads " + std::to_string(threads);
+      EXPECT_EQ(std::memcmp(gemv.data(), gemv1.data(), rows * 4), 0) << what;
+      EXPECT_EQ(std::memcmp(gemm.data(), gemm1.data(), 4 * rows * 4), 0) << what;
+      EXPECT_EQ(std::memcmp(sparse.data(), rows1.data(), idx.size() * 4), 0) << what;
+      EXPECT_EQ(std::memcmp(acc.data(), acc1.data(), cols * 4), 0) << what;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, KernelIsaTest, ::testing::Values(KernelIsa::kScalar, KernelIsa::kAvx2),
+                         [](const auto& info) { return std::string(KernelIsaName(info.param)); });
+
+TEST(KernelAgreementTest, Avx2AndScalarAgreeWithinRounding) {
+  if (!CpuHasAvx2()) GTEST_SKIP() << "CPU lacks AVX2";
+  for (GgmlType type : kTypes) {
+    const int64_t rows = 37, cols = 512;
+    const TestMatrix m = MakeMatrix(type, rows, cols, 31);
+    const auto x = RandomFloats(3 * cols, 32);
+    const auto idx = RandomRows(rows, 0.6, 33);
+    const auto a = RandomFloats(idx.size(), 34);
+    std::vector<float> gs(3 * rows), ga(3 * rows), as(cols, 1.0f), aa(cols, 1.0f);
+    ASSERT_TRUE(SetKernelIsa(KernelIsa::kScalar));
+    Gemm(m.view(), x.data(), 3, gs.data(), nullptr);
+    AccumulateRows(m.view(), idx, a.data(), as.data(), nullptr);
+    ASSERT_TRUE(SetKernelIsa(KernelIsa::kAvx2));
+    Gemm(m.view(), x.data(), 3, ga.data(), nullptr);
+    AccumulateRows(m.view(), idx, a.data(), aa.data(), nullptr);
+    for (int64_t t = 0; t < 3; ++t) {
+      const auto xe = EffectiveActivation(type, x.data() + t * cols, cols);
+      for (int64_t r = 0; r < rows; ++r) {
+        // Each is within tol of the exact value, so they are within 2 tol of each other.
+        const RefDot ref = Reference(m, r, xe);
+        ASSERT_NEAR(gs[t * rows + r], ga[t * rows + r], 2 * ref.tol) << GgmlTypeName(type);
+      }
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      double abs = 1.0;
+      for (size_t i = 0; i < idx.size(); ++i) abs += std::fabs(a[i] * m.deq[idx[i] * cols + c]);
+      ASSERT_NEAR(as[c], aa[c], 2 * (idx.size() + 4) * kU * abs) << GgmlTypeName(type) << " col " << c;
+    }
+  }
+}
+
+TEST(KernelIsaSelectionTest, DefaultIsTheBestTheCpuHas) {
+  EXPECT_EQ(ActiveIsa(), CpuHasAvx2() ? KernelIsa::kAvx2 : KernelIsa::kScalar);
+  EXPECT_TRUE(SetKernelIsa(KernelIsa::kScalar));
+  EXPECT_EQ(ActiveIsa(), KernelIsa::kScalar);
+  EXPECT_EQ(SetKernelIsa(KernelIsa::kAvx2), CpuHasAvx2());
+  EXPECT_EQ(ActiveIsa(), CpuHasAvx2() ? KernelIsa::kAvx2 : KernelIsa::kScalar);
+}
+
+TEST(ValidateMatrixTest, RejectsWhatTheKernelsCannotRun) {
+  uint8_t buf[4096] = {};
+  EXPECT_TRUE(ValidateMatrix(DenseMatrix(GgmlType::kQ4_0, buf, 4, 64), "w").ok());
+  EXPECT_EQ(DenseMatrix(GgmlType::kQ4_0, buf, 4, 64).row_bytes, 36u);
+  Status s = ValidateMatrix(MatrixView{GgmlType::kQ4_1, buf, 4, 64, 40}, "blk.0.ffn_up.weight");
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported);
+  EXPECT_NE(s.message().find("blk.0.ffn_up.weight"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("q4_1"), std::string::npos) << s.message();
+  s = ValidateMatrix(MatrixView{GgmlType::kQ8_0, buf, 4, 48, 100}, "w");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("48"), std::string::npos) << s.message();
+  s = ValidateMatrix(MatrixView{GgmlType::kF16, buf, 4, 64, 127}, "w");
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("128"), std::string::npos) << s.message();
+  EXPECT_FALSE(ValidateMatrix(MatrixView{GgmlType::kF32, nullptr, 4, 8, 32}, "w").ok());
+  EXPECT_FALSE(ValidateMatrix(MatrixView{GgmlType::kF32, buf, 4, 0, 32}, "w").ok());
+  EXPECT_TRUE(ValidateMatrix(MatrixView{GgmlType::kF32, nullptr, 0, 8, 32}, "w").ok());
+}
+
+TEST(KernelDeathTest, OutOfRangeRowIndexAborts) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  std::vector<uint8_t> buf(4 * 36);
+  const MatrixView w = DenseMatrix(GgmlType::kQ4_0, buf.data(), 4, 64);
+  std::vector<float> x(64, 1.0f), y(2);
+  const std::vector<int32_t> rows = {1, 4};
+  EXPECT_DEATH(GemvRows(w, rows, x.data(), y.data(), nullptr), "row index 4 out of range");
+  const Activation narrow(x.data(), 1, 32);
+  std::vector<float> y4(4);
+  EXPECT_DEATH(Gemv(w, narrow, y4.data(), nullptr), "activation has 32 columns, weights have 64");
+}
+
+}  // namespace
+}  // namespace nflash

@@ -1,1 +1,149 @@
-// placeholder: being written
+// Tests of Status/Result and the File abstraction (pread, mmap, memory, fault injection, atomic writer).
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <filesystem>
+
+#include "runtime/core/file.h"
+#include "runtime/core/status.h"
+#include "tests/test_util.h"
+
+namespace nflash {
+namespace {
+
+Result<int> Half(int x) {
+  if (x % 2 != 0) return Status::InvalidArgument("odd: " + std::to_string(x));
+  return x / 2;
+}
+
+Status QuarterInto(int x, int* out) {
+  NF_ASSIGN_OR_RETURN(int h, Half(x));
+  NF_ASSIGN_OR_RETURN(*out, Half(h));
+  return Status::Ok();
+}
+
+TEST(StatusTest, CodesAndMessages) {
+  EXPECT_TRUE(Status::Ok().ok());
+  Status s = Status::Corruption("bad magic");
+  EXPECT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  EXPECT_EQ(s.ToString(), "Corruption: bad magic");
+  EXPECT_EQ(s.WithContext("model.gguf").message(), "model.gguf: bad magic");
+  EXPECT_TRUE(Status::Ok().WithContext("x").ok());
+  EXPECT_NE(Status::FromErrno("open x", ENOENT).message().find("No such file"), std::string::npos);
+}
+
+TEST(StatusTest, ResultAndMacros) {
+  int out = 0;
+  EXPECT_TRUE(QuarterInto(12, &out).ok());
+  EXPECT_EQ(out, 3);
+  Status s = QuarterInto(6, &out);  // 6 -> 3 -> odd
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "odd: 3");
+  Result<int> from_ok_status = Status::Ok();
+  EXPECT_FALSE(from_ok_status.ok());
+  EXPECT_EQ(from_ok_status.status().code(), StatusCode::kInternal);
+}
+
+std::vector<uint8_t> Pattern(size_t n) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(i * 7 + 3);
+  return v;
+}
+
+TEST(FileTest, PreadMmapAndMemoryAgree) {
+  testing::TempDir dir;
+  std::string path = dir.File("data.bin");
+  auto bytes = Pattern(10000);
+  testing::WriteBytes(path, bytes);
+  auto pread = OpenPreadFile(path);
+  auto mmap = OpenMmapFile(path);
+  auto mem = ReadFileToMemory(path);
+  ASSERT_TRUE(pread.ok() && mmap.ok() && mem.ok());
+  for (ReadableFile* f : {pread->get(), mmap->get(), mem->get()}) {
+    EXPECT_EQ(f->Size(), bytes.size());
+    std::vector<uint8_t> got(100);
+    ASSERT_TRUE(f->ReadAt(9900, 100, got.data()).ok());
+    EXPECT_TRUE(std::equal(got.begin(), got.end(), bytes.begin() + 9900));
+    Status past = f->ReadAt(9950, 100, got.data());
+    EXPECT_EQ(past.code(), StatusCode::kIOError);
+    EXPECT_NE(past.message().find(path), std::string::npos);
+    EXPECT_NE(past.message().find("9950"), std::string::npos);
+  }
+  EXPECT_EQ(pread.value()->Data(), nullptr);
+  ASSERT_NE(mmap.value()->Data(), nullptr);
+  EXPECT_EQ(mmap.value()->Data()[1234], bytes[1234]);
+
+  std::vector<uint8_t> a(10), b(20);
+  std::vector<ReadRequest> batch = {{0, 10, a.data()}, {500, 20, b.data()}};
+  ASSERT_TRUE(pread.value()->ReadBatch(batch).ok());
+  EXPECT_EQ(a[9], bytes[9]);
+  EXPECT_EQ(b[19], bytes[519]);
+}
+
+TEST(FileTest, OpenErrorsNameThePath) {
+  auto missing = OpenPreadFile("/nonexistent/nflash/x.bin");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("/nonexistent/nflash/x.bin"), std::string::npos);
+  testing::TempDir dir;
+  auto is_dir = OpenMmapFile(dir.path());
+  ASSERT_FALSE(is_dir.ok());
+  EXPECT_NE(is_dir.status().message().find("directory"), std::string::npos);
+}
+
+TEST(FileTest, FaultInjection) {
+  auto base = std::make_shared<MemoryFile>("mem.bin", Pattern(4096));
+  FaultInjectingFile f(base);
+  f.AddRule({FaultInjectingFile::Fault::kEio, 1000, 10, 1});       // fails once
+  f.AddRule({FaultInjectingFile::Fault::kShortRead, 2000, 1, -1});  // always short
+  f.AddRule({FaultInjectingFile::Fault::kBitFlip, 3000, 1, -1});    // silent corruption
+  std::vector<uint8_t> buf(64);
+  EXPECT_TRUE(f.ReadAt(0, 64, buf.data()).ok());
+  Status eio = f.ReadAt(990, 64, buf.data());
+  EXPECT_EQ(eio.code(), StatusCode::kIOError);
+  EXPECT_NE(eio.message().find("Input/output error"), std::string::npos);
+  EXPECT_TRUE(f.ReadAt(990, 64, buf.data()).ok()) << "count=1: the retry succeeds";
+  EXPECT_FALSE(f.ReadAt(1990, 64, buf.data()).ok());
+  EXPECT_FALSE(f.ReadAt(1990, 64, buf.data()).ok());
+  ASSERT_TRUE(f.ReadAt(2990, 64, buf.data()).ok());
+  EXPECT_NE(buf[10], base->bytes()[3000]) << "the byte at the rule's offset is flipped";
+  EXPECT_EQ(buf[11], base->bytes()[3001]);
+  EXPECT_EQ(f.InjectedCount(), 4);
+}
+
+TEST(FileTest, AtomicWriterRenamesOnlyOnCommit) {
+  testing::TempDir dir;
+  std::string path = dir.File("out.bin");
+  {
+    auto w = AtomicFileWriter::Create(path, false);
+    ASSERT_TRUE(w.ok());
+    ASSERT_TRUE((*w)->Append("abc", 3).ok());
+    EXPECT_FALSE(FileExists(path)) << "nothing at the final name before Commit";
+  }
+  EXPECT_FALSE(FileExists(path));
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path())) << "the temporary file is removed";
+
+  auto w = AtomicFileWriter::Create(path, false);
+  ASSERT_TRUE(w.ok());
+  std::vector<uint8_t> big = Pattern(5 << 20);  // larger than the write buffer
+  ASSERT_TRUE((*w)->Append("hdr!", 4).ok());
+  ASSERT_TRUE((*w)->PadTo(32).ok());
+  EXPECT_EQ((*w)->Offset(), 32u);
+  ASSERT_TRUE((*w)->Append(big.data(), big.size()).ok());
+  ASSERT_TRUE((*w)->WriteAt(0, "HDR", 3).ok());
+  ASSERT_TRUE((*w)->Commit().ok());
+  auto got = ReadWholeFile(path);
+  ASSERT_TRUE(got.ok());
+  ASSERT_EQ(got->size(), 32 + big.size());
+  EXPECT_EQ(std::string(got->begin(), got->begin() + 4), "HDR!");
+  EXPECT_EQ((*got)[5], 0);
+  EXPECT_TRUE(std::equal(big.begin(), big.end(), got->begin() + 32));
+
+  auto again = AtomicFileWriter::Create(path, false);
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.status().message().find("--force"), std::string::npos);
+  EXPECT_TRUE(AtomicFileWriter::Create(path, true).ok());
+}
+
+}  // namespace
+}  // namespace nflash

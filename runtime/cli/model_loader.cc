@@ -1,0 +1,73 @@
+// Model opening for the inference commands (GGUF or llama2.c converted on the fly).
+#include "runtime/cli/model_loader.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "converter/readers.h"
+#include "runtime/core/file.h"
+#include "runtime/core/log.h"
+
+namespace nflash::cli {
+namespace {
+
+Result<bool> IsGguf(const std::string& path) {
+  NF_ASSIGN_OR_RETURN(auto f, OpenPreadFile(path));
+  if (f->Size() < 4) return false;
+  char magic[4];
+  NF_RETURN_IF_ERROR(f->ReadAt(0, 4, magic));
+  return std::memcmp(magic, "GGUF", 4) == 0;
+}
+
+}  // namespace
+
+Result<LoadedModel> LoadModelForInference(const ModelSource& source) {
+  LoadedModel out;
+  NF_ASSIGN_OR_RETURN(bool gguf, IsGguf(source.path));
+  if (gguf) {
+    if (!source.tokenizer.empty() || !source.activation.empty()) {
+      return Status::InvalidArgument("--tokenizer and --activation apply to llama2.c checkpoints only; " +
+                                     source.path + " is a GGUF file that carries both");
+    }
+    NF_ASSIGN_OR_RETURN(out.model, Model::Load(source.path, LoadOptions{source.use_mmap}));
+    out.description = source.use_mmap ? "GGUF, mmap" : "GGUF, read into memory";
+  } else {
+    FfnActivation act = FfnActivation::kSilu;
+    if (!source.activation.empty()) {
+      auto a = ParseFfnActivation(source.activation);
+      if (!a) return Status::InvalidArgument("--activation " + source.activation + ": expected silu, relu or drelu");
+      act = *a;
+    }
+    std::string tokenizer = source.tokenizer;
+    if (tokenizer.empty()) {
+      NF_ASSIGN_OR_RETURN(tokenizer, converter::FindLlama2cTokenizer(source.path));
+    }
+    NF_ASSIGN_OR_RETURN(converter::SourceModel src, converter::ReadLlama2c(source.path, tokenizer, act));
+    // The converted F32 file lives only in memory: written to a temporary name, read back, unlinked.
+    const char* tmpdir = std::getenv("TMPDIR");
+    std::string tmpl = std::string(tmpdir && *tmpdir ? tmpdir : "/tmp") + "/nflash-llama2c-XXXXXX";
+    std::vector<char> name(tmpl.begin(), tmpl.end());
+    name.push_back('\0');
+    int fd = ::mkstemp(name.data());
+    if (fd < 0) return Status::FromErrno("cannot create a temporary file " + tmpl, errno);
+    ::close(fd);
+    std::string tmp_path = name.data();
+    converter::WriteOptions wo;
+    wo.path = tmp_path;
+    wo.type = GgmlType::kF32;
+    wo.overwrite = true;
+    wo.progress = false;
+    Status written = converter::WriteModelGguf(src, wo);
+    Result<std::unique_ptr<Model>> model = written.ok() ? Model::Load(tmp_path, LoadOptions{false}) : written;
+    ::unlink(tmp_path.c_str());
+    if (!model.ok()) return model.status().WithContext("converting " + source.path);
+    out.model = std::move(model).value();
+    out.description = "llama2.c, converted to F32 GGUF in memory";
+  }
+  NF_ASSIGN_OR_RETURN(out.tokenizer, LoadTokenizer(out.model->gguf()));
+  return out;
+}
+
+}  // namespace nflash::cli

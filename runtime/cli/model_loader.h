@@ -1,0 +1,29 @@
+// Opens a model for the CLI's inference commands: a GGUF file directly, or a llama2.c checkpoint converted on the fly
+// (to an unlinked temporary F32 GGUF, mapped, so nothing is left behind).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "runtime/core/ffn_activation.h"
+#include "runtime/engine/model.h"
+#include "runtime/text/tokenizer.h"
+
+namespace nflash::cli {
+
+struct LoadedModel {
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::string description;  // "GGUF", "llama2.c (converted in memory)"
+};
+
+struct ModelSource {
+  std::string path;
+  std::string tokenizer;       // llama2.c only; empty: tokenizer.bin or tok*.bin beside the checkpoint
+  std::string activation;      // llama2.c only ("silu", "relu", "drelu"); empty: silu
+  bool use_mmap = true;
+};
+
+Result<LoadedModel> LoadModelForInference(const ModelSource& source);
+
+}  // namespace nflash::cli

@@ -1,0 +1,269 @@
+// `nflash run` (streamed generation with speed and memory report) and `nflash perplexity` (non-overlapping windows).
+#include "runtime/cli/run_command.h"
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+
+#include "runtime/cli/model_loader.h"
+#include "runtime/core/file.h"
+#include "runtime/core/log.h"
+#include "runtime/core/proc_stats.h"
+#include "runtime/engine/context.h"
+#include "runtime/text/sampler.h"
+
+namespace nflash::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// The value at quantile q (0..1) of `v` by the nearest-rank method; 0 for an empty vector.
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t rank = static_cast<size_t>(std::ceil(q * static_cast<double>(v.size())));
+  return v[std::min(v.size() - 1, rank == 0 ? 0 : rank - 1)];
+}
+
+void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mmap) {
+  sub->add_option("-m,--model", src->path, "Model: GGUF, or llama2.c checkpoint (converted in memory)")
+      ->required()
+      ->check(CLI::ExistingFile);
+  sub->add_option("--tokenizer", src->tokenizer, "llama2.c only: tokenizer.bin (default: beside the checkpoint)");
+  sub->add_option("--activation", src->activation, "llama2.c only: FFN activation silu|relu|drelu (default silu)");
+  sub->add_option("-t,--threads", *threads, "Compute threads (0: all cores)");
+  sub->add_flag("--no-mmap", *no_mmap, "Read the weights into memory instead of mapping the file");
+}
+
+struct RunFlags {
+  ModelSource source;
+  std::string prompt;
+  std::string prompt_file;
+  int64_t n_predict = 256;
+  int64_t ctx = 0;
+  int threads = 0;
+  bool no_mmap = false;
+  bool json = false;
+  SamplerConfig sampler;
+  std::vector<std::string> stop;
+};
+
+Status RunGenerate(const RunFlags& f) {
+  ModelSource src = f.source;
+  src.use_mmap = !f.no_mmap;
+  NF_ASSIGN_OR_RETURN(LoadedModel lm, LoadModelForInference(src));
+  const LlamaHparams& hp = lm.model->hparams();
+  if (hp.synthetic) NF_LOG(Info) << "model " << hp.name << ": SYNTHETIC weights (speed figures only, no quality)";
+
+  std::string prompt = f.prompt;
+  if (!f.prompt_file.empty()) {
+    NF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(f.prompt_file));
+    prompt.assign(bytes.begin(), bytes.end());
+  }
+  std::vector<int32_t> ids = lm.tokenizer->Encode(prompt, lm.tokenizer->add_bos());
+  if (ids.empty()) return Status::InvalidArgument("the prompt is empty and the model adds no BOS token: pass -p");
+  int64_t n_ctx = f.ctx > 0 ? f.ctx : std::min<int64_t>(hp.context_length, static_cast<int64_t>(ids.size()) + f.n_predict);
+  if (static_cast<int64_t>(ids.size()) >= n_ctx) {
+    return Status::InvalidArgument("the prompt has " + std::to_string(ids.size()) +
+                                   " tokens, more than the context size " + std::to_string(n_ctx));
+  }
+  ThreadPool pool(f.threads);
+  InferenceContext ctx(*lm.model, &pool, n_ctx);
+  NF_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(f.sampler));
+  for (int32_t t : ids) sampler.Accept(t);
+  StopConfig stop_config;
+  stop_config.eos_id = lm.tokenizer->eos_id();
+  stop_config.bos_id = lm.tokenizer->bos_id();
+  stop_config.max_tokens = std::min<int64_t>(f.n_predict, n_ctx - static_cast<int64_t>(ids.size()));
+  stop_config.stop_strings = f.stop;
+  StopChecker stop(stop_config);
+  Detokenizer detok(*lm.tokenizer);
+
+  std::string text;
+  auto emit = [&](const std::string& s) {
+    if (s.empty()) return;
+    text += s;
+    if (!f.json) {
+      std::fwrite(s.data(), 1, s.size(), stdout);
+      std::fflush(stdout);
+    }
+  };
+  // Echo the prompt as the model sees it (after BOS), as llama2.c and llama.cpp do.
+  for (int32_t t : ids) emit(detok.Push(t));
+
+  const auto t0 = Clock::now();
+  NF_RETURN_IF_ERROR(ctx.Eval(ids, false));
+  const auto t1 = Clock::now();
+  std::vector<double> latencies;
+  StopReason reason = StopReason::kNone;
+  auto step_start = t1;
+  while (true) {
+    const float* lg = ctx.logits();
+    int32_t next = sampler.Sample({lg, static_cast<size_t>(hp.n_vocab)});
+    sampler.Accept(next);
+    std::string piece;
+    reason = stop.Push(next, detok.Push(next), &piece);
+    emit(piece);
+    if (reason != StopReason::kNone) break;
+    NF_RETURN_IF_ERROR(ctx.Eval({&next, 1}, false));
+    auto now = Clock::now();
+    latencies.push_back(Seconds(step_start, now) * 1000.0);
+    step_start = now;
+  }
+  emit(stop.Flush());
+  emit(detok.Finish());
+  const auto t2 = Clock::now();
+  if (!f.json) std::fputs("\n", stdout);
+
+  const double prefill_s = Seconds(t0, t1);
+  double decode_ms = 0;
+  for (double l : latencies) decode_ms += l;
+  const ProcessMemory mem = ReadProcessMemory();
+  nlohmann::json j;
+  j["model"] = f.source.path;
+  j["model_name"] = hp.name;
+  j["synthetic"] = hp.synthetic;
+  j["load"] = lm.description;
+  j["threads"] = pool.NumThreads();
+  j["prompt_tokens"] = ids.size();
+  j["generated_tokens"] = stop.n_tokens();
+  j["stop_reason"] = StopReasonName(reason);
+  j["prefill_tok_s"] = prefill_s > 0 ? static_cast<double>(ids.size()) / prefill_s : 0.0;
+  j["decode_tok_s"] = decode_ms > 0 ? static_cast<double>(latencies.size()) / (decode_ms / 1000.0) : 0.0;
+  j["latency_ms"] = {{"mean", latencies.empty() ? 0.0 : decode_ms / static_cast<double>(latencies.size())},
+                     {"p50", Percentile(latencies, 0.5)},
+                     {"p90", Percentile(latencies, 0.9)},
+                     {"p99", Percentile(latencies, 0.99)}};
+  j["weights_bytes"] = lm.model->weight_bytes();
+  j["state_bytes"] = ctx.state_bytes();
+  j["rss_bytes"] = mem.rss_bytes;
+  j["peak_rss_bytes"] = mem.peak_rss_bytes;
+  j["total_s"] = Seconds(t0, t2);
+  if (f.json) {
+    j["text"] = text;
+    std::printf("%s\n", j.dump(2).c_str());
+    return Status::Ok();
+  }
+  std::fprintf(stderr,
+               "\n%s%lld prompt tokens, %lld generated (%s); %d threads\n"
+               "prefill %.1f tok/s, decode %.1f tok/s; per-token latency mean %.2f ms, P50 %.2f, P90 %.2f, P99 %.2f\n"
+               "memory: weights %.1f MiB (%s), KV cache and buffers %.1f MiB, RSS %.1f MiB, peak RSS %.1f MiB\n",
+               hp.synthetic ? "SYNTHETIC weights. " : "", static_cast<long long>(ids.size()),
+               static_cast<long long>(stop.n_tokens()), StopReasonName(reason), pool.NumThreads(),
+               j["prefill_tok_s"].get<double>(), j["decode_tok_s"].get<double>(),
+               j["latency_ms"]["mean"].get<double>(), j["latency_ms"]["p50"].get<double>(),
+               j["latency_ms"]["p90"].get<double>(), j["latency_ms"]["p99"].get<double>(),
+               lm.model->weight_bytes() / 1048576.0, lm.description.c_str(), ctx.state_bytes() / 1048576.0,
+               mem.rss_bytes / 1048576.0, mem.peak_rss_bytes / 1048576.0);
+  return Status::Ok();
+}
+
+struct PplFlags {
+  ModelSource source;
+  std::string text_file;
+  int64_t ctx = 256;
+  int64_t max_windows = 0;
+  int threads = 0;
+  bool no_mmap = false;
+  bool json = false;
+};
+
+Status RunPerplexity(const PplFlags& f) {
+  ModelSource src = f.source;
+  src.use_mmap = !f.no_mmap;
+  NF_ASSIGN_OR_RETURN(LoadedModel lm, LoadModelForInference(src));
+  const LlamaHparams& hp = lm.model->hparams();
+  NF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(f.text_file));
+  std::string text(bytes.begin(), bytes.end());
+  // The method of ../shared/models/stories260K/README.md: BOS + the whole text encoded as one string, then
+  // non-overlapping windows of `ctx` tokens, each from an empty context, scoring the next token at every position.
+  std::vector<int32_t> ids = lm.tokenizer->Encode(text, true);
+  if (f.ctx < 2 || f.ctx > hp.context_length) {
+    return Status::InvalidArgument("--ctx " + std::to_string(f.ctx) + " must be in [2, " +
+                                   std::to_string(hp.context_length) + "]");
+  }
+  int64_t n_windows = (static_cast<int64_t>(ids.size()) - 1) / f.ctx;
+  if (f.max_windows > 0) n_windows = std::min(n_windows, f.max_windows);
+  if (n_windows == 0) {
+    return Status::InvalidArgument(f.text_file + ": " + std::to_string(ids.size()) + " tokens, fewer than one window of " +
+                                   std::to_string(f.ctx) + " + 1");
+  }
+  ThreadPool pool(f.threads);
+  InferenceContext ctx(*lm.model, &pool, f.ctx);
+  double nll = 0;
+  int64_t count = 0;
+  ProgressBar bar("perplexity", static_cast<uint64_t>(n_windows * f.ctx), "tok");
+  const auto t0 = Clock::now();
+  for (int64_t w = 0; w < n_windows; ++w) {
+    ctx.Reset();
+    std::span<const int32_t> window(ids.data() + w * f.ctx, static_cast<size_t>(f.ctx));
+    NF_RETURN_IF_ERROR(ctx.Eval(window, true));
+    for (int64_t i = 0; i < f.ctx; ++i) {
+      const float* lg = ctx.logits(i);
+      const int32_t target = ids[static_cast<size_t>(w * f.ctx + i + 1)];
+      double mx = *std::max_element(lg, lg + hp.n_vocab);
+      double sum = 0;
+      for (int64_t v = 0; v < hp.n_vocab; ++v) sum += std::exp(static_cast<double>(lg[v]) - mx);
+      nll += -(static_cast<double>(lg[target]) - mx - std::log(sum));
+      ++count;
+    }
+    bar.Update(static_cast<uint64_t>((w + 1) * f.ctx));
+  }
+  bar.Finish();
+  const double secs = Seconds(t0, Clock::now());
+  const double ppl = std::exp(nll / static_cast<double>(count));
+  if (f.json) {
+    nlohmann::json j = {{"model", f.source.path},       {"text", f.text_file}, {"ctx", f.ctx},
+                        {"windows", n_windows},         {"predictions", count}, {"perplexity", ppl},
+                        {"tokens_per_s", count / secs}, {"synthetic", hp.synthetic}};
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    std::printf("perplexity %.4f over %lld windows of %lld tokens (%lld predictions), %.1f tok/s%s\n", ppl,
+                static_cast<long long>(n_windows), static_cast<long long>(f.ctx), static_cast<long long>(count),
+                count / secs, hp.synthetic ? " [SYNTHETIC weights]" : "");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+void RegisterRunCommand(CLI::App& app, CommandAction* action) {
+  auto f = std::make_shared<RunFlags>();
+  f->sampler.temperature = 0.8f;
+  CLI::App* sub = app.add_subcommand("run", "Generate text with the dense engine, streaming it, then report speed and memory");
+  AddModelOptions(sub, &f->source, &f->threads, &f->no_mmap);
+  auto* p = sub->add_option("-p,--prompt", f->prompt, "Prompt text (BOS is added when the model asks for it)");
+  sub->add_option("-f,--file", f->prompt_file, "Read the prompt from a file")->excludes(p)->check(CLI::ExistingFile);
+  sub->add_option("-n,--max-tokens", f->n_predict, "Tokens to generate at most")->check(CLI::PositiveNumber);
+  sub->add_option("-c,--ctx", f->ctx, "Context size (0: prompt + max tokens, capped at the model's)");
+  sub->add_option("--temp", f->sampler.temperature, "Temperature (0: greedy)")->check(CLI::NonNegativeNumber);
+  sub->add_option("--top-k", f->sampler.top_k, "Top-k (0: off)");
+  sub->add_option("--top-p", f->sampler.top_p, "Top-p (1: off)");
+  sub->add_option("--min-p", f->sampler.min_p, "Min-p (0: off)");
+  sub->add_option("--repeat-penalty", f->sampler.repeat_penalty, "Repetition penalty (1: off)");
+  sub->add_option("--repeat-last-n", f->sampler.repeat_last_n, "Tokens the repetition penalty looks back at");
+  sub->add_option("-s,--seed", f->sampler.seed, "Random seed");
+  sub->add_option("--stop", f->stop, "Stop when the text contains this string (repeatable)");
+  sub->add_flag("--json", f->json, "Print a JSON summary (with the text) instead of streaming");
+  sub->callback([f, action] { *action = [f] { return RunGenerate(*f); }; });
+}
+
+void RegisterPerplexityCommand(CLI::App& app, CommandAction* action) {
+  auto f = std::make_shared<PplFlags>();
+  CLI::App* sub = app.add_subcommand("perplexity", "Perplexity of a text over non-overlapping windows");
+  AddModelOptions(sub, &f->source, &f->threads, &f->no_mmap);
+  sub->add_option("-f,--file", f->text_file, "Text file")->required()->check(CLI::ExistingFile);
+  sub->add_option("--ctx", f->ctx, "Window size in tokens");
+  sub->add_option("--max-windows", f->max_windows, "Evaluate only the first N windows (0: all)");
+  sub->add_flag("--json", f->json, "Print a JSON summary");
+  sub->callback([f, action] { *action = [f] { return RunPerplexity(*f); }; });
+}
+
+}  // namespace nflash::cli

@@ -1,0 +1,96 @@
+// Compute kernels of the runtime: dense and row-sparse matrix-vector / matrix-matrix products over F32, F16, BF16,
+// Q8_0 and Q4_0 weights, with a scalar path and an AVX2 path chosen at run time.
+//
+// Numerics (as llama.cpp): Q8_0/Q4_0 weights are multiplied with the activation quantized to Q8_0 by
+// QuantizeRowQ8_0 (integer dot per block of 32, scaled by d_w * d_x in float); F32/F16/BF16 weights with the float
+// activation. Results are deterministic: every output element is computed by one thread in a fixed order, so it does
+// not depend on the thread count or on how rows are partitioned, and Gemm gives bit-for-bit the same values as Gemv
+// for each token (same ISA). The scalar and AVX2 paths agree to rounding, not bit for bit.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "runtime/core/ggml_type.h"
+#include "runtime/core/quant.h"
+#include "runtime/core/status.h"
+#include "runtime/core/thread_pool.h"
+
+namespace nflash {
+
+// A row-major weight matrix in memory (often a mapped GGUF tensor). Row r starts at data + r * row_bytes.
+struct MatrixView {
+  GgmlType type = GgmlType::kF32;
+  const void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  size_t row_bytes = 0;  // >= RowBytes(type, cols); larger for padded rows
+};
+
+// Builds a view of densely packed rows (row_bytes = RowBytes(type, cols)).
+MatrixView DenseMatrix(GgmlType type, const void* data, int64_t rows, int64_t cols);
+
+// Checks that the kernels accept `w`: type F32/F16/BF16/Q8_0/Q4_0, cols > 0 and a multiple of the block size,
+// row_bytes large enough, data set when rows > 0. The kernels themselves abort on a view that fails this check.
+Status ValidateMatrix(const MatrixView& w, const char* name);
+
+enum class KernelIsa { kScalar, kAvx2 };
+// True when the CPU has AVX2, FMA and F16C (all three are needed by the AVX2 path).
+bool CpuHasAvx2();
+// The ISA used by every kernel call from now on; the best the CPU supports unless changed by SetKernelIsa.
+KernelIsa ActiveIsa();
+// Forces an ISA (tests and comparisons). Returns false, changing nothing, when the CPU cannot run it.
+// Not synchronized with running kernels: call it while no kernel is running.
+bool SetKernelIsa(KernelIsa isa);
+const char* KernelIsaName(KernelIsa isa);
+
+// `n` tokens of `cols` floats (row-major) in the forms the weight types consume: the floats themselves (for
+// F32/F16/BF16 weights) and, when cols is a multiple of 32, their Q8_0 quantization (for Q8_0/Q4_0 weights), so that
+// several matrices multiplied with the same input share one quantization.
+// Thread-safety: Set must not run concurrently with anything else on the object; const methods may run concurrently.
+class Activation {
+ public:
+  Activation() = default;
+  Activation(const float* x, int64_t n, int64_t cols) { Set(x, n, cols); }
+  // Views x (not copied: it must stay valid and unchanged while this object is used) and quantizes it. Reuses the
+  // object's buffer, so one Activation per layer input avoids allocation in the decode loop.
+  void Set(const float* x, int64_t n, int64_t cols);
+
+  int64_t n() const { return n_; }
+  int64_t cols() const { return cols_; }
+  const float* f32() const { return x_; }
+  // Q8_0 blocks, cols/32 per token; nullptr when cols is not a multiple of 32.
+  const BlockQ8_0* q8() const { return q8_.empty() ? nullptr : q8_.data(); }
+
+ private:
+  const float* x_ = nullptr;
+  int64_t n_ = 0;
+  int64_t cols_ = 0;
+  std::vector<BlockQ8_0> q8_;
+};
+
+// Dot product of row `row` of w with token `token` of x (x.cols() == w.cols).
+float RowDot(const MatrixView& w, int64_t row, const Activation& x, int64_t token = 0);
+
+// y[r] = W[r,:] . x for every row (x: one token of w.cols floats; y: w.rows floats). `pool` may be nullptr.
+void Gemv(const MatrixView& w, const float* x, float* y, ThreadPool* pool);
+void Gemv(const MatrixView& w, const Activation& x, float* y, ThreadPool* pool);
+
+// Y[t, r] = W[r,:] . X[t,:] for t < n (X: n x cols, Y: n x rows, both row-major). Each weight row is loaded once per
+// tile of tokens, so this is much faster than n Gemv calls; the values equal those of n Gemv calls exactly.
+void Gemm(const MatrixView& w, const float* x, int64_t n, float* y, ThreadPool* pool);
+void Gemm(const MatrixView& w, const Activation& x, float* y, ThreadPool* pool);
+
+// Sparse gate/up projection: y[k] = W[rows[k],:] . x for k < rows.size() (compact output). Indices must be in
+// [0, w.rows); duplicates are allowed (computed twice).
+void GemvRows(const MatrixView& w, std::span<const int32_t> rows, const float* x, float* y, ThreadPool* pool);
+void GemvRows(const MatrixView& w, std::span<const int32_t> rows, const Activation& x, float* y, ThreadPool* pool);
+
+// Sparse down projection with the matrix stored transposed (one row per FFN neuron, each of length w.cols = model
+// dim): y[c] += sum_k a[k] * W[rows[k], c] for c < w.cols, k in order. Work is split over output columns, never
+// over k, so the summation order is fixed.
+void AccumulateRows(const MatrixView& w, std::span<const int32_t> rows, const float* a, float* y, ThreadPool* pool);
+
+}  // namespace nflash

@@ -1,0 +1,70 @@
+// Inference state of one sequence: KV cache, scratch buffers and the forward pass (batched prefill with GEMM,
+// single-token decode with GEMV) over a Model.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "runtime/core/thread_pool.h"
+#include "runtime/engine/model.h"
+
+namespace nflash {
+
+// What the forward pass shows of each FFN it runs, for the profiler and predictor training (an observer sees it
+// after the FFN's hidden vector is formed and before the down projection).
+struct FfnObservation {
+  int64_t layer = 0;
+  int64_t expert = -1;          // -1 for a dense FFN
+  int64_t n_tokens = 0;
+  const int64_t* token_index = nullptr;  // MoE: which batch tokens these rows belong to (nullptr: 0..n_tokens-1)
+  const float* gate_act = nullptr;       // n_tokens x n_ff: act(gate x) (relu/silu), the FFN's "neuron output" test
+  const float* hidden = nullptr;         // n_tokens x n_ff: the vector multiplied by the down projection
+  const float* ffn_input = nullptr;      // n_tokens x dim: the normalised FFN input (predictor training data)
+};
+using FfnObserver = std::function<void(const FfnObservation&)>;
+
+// Thread-safety: not thread-safe; one context per sequence. The model and pool must outlive it.
+class InferenceContext {
+ public:
+  // `n_ctx`: maximum sequence length (KV cache size); <= 0 means the model's context length.
+  InferenceContext(const Model& model, ThreadPool* pool, int64_t n_ctx);
+
+  // Runs `tokens` at positions pos() .. pos()+n-1 (one batch: GEMM when n > 1, GEMV when n == 1) and advances pos().
+  // Keeps the logits of the last token, or of every token when `all_logits`.
+  Status Eval(std::span<const int32_t> tokens, bool all_logits);
+  // Logits (n_vocab floats) of token `i` of the last Eval (i < 0: the last token).
+  const float* logits(int64_t i = -1) const;
+  int64_t pos() const { return pos_; }
+  int64_t n_ctx() const { return n_ctx_; }
+  void Reset() { pos_ = 0; }
+  void SetFfnObserver(FfnObserver observer) { observer_ = std::move(observer); }
+  // Bytes held by the KV cache and scratch buffers.
+  uint64_t state_bytes() const;
+
+ private:
+  void EnsureBatch(int64_t n);
+  void Attention(int64_t layer, int64_t n);
+  void DenseFfn(const LayerWeights& L, int64_t layer, int64_t n);
+  void MoeFfn(const LayerWeights& L, int64_t layer, int64_t n);
+  void MatMul(const MatrixView& w, const Activation& x, float* y);
+
+  const Model& model_;
+  const LlamaHparams& hp_;
+  ThreadPool* pool_;
+  int64_t n_ctx_;
+  int64_t pos_ = 0;
+  FfnObserver observer_;
+  std::vector<float> k_cache_, v_cache_;  // (layer, n_ctx, kv_dim)
+  // Batch scratch, sized for the largest batch seen.
+  int64_t batch_cap_ = 0;
+  std::vector<float> x_, xn_, q_, k_, v_, att_, o_, gate_, up_, hidden_, ffn_out_;
+  std::vector<float> scores_;             // per thread: n_ctx
+  std::vector<float> logits_;
+  int64_t n_logits_ = 0;
+  std::vector<float> rope_cos_, rope_sin_;  // (n_ctx, head_dim / 2)
+  Activation act_;
+};
+
+}  // namespace nflash

@@ -1,0 +1,222 @@
+// Dense engine tests on real weights: the published greedy outputs of stories260K-relu (token ids from its README),
+// batched prefill == token-by-token decode, and a small mixture-of-experts model (batched == sequential, router top-k
+// checked against a direct computation).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <cmath>
+#include <fstream>
+#include <random>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "converter/readers.h"
+#include "runtime/core/gguf.h"
+#include "runtime/core/quant.h"
+#include "runtime/engine/context.h"
+#include "runtime/engine/model.h"
+#include "tests/test_util.h"
+
+namespace nflash {
+namespace {
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Converts a llama2.c checkpoint from ../shared to a GGUF of `type` in `dir`.
+std::string ConvertShared(const testing::TempDir& dir, const std::string& model, FfnActivation act, GgmlType type) {
+  auto src = converter::ReadLlama2c(testing::SharedPath(model), testing::SharedPath("models/stories260K/tok512.bin"), act);
+  EXPECT_TRUE(src.ok()) << src.status().ToString();
+  converter::WriteOptions opt;
+  opt.path = dir.File("model-" + std::string(GgmlTypeName(type)) + ".gguf");
+  opt.type = type;
+  opt.progress = false;
+  Status s = converter::WriteModelGguf(*src, opt);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return opt.path;
+}
+
+std::vector<int32_t> Greedy(InferenceContext& ctx, int64_t n_vocab, std::vector<int32_t> prompt, int n, bool batched_prompt) {
+  if (batched_prompt) {
+    EXPECT_TRUE(ctx.Eval(prompt, false).ok());
+  } else {
+    for (int32_t t : prompt) EXPECT_TRUE(ctx.Eval({&t, 1}, false).ok());
+  }
+  std::vector<int32_t> out;
+  for (int i = 0; i < n; ++i) {
+    const float* lg = ctx.logits();
+    int32_t next = static_cast<int32_t>(std::max_element(lg, lg + n_vocab) - lg);
+    out.push_back(next);
+    if (i + 1 < n) EXPECT_TRUE(ctx.Eval({&next, 1}, false).ok());
+  }
+  return out;
+}
+
+TEST(EngineTest, ReluModelMatchesPublishedGreedyIds) {
+  // The README lists the prompt ids and the 100 greedy ids after them (checked there by NumPy, PyTorch and llama2.c).
+  std::string readme = ReadText(testing::SharedPath("models/stories260K-relu/README.md"));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(readme, m, std::regex(R"(```\s*\n\[([0-9, ]+)\]\s*\n```)")));
+  std::vector<int32_t> expected;
+  std::stringstream ss(m[1].str());
+  for (std::string item; std::getline(ss, item, ',');) expected.push_back(std::stoi(item));
+  ASSERT_EQ(expected.size(), 100u);
+
+  testing::TempDir dir;
+  std::string path = ConvertShared(dir, "models/stories260K-relu/stories260K-relu.bin", FfnActivation::kRelu,
+                                   GgmlType::kF32);
+  auto model = Model::Load(path, {});
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  EXPECT_EQ((*model)->hparams().activation, FfnActivation::kRelu);
+  ThreadPool pool(2);
+  for (bool batched : {true, false}) {
+    InferenceContext ctx(**model, &pool, 512);
+    EXPECT_EQ(Greedy(ctx, (*model)->hparams().n_vocab, {1, 403, 407, 261, 378}, 100, batched), expected) << "batched prompt: " << batched;
+  }
+}
+
+TEST(EngineTest, PrefillEqualsTokenByToken) {
+  testing::TempDir dir;
+  for (GgmlType type : {GgmlType::kF32, GgmlType::kQ8_0, GgmlType::kQ4_0}) {
+    std::string path = ConvertShared(dir, "models/stories260K/stories260K.bin", FfnActivation::kSilu, type);
+    auto model = Model::Load(path, {});
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    ThreadPool pool(2);
+    std::vector<int32_t> prompt = {1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426};
+    InferenceContext batched(**model, &pool, 64), single(**model, &pool, 64);
+    ASSERT_TRUE(batched.Eval(prompt, true).ok());
+    const int64_t nv = (*model)->hparams().n_vocab;
+    for (size_t t = 0; t < prompt.size(); ++t) {
+      ASSERT_TRUE(single.Eval({&prompt[t], 1}, false).ok());
+      const float* a = batched.logits(static_cast<int64_t>(t));
+      const float* b = single.logits();
+      float max_diff = 0;
+      for (int64_t i = 0; i < nv; ++i) max_diff = std::max(max_diff, std::fabs(a[i] - b[i]));
+      // The kernels compute each output with the same code and order for a batch and a single token.
+      EXPECT_LE(max_diff, 1e-4f) << GgmlTypeName(type) << " token " << t;
+    }
+  }
+}
+
+// A small random Mixtral-shape model written directly with GgufWriter (F32), independent of the converter.
+std::string WriteTinyMoe(const testing::TempDir& dir, int64_t n_exp, int64_t top_k) {
+  const int64_t dim = 64, n_ff = 96, layers = 2, vocab = 40, heads = 4, kv_heads = 2, kv_dim = dim / heads * kv_heads;
+  GgufWriter w;
+  w.Set("general.architecture", "llama");
+  w.Set("general.name", "tiny moe test");
+  w.Set("llama.context_length", uint32_t{64});
+  w.Set("llama.embedding_length", uint32_t(dim));
+  w.Set("llama.block_count", uint32_t(layers));
+  w.Set("llama.feed_forward_length", uint32_t(n_ff));
+  w.Set("llama.attention.head_count", uint32_t(heads));
+  w.Set("llama.attention.head_count_kv", uint32_t(kv_heads));
+  w.Set("llama.attention.layer_norm_rms_epsilon", 1e-5f);
+  w.Set("llama.expert_count", uint32_t(n_exp));
+  w.Set("llama.expert_used_count", uint32_t(top_k));
+  std::vector<std::pair<std::string, std::vector<uint64_t>>> tensors = {{"token_embd.weight", {dim, vocab}},
+                                                                        {"output_norm.weight", {dim}}};
+  for (int l = 0; l < layers; ++l) {
+    std::string p = "blk." + std::to_string(l) + ".";
+    tensors.push_back({p + "attn_norm.weight", {dim}});
+    tensors.push_back({p + "attn_q.weight", {dim, dim}});
+    tensors.push_back({p + "attn_k.weight", {dim, uint64_t(kv_dim)}});
+    tensors.push_back({p + "attn_v.weight", {dim, uint64_t(kv_dim)}});
+    tensors.push_back({p + "attn_output.weight", {dim, dim}});
+    tensors.push_back({p + "ffn_norm.weight", {dim}});
+    tensors.push_back({p + "ffn_gate_inp.weight", {dim, uint64_t(n_exp)}});
+    tensors.push_back({p + "ffn_gate_exps.weight", {dim, n_ff, uint64_t(n_exp)}});
+    tensors.push_back({p + "ffn_up_exps.weight", {dim, n_ff, uint64_t(n_exp)}});
+    tensors.push_back({p + "ffn_down_exps.weight", {n_ff, dim, uint64_t(n_exp)}});
+  }
+  for (auto& [name, dims] : tensors) EXPECT_TRUE(w.AddTensor(name, GgmlType::kF32, dims).ok());
+  std::string path = dir.File("moe.gguf");
+  EXPECT_TRUE(w.Begin(path, true).ok());
+  std::mt19937 rng(7);
+  for (auto& [name, dims] : tensors) {
+    uint64_t n = 1;
+    for (uint64_t d : dims) n *= d;
+    std::vector<float> v(n);
+    bool norm = dims.size() == 1;
+    std::normal_distribution<float> nd(0.0f, name == "token_embd.weight" ? 1.0f : 0.2f);
+    for (auto& x : v) x = norm ? 1.0f + 0.1f * nd(rng) : nd(rng);
+    EXPECT_TRUE(w.WriteTensorData(name, {reinterpret_cast<const uint8_t*>(v.data()), n * 4}).ok());
+  }
+  EXPECT_TRUE(w.Finish().ok());
+  return path;
+}
+
+TEST(EngineTest, MixtureOfExpertsBatchedEqualsSequentialAndRoutesTopK) {
+  testing::TempDir dir;
+  const int64_t n_exp = 4, top_k = 2;
+  auto model = Model::Load(WriteTinyMoe(dir, n_exp, top_k), {});
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const LlamaHparams& hp = (*model)->hparams();
+  ThreadPool pool(2);
+  std::vector<int32_t> prompt = {1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 2, 4};
+
+  // Which experts ran for each (layer, token), and the FFN input they saw.
+  struct Seen {
+    std::set<int64_t> experts;
+    std::vector<float> input;
+  };
+  std::map<std::pair<int64_t, int64_t>, Seen> seen;
+  InferenceContext batched(**model, &pool, 64);
+  batched.SetFfnObserver([&](const FfnObservation& o) {
+    for (int64_t j = 0; j < o.n_tokens; ++j) {
+      Seen& s = seen[{o.layer, o.token_index[j]}];
+      s.experts.insert(o.expert);
+      s.input.assign(o.ffn_input + j * hp.dim, o.ffn_input + (j + 1) * hp.dim);
+    }
+  });
+  ASSERT_TRUE(batched.Eval(prompt, true).ok());
+  ASSERT_EQ(seen.size(), static_cast<size_t>(hp.n_layers) * prompt.size());
+  for (auto& [key, s] : seen) {
+    // Direct computation of the router logits from the weights and the observed FFN input.
+    const MatrixView& r = (*model)->layers()[key.first].router;
+    std::vector<std::pair<float, int64_t>> logits;
+    for (int64_t e = 0; e < n_exp; ++e) {
+      const float* row = reinterpret_cast<const float*>(static_cast<const uint8_t*>(r.data) + e * r.row_bytes);
+      double d = 0;
+      for (int64_t i = 0; i < hp.dim; ++i) d += double(row[i]) * s.input[i];
+      logits.push_back({float(d), e});
+    }
+    std::sort(logits.rbegin(), logits.rend());
+    std::set<int64_t> expected = {logits[0].second, logits[1].second};
+    EXPECT_EQ(s.experts, expected) << "layer " << key.first << " token " << key.second;
+  }
+
+  InferenceContext single(**model, &pool, 64);
+  for (size_t t = 0; t < prompt.size(); ++t) {
+    ASSERT_TRUE(single.Eval({&prompt[t], 1}, false).ok());
+    float max_diff = 0;
+    for (int64_t i = 0; i < hp.n_vocab; ++i) {
+      max_diff = std::max(max_diff, std::fabs(batched.logits(int64_t(t))[i] - single.logits()[i]));
+    }
+    EXPECT_LE(max_diff, 1e-4f) << "token " << t;
+  }
+}
+
+TEST(EngineTest, RejectsBadInput) {
+  testing::TempDir dir;
+  auto model = Model::Load(WriteTinyMoe(dir, 4, 2), {});
+  ASSERT_TRUE(model.ok());
+  ThreadPool pool(1);
+  InferenceContext ctx(**model, &pool, 8);
+  int32_t bad = 40;
+  Status s = ctx.Eval({&bad, 1}, false);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("40"), std::string::npos);
+  std::vector<int32_t> nine(9, 1);
+  EXPECT_EQ(ctx.Eval(nine, false).code(), StatusCode::kResourceExhausted);
+  auto missing = Model::Load(dir.File("nope.gguf"), {});
+  EXPECT_FALSE(missing.ok());
+}
+
+}  // namespace
+}  // namespace nflash
