@@ -237,11 +237,13 @@ Result<std::vector<uint8_t>> TensorBytes(const SourceTensor& t, GgmlType type, u
 
 }  // namespace
 
-GgmlType OutputTensorType(const SourceTensor& tensor, GgmlType requested) {
+GgmlType OutputTensorType(const SourceTensor& tensor, GgmlType requested, bool tied_embeddings) {
   // Norms (and any other 1-D tensor) stay F32: llama.cpp's kernels expect F32 norms, and they are tiny.
   if (tensor.dims.size() < 2) return GgmlType::kF32;
   // MoE routers stay F32 like llama.cpp's converter does: routing decisions are sensitive and the tensor is small.
   if (tensor.name.ends_with(".ffn_gate_inp.weight")) return GgmlType::kF32;
+  const bool head = tensor.name == "output.weight" || (tied_embeddings && tensor.name == "token_embd.weight");
+  if (head && requested == GgmlType::kQ4_0) requested = GgmlType::kQ8_0;
   const uint32_t block = TypeInfo(requested).block_size;
   if (block > 1 && tensor.dims[0] % block != 0) return GgmlType::kF16;
   return requested;
@@ -275,7 +277,7 @@ Status WriteModelGguf(const SourceModel& model, const WriteOptions& options, Wri
   uint64_t total_bytes = 0;
   GgufWriter writer;
   for (const SourceTensor& t : model.tensors) {
-    const GgmlType type = OutputTensorType(t, options.type);
+    const GgmlType type = OutputTensorType(t, options.type, model.config.tied_embeddings);
     uint64_t n = 1;
     for (uint64_t d : t.dims) {
       if (__builtin_mul_overflow(n, d, &n)) {

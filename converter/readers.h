@@ -47,8 +47,10 @@ struct WriteSummary {
 };
 // As above, and fills `summary` (may be nullptr) when the file was written.
 Status WriteModelGguf(const SourceModel& model, const WriteOptions& options, WriteSummary* summary);
-// The type WriteModelGguf gives a tensor: 1-D tensors and MoE router weights F32, others `requested`, except F16 when
-// `requested` is a block type whose block size does not divide the row length (dims[0]).
-GgmlType OutputTensorType(const SourceTensor& tensor, GgmlType requested);
+// The type WriteModelGguf gives a tensor: 1-D tensors and MoE router weights F32; the output head (output.weight, or
+// token_embd.weight when the embeddings are tied) Q8_0 when Q4_0 is requested (llama.cpp keeps the head at 6+ bits:
+// Q6_K, which nflash does not implement; Q8_0 is the nearest); others `requested`, except F16 when `requested` is a
+// block type whose block size does not divide the row length (dims[0]).
+GgmlType OutputTensorType(const SourceTensor& tensor, GgmlType requested, bool tied_embeddings);
 
 }  // namespace nflash::converter

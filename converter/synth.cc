@@ -27,7 +27,7 @@ constexpr float kEmbedStd = 1.0f;
 constexpr float kQkGain = 0.5f;
 // Attention output gain: the slow component's share of the residual. 2 makes it a clear share at tens of tokens
 // without letting the first tokens (whose running mean is a single value) dominate the residual.
-constexpr float kAttnGain = 1.0f;
+constexpr float kAttnGain = 1.25f;
 // FFN output gain (per unit of active-neuron mass): each layer adds about this much rms to the residual, so the
 // residual grows slowly with depth as in trained models.
 constexpr float kDownGain = 0.7f;
@@ -200,7 +200,7 @@ GgmlType FileType(const SynthState& s, const TensorSpec& spec) {
   SourceTensor t;
   t.name = spec.name;
   t.dims = spec.dims;
-  return OutputTensorType(t, s.opt.type);
+  return OutputTensorType(t, s.opt.type, /*tied_embeddings=*/false);
 }
 
 // Quantizes and dequantizes every row in place, so the simulation sees the weights the file will hold.

@@ -30,9 +30,9 @@ TempDir::~TempDir() {
 std::string SharedPath(const std::string& relative) { return std::string(NFLASH_SHARED_DIR) + "/" + relative; }
 std::string NflashBinary() { return NFLASH_BINARY; }
 
-CommandResult RunCommand(const std::string& command) {
+CommandResult RunCommand(const std::string& command, bool capture_stderr) {
   CommandResult r;
-  std::string full = command + " 2>&1";
+  std::string full = capture_stderr ? command + " 2>&1" : command;
   FILE* pipe = ::popen(full.c_str(), "r");
   if (!pipe) return r;
   std::array<char, 4096> buf;

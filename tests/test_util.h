@@ -30,8 +30,8 @@ struct CommandResult {
   int exit_code = -1;
   std::string output;  // stdout and stderr, interleaved
 };
-// Runs `command` through /bin/sh, capturing stdout+stderr.
-CommandResult RunCommand(const std::string& command);
+// Runs `command` through /bin/sh, capturing stdout and stderr interleaved (or stdout only, stderr passed through).
+CommandResult RunCommand(const std::string& command, bool capture_stderr = true);
 
 void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes);
 void WriteText(const std::string& path, const std::string& text);

@@ -16,8 +16,10 @@ using internal::IsaKernels;
 using internal::RowSet;
 using internal::TokenSet;
 
-// Work per thread chunk in weight bytes: below this, waking a worker (tens of microseconds) costs more than it saves.
-constexpr int64_t kMinChunkBytes = 64 * 1024;
+// Work per chunk in weight bytes. Threads take chunks dynamically, so a thread slowed by another process (or a
+// slower core) does less; the size keeps the atomic counter and the prefetch restart at each chunk's first tile
+// negligible.
+constexpr int64_t kMinChunkBytes = 256 * 1024;
 // Rows per chunk are a multiple of this, so chunks start on micro-tile boundaries (4 rows) with room to spare.
 constexpr int64_t kRowGrain = 16;
 // AccumulateRows splits columns in multiples of 256: a multiple of the 32-element block, and 1 KiB of y per grain so
@@ -64,6 +66,24 @@ TokenSet Tokens(const MatrixView& w, const Activation& x) {
   return TokenSet{x.f32(), x.q8(), x.n(), x.cols()};
 }
 
+// Calls fn(begin, end) for consecutive chunks of `chunk` items of [0, n), handed out on demand to the pool's threads.
+// Which thread computes a chunk varies; what it computes does not (see IsaKernels), so results stay deterministic.
+template <typename Fn>
+void ForEachChunk(ThreadPool* pool, int64_t n, int64_t chunk, const Fn& fn) {
+  if (n <= chunk) {
+    fn(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  pool->ParallelFor(pool->NumThreads(), 1, [&](int64_t, int64_t, int) {
+    for (;;) {
+      const int64_t begin = next.fetch_add(chunk, std::memory_order_relaxed);
+      if (begin >= n) return;
+      fn(begin, std::min(n, begin + chunk));
+    }
+  });
+}
+
 // Rows per chunk so that a chunk streams at least kMinChunkBytes, rounded to the row grain.
 int64_t RowGrain(const MatrixView& w, int64_t n_tokens) {
   const int64_t bytes = static_cast<int64_t>(w.row_bytes) * std::max<int64_t>(1, n_tokens);
@@ -79,7 +99,7 @@ void DotRowsParallel(const MatrixView& w, const RowSet& rs, int64_t count, const
     k.dot_rows(w.type, rs, 0, count, x, y, y_stride);
     return;
   }
-  pool->ParallelFor(count, RowGrain(w, x.n), [&](int64_t begin, int64_t end, int) {
+  ForEachChunk(pool, count, RowGrain(w, x.n), [&](int64_t begin, int64_t end) {
     k.dot_rows(w.type, rs, begin, end, x, y, y_stride);
   });
 }
@@ -218,9 +238,7 @@ void AccumulateRows(const MatrixView& w, std::span<const int32_t> rows, const fl
     k.accumulate(w.type, rs, count, a, 0, w.cols, y);
     return;
   }
-  pool->ParallelFor(w.cols, grain, [&](int64_t begin, int64_t end, int) {
-    k.accumulate(w.type, rs, count, a, begin, end, y);
-  });
+  ForEachChunk(pool, w.cols, grain, [&](int64_t begin, int64_t end) { k.accumulate(w.type, rs, count, a, begin, end, y); });
 }
 
 }  // namespace nflash

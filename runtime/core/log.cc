@@ -38,7 +38,10 @@ ProgressBar::ProgressBar(std::string label, uint64_t total, std::string unit)
   start_ = last_draw_ = std::chrono::steady_clock::now();
 }
 
-ProgressBar::~ProgressBar() { Finish(); }
+// An unfinished bar (the work failed) is left as it was, on a line of its own: it never claims 100%.
+ProgressBar::~ProgressBar() {
+  if (!finished_ && tty_ && GetLogLevel() <= LogLevel::kInfo) std::fputs("\n", stderr);
+}
 
 void ProgressBar::Update(uint64_t done) {
   done_ = done;

@@ -27,7 +27,8 @@ class LogMessage {
 };
 
 // A progress bar on stderr ("label [#####     ] 45% 1.2 GB 350 MB/s ETA 3s"), redrawn at most 10 times a second and
-// only when stderr is a terminal (otherwise a line every 10%). Thread-safety: not thread-safe.
+// only when stderr is a terminal (otherwise a line every 10%). Call Finish() when the work is complete; a bar destroyed
+// unfinished does not print a final line. Thread-safety: not thread-safe.
 class ProgressBar {
  public:
   ProgressBar(std::string label, uint64_t total, std::string unit = "B");

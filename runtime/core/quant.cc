@@ -47,6 +47,58 @@ void QuantizeRowQ4_0(const float* x, BlockQ4_0* y, int64_t n) {
   }
 }
 
+void QuantizeRowQ4_0Optimal(const float* x, BlockQ4_0* y, int64_t n) {
+  // Start from ggml's rounding (so the result can only improve on it), then search nearby inverse scales.
+  QuantizeRowQ4_0(x, y, n);
+  const int64_t nb = n / kQBlock;
+  for (int64_t i = 0; i < nb; ++i) {
+    const float* xb = x + i * kQBlock;
+    auto error_of = [&](const BlockQ4_0& b) {
+      const float d = Fp16ToFp32(b.d);
+      double e = 0;
+      for (int j = 0; j < kQBlock / 2; ++j) {
+        const double r0 = xb[j] - d * ((b.qs[j] & 0x0f) - 8);
+        const double r1 = xb[j + kQBlock / 2] - d * ((b.qs[j] >> 4) - 8);
+        e += r0 * r0 + r1 * r1;
+      }
+      return e;
+    };
+    double best = error_of(y[i]);
+    float max = 0.0f, amax = 0.0f;
+    for (int j = 0; j < kQBlock; ++j) {
+      if (amax < std::fabs(xb[j])) {
+        amax = std::fabs(xb[j]);
+        max = xb[j];
+      }
+    }
+    if (amax == 0.0f) continue;
+    for (int step = -9; step <= 9; ++step) {
+      // Inverse scale mapping `max` to -(8 + step/10): rounding boundaries move, the clamp keeps codes in 0..15.
+      const float iscale = -(8.0f + 0.1f * static_cast<float>(step)) / max;
+      int8_t l[kQBlock];
+      double sum_xl = 0, sum_ll = 0;
+      for (int j = 0; j < kQBlock; ++j) {
+        int q = static_cast<int>(std::nearbyint(iscale * xb[j]));
+        q = std::max(-8, std::min(7, q));
+        l[j] = static_cast<int8_t>(q);
+        sum_xl += static_cast<double>(xb[j]) * q;
+        sum_ll += static_cast<double>(q) * q;
+      }
+      if (sum_ll == 0) continue;
+      BlockQ4_0 cand;
+      cand.d = Fp32ToFp16(static_cast<float>(sum_xl / sum_ll));  // least-squares scale for these codes
+      for (int j = 0; j < kQBlock / 2; ++j) {
+        cand.qs[j] = static_cast<uint8_t>((l[j] + 8) | ((l[j + kQBlock / 2] + 8) << 4));
+      }
+      const double e = error_of(cand);
+      if (e < best) {
+        best = e;
+        y[i] = cand;
+      }
+    }
+  }
+}
+
 void DequantizeRowQ8_0(const BlockQ8_0* x, float* y, int64_t n) {
   const int64_t nb = n / kQBlock;
   for (int64_t i = 0; i < nb; ++i) {
@@ -115,7 +167,7 @@ Status QuantizeRow(GgmlType type, const float* x, void* dst, int64_t n) {
       QuantizeRowQ8_0(x, static_cast<BlockQ8_0*>(dst), n);
       break;
     case GgmlType::kQ4_0:
-      QuantizeRowQ4_0(x, static_cast<BlockQ4_0*>(dst), n);
+      QuantizeRowQ4_0Optimal(x, static_cast<BlockQ4_0*>(dst), n);
       break;
     default:
       break;

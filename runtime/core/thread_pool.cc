@@ -1,9 +1,28 @@
-// ThreadPool: workers wait on a generation counter; each ParallelFor hands every thread one contiguous chunk.
+// ThreadPool: a job is published by bumping a generation counter; workers spin on it for a short while, then block.
 #include "runtime/core/thread_pool.h"
 
 #include <algorithm>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace nflash {
+namespace {
+
+// Spin iterations before blocking: about 10-50 microseconds, longer than the gap between two kernel calls of one
+// decode step, far shorter than the gap between tokens of an interactive session.
+constexpr int kSpinIterations = 1 << 11;
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+}  // namespace
 
 int ThreadPool::HardwareThreads() {
   unsigned n = std::thread::hardware_concurrency();
@@ -18,6 +37,7 @@ ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    generation_.fetch_add(1, std::memory_order_release);
   }
   work_cv_.notify_all();
   for (auto& t : workers_) t.join();
@@ -26,47 +46,56 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::WorkerLoop(int index) {
   uint64_t seen = 0;
   for (;;) {
-    const std::function<void(int64_t, int64_t, int)>* job;
-    int64_t begin, end;
-    {
+    uint64_t gen = generation_.load(std::memory_order_acquire);
+    for (int spin = 0; gen == seen && spin < kSpinIterations; ++spin) {
+      CpuRelax();
+      gen = generation_.load(std::memory_order_acquire);
+    }
+    if (gen == seen) {
       std::unique_lock<std::mutex> lock(mu_);
-      work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      ++sleepers_;
+      work_cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+      --sleepers_;
+      gen = generation_.load(std::memory_order_acquire);
       if (stop_) return;
-      seen = generation_;
-      job = job_;
-      begin = std::min(job_n_, job_chunk_ * index);
-      end = std::min(job_n_, begin + job_chunk_);
-    }
-    if (begin < end) (*job)(begin, end, index);
-    {
+    } else {
       std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_cv_.notify_one();
+      if (stop_) return;
     }
+    seen = gen;
+    const int64_t begin = std::min(job_n_, job_chunk_ * index);
+    const int64_t end = std::min(job_n_, begin + job_chunk_);
+    if (begin < end) (*job_)(begin, end, index);
+    pending_.fetch_sub(1, std::memory_order_acq_rel);
   }
 }
 
 void ThreadPool::ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t, int)>& fn) {
   if (n <= 0) return;
   grain = std::max<int64_t>(grain, 1);
-  int64_t chunks_of_grain = (n + grain - 1) / grain;
+  const int64_t chunks_of_grain = (n + grain - 1) / grain;
   if (num_threads_ == 1 || chunks_of_grain == 1) {
     fn(0, n, 0);
     return;
   }
-  int64_t per_thread = (chunks_of_grain + num_threads_ - 1) / num_threads_;
-  int64_t chunk = per_thread * grain;
+  const int64_t per_thread = (chunks_of_grain + num_threads_ - 1) / num_threads_;
+  job_ = &fn;
+  job_n_ = n;
+  job_chunk_ = per_thread * grain;
+  pending_.store(num_threads_ - 1, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    job_ = &fn;
-    job_n_ = n;
-    job_chunk_ = chunk;
-    pending_ = num_threads_ - 1;
-    ++generation_;
+    generation_.fetch_add(1, std::memory_order_release);
+    if (sleepers_ > 0) work_cv_.notify_all();
   }
-  work_cv_.notify_all();
-  fn(0, std::min(n, chunk), 0);
-  std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return pending_ == 0; });
+  fn(0, std::min(n, job_chunk_), 0);
+  for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+    if (spin < kSpinIterations) {
+      CpuRelax();
+    } else {
+      std::this_thread::yield();
+    }
+  }
   job_ = nullptr;
 }
 

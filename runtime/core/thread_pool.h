@@ -1,6 +1,7 @@
 // A fixed-size thread pool for data-parallel loops. Passed explicitly to whatever computes; never a singleton.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -12,6 +13,9 @@ namespace nflash {
 
 // Thread-safety: ParallelFor may be called from one thread at a time (it is not re-entrant); the calling thread takes
 // part in the work, so a pool of N threads starts N-1 workers.
+// Decode calls ParallelFor a few hundred times per token with microseconds of work each, so waking workers through a
+// condition variable alone (tens of microseconds per wake-up) would cost more than the work: workers and the caller
+// spin briefly on atomics first and only then block.
 class ThreadPool {
  public:
   // `num_threads` <= 0 means all hardware threads.
@@ -30,15 +34,16 @@ class ThreadPool {
   void WorkerLoop(int index);
   int num_threads_;
   std::vector<std::thread> workers_;
-  std::mutex mu_;
+  std::mutex mu_;                 // guards sleeping workers and stop_ for the condition variable
   std::condition_variable work_cv_;
-  std::condition_variable done_cv_;
+  int sleepers_ = 0;              // workers blocked on work_cv_ (guarded by mu_)
+  bool stop_ = false;             // guarded by mu_; also published through generation_
+  // The current job, published by incrementing generation_ (release) and read after seeing it (acquire).
   const std::function<void(int64_t, int64_t, int)>* job_ = nullptr;
   int64_t job_n_ = 0;
   int64_t job_chunk_ = 0;
-  uint64_t generation_ = 0;
-  int pending_ = 0;
-  bool stop_ = false;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> pending_{0};   // workers that have not finished the current job
 };
 
 }  // namespace nflash

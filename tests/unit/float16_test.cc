@@ -35,7 +35,9 @@ TEST(Float16Test, DecodesEveryValueAsTheIeeeFormula) {
       continue;
     }
     ASSERT_EQ(static_cast<double>(f), Fp16Formula(static_cast<uint16_t>(h))) << std::hex << h;
-    if (h == 0x8000) EXPECT_TRUE(std::signbit(f)) << "negative zero keeps its sign";
+    if (h == 0x8000) {
+      EXPECT_TRUE(std::signbit(f)) << "negative zero keeps its sign";
+    }
   }
 }
 

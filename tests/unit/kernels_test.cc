@@ -217,9 +217,10 @@ TEST_P(KernelIsaTest, AccumulateRowsMatchesReference) {
 }
 
 TEST_P(KernelIsaTest, ThreadCountsGiveBitIdenticalResults) {
-  // Sizes chosen so that the kernels' minimum chunk (64 KiB of weights) still yields 2-3 chunks per call.
+  // Sizes chosen so that the kernels' chunk (>= 256 KiB of weights) still gives every call at least 2 chunks: e.g.
+  // Q4_0 Gemv 464-row chunks of 1500 rows, AccumulateRows 1024-column chunks of 2048 columns.
   for (GgmlType type : kTypes) {
-    const int64_t rows = 1500, cols = 1024;
+    const int64_t rows = 1500, cols = 2048;
     const TestMatrix m = MakeMatrix(type, rows, cols, 21);
     const auto x = RandomFloats(4 * cols, 22);
     const auto idx = RandomRows(rows, 0.4, 23);
