@@ -136,17 +136,23 @@ Status CheckRowLength(GgmlType type, int64_t n, const char* what) {
 
 }  // namespace
 
-Status QuantizeRow(GgmlType type, const float* x, void* dst, int64_t n) {
+bool IsRowType(GgmlType type) {
   switch (type) {
     case GgmlType::kF32:
     case GgmlType::kF16:
     case GgmlType::kBF16:
     case GgmlType::kQ8_0:
     case GgmlType::kQ4_0:
-      break;
+      return true;
     default:
-      return Status::Unsupported("QuantizeRow: type " + std::string(GgmlTypeName(type)) +
-                                 " is not supported (expected f32, f16, bf16, q8_0 or q4_0)");
+      return false;
+  }
+}
+
+Status QuantizeRow(GgmlType type, const float* x, void* dst, int64_t n) {
+  if (!IsRowType(type)) {
+    return Status::Unsupported("QuantizeRow: type " + std::string(GgmlTypeName(type)) +
+                               " is not supported (expected f32, f16, bf16, q8_0 or q4_0)");
   }
   NF_RETURN_IF_ERROR(CheckRowLength(type, n, "QuantizeRow"));
   switch (type) {
@@ -176,16 +182,9 @@ Status QuantizeRow(GgmlType type, const float* x, void* dst, int64_t n) {
 }
 
 Status DequantizeRow(GgmlType type, const void* src, float* y, int64_t n) {
-  switch (type) {
-    case GgmlType::kF32:
-    case GgmlType::kF16:
-    case GgmlType::kBF16:
-    case GgmlType::kQ8_0:
-    case GgmlType::kQ4_0:
-      break;
-    default:
-      return Status::Unsupported("DequantizeRow: type " + std::string(GgmlTypeName(type)) +
-                                 " is not supported (expected f32, f16, bf16, q8_0 or q4_0)");
+  if (!IsRowType(type)) {
+    return Status::Unsupported("DequantizeRow: type " + std::string(GgmlTypeName(type)) +
+                               " is not supported (expected f32, f16, bf16, q8_0 or q4_0)");
   }
   NF_RETURN_IF_ERROR(CheckRowLength(type, n, "DequantizeRow"));
   switch (type) {

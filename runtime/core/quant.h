@@ -37,6 +37,9 @@ void QuantizeRowQ4_0Optimal(const float* x, BlockQ4_0* y, int64_t n);
 void DequantizeRowQ8_0(const BlockQ8_0* x, float* y, int64_t n);
 void DequantizeRowQ4_0(const BlockQ4_0* x, float* y, int64_t n);
 
+// True for the row types QuantizeRow / DequantizeRow and the kernels handle: F32, F16, BF16, Q8_0, Q4_0.
+bool IsRowType(GgmlType type);
+
 // Converts `n` floats to a row of `type` (F32, F16, BF16, Q8_0, Q4_0); Unsupported for other types, InvalidArgument
 // when n is not a multiple of the block size.
 Status QuantizeRow(GgmlType type, const float* x, void* dst, int64_t n);
