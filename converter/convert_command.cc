@@ -25,6 +25,7 @@ struct ConvertFlags {
   std::string tokenizer;
   std::string activation;
   bool force = false;
+  bool q4_reference = false;
 };
 
 enum class InputFormat { kHfDirectory, kGguf, kLlama2c };
@@ -107,6 +108,7 @@ Status RunConvert(const ConvertFlags& flags) {
   options.path = flags.output;
   options.type = *type;
   options.overwrite = flags.force;
+  options.q4_0_scale_search = !flags.q4_reference;
   options.progress = GetLogLevel() <= LogLevel::kInfo;
   WriteSummary summary;
   NF_RETURN_IF_ERROR(WriteModelGguf(model, options, &summary));
@@ -147,6 +149,8 @@ void RegisterConvertCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--activation", flags->activation,
                   "FFN activation silu|relu|drelu (default: what the input says; silu for llama2.c)");
   cmd->add_flag("--force", flags->force, "Overwrite the output if it exists");
+  cmd->add_flag("--q4-reference", flags->q4_reference,
+                "Q4_0 with ggml's reference rounding (bit-identical to llama.cpp) instead of error-minimising scales");
   cmd->callback([flags, action] { *action = [flags] { return RunConvert(*flags); }; });
 }
 

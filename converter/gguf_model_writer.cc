@@ -9,6 +9,7 @@
 #include "runtime/core/gguf.h"
 #include "runtime/core/log.h"
 #include "runtime/core/quant.h"
+#include "runtime/core/thread_pool.h"
 
 namespace nflash::converter {
 namespace {
@@ -208,7 +209,8 @@ void SetMetadata(const SourceModel& m, uint32_t file_type, GgufWriter* w) {
 }
 
 // The bytes of `t` in `type`: the source bytes when unchanged, else F32 converted row by row.
-Result<std::vector<uint8_t>> TensorBytes(const SourceTensor& t, GgmlType type, uint64_t n_elements, uint64_t n_bytes,
+Result<std::vector<uint8_t>> TensorBytes(ThreadPool* pool, bool q4_0_scale_search, const SourceTensor& t,
+                                         GgmlType type, uint64_t n_elements, uint64_t n_bytes,
                                          bool* copied) {
   *copied = false;
   if (t.source_type == type && t.load_raw) {
@@ -228,10 +230,21 @@ Result<std::vector<uint8_t>> TensorBytes(const SourceTensor& t, GgmlType type, u
   std::vector<uint8_t> out(n_bytes);
   const uint64_t row = t.dims[0];
   const uint64_t row_bytes = n_bytes / (n_elements / row);
-  for (uint64_t r = 0; r < n_elements / row; ++r) {
-    Status s = QuantizeRow(type, x.data() + r * row, out.data() + r * row_bytes, static_cast<int64_t>(row));
-    if (!s.ok()) return s.WithContext("tensor " + t.name + " row " + std::to_string(r));
-  }
+  // Rows are independent: quantize them in parallel (the output does not depend on the partition).
+  std::vector<Status> errors(static_cast<size_t>(pool->NumThreads()));
+  pool->ParallelFor(static_cast<int64_t>(n_elements / row), 64, [&](int64_t begin, int64_t end, int thread) {
+    for (int64_t r = begin; r < end && errors[thread].ok(); ++r) {
+      Status s;
+      if (type == GgmlType::kQ4_0 && q4_0_scale_search && row % kQBlock == 0) {
+        QuantizeRowQ4_0Optimal(x.data() + r * row, reinterpret_cast<BlockQ4_0*>(out.data() + r * row_bytes),
+                               static_cast<int64_t>(row));
+      } else {
+        s = QuantizeRow(type, x.data() + r * row, out.data() + r * row_bytes, static_cast<int64_t>(row));
+      }
+      if (!s.ok()) errors[thread] = s.WithContext("tensor " + t.name + " row " + std::to_string(r));
+    }
+  });
+  for (const Status& e : errors) NF_RETURN_IF_ERROR(e);
   return out;
 }
 
@@ -306,9 +319,11 @@ Status WriteModelGguf(const SourceModel& model, const WriteOptions& options, Wri
   std::unique_ptr<ProgressBar> progress;
   if (options.progress) progress = std::make_unique<ProgressBar>("writing " + options.path, total_bytes);
   uint64_t done = 0;
+  ThreadPool pool(options.threads);
   for (const Planned& p : plan) {
     bool copied = false;
-    NF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, TensorBytes(*p.src, p.type, p.n_elements, p.n_bytes, &copied));
+    NF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, TensorBytes(&pool, options.q4_0_scale_search, *p.src, p.type,
+                                                                p.n_elements, p.n_bytes, &copied));
     NF_RETURN_IF_ERROR(writer.WriteTensorData(p.src->name, bytes));
     if (copied) ++s.raw_copies;
     ++s.tensors_by_type[p.type];

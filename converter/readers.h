@@ -29,6 +29,10 @@ struct WriteOptions {
   GgmlType type = GgmlType::kF32;  // F32, F16, Q8_0 or Q4_0 for 2-D weights; norms stay F32
   bool overwrite = false;
   bool progress = true;
+  int threads = 0;  // quantization threads (0: all cores)
+  // Q4_0 with an error-minimising scale per block (QuantizeRowQ4_0Optimal); false: ggml's reference rounding,
+  // bit-identical to llama.cpp's quantizer and ~20x faster.
+  bool q4_0_scale_search = true;
 };
 // Writes `model` as a llama.cpp-compatible GGUF v3 file (temporary name, renamed when complete).
 Status WriteModelGguf(const SourceModel& model, const WriteOptions& options);

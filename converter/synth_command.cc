@@ -46,6 +46,8 @@ Status RunSynth(SynthFlags flags) {
   WriteOptions options;
   options.path = flags.output;
   options.type = *type;
+  // Synthetic weights carry no quality to preserve, and the calibration simulated them with QuantizeRow's rounding.
+  options.q4_0_scale_search = false;
   options.overwrite = flags.force;
   options.progress = GetLogLevel() <= LogLevel::kInfo;
   WriteSummary summary;

@@ -1,7 +1,7 @@
 // Kernel microbenchmarks: STREAM-like memory bandwidth measured in the same run, then GEMV / sparse GEMV /
 // AccumulateRows per weight type as GB/s of weights and as a fraction of that bandwidth (bw_ratio), and GEMM GFLOP/s.
 //
-// Usage: nflash_kernel_bench [--isa=scalar|avx2] [google benchmark flags]
+// Usage: nflash_kernel_bench [--isa=scalar|avx2|avx512] [google benchmark flags]
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -292,11 +292,19 @@ void Register() {
 }  // namespace nflash
 
 int main(int argc, char** argv) {
-  // Our own flag first: --isa=scalar forces the scalar kernels (the default is the best the CPU has).
+  // Our own flag first: --isa=NAME forces those kernels (the default is the best the CPU has).
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--isa=scalar") == 0 || std::strcmp(argv[i], "--isa=avx2") == 0) {
-      const bool avx2 = std::strcmp(argv[i], "--isa=avx2") == 0;
-      if (!nflash::SetKernelIsa(avx2 ? nflash::KernelIsa::kAvx2 : nflash::KernelIsa::kScalar)) {
+    if (std::strncmp(argv[i], "--isa=", 6) == 0) {
+      bool known = false;
+      nflash::KernelIsa isa = nflash::KernelIsa::kScalar;
+      for (nflash::KernelIsa k : {nflash::KernelIsa::kScalar, nflash::KernelIsa::kAvx2, nflash::KernelIsa::kAvx512}) {
+        if (std::strcmp(argv[i] + 6, nflash::KernelIsaName(k)) == 0) known = true, isa = k;
+      }
+      if (!known) {
+        std::fprintf(stderr, "unknown %s (expected scalar, avx2 or avx512)\n", argv[i]);
+        return 2;
+      }
+      if (!nflash::SetKernelIsa(isa)) {
         std::fprintf(stderr, "this CPU cannot run %s\n", argv[i]);
         return 2;
       }

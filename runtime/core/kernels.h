@@ -1,11 +1,12 @@
 // Compute kernels of the runtime: dense and row-sparse matrix-vector / matrix-matrix products over F32, F16, BF16,
-// Q8_0 and Q4_0 weights, with a scalar path and an AVX2 path chosen at run time.
+// Q8_0 and Q4_0 weights, with a scalar path, an AVX2 path and an AVX-512 path (Q4_0/Q8_0 dots; the rest as AVX2)
+// chosen at run time.
 //
 // Numerics (as llama.cpp): Q8_0/Q4_0 weights are multiplied with the activation quantized to Q8_0 by
 // QuantizeRowQ8_0 (integer dot per block of 32, scaled by d_w * d_x in float); F32/F16/BF16 weights with the float
 // activation. Results are deterministic: every output element is computed by one thread in a fixed order, so it does
 // not depend on the thread count or on how rows are partitioned, and Gemm gives bit-for-bit the same values as Gemv
-// for each token (same ISA). The scalar and AVX2 paths agree to rounding, not bit for bit.
+// for each token (same ISA). The ISAs agree with each other to rounding, not bit for bit.
 #pragma once
 
 #include <cstddef>
@@ -36,9 +37,13 @@ MatrixView DenseMatrix(GgmlType type, const void* data, int64_t rows, int64_t co
 // row_bytes large enough, data set when rows > 0. The kernels themselves abort on a view that fails this check.
 Status ValidateMatrix(const MatrixView& w, const char* name);
 
-enum class KernelIsa { kScalar, kAvx2 };
+enum class KernelIsa { kScalar, kAvx2, kAvx512 };
 // True when the CPU has AVX2, FMA and F16C (all three are needed by the AVX2 path).
 bool CpuHasAvx2();
+// True when the CPU (and OS) has AVX-512 F, BW, VL and VNNI plus everything CpuHasAvx2 needs.
+bool CpuHasAvx512();
+// The fastest ISA this CPU runs: kAvx512, else kAvx2, else kScalar. ActiveIsa() starts as this.
+KernelIsa BestKernelIsa();
 // The ISA used by every kernel call from now on; the best the CPU supports unless changed by SetKernelIsa.
 KernelIsa ActiveIsa();
 // Forces an ISA (tests and comparisons). Returns false, changing nothing, when the CPU cannot run it.

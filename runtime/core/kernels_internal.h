@@ -1,5 +1,5 @@
 // Per-ISA kernel entry points behind kernels.h: kernels.cc validates, dispatches and splits work over threads; the
-// scalar and AVX2 files compute one thread's share.
+// scalar, AVX2 and AVX-512 files compute one thread's share.
 #pragma once
 
 #include <cstddef>
@@ -41,5 +41,7 @@ struct IsaKernels {
 
 extern const IsaKernels kScalarKernels;
 extern const IsaKernels kAvx2Kernels;
+// Q4_0/Q8_0 dots in AVX-512; everything else forwards to kAvx2Kernels (a CPU with the one has the other).
+extern const IsaKernels kAvx512Kernels;
 
 }  // namespace nflash::internal

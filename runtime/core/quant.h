@@ -32,7 +32,8 @@ void QuantizeRowQ8_0(const float* x, BlockQ8_0* y, int64_t n);
 void QuantizeRowQ4_0(const float* x, BlockQ4_0* y, int64_t n);
 // Q4_0 with an error-minimising scale per block (same layout, so any Q4_0 reader decodes it): tries 19 scales around
 // ggml's max/-8 and keeps, for the best rounding, the least-squares scale (the idea of llama.cpp's make_qx_quants,
-// unweighted). Its squared error per block is never above that of QuantizeRowQ4_0. The converter uses this one.
+// unweighted). Its squared error per block is never above that of QuantizeRowQ4_0. The converter uses it by default
+// (WriteOptions::q4_0_scale_search); about 20 times slower than QuantizeRowQ4_0.
 void QuantizeRowQ4_0Optimal(const float* x, BlockQ4_0* y, int64_t n);
 void DequantizeRowQ8_0(const BlockQ8_0* x, float* y, int64_t n);
 void DequantizeRowQ4_0(const BlockQ4_0* x, float* y, int64_t n);
@@ -40,7 +41,7 @@ void DequantizeRowQ4_0(const BlockQ4_0* x, float* y, int64_t n);
 // True for the row types QuantizeRow / DequantizeRow and the kernels handle: F32, F16, BF16, Q8_0, Q4_0.
 bool IsRowType(GgmlType type);
 
-// Converts `n` floats to a row of `type` (F32, F16, BF16, Q8_0, Q4_0); Unsupported for other types, InvalidArgument
+// Converts `n` floats to a row of `type` (F32, F16, BF16, Q8_0, Q4_0), bit-identical to ggml's reference quantizers; Unsupported for other types, InvalidArgument
 // when n is not a multiple of the block size.
 Status QuantizeRow(GgmlType type, const float* x, void* dst, int64_t n);
 // Converts a row of `type` (F32, F16, BF16, Q8_0, Q4_0) to floats.

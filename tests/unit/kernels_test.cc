@@ -1,5 +1,6 @@
 // Tests of the compute kernels: every kernel x weight type x ISA against a double-precision reference built from the
-// dequantized weights (and the Q8_0-quantized activation where the kernel quantizes it), AVX2 vs scalar agreement,
+// dequantized weights (and the Q8_0-quantized activation where the kernel quantizes it), AVX2 / AVX-512 vs scalar
+// agreement,
 // odd shapes, thread-count independence (bit-exact) and sparse = dense restricted to the chosen rows.
 #include <gtest/gtest.h>
 
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/core/float16.h"
 #include "runtime/core/kernels.h"
 #include "runtime/core/quant.h"
 #include "runtime/core/thread_pool.h"
@@ -108,7 +110,7 @@ class KernelIsaTest : public ::testing::TestWithParam<KernelIsa> {
   void SetUp() override {
     if (!SetKernelIsa(GetParam())) GTEST_SKIP() << "CPU lacks " << KernelIsaName(GetParam());
   }
-  void TearDown() override { SetKernelIsa(CpuHasAvx2() ? KernelIsa::kAvx2 : KernelIsa::kScalar); }
+  void TearDown() override { SetKernelIsa(BestKernelIsa()); }
 };
 
 TEST_P(KernelIsaTest, GemvAndRowDotMatchReference) {
@@ -151,6 +153,32 @@ TEST_P(KernelIsaTest, GemmMatchesReferenceAndEqualsGemvPerTokenExactly) {
         }
       }
     }
+  }
+}
+
+// Q8_0 weights written by other tools may hold -128, which the quantizer never produces; the kernels must still
+// give the exact block dot (AVX2 via |w| = 128 read unsigned, AVX-512 via w + 128 = 0).
+TEST_P(KernelIsaTest, Q8_0WeightsOfMinus128AreExact) {
+  const int64_t rows = 9, cols = 96;  // 3 blocks per row: a pair and an odd tail for the 2-block AVX-512 step
+  TestMatrix m{GgmlType::kQ8_0, rows, cols, *RowBytes(GgmlType::kQ8_0, cols), {}, std::vector<double>(rows * cols)};
+  m.data.resize(m.row_bytes * rows);
+  std::mt19937 rng(41);
+  std::uniform_int_distribution<int> byte(-128, 127);
+  for (int64_t r = 0; r < rows; ++r) {
+    auto* blocks = reinterpret_cast<BlockQ8_0*>(m.data.data() + r * m.row_bytes);
+    for (int64_t b = 0; b < cols / 32; ++b) {
+      blocks[b].d = Fp32ToFp16(0.01f * static_cast<float>(r + b + 1));
+      for (int j = 0; j < 32; ++j) blocks[b].qs[j] = static_cast<int8_t>((j + r) % 5 == 0 ? -128 : byte(rng));
+      for (int j = 0; j < 32; ++j) m.deq[r * cols + b * 32 + j] = Fp16ToFp32(blocks[b].d) * blocks[b].qs[j];
+    }
+  }
+  const auto x = RandomFloats(cols, 42);
+  const auto xe = EffectiveActivation(GgmlType::kQ8_0, x.data(), cols);
+  std::vector<float> y(rows);
+  Gemv(m.view(), x.data(), y.data(), nullptr);
+  for (int64_t r = 0; r < rows; ++r) {
+    const RefDot ref = Reference(m, r, xe);
+    ASSERT_NEAR(y[r], ref.value, ref.tol) << Name(GgmlType::kQ8_0, rows, cols) << " row " << r;
   }
 }
 
@@ -246,11 +274,19 @@ TEST_P(KernelIsaTest, ThreadCountsGiveBitIdenticalResults) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Isa, KernelIsaTest, ::testing::Values(KernelIsa::kScalar, KernelIsa::kAvx2),
+INSTANTIATE_TEST_SUITE_P(Isa, KernelIsaTest,
+                         ::testing::Values(KernelIsa::kScalar, KernelIsa::kAvx2, KernelIsa::kAvx512),
                          [](const auto& info) { return std::string(KernelIsaName(info.param)); });
 
-TEST(KernelAgreementTest, Avx2AndScalarAgreeWithinRounding) {
-  if (!CpuHasAvx2()) GTEST_SKIP() << "CPU lacks AVX2";
+// Each vector ISA against the scalar path on the same inputs (the per-ISA tests above check each against the exact
+// value; this checks that they are the same function).
+class KernelAgreementTest : public ::testing::TestWithParam<KernelIsa> {
+ protected:
+  void TearDown() override { SetKernelIsa(BestKernelIsa()); }
+};
+
+TEST_P(KernelAgreementTest, VectorIsaAndScalarAgreeWithinRounding) {
+  if (!SetKernelIsa(GetParam())) GTEST_SKIP() << "CPU lacks " << KernelIsaName(GetParam());
   for (GgmlType type : kTypes) {
     const int64_t rows = 37, cols = 512;
     const TestMatrix m = MakeMatrix(type, rows, cols, 31);
@@ -261,7 +297,7 @@ TEST(KernelAgreementTest, Avx2AndScalarAgreeWithinRounding) {
     ASSERT_TRUE(SetKernelIsa(KernelIsa::kScalar));
     Gemm(m.view(), x.data(), 3, gs.data(), nullptr);
     AccumulateRows(m.view(), idx, a.data(), as.data(), nullptr);
-    ASSERT_TRUE(SetKernelIsa(KernelIsa::kAvx2));
+    ASSERT_TRUE(SetKernelIsa(GetParam()));
     Gemm(m.view(), x.data(), 3, ga.data(), nullptr);
     AccumulateRows(m.view(), idx, a.data(), aa.data(), nullptr);
     for (int64_t t = 0; t < 3; ++t) {
@@ -280,12 +316,23 @@ TEST(KernelAgreementTest, Avx2AndScalarAgreeWithinRounding) {
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(Isa, KernelAgreementTest, ::testing::Values(KernelIsa::kAvx2, KernelIsa::kAvx512),
+                         [](const auto& info) { return std::string(KernelIsaName(info.param)); });
+
 TEST(KernelIsaSelectionTest, DefaultIsTheBestTheCpuHas) {
-  EXPECT_EQ(ActiveIsa(), CpuHasAvx2() ? KernelIsa::kAvx2 : KernelIsa::kScalar);
+  const KernelIsa best = CpuHasAvx512() ? KernelIsa::kAvx512 : CpuHasAvx2() ? KernelIsa::kAvx2 : KernelIsa::kScalar;
+  EXPECT_EQ(BestKernelIsa(), best);
+  EXPECT_EQ(ActiveIsa(), best);
+  EXPECT_TRUE(!CpuHasAvx512() || CpuHasAvx2());
   EXPECT_TRUE(SetKernelIsa(KernelIsa::kScalar));
   EXPECT_EQ(ActiveIsa(), KernelIsa::kScalar);
   EXPECT_EQ(SetKernelIsa(KernelIsa::kAvx2), CpuHasAvx2());
   EXPECT_EQ(ActiveIsa(), CpuHasAvx2() ? KernelIsa::kAvx2 : KernelIsa::kScalar);
+  EXPECT_TRUE(SetKernelIsa(KernelIsa::kScalar));
+  EXPECT_EQ(SetKernelIsa(KernelIsa::kAvx512), CpuHasAvx512());
+  EXPECT_EQ(ActiveIsa(), CpuHasAvx512() ? KernelIsa::kAvx512 : KernelIsa::kScalar);
+  EXPECT_STREQ(KernelIsaName(KernelIsa::kAvx512), "avx512");
+  SetKernelIsa(best);
 }
 
 TEST(ValidateMatrixTest, RejectsWhatTheKernelsCannotRun) {

@@ -199,9 +199,9 @@ TEST(QuantRowTest, DispatchesAndConvertsEachType) {
   ASSERT_TRUE(DequantizeRow(GgmlType::kQ8_0, buf.data(), y.data(), n).ok());
   EXPECT_EQ(y, y2);
 
-  // QuantizeRow's Q4_0 is the error-minimising variant (what the converter writes), not the ggml reference.
+  // QuantizeRow's Q4_0 is ggml's reference rounding (the converter calls the error-minimising variant itself).
   std::vector<BlockQ4_0> q4(n / 32);
-  QuantizeRowQ4_0Optimal(x.data(), q4.data(), n);
+  QuantizeRowQ4_0(x.data(), q4.data(), n);
   ASSERT_TRUE(QuantizeRow(GgmlType::kQ4_0, x.data(), buf.data(), n).ok());
   EXPECT_EQ(std::memcmp(buf.data(), q4.data(), sizeof(BlockQ4_0) * q4.size()), 0);
   DequantizeRowQ4_0(q4.data(), y2.data(), n);

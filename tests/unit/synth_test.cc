@@ -52,6 +52,7 @@ std::string Write(const SynthOptions& o, const std::string& path) {
   w.type = o.type;
   w.overwrite = true;
   w.progress = false;
+  w.q4_0_scale_search = false;  // as `nflash synth`: the rounding the calibration simulated
   const Status s = WriteModelGguf(*model, w);
   return s.ok() ? "" : s.ToString();
 }

@@ -1,0 +1,244 @@
+// AVX-512 (F, BW, VL, VNNI) kernels for Q4_0 and Q8_0 dot products; every other kernel reuses the AVX2 code (this
+// file alone is compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mfma -mf16c; kernels.cc calls it only on
+// CPUs that have all of them).
+//
+// One 512-bit step covers two consecutive 32-weight blocks (64 lanes of bytes: block b, then block b + 1). Weights
+// become unsigned codes u = w + K (K = 8 for the Q4_0 nibbles, which already are w + 8; K = 128 for Q8_0, by flipping
+// the sign bit), so `vpdpbusd` (unsigned x signed bytes, exact int32 sums of 4) multiplies them directly with the
+// Q8_0 activation: (u - K) . x = u . x - K * sum(x). The K * sum(x) term is computed once per token and step,
+// shared by the tile's rows, and seeds the dpbusd accumulator, so it costs the rows nothing.
+
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*() values and warn about them (GCC bug 105593) wherever
+// they are inlined; the warning is about the compiler's own header, so it is silenced for that header only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include <algorithm>
+
+#include "runtime/core/kernels_internal.h"
+
+namespace nflash::internal {
+namespace {
+
+// Rows per micro-tile for T tokens: the more rows share a token step (load, scales, -K * sum(x): ~9 instructions),
+// the less it costs per row; 8 rows x 1 token (8 accumulators, 8 weight steps of 2 registers) and 4 rows x 2 tokens
+// stay within the 32 zmm registers.
+template <int T>
+constexpr int kTileRowsFor = T == 1 ? 8 : 4;
+// Tokens per micro-tile in Gemm: 4 x 2 accumulators plus 4 unpacked weight steps and their scales use 16 of the 32
+// zmm registers; each unpacked step is reused for 2 tokens.
+constexpr int kTileTokens = 2;
+// Rows per cache block in Gemm: 16 rows of a 4096-wide Q4_0 matrix are 36 KiB, so they stay in L1/L2 while every
+// token tile streams past them; each weight row thus comes from DRAM once per Gemm call.
+constexpr int64_t kBlockRows = 16;
+
+template <GgmlType kType>
+constexpr size_t kBlockBytes = kType == GgmlType::kQ8_0 ? sizeof(BlockQ8_0) : sizeof(BlockQ4_0);
+
+inline float HSum(__m512 v) {
+  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));  // AVX512F, not DQ
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), upper);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One step of a weight row: the unsigned codes of blocks b and b + 1 (64 bytes, element order) and their scales
+// (16 floats: d_b in lanes 0-7, d_b+1 in lanes 8-15, matching the int32 lanes dpbusd produces per block). With
+// `kTwo` false only block b exists (odd block count): the loads are masked so nothing past it is read, and the
+// upper half is all zero (codes and scale), which adds exactly 0 to the accumulators.
+struct WeightStep {
+  __m512i u;
+  __m512 d;
+};
+
+template <GgmlType kType, bool kTwo>
+inline WeightStep LoadWeightStep(const uint8_t* blk) {
+  WeightStep s;
+  if constexpr (kType == GgmlType::kQ4_0) {
+    // Two 18-byte blocks are 18 words: d_b = word 0, qs_b = words 1-8, d_b+1 = word 9, qs_b+1 = words 10-17.
+    const __m512i raw = _mm512_maskz_loadu_epi16(kTwo ? 0x3ffff : 0x1ff, blk);
+    // 128-bit lanes: qs_b, qs_b, qs_b+1, qs_b+1; the odd lanes are shifted right by 4 (high nibbles = elements 16-31).
+    const __m512i idx = _mm512_set_epi16(17, 16, 15, 14, 13, 12, 11, 10, 17, 16, 15, 14, 13, 12, 11, 10,  //
+                                         8, 7, 6, 5, 4, 3, 2, 1, 8, 7, 6, 5, 4, 3, 2, 1);
+    const __m512i qs = _mm512_permutexvar_epi16(idx, raw);
+    const __m512i shifted = _mm512_srlv_epi64(qs, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0));
+    s.u = _mm512_and_si512(shifted, _mm512_set1_epi8(0x0f));
+    const __m512i didx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  //
+                                          9, 9, 9, 9, 9, 9, 9, 9, 0, 0, 0, 0, 0, 0, 0, 0);
+    s.d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(didx, raw)));
+  } else {
+    // Two 34-byte blocks are 34 words: d_b = word 0, qs_b = words 1-16, d_b+1 = word 17, qs_b+1 = words 18-33; the
+    // last two words come from a second (masked) load.
+    const __m512i lo = _mm512_maskz_loadu_epi16(kTwo ? ~0u : 0x1ffffu, blk);
+    const __m512i hi = _mm512_maskz_loadu_epi16(kTwo ? 0x3u : 0u, blk + 64);
+    // Indices >= 32 pick words of `hi`.
+    const __m512i idx = _mm512_set_epi16(33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,  //
+                                         16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1);
+    const __m512i qs = _mm512_permutex2var_epi16(lo, idx, hi);
+    // w + 128 as unsigned: flip the sign bit. The missing block's zero bytes would become 128; they meet zero
+    // activation bytes, so they still add 0, but keep them 0 for clarity.
+    s.u = _mm512_maskz_mov_epi8(kTwo ? ~0ull : 0xffffffffull, _mm512_xor_si512(qs, _mm512_set1_epi8(-128)));
+    const __m512i didx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  //
+                                          17, 17, 17, 17, 17, 17, 17, 17, 0, 0, 0, 0, 0, 0, 0, 0);
+    s.d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(didx, lo)));
+  }
+  return s;
+}
+
+// One step of a token: the activation bytes of blocks b and b + 1, their scales as in WeightStep, and -K * sum(x)
+// per int32 lane (the dpbusd seed). Block b + 1 reads as zero when `kTwo` is false.
+struct TokenStep {
+  __m512i x;
+  __m512 d;
+  __m512i seed;
+};
+
+template <GgmlType kType, bool kTwo>
+inline TokenStep LoadTokenStep(const BlockQ8_0* xb) {
+  constexpr char kOffset = kType == GgmlType::kQ8_0 ? -128 : 8;  // K as an unsigned byte (0x80 = 128)
+  TokenStep s;
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[0].qs));
+  const __m256i x1 = kTwo ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[1].qs)) : _mm256_setzero_si256();
+  s.x = _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
+  const __m256i dh = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16(static_cast<short>(xb[0].d))),
+                                             _mm_set1_epi16(kTwo ? static_cast<short>(xb[1].d) : short{0}), 1);
+  s.d = _mm512_cvtph_ps(dh);
+  // |K * sum of 4 x| <= 128 * 4 * 127: exact.
+  const __m512i k_sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(kOffset), s.x);
+  s.seed = _mm512_sub_epi32(_mm512_setzero_si512(), k_sum);
+  return s;
+}
+
+// Blocks b (and b + 1 when `kTwo`) of R rows against T tokens, added to acc.
+template <GgmlType kType, int R, int T, bool kTwo>
+inline void QuantStep(const uint8_t* const* rows, const BlockQ8_0* x, int64_t nb, int64_t b, __m512 (&acc)[R][T]) {
+  WeightStep w[R];
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) w[r] = LoadWeightStep<kType, kTwo>(rows[r] + b * kBlockBytes<kType>);
+  #pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    const TokenStep xs = LoadTokenStep<kType, kTwo>(x + t * nb + b);
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i dot = _mm512_dpbusd_epi32(xs.seed, w[r].u, xs.x);
+      acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(w[r].d, xs.d), _mm512_cvtepi32_ps(dot), acc[r][t]);
+    }
+  }
+}
+
+// y[t * y_stride + r] = row r . token t for R rows and T tokens. Every (r, t) pair goes through the same operation
+// sequence whatever R and T are, so tiles and tails give identical values. `prefetch` (R rows, or nullptr) are the
+// rows of the next tile, touched one step ahead at the same offset (see the AVX2 file for why this matters).
+template <GgmlType kType, int R, int T>
+inline void QuantTile(const uint8_t* const* rows, const BlockQ8_0* x, int64_t nb, float* y, int64_t y_stride,
+                      const uint8_t* const* prefetch) {
+  constexpr size_t kStepBytes = 2 * kBlockBytes<kType>;
+  __m512 acc[R][T];
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 2) {
+    if (b + 2 > nb) {
+      QuantStep<kType, R, T, false>(rows, x, nb, b, acc);
+      break;
+    }
+    if (prefetch != nullptr) {
+      #pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const char* p = reinterpret_cast<const char*>(prefetch[r] + b * kBlockBytes<kType>);
+        _mm_prefetch(p, _MM_HINT_T0);
+        // A 68-byte Q8_0 step can span 2 lines beyond the first one touched; 36-byte Q4_0 steps cannot skip a line.
+        if constexpr (kStepBytes > 64) _mm_prefetch(p + 64, _MM_HINT_T0);
+      }
+    }
+    QuantStep<kType, R, T, true>(rows, x, nb, b, acc);
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) y[t * y_stride + r] = HSum(acc[r][t]);
+}
+
+// Rows [i0, i1) against tokens [t0, t0 + T). The first token tile prefetches the next row tile; later token tiles
+// find the rows in cache.
+template <GgmlType kType, int T>
+void RowsAgainstTokens(const RowSet& rs, int64_t i0, int64_t i1, const TokenSet& x, int64_t t0, float* y,
+                       int64_t y_stride) {
+  const int64_t nb = x.cols / kQBlock;
+  const BlockQ8_0* xt = x.q8 + t0 * nb;
+  float* yt = y + t0 * y_stride;
+  constexpr int kTileRows = kTileRowsFor<T>;
+  int64_t i = i0;
+  const uint8_t* rows[kTileRows];
+  const uint8_t* next[kTileRows];
+  if (i + kTileRows <= i1) {
+    for (int r = 0; r < kTileRows; ++r) next[r] = rs.Row(i + r);
+  }
+  for (; i + kTileRows <= i1; i += kTileRows) {
+    for (int r = 0; r < kTileRows; ++r) rows[r] = next[r];
+    const bool has_next = i + 2 * kTileRows <= i1;
+    if (has_next) {
+      for (int r = 0; r < kTileRows; ++r) next[r] = rs.Row(i + kTileRows + r);
+    }
+    QuantTile<kType, kTileRows, T>(rows, xt, nb, yt + i, y_stride, has_next && t0 == 0 ? next : nullptr);
+  }
+  if constexpr (kTileRows > 4) {
+    for (; i + 4 <= i1; i += 4) {
+      for (int r = 0; r < 4; ++r) rows[r] = rs.Row(i + r);
+      QuantTile<kType, 4, T>(rows, xt, nb, yt + i, y_stride, nullptr);
+    }
+  }
+  for (; i < i1; ++i) {
+    const uint8_t* row = rs.Row(i);
+    QuantTile<kType, 1, T>(&row, xt, nb, yt + i, y_stride, nullptr);
+  }
+}
+
+template <GgmlType kType>
+void DotRowsT(const RowSet& rs, int64_t begin, int64_t end, const TokenSet& x, float* y, int64_t y_stride) {
+  if (x.n == 1) {
+    RowsAgainstTokens<kType, 1>(rs, begin, end, x, 0, y, y_stride);
+    return;
+  }
+  for (int64_t i0 = begin; i0 < end; i0 += kBlockRows) {
+    const int64_t i1 = std::min(end, i0 + kBlockRows);
+    int64_t t = 0;
+    for (; t + kTileTokens <= x.n; t += kTileTokens) {
+      RowsAgainstTokens<kType, kTileTokens>(rs, i0, i1, x, t, y, y_stride);
+    }
+    for (; t < x.n; ++t) RowsAgainstTokens<kType, 1>(rs, i0, i1, x, t, y, y_stride);
+  }
+}
+
+// Quantized types use the code above for every token count (Gemv, GemvRows and Gemm alike, so Gemm still equals
+// Gemv bit for bit); float types run the AVX2 kernels, whose FMA throughput AVX-512 would not raise on this class of
+// memory-bound loop.
+void DotRowsAvx512(GgmlType type, const RowSet& rows, int64_t begin, int64_t end, const TokenSet& x, float* y,
+                   int64_t y_stride) {
+  switch (type) {
+    case GgmlType::kQ8_0:
+      return DotRowsT<GgmlType::kQ8_0>(rows, begin, end, x, y, y_stride);
+    case GgmlType::kQ4_0:
+      return DotRowsT<GgmlType::kQ4_0>(rows, begin, end, x, y, y_stride);
+    default:
+      return kAvx2Kernels.dot_rows(type, rows, begin, end, x, y, y_stride);
+  }
+}
+
+// AccumulateRows multiplies by float coefficients, not by a quantized activation, so it keeps the AVX2 code.
+void AccumulateAvx512(GgmlType type, const RowSet& rows, int64_t count, const float* a, int64_t c0, int64_t c1,
+                      float* y) {
+  kAvx2Kernels.accumulate(type, rows, count, a, c0, c1, y);
+}
+
+}  // namespace
+
+const IsaKernels kAvx512Kernels = {DotRowsAvx512, AccumulateAvx512};
+
+}  // namespace nflash::internal
