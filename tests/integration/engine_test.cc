@@ -105,10 +105,12 @@ TEST(EngineTest, PrefillEqualsTokenByToken) {
 }
 
 // A small random Mixtral-shape model written directly with GgufWriter (F32), independent of the converter.
-std::string WriteTinyMoe(const testing::TempDir& dir, int64_t n_exp, int64_t top_k) {
+std::string WriteTinyMoe(const testing::TempDir& dir, int64_t n_exp, int64_t top_k,
+                         const std::string& arch = "llama", const std::string& skip_tensor = "",
+                         const std::string& name = "moe.gguf", uint64_t q_rows = 64) {
   const int64_t dim = 64, n_ff = 96, layers = 2, vocab = 40, heads = 4, kv_heads = 2, kv_dim = dim / heads * kv_heads;
   GgufWriter w;
-  w.Set("general.architecture", "llama");
+  w.Set("general.architecture", arch);
   w.Set("general.name", "tiny moe test");
   w.Set("llama.context_length", uint32_t{64});
   w.Set("llama.embedding_length", uint32_t(dim));
@@ -124,7 +126,7 @@ std::string WriteTinyMoe(const testing::TempDir& dir, int64_t n_exp, int64_t top
   for (int l = 0; l < layers; ++l) {
     std::string p = "blk." + std::to_string(l) + ".";
     tensors.push_back({p + "attn_norm.weight", {dim}});
-    tensors.push_back({p + "attn_q.weight", {dim, dim}});
+    tensors.push_back({p + "attn_q.weight", {dim, l == 0 ? q_rows : dim}});
     tensors.push_back({p + "attn_k.weight", {dim, uint64_t(kv_dim)}});
     tensors.push_back({p + "attn_v.weight", {dim, uint64_t(kv_dim)}});
     tensors.push_back({p + "attn_output.weight", {dim, dim}});
@@ -134,8 +136,11 @@ std::string WriteTinyMoe(const testing::TempDir& dir, int64_t n_exp, int64_t top
     tensors.push_back({p + "ffn_up_exps.weight", {dim, n_ff, uint64_t(n_exp)}});
     tensors.push_back({p + "ffn_down_exps.weight", {n_ff, dim, uint64_t(n_exp)}});
   }
-  for (auto& [name, dims] : tensors) EXPECT_TRUE(w.AddTensor(name, GgmlType::kF32, dims).ok());
-  std::string path = dir.File("moe.gguf");
+  if (!skip_tensor.empty()) {
+    std::erase_if(tensors, [&](const auto& t) { return t.first == skip_tensor; });
+  }
+  for (auto& [tname, dims] : tensors) EXPECT_TRUE(w.AddTensor(tname, GgmlType::kF32, dims).ok());
+  std::string path = dir.File(name);
   EXPECT_TRUE(w.Begin(path, true).ok());
   std::mt19937 rng(7);
   for (auto& [name, dims] : tensors) {
@@ -216,6 +221,21 @@ TEST(EngineTest, RejectsBadInput) {
   EXPECT_EQ(ctx.Eval(nine, false).code(), StatusCode::kResourceExhausted);
   auto missing = Model::Load(dir.File("nope.gguf"), {});
   EXPECT_FALSE(missing.ok());
+
+  auto arch = Model::Load(WriteTinyMoe(dir, 4, 2, "gpt2", "", "arch.gguf"), {});
+  ASSERT_FALSE(arch.ok());
+  EXPECT_EQ(arch.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(arch.status().message().find("\"gpt2\""), std::string::npos) << arch.status().message();
+
+  auto no_tensor = Model::Load(WriteTinyMoe(dir, 4, 2, "llama", "blk.1.attn_v.weight", "missing.gguf"), {});
+  ASSERT_FALSE(no_tensor.ok());
+  EXPECT_NE(no_tensor.status().message().find("blk.1.attn_v.weight"), std::string::npos);
+
+  auto shape = Model::Load(WriteTinyMoe(dir, 4, 2, "llama", "", "shape.gguf", 32), {});
+  ASSERT_FALSE(shape.ok());
+  EXPECT_NE(shape.status().message().find("blk.0.attn_q.weight has shape {64, 32}, expected {64, 64}"),
+            std::string::npos)
+      << shape.status().message();
 }
 
 }  // namespace

@@ -81,6 +81,9 @@ TEST(RunCliTest, UsageErrors) {
   EXPECT_EQ(testing::RunCommand(Nflash() + " run").exit_code, 2);
   EXPECT_EQ(testing::RunCommand(Nflash() + " run -m /nonexistent.gguf").exit_code, 2);
   EXPECT_EQ(testing::RunCommand(Nflash() + " run -m " + Stories() + " --activation gelu").exit_code, 2);
+  auto longp = testing::RunCommand(Nflash() + " run -m " + Stories() + " -p 'Once upon a time there was' -c 4");
+  EXPECT_EQ(longp.exit_code, 2);
+  EXPECT_NE(longp.output.find("more than the context size 4"), std::string::npos) << longp.output;
   auto r = testing::RunCommand(Nflash() + " perplexity -m " + Stories() + " -f " + HeldOut() + " --ctx 100000");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("--ctx"), std::string::npos);
