@@ -151,10 +151,7 @@ Result<std::unique_ptr<Tokenizer>> MakeTokenizer(VocabData vocab);
 Result<std::unique_ptr<Tokenizer>> LoadTokenizer(const GgufFile& gguf);
 // Reads the vocabulary of a GGUF file without building a tokenizer.
 Result<VocabData> ReadGgufVocab(const GgufFile& gguf);
-// A llama2.c tokenizer.bin (int32 max_token_length; per token f32 score, i32 length, bytes), as the "llama" model:
-// spaces normalised to U+2581, "<0xXX>" pieces typed as bytes, ids 0/1/2 = <unk>/<s>/</s>. `n_vocab` > 0: exactly
-// that many tokens are read (the model's vocab_size); 0: until the end of the file.
-Result<std::unique_ptr<Tokenizer>> LoadLlama2cTokenizer(const std::string& path, int64_t n_vocab = 0);
-Result<VocabData> ParseLlama2cTokenizer(std::span<const uint8_t> bytes, const std::string& name, int64_t n_vocab);
+// llama2.c's tokenizer.bin is read by the converter (converter::ReadLlama2cTokenizer) into the GGUF vocabulary
+// that LoadTokenizer reads.
 
 }  // namespace nflash
