@@ -36,11 +36,6 @@ Result<uint32_t> FileType(GgmlType t) {
   }
 }
 
-std::string DimsToString(const std::vector<uint64_t>& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
 
 Status CheckConfig(const SourceModel& m) {
   const ModelConfig& c = m.config;
@@ -98,7 +93,7 @@ Status CheckTensors(const SourceModel& m) {
     }
     for (uint64_t d : t.dims) {
       if (d == 0) return Status::InvalidArgument(where + ": tensor " + t.name + " has an empty dimension " +
-                                                 DimsToString(t.dims));
+                                                 ShapeToString(t.dims));
     }
     if (!t.load_f32) return Status::Internal(where + ": tensor " + t.name + " has no loader");
   }
@@ -109,8 +104,8 @@ Status CheckTensors(const SourceModel& m) {
       return Status::InvalidArgument(where + ": tensor " + name + " is missing (every llama model has it)");
     }
     if (it->second->dims != dims) {
-      return Status::InvalidArgument(where + ": tensor " + name + " has dims " + DimsToString(it->second->dims) +
-                                     ", expected " + DimsToString(dims) + " from the model's hyper-parameters");
+      return Status::InvalidArgument(where + ": tensor " + name + " has dims " + ShapeToString(it->second->dims) +
+                                     ", expected " + ShapeToString(dims) + " from the model's hyper-parameters");
     }
     return Status::Ok();
   };
@@ -225,7 +220,7 @@ Result<std::vector<uint8_t>> TensorBytes(ThreadPool* pool, bool q4_0_scale_searc
   NF_ASSIGN_OR_RETURN(std::vector<float> x, t.load_f32());
   if (x.size() != n_elements) {
     return Status::Internal("tensor " + t.name + ": source gave " + std::to_string(x.size()) + " values, expected " +
-                            std::to_string(n_elements) + " for dims " + DimsToString(t.dims));
+                            std::to_string(n_elements) + " for dims " + ShapeToString(t.dims));
   }
   std::vector<uint8_t> out(n_bytes);
   const uint64_t row = t.dims[0];
@@ -294,13 +289,13 @@ Status WriteModelGguf(const SourceModel& model, const WriteOptions& options, Wri
     uint64_t n = 1;
     for (uint64_t d : t.dims) {
       if (__builtin_mul_overflow(n, d, &n)) {
-        return Status::InvalidArgument("tensor " + t.name + " dims " + DimsToString(t.dims) + " overflow");
+        return Status::InvalidArgument("tensor " + t.name + " dims " + ShapeToString(t.dims) + " overflow");
       }
     }
     const auto row_bytes = RowBytes(type, t.dims[0]);
     uint64_t bytes = 0;
     if (!row_bytes || __builtin_mul_overflow(*row_bytes, n / t.dims[0], &bytes)) {
-      return Status::InvalidArgument("tensor " + t.name + " dims " + DimsToString(t.dims) + " do not fit type " +
+      return Status::InvalidArgument("tensor " + t.name + " dims " + ShapeToString(t.dims) + " do not fit type " +
                                      std::string(GgmlTypeName(type)));
     }
     if (type != options.type && t.dims.size() >= 2 && type == GgmlType::kF16) {

@@ -98,11 +98,6 @@ Json ValueJson(const GgufValue& v) {
       v.v);
 }
 
-std::string ShapeText(const std::vector<uint64_t>& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
 
 void PrintJson(const Json& j) {
   // Token strings may hold invalid UTF-8 (byte-level vocabularies): replace rather than throw.
@@ -196,7 +191,7 @@ Status InspectGguf(const InspectFlags& flags) {
     std::printf("  %-36s %-6s %-24s %14s\n", "name", "type", "shape", "bytes");
     for (const GgufTensorInfo& t : f.tensors()) {
       std::printf("  %-36s %-6s %-24s %14llu\n", t.name.c_str(), std::string(GgmlTypeName(t.type)).c_str(),
-                  ShapeText(t.dims).c_str(), static_cast<unsigned long long>(t.n_bytes));
+                  ShapeToString(t.dims).c_str(), static_cast<unsigned long long>(t.n_bytes));
     }
   }
   return Status::Ok();
@@ -308,7 +303,7 @@ Status InspectLlama2c(const InspectFlags& flags) {
       std::printf("  %-24s %-28s %-16s %12s %12s\n", "llama2.c", "gguf name", "gguf dims", "offset", "bytes");
       for (const Llama2cTensor& t : layout) {
         std::printf("  %-24s %-28s %-16s %12llu %12llu\n", t.source_name.c_str(),
-                    t.name.empty() ? "(skipped)" : t.name.c_str(), ShapeText(t.dims).c_str(),
+                    t.name.empty() ? "(skipped)" : t.name.c_str(), ShapeToString(t.dims).c_str(),
                     static_cast<unsigned long long>(t.offset), static_cast<unsigned long long>(t.n_elements * 4));
       }
     }

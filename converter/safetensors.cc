@@ -74,14 +74,6 @@ GgmlType SafetensorsDtypeToGgml(SafetensorsDtype dtype) {
   return GgmlType::kF32;
 }
 
-std::string ShapeToString(const std::vector<uint64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i > 0) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
 
 Result<SafetensorsFile> SafetensorsFile::OpenPath(const std::string& path) {
   NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, OpenPreadFile(path));

@@ -45,9 +45,6 @@ struct SafetensorsTensor {
   uint64_t n_elements = 0;
 };
 
-// "[4096, 11008]"
-std::string ShapeToString(const std::vector<uint64_t>& shape);
-
 // A parsed, validated safetensors file. Thread-safety: immutable after Open; const methods may be called concurrently
 // (reads go through ReadableFile::ReadAt, which keeps no cursor).
 class SafetensorsFile {

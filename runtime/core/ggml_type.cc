@@ -52,6 +52,15 @@ std::optional<GgmlType> ParseGgmlType(std::string_view name) {
   return std::nullopt;
 }
 
+std::string ShapeToString(const std::vector<uint64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
 std::optional<uint64_t> RowBytes(GgmlType type, uint64_t n) {
   const GgmlTypeInfo& t = TypeInfo(type);
   if (n % t.block_size != 0) return std::nullopt;

@@ -3,7 +3,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <vector>
 
 namespace nflash {
 
@@ -44,6 +46,9 @@ const GgmlTypeInfo& TypeInfo(GgmlType type);  // for a known enum value
 std::string_view GgmlTypeName(GgmlType type);
 // Parses "f32", "f16", "bf16", "q8_0", "q4_0" (case-insensitive) into a type.
 std::optional<GgmlType> ParseGgmlType(std::string_view name);
+
+// "[a, b, c]": a tensor's dims (or shape) for messages and listings.
+std::string ShapeToString(const std::vector<uint64_t>& dims);
 
 // Bytes of `n` elements of `type`; nullopt if `n` is not a multiple of the block size or the size overflows.
 std::optional<uint64_t> RowBytes(GgmlType type, uint64_t n);

@@ -6,16 +6,6 @@
 #include "runtime/core/quant.h"
 
 namespace nflash {
-namespace {
-
-std::string ShapeString(const std::vector<uint64_t>& dims) {
-  std::string s = "{";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "}";
-}
-
-}  // namespace
-
 Result<LlamaHparams> ReadLlamaHparams(const GgufFile& f) {
   const std::string& path = f.path();
   NF_ASSIGN_OR_RETURN(std::string arch, f.GetString("general.architecture"));
@@ -119,8 +109,8 @@ Status Model::Bind() {
     const GgufTensorInfo* t = f.FindTensor(name);
     if (!t) return Status::NotFound(f.path() + ": tensor " + name + " is missing");
     if (t->dims != dims) {
-      return Status::Corruption(f.path() + ": tensor " + name + " has shape " + ShapeString(t->dims) + ", expected " +
-                                ShapeString(dims));
+      return Status::Corruption(f.path() + ": tensor " + name + " has shape " + ShapeToString(t->dims) + ", expected " +
+                                ShapeToString(dims));
     }
     return t;
   };

@@ -233,7 +233,7 @@ TEST(EngineTest, RejectsBadInput) {
 
   auto shape = Model::Load(WriteTinyMoe(dir, 4, 2, "llama", "", "shape.gguf", 32), {});
   ASSERT_FALSE(shape.ok());
-  EXPECT_NE(shape.status().message().find("blk.0.attn_q.weight has shape {64, 32}, expected {64, 64}"),
+  EXPECT_NE(shape.status().message().find("blk.0.attn_q.weight has shape [64, 32], expected [64, 64]"),
             std::string::npos)
       << shape.status().message();
 }
