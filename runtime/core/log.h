@@ -49,9 +49,14 @@ class ProgressBar {
   std::chrono::steady_clock::time_point last_draw_;
 };
 
+// Turns the streamed message into void so NF_LOG is one expression: safe as the body of an unbraced if/else.
+struct LogVoidify {
+  void operator&(std::ostream&) {}
+};
+
 }  // namespace nflash
 
-#define NF_LOG(level)                                                                         \
-  if (::nflash::LogLevel::k##level < ::nflash::GetLogLevel()) {                              \
-  } else                                                                                      \
-    ::nflash::LogMessage(::nflash::LogLevel::k##level).stream()
+#define NF_LOG(level)                                                    \
+  (::nflash::LogLevel::k##level < ::nflash::GetLogLevel())               \
+      ? (void)0                                                          \
+      : ::nflash::LogVoidify() & ::nflash::LogMessage(::nflash::LogLevel::k##level).stream()
