@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -29,6 +30,8 @@ struct InspectFlags {
   std::string path;
   bool json = false;
   bool tensors = false;
+  std::string plot;
+  InspectDelegates delegates;
 };
 
 std::string Quote(const std::string& s, bool cut) {
@@ -316,13 +319,24 @@ Status InspectLlama2c(const InspectFlags& flags) {
 }
 
 Status RunInspect(const InspectFlags& flags) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(flags.path, ec)) {
+    if (!flags.delegates.deployment) return Status::Unsupported(flags.path + ": a directory, and no deployment reader");
+    return flags.delegates.deployment(flags.path);
+  }
   NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, OpenPreadFile(flags.path));
   uint8_t head[9] = {};
   const size_t n = static_cast<size_t>(std::min<uint64_t>(file->Size(), sizeof head));
   NF_RETURN_IF_ERROR(file->ReadAt(0, n, head));
   uint32_t magic = 0;
   std::memcpy(&magic, head, 4);
-  if (n >= 4 && magic == kGgufMagic) return InspectGguf(flags);
+  if (n >= 4 && magic == kGgufMagic) {
+    if (flags.delegates.profile) {
+      NF_ASSIGN_OR_RETURN(GgufFile f, GgufFile::OpenPath(flags.path));
+      if (f.Find("nflash.profile.schema_version") != nullptr) return flags.delegates.profile(flags.path, flags.plot);
+    }
+    return InspectGguf(flags);
+  }
   uint64_t header_len = 0;
   std::memcpy(&header_len, head, 8);
   // safetensors: a u64 JSON length that fits the file, then the JSON object's opening brace.
@@ -332,11 +346,14 @@ Status RunInspect(const InspectFlags& flags) {
 
 }  // namespace
 
-void RegisterInspectCommand(CLI::App& app, cli::CommandAction* action) {
+void RegisterInspectCommand(CLI::App& app, cli::CommandAction* action, const InspectDelegates& delegates) {
   auto flags = std::make_shared<InspectFlags>();
-  CLI::App* cmd =
-      app.add_subcommand("inspect", "Summarize a GGUF file, a safetensors file or a llama2.c checkpoint");
-  cmd->add_option("file", flags->path, "File to inspect (format detected from its first bytes)")->required();
+  flags->delegates = delegates;
+  CLI::App* cmd = app.add_subcommand(
+      "inspect", "Summarize a GGUF model, a safetensors file, a llama2.c checkpoint, a profile or a deployment directory");
+  cmd->add_option("file", flags->path, "File or deployment directory to inspect (format detected from its contents)")
+      ->required();
+  cmd->add_option("--plot", flags->plot, "Profiles: also draw popularity and hit-rate curves to this .png/.svg");
   cmd->add_flag("--json", flags->json, "Print JSON instead of text");
   cmd->add_flag("--tensors", flags->tensors, "List every tensor (name, type, shape, bytes)");
   cmd->callback([flags, action] { *action = [flags] { return RunInspect(*flags); }; });

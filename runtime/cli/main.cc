@@ -5,6 +5,8 @@
 #include <exception>
 
 #include "converter/commands.h"
+#include "packer/commands.h"
+#include "profiler/commands.h"
 #include "runtime/cli/command.h"
 #include "runtime/cli/run_command.h"
 #include "runtime/core/log.h"
@@ -22,10 +24,15 @@ int main(int argc, char** argv) {
 
   cli::CommandAction action;
   converter::RegisterConvertCommand(app, &action);
-  converter::RegisterInspectCommand(app, &action);
+  converter::RegisterInspectCommand(app, &action, {profiler::InspectProfile, packer::InspectDeployment});
   converter::RegisterSynthCommand(app, &action);
   cli::RegisterRunCommand(app, &action);
   cli::RegisterPerplexityCommand(app, &action);
+  profiler::RegisterProfileCommand(app, &action);
+  profiler::RegisterTrainPredictorCommand(app, &action);
+  profiler::RegisterProfileHwCommand(app, &action);
+  packer::RegisterPackCommand(app, &action);
+  packer::RegisterVerifyCommand(app, &action);
 
   try {
     app.parse(argc, argv);

@@ -19,17 +19,9 @@ void RmsNorm(const float* x, const float* w, int64_t n, float eps, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * w[i];
 }
 
-inline float Silu(float x) { return x / (1.0f + std::exp(-x)); }
-
 // gate <- act(gate); hidden = gate * up (silu, relu) or gate * relu(up) (drelu).
 void ApplyFfnActivation(FfnActivation a, int64_t count, float* gate, const float* up, float* hidden) {
-  for (int64_t i = 0; i < count; ++i) {
-    switch (a) {
-      case FfnActivation::kSilu: gate[i] = Silu(gate[i]); hidden[i] = gate[i] * up[i]; break;
-      case FfnActivation::kRelu: gate[i] = std::max(gate[i], 0.0f); hidden[i] = gate[i] * up[i]; break;
-      case FfnActivation::kDRelu: gate[i] = std::max(gate[i], 0.0f); hidden[i] = gate[i] * std::max(up[i], 0.0f); break;
-    }
-  }
+  for (int64_t i = 0; i < count; ++i) hidden[i] = ActivateNeuron(a, gate[i], up[i], &gate[i]);
 }
 
 }  // namespace
@@ -127,9 +119,9 @@ Status InferenceContext::Eval(std::span<const int32_t> tokens, bool all_logits) 
 
     for (int64_t t = 0; t < n; ++t) RmsNorm(x_.data() + t * dim, L.ffn_norm, dim, hp_.norm_eps, xn_.data() + t * dim);
     if (hp_.n_experts == 0) {
-      DenseFfn(L, l, n);
+      NF_RETURN_IF_ERROR(DenseFfn(L, l, n));
     } else {
-      MoeFfn(L, l, n);
+      NF_RETURN_IF_ERROR(MoeFfn(L, l, n));
     }
     for (int64_t i = 0; i < n * dim; ++i) x_[i] += ffn_out_[i];
   }
@@ -205,9 +197,13 @@ void InferenceContext::Attention(int64_t layer, int64_t n) {
   });
 }
 
-void InferenceContext::DenseFfn(const LayerWeights& L, int64_t layer, int64_t n) {
+Status InferenceContext::DenseFfn(const LayerWeights& L, int64_t layer, int64_t n) {
   const int64_t n_ff = hp_.n_ff;
   act_.Set(xn_.data(), n, hp_.dim);
+  if (ffn_backend_ != nullptr) {
+    NF_ASSIGN_OR_RETURN(bool handled, ffn_backend_->Forward(layer, -1, act_, ffn_out_.data()));
+    if (handled) return Status::Ok();
+  }
   MatMul(L.gate, act_, gate_.data());
   MatMul(L.up, act_, up_.data());
   ApplyFfnActivation(hp_.activation, n * n_ff, gate_.data(), up_.data(), hidden_.data());
@@ -222,9 +218,10 @@ void InferenceContext::DenseFfn(const LayerWeights& L, int64_t layer, int64_t n)
   }
   act_.Set(hidden_.data(), n, n_ff);
   MatMul(L.down, act_, ffn_out_.data());
+  return Status::Ok();
 }
 
-void InferenceContext::MoeFfn(const LayerWeights& L, int64_t layer, int64_t n) {
+Status InferenceContext::MoeFfn(const LayerWeights& L, int64_t layer, int64_t n) {
   const int64_t dim = hp_.dim, n_ff = hp_.n_ff, n_exp = hp_.n_experts, k = hp_.n_experts_used;
   std::vector<float> router(static_cast<size_t>(n * n_exp));
   act_.Set(xn_.data(), n, dim);
@@ -260,6 +257,12 @@ void InferenceContext::MoeFfn(const LayerWeights& L, int64_t layer, int64_t n) {
       std::memcpy(xe.data() + j * dim, xn_.data() + sel[j].first * dim, sizeof(float) * dim);
     }
     act.Set(xe.data(), m, dim);
+    out.resize(static_cast<size_t>(m * dim));
+    bool handled = false;
+    if (ffn_backend_ != nullptr) {
+      NF_ASSIGN_OR_RETURN(handled, ffn_backend_->Forward(layer, e, act, out.data()));
+    }
+    if (!handled) {
     MatMul(L.Expert(L.gate, L.expert_stride_gate, e), act, gate_.data());
     MatMul(L.Expert(L.up, L.expert_stride_up, e), act, up_.data());
     ApplyFfnActivation(hp_.activation, m * n_ff, gate_.data(), up_.data(), hidden_.data());
@@ -274,15 +277,16 @@ void InferenceContext::MoeFfn(const LayerWeights& L, int64_t layer, int64_t n) {
       obs.ffn_input = xe.data();
       observer_(obs);
     }
-    out.resize(static_cast<size_t>(m * dim));
     act.Set(hidden_.data(), m, n_ff);
     MatMul(L.Expert(L.down, L.expert_stride_down, e), act, out.data());
+    }
     for (int64_t j = 0; j < m; ++j) {
       const float w = sel[j].second;
       float* y = ffn_out_.data() + sel[j].first * dim;
       for (int64_t i = 0; i < dim; ++i) y[i] += w * out[j * dim + i];
     }
   }
+  return Status::Ok();
 }
 
 }  // namespace nflash

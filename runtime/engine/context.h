@@ -25,6 +25,16 @@ struct FfnObservation {
 };
 using FfnObserver = std::function<void(const FfnObservation&)>;
 
+// Computes FFNs in place of the dense path: the sparse in-memory FFN (predictor + active rows) and the flash-offloaded
+// runtime plug in here. Forward is called once per layer (per selected expert for MoE, with only the tokens routed to
+// it) with the normalised FFN input `x` (x.n() tokens of dim floats, with its Q8_0 form) and writes x.n() x dim
+// outputs to `out`. It returns false, writing nothing, to let the dense path run this call (e.g. batched prefill).
+class FfnBackend {
+ public:
+  virtual ~FfnBackend() = default;
+  virtual Result<bool> Forward(int64_t layer, int64_t expert, const Activation& x, float* out) = 0;
+};
+
 // Thread-safety: not thread-safe; one context per sequence. The model and pool must outlive it.
 class InferenceContext {
  public:
@@ -40,14 +50,16 @@ class InferenceContext {
   int64_t n_ctx() const { return n_ctx_; }
   void Reset() { pos_ = 0; }
   void SetFfnObserver(FfnObserver observer) { observer_ = std::move(observer); }
+  // nullptr: the dense FFN. The backend must outlive its use; the observer sees only FFNs the dense path ran.
+  void SetFfnBackend(FfnBackend* backend) { ffn_backend_ = backend; }
   // Bytes held by the KV cache and scratch buffers.
   uint64_t state_bytes() const;
 
  private:
   void EnsureBatch(int64_t n);
   void Attention(int64_t layer, int64_t n);
-  void DenseFfn(const LayerWeights& L, int64_t layer, int64_t n);
-  void MoeFfn(const LayerWeights& L, int64_t layer, int64_t n);
+  Status DenseFfn(const LayerWeights& L, int64_t layer, int64_t n);
+  Status MoeFfn(const LayerWeights& L, int64_t layer, int64_t n);
   void MatMul(const MatrixView& w, const Activation& x, float* y);
 
   const Model& model_;
@@ -56,6 +68,7 @@ class InferenceContext {
   int64_t n_ctx_;
   int64_t pos_ = 0;
   FfnObserver observer_;
+  FfnBackend* ffn_backend_ = nullptr;
   std::vector<float> k_cache_, v_cache_;  // (layer, n_ctx, kv_dim)
   // Batch scratch, sized for the largest batch seen.
   int64_t batch_cap_ = 0;

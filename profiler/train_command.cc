@@ -1,0 +1,4 @@
+// Placeholder while the profiler issue is built; replaced by its implementation.
+#include "profiler/commands.h"
+#include "profiler/profile.h"
+namespace nflash::profiler { void RegisterTrainPredictorCommand(CLI::App&, cli::CommandAction*) {} }
