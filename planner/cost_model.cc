@@ -1,0 +1,116 @@
+// The cost model's direct evaluation (equations in docs/planner.md).
+#include "planner/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace nflash::planner {
+
+double Curve::At(double v) const {
+  if (x.empty()) return 0.0;
+  if (v <= x.front()) return y.front();
+  if (v >= x.back()) return y.back();
+  const auto it = std::upper_bound(x.begin(), x.end(), v);
+  const size_t i = static_cast<size_t>(it - x.begin());
+  const double t = (v - x[i - 1]) / (x[i] - x[i - 1]);
+  return y[i - 1] + t * (y[i] - y[i - 1]);
+}
+
+std::vector<std::pair<double, double>> Curve::ConcaveSegments() const {
+  // Upper hull of the points (Andrew's monotone chain, upper half), then one segment per hull edge.
+  std::vector<size_t> hull;
+  for (size_t i = 0; i < x.size(); ++i) {
+    while (hull.size() >= 2) {
+      const size_t a = hull[hull.size() - 2], b = hull.back();
+      const double cross = (x[b] - x[a]) * (y[i] - y[a]) - (y[b] - y[a]) * (x[i] - x[a]);
+      if (cross >= 0) {
+        hull.pop_back();  // b lies on or below the chord a-i: not on the upper hull
+      } else {
+        break;
+      }
+    }
+    hull.push_back(i);
+  }
+  std::vector<std::pair<double, double>> segments;
+  for (size_t j = 1; j < hull.size(); ++j) {
+    const size_t a = hull[j - 1], b = hull[j];
+    if (x[b] == x[a]) continue;
+    const double slope = (y[b] - y[a]) / (x[b] - x[a]);
+    segments.push_back({slope, y[a] - slope * x[a]});
+  }
+  if (segments.empty() && !y.empty()) segments.push_back({0.0, *std::max_element(y.begin(), y.end())});
+  return segments;
+}
+
+double HardwareParams::ReadMbps(uint64_t request_bytes, int queue_depth) const {
+  // Points at the largest measured queue depth <= queue_depth (or the smallest measured).
+  int qd = -1, min_qd = INT32_MAX;
+  for (const IoPoint& p : random_reads) {
+    min_qd = std::min(min_qd, p.queue_depth);
+    if (p.queue_depth <= queue_depth) qd = std::max(qd, p.queue_depth);
+  }
+  if (random_reads.empty()) return 0.0;
+  if (qd < 0) qd = min_qd;
+  std::vector<std::pair<double, double>> pts;  // (log2 size, MB/s)
+  for (const IoPoint& p : random_reads) {
+    if (p.queue_depth == qd) pts.push_back({std::log2(static_cast<double>(p.request_bytes)), p.mb_per_s});
+  }
+  std::sort(pts.begin(), pts.end());
+  const double s = std::log2(static_cast<double>(std::max<uint64_t>(request_bytes, 1)));
+  if (s <= pts.front().first) return pts.front().second * std::exp2(s - pts.front().first);  // same IOPS below
+  if (s >= pts.back().first) return pts.back().second;
+  for (size_t i = 1; i < pts.size(); ++i) {
+    if (s <= pts[i].first) {
+      const double t = (s - pts[i - 1].first) / (pts[i].first - pts[i - 1].first);
+      return pts[i - 1].second + t * (pts[i].second - pts[i - 1].second);
+    }
+  }
+  return pts.back().second;
+}
+
+Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const PlanSettings& s) {
+  Prediction p;
+  const size_t ti = static_cast<size_t>(std::max(1, s.compute_threads) - 1);
+  const double gemv = hw.dense_gemv_gbs.at(std::min(ti, hw.dense_gemv_gbs.size() - 1)) * 1e9;
+  const double sparse = hw.sparse_ffn_gbs.at(std::min(ti, hw.sparse_ffn_gbs.size() - 1)) * 1e9;
+  p.attention_s = static_cast<double>(model.dense_bytes_per_token) / gemv;
+  p.predictor_s = static_cast<double>(model.predictor_bytes) / gemv;
+  // The I/O thread's submission work lands on the compute cores when they are all busy computing.
+  const bool io_shares_cores = s.compute_threads + s.io_threads > hw.cores;
+  p.memory_bytes = model.fixed_bytes;
+  double active_total = 0, served_total = 0;
+  for (size_t r = 0; r < model.ffns.size(); ++r) {
+    const FfnParams& f = model.ffns[r];
+    const double n = static_cast<double>(f.n_neurons);
+    const double h = n > 0 ? static_cast<double>(s.hot_neurons.at(r)) / n : 0.0;
+    const double c = n > 0 ? static_cast<double>(s.cold_slots.at(r)) / n : 0.0;
+    const double served = std::clamp(std::min(f.popularity.At(h + c), f.popularity.At(h) + f.lru_hit.At(c)), 0.0, 1.0);
+    const double active = f.route_fraction * f.active_fraction * n;  // A
+    const double missed = active * (1.0 - served);                    // M
+    const double bw = hw.ReadMbps(f.read_bytes, s.queue_depth) * 1e6;
+    const double compute = active * static_cast<double>(f.bundle_bytes) / sparse +
+                           (io_shares_cores ? missed * hw.submit_us_per_request * 1e-6 / s.compute_threads : 0.0);
+    const double io = bw > 0 ? missed * static_cast<double>(f.read_bytes) / bw : (missed > 0 ? INFINITY : 0.0);
+    const double k = static_cast<double>(s.cluster_neurons);
+    const double pipeline = (active / k) * kClusterSyncUs * 1e-6 / s.compute_threads +
+                            (bw > 0 ? k * (1.0 - served) * static_cast<double>(f.read_bytes) / bw : 0.0);
+    const double t = std::max(compute, io) + pipeline;
+    p.ffn_compute_s += compute;
+    p.io_s += io;
+    p.io_exposed_s += std::max(0.0, io - compute);
+    p.pipeline_s += pipeline;
+    p.layer_token_s.push_back(t);
+    p.read_mb_per_token += missed * static_cast<double>(f.read_bytes) / 1e6;
+    p.reads_per_token += missed;
+    active_total += active;
+    served_total += active * served;
+    p.memory_bytes += static_cast<uint64_t>(s.hot_neurons.at(r) + s.cold_slots.at(r)) * f.slot_bytes;
+  }
+  p.token_s = p.attention_s + p.predictor_s;
+  for (double t : p.layer_token_s) p.token_s += t;
+  p.tokens_per_s = p.token_s > 0 ? 1.0 / p.token_s : 0.0;
+  p.served_fraction = active_total > 0 ? served_total / active_total : 1.0;
+  return p;
+}
+
+}  // namespace nflash::planner

@@ -1,0 +1,110 @@
+// The planner's cost model (docs/planner.md gives every equation and symbol): what one decode token costs for a
+// given execution plan, from the hardware profile, the model's profile and deployment, and the user's limits. The Z3
+// solver (z3_planner.h) encodes the same equations; Evaluate() computes them directly, for tests and for the
+// predicted breakdown written into plan.json.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/core/status.h"
+
+namespace nflash::planner {
+
+// A piecewise-linear curve through (x_i, y_i), x ascending in [0, 1] (popularity, cache hit rate).
+struct Curve {
+  std::vector<double> x, y;
+  double At(double v) const;
+  // The least concave majorant's segments (slope, intercept): y <= min_k (slope_k x + intercept_k) is the tightest
+  // linear description of "y is at most the curve" when the curve is concave, and an upper bound otherwise.
+  std::vector<std::pair<double, double>> ConcaveSegments() const;
+};
+
+// Random-read performance at one (request size, queue depth), from profile-hw.
+struct IoPoint {
+  uint64_t request_bytes = 0;
+  int queue_depth = 1;
+  double mb_per_s = 0;     // 1e6 bytes per second
+  double mean_latency_us = 0;
+};
+
+struct HardwareParams {
+  int cores = 1;
+  double mem_bw_gbs = 0;                       // streaming read, all cores (1e9 bytes/s)
+  // Indexed by thread count - 1: weight bytes per second of the kernels decode uses.
+  std::vector<double> dense_gemv_gbs;          // attention projections, output head, predictor (GEMV)
+  std::vector<double> sparse_ffn_gbs;          // gate/up rows + down columns of active neurons (GemvRows/AccumulateRows)
+  std::vector<IoPoint> random_reads;           // O_DIRECT io_uring random reads
+  double seq_read_mbs = 0;                     // sequential reads (prefill streaming)
+  double gemm_gflops = 0;                      // prefill GEMM, all cores
+  double submit_us_per_request = 2.0;          // CPU time to issue one read (io_uring SQE + completion)
+  // Throughput at `request_bytes` and `queue_depth`: interpolated over request size in log space at the nearest
+  // measured queue depth not above it.
+  double ReadMbps(uint64_t request_bytes, int queue_depth) const;
+};
+
+// One FFN region (a dense layer, or one expert of an MoE layer).
+struct FfnParams {
+  int64_t layer = 0, expert = -1;
+  int64_t n_neurons = 0;
+  double active_fraction = 0;     // mean share of neurons active per token (per routed token for experts)
+  double route_fraction = 1;      // MoE: share of tokens routed to this expert; 1 for dense
+  uint64_t bundle_bytes = 0;      // gate + up + down bytes of one neuron (compute volume)
+  uint64_t read_bytes = 0;        // bytes one missed neuron costs to read (bundle rounded to the flash alignment)
+  uint64_t slot_bytes = 0;        // memory one cached neuron takes
+  Curve popularity;               // share of activations covered by the hottest x of the neurons
+  Curve lru_hit;                  // hit rate of an LRU cache holding x of the neurons
+};
+
+struct ModelParams {
+  std::string name;
+  int64_t n_layers = 0;
+  uint64_t fixed_bytes = 0;             // resident image + KV cache + scratch: held whatever the plan
+  uint64_t dense_bytes_per_token = 0;   // attention + output head + norms read per token (GEMV)
+  uint64_t predictor_bytes = 0;         // all predictors (read per token)
+  uint64_t ffn_bytes = 0;               // the whole flash image (for prefill streaming)
+  std::vector<FfnParams> ffns;
+};
+
+struct UserLimits {
+  uint64_t memory_bytes = 0;
+  int cores = 0;                  // 0: all
+  double min_tokens_per_s = 0;    // 0: none
+  enum class Objective { kSpeed, kMemory } objective = Objective::kSpeed;
+};
+
+// The knobs the runtime exposes (what plan.json sets).
+struct PlanSettings {
+  int compute_threads = 1;
+  int io_threads = 1;
+  int queue_depth = 32;
+  int cluster_neurons = 32;
+  std::vector<int64_t> hot_neurons;   // per FFN region, in ModelParams::ffns order
+  std::vector<int64_t> cold_slots;    // per FFN region
+};
+
+// Per-token time breakdown (seconds) and the memory of a plan.
+struct Prediction {
+  double attention_s = 0, predictor_s = 0, ffn_compute_s = 0, io_s = 0, io_exposed_s = 0, pipeline_s = 0;
+  double token_s = 0;
+  double tokens_per_s = 0;
+  double served_fraction = 0;     // share of active neurons found in memory, weighted by active neurons
+  double read_mb_per_token = 0;
+  double reads_per_token = 0;
+  uint64_t memory_bytes = 0;
+  std::vector<double> layer_token_s;
+};
+
+// Cluster sizes and queue depths the planner chooses from (the runtime's supported values).
+inline const std::vector<int> kClusterChoices = {8, 16, 32, 64, 128};
+inline const std::vector<int> kQueueDepthChoices = {1, 2, 4, 8, 16, 32, 64};
+// Synchronisation cost of one cluster hand-off between the I/O thread and a compute thread (a futex wake and a cache
+// line transfer: measured at 3-8 us on this class of machine; 5 us used).
+inline constexpr double kClusterSyncUs = 5.0;
+
+// The cost model evaluated for `settings` (see docs/planner.md). Served fraction per region: the tighter of
+// P(h + c) and P(h) + H(c) (popularity curve P, LRU curve H, h hot and c cold fractions of the region).
+Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const PlanSettings& settings);
+
+}  // namespace nflash::planner

@@ -1,0 +1,299 @@
+// Z3 encoding of the cost model (docs/planner.md, "Solver"). Times are in microseconds and memory in MiB inside the
+// solver so that every coefficient is a modest rational.
+#include "planner/z3_planner.h"
+
+#include <z3++.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+namespace nflash::planner {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// A double as an exact Z3 rational (1e-9 resolution: times are microseconds and sizes MiB, so far below any effect).
+z3::expr Real(z3::context& ctx, double v) {
+  // z3::context::real_val(int, int) takes 32-bit ints; the numeral string form has no such limit.
+  const auto scaled = static_cast<long long>(std::llround(v * 1e9));
+  return ctx.real_val((std::to_string(scaled) + "/1000000000").c_str());
+}
+
+double Value(const z3::model& m, const z3::expr& e) {
+  z3::expr v = m.eval(e, true);
+  std::string s = v.get_decimal_string(12);
+  if (!s.empty() && s.back() == '?') s.pop_back();
+  return std::strtod(s.c_str(), nullptr);
+}
+
+// The discrete knobs of one linear program: the solver enumerates them (at most cores x queue depths x cluster sizes
+// combinations, fewer after dominance pruning) and, for each, Z3 solves the continuous allocation exactly.
+struct Knobs {
+  int threads = 1;
+  int queue_depth = 1;
+  int cluster = 32;
+};
+
+// The decision variables and derived terms of one formulation (all linear once the knobs are fixed).
+struct Encoding {
+  std::vector<z3::expr> hot, cold;  // fractions of each region
+  z3::expr token_us;
+  z3::expr memory_mib;
+  explicit Encoding(z3::context& ctx) : token_us(ctx), memory_mib(ctx) {}
+};
+
+double Gbs(const std::vector<double>& v, int threads) {
+  return v.at(std::min<size_t>(static_cast<size_t>(threads) - 1, v.size() - 1)) * 1e9;
+}
+
+// Adds the model's constraints for fixed `knobs` to `add` (a solver or an optimizer) and returns the encoding.
+template <typename Sink>
+Encoding Encode(z3::context& ctx, Sink& add, const HardwareParams& hw, const ModelParams& model, const Knobs& knobs) {
+  Encoding e(ctx);
+  const int t = knobs.threads;
+  const double dense_us =
+      static_cast<double>(model.dense_bytes_per_token + model.predictor_bytes) / Gbs(hw.dense_gemv_gbs, t) * 1e6;
+  z3::expr token = Real(ctx, dense_us);
+  z3::expr memory = Real(ctx, static_cast<double>(model.fixed_bytes) / kMiB);
+  const bool io_shares_cores = t + 1 > hw.cores;
+  for (size_t r = 0; r < model.ffns.size(); ++r) {
+    const FfnParams& f = model.ffns[r];
+    const std::string id = std::to_string(r);
+    z3::expr h = ctx.real_const(("hot_" + id).c_str());
+    z3::expr c = ctx.real_const(("cold_" + id).c_str());
+    z3::expr served = ctx.real_const(("served_" + id).c_str());
+    z3::expr p_h = ctx.real_const(("pop_hot_" + id).c_str());
+    z3::expr h_c = ctx.real_const(("lru_cold_" + id).c_str());
+    add.add(h >= 0 && c >= 0 && h + c <= 1 && served >= 0 && served <= 1);
+    for (const auto& [slope, icpt] : f.popularity.ConcaveSegments()) {
+      add.add(served <= Real(ctx, slope) * (h + c) + Real(ctx, icpt));  // served <= P(h + c)
+      add.add(p_h <= Real(ctx, slope) * h + Real(ctx, icpt));            // p_h <= P(h)
+    }
+    for (const auto& [slope, icpt] : f.lru_hit.ConcaveSegments()) add.add(h_c <= Real(ctx, slope) * c + Real(ctx, icpt));
+    add.add(served <= p_h + h_c);
+    e.hot.push_back(h);
+    e.cold.push_back(c);
+
+    const double n = static_cast<double>(f.n_neurons);
+    const double active = f.route_fraction * f.active_fraction * n;  // A
+    const z3::expr miss_share = 1 - served;                           // M = A (1 - served)
+    const double bw = hw.ReadMbps(f.read_bytes, knobs.queue_depth) * 1e6;
+    const double us_per_miss = bw > 0 ? static_cast<double>(f.read_bytes) / bw * 1e6 : 1e9;
+    z3::expr compute = Real(ctx, active * static_cast<double>(f.bundle_bytes) / Gbs(hw.sparse_ffn_gbs, t) * 1e6);
+    if (io_shares_cores) compute = compute + miss_share * Real(ctx, active * hw.submit_us_per_request / t);
+    const z3::expr io = miss_share * Real(ctx, active * us_per_miss);
+    // Cluster hand-offs, plus filling the first cluster, which is never hidden.
+    const z3::expr pipeline = Real(ctx, active / knobs.cluster * kClusterSyncUs / t) +
+                              miss_share * Real(ctx, knobs.cluster * us_per_miss);
+    z3::expr layer = ctx.real_const(("layer_us_" + id).c_str());
+    add.add(layer >= compute + pipeline);
+    add.add(layer >= io + pipeline);
+    token = token + layer;
+    memory = memory + (h + c) * Real(ctx, n * static_cast<double>(f.slot_bytes) / kMiB);
+  }
+  e.token_us = token;
+  e.memory_mib = memory;
+  return e;
+}
+
+// Every knob combination worth solving: queue depths whose read throughput is beaten or matched by a smaller depth
+// for every region are dropped (a faster read lowers every term it appears in, so they can never win).
+std::vector<Knobs> Candidates(const HardwareParams& hw, const ModelParams& model, int max_threads) {
+  std::vector<int> depths;
+  for (size_t i = 0; i < kQueueDepthChoices.size(); ++i) {
+    bool dominated = false;
+    for (size_t j = 0; j < kQueueDepthChoices.size() && !dominated; ++j) {
+      if (j == i) continue;
+      bool no_worse = true, better = false;
+      for (const FfnParams& f : model.ffns) {
+        const double a = hw.ReadMbps(f.read_bytes, kQueueDepthChoices[i]);
+        const double b = hw.ReadMbps(f.read_bytes, kQueueDepthChoices[j]);
+        no_worse = no_worse && b >= a;
+        better = better || b > a;
+      }
+      dominated = no_worse && (better || j < i);
+    }
+    if (!dominated) depths.push_back(kQueueDepthChoices[i]);
+  }
+  std::vector<Knobs> out;
+  for (int t = 1; t <= max_threads; ++t) {
+    for (int q : depths) {
+      for (int k : kClusterChoices) out.push_back({t, q, k});
+    }
+  }
+  return out;
+}
+
+PlanSettings Extract(const z3::model& m, const Encoding& e, const ModelParams& model, const Knobs& knobs) {
+  PlanSettings s;
+  s.compute_threads = knobs.threads;
+  s.queue_depth = knobs.queue_depth;
+  s.cluster_neurons = knobs.cluster;
+  for (size_t r = 0; r < model.ffns.size(); ++r) {
+    const double n = static_cast<double>(model.ffns[r].n_neurons);
+    // Rounded down, so the plan never exceeds the memory the solver allowed.
+    const auto hot = static_cast<int64_t>(std::floor(Value(m, e.hot[r]) * n + 1e-9));
+    const auto cold = static_cast<int64_t>(std::floor(Value(m, e.cold[r]) * n + 1e-9));
+    s.hot_neurons.push_back(std::clamp<int64_t>(hot, 0, model.ffns[r].n_neurons));
+    s.cold_slots.push_back(std::clamp<int64_t>(cold, 0, model.ffns[r].n_neurons - s.hot_neurons.back()));
+  }
+  return s;
+}
+
+// One optimisation for fixed knobs: `primary` minimised first, then `secondary` among its optima. Returns false when
+// the constraints are infeasible for these knobs.
+struct Optimum {
+  double token_us = 0, memory_mib = 0;
+  PlanSettings settings;
+};
+
+enum class Goal { kSpeed, kMemory };
+
+bool Optimise(const HardwareParams& hw, const ModelParams& model, const Knobs& knobs, double mem_mib,
+              double max_token_us, Goal goal, Optimum* out) {
+  z3::context ctx;
+  z3::optimize opt(ctx);
+  Encoding e = Encode(ctx, opt, hw, model, knobs);
+  if (mem_mib > 0) opt.add(e.memory_mib <= Real(ctx, mem_mib));
+  if (max_token_us > 0) opt.add(e.token_us <= Real(ctx, max_token_us));
+  if (goal == Goal::kMemory) {
+    opt.minimize(e.memory_mib);
+    opt.minimize(e.token_us);  // lexicographic: among the smallest plans, the fastest
+  } else {
+    opt.minimize(e.token_us);
+    opt.minimize(e.memory_mib);  // among the fastest plans, the smallest
+  }
+  if (opt.check() != z3::sat) return false;
+  const z3::model m = opt.get_model();
+  out->token_us = Value(m, e.token_us);
+  out->memory_mib = Value(m, e.memory_mib);
+  out->settings = Extract(m, e, model, knobs);
+  return true;
+}
+
+// The best optimum over all knob combinations (ties: the first, i.e. fewer threads, smaller depth and cluster).
+bool OptimiseAll(const HardwareParams& hw, const ModelParams& model, const std::vector<Knobs>& candidates,
+                 double mem_mib, double max_token_us, Goal goal, Optimum* best) {
+  bool found = false;
+  for (const Knobs& k : candidates) {
+    Optimum o;
+    if (!Optimise(hw, model, k, mem_mib, max_token_us, goal, &o)) continue;
+    const double key = goal == Goal::kSpeed ? o.token_us : o.memory_mib;
+    const double best_key = goal == Goal::kSpeed ? best->token_us : best->memory_mib;
+    // 1e-9 relative: rational optima that differ only by rounding count as ties.
+    if (!found || key < best_key * (1 - 1e-9)) {
+      *best = std::move(o);
+      found = true;
+    }
+  }
+  return found;
+}
+
+// The user's limits as tracked assumptions, so that Z3's unsat core names the conflicting ones. Empty when the knobs
+// admit a solution.
+std::vector<std::string> UnsatCore(const HardwareParams& hw, const ModelParams& model, const Knobs& knobs,
+                                   double mem_mib, double max_token_us) {
+  z3::context ctx;
+  z3::solver solver(ctx);
+  Encoding e = Encode(ctx, solver, hw, model, knobs);
+  const z3::expr fixed = ctx.bool_const("fixed_part");
+  const z3::expr memory = ctx.bool_const("memory_limit");
+  const z3::expr speed = ctx.bool_const("min_speed");
+  solver.add(z3::implies(fixed, Real(ctx, static_cast<double>(model.fixed_bytes) / kMiB) <= Real(ctx, mem_mib)));
+  solver.add(z3::implies(memory, e.memory_mib <= Real(ctx, mem_mib)));
+  if (max_token_us > 0) solver.add(z3::implies(speed, e.token_us <= Real(ctx, max_token_us)));
+  z3::expr_vector assumptions(ctx);
+  assumptions.push_back(fixed);
+  assumptions.push_back(memory);
+  if (max_token_us > 0) assumptions.push_back(speed);
+  std::vector<std::string> names;
+  if (solver.check(assumptions) == z3::unsat) {
+    const z3::expr_vector core = solver.unsat_core();
+    for (unsigned i = 0; i < core.size(); ++i) names.push_back(core[i].to_string());
+  }
+  return names;
+}
+
+std::string Gib(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3f GiB", static_cast<double>(bytes) / (kMiB * 1024.0));
+  return buf;
+}
+
+}  // namespace
+
+Result<SolveResult> SolvePlan(const HardwareParams& hw, const ModelParams& model, const UserLimits& limits) {
+  if (hw.cores < 1 || hw.dense_gemv_gbs.empty() || hw.sparse_ffn_gbs.empty() || hw.random_reads.empty()) {
+    return Status::InvalidArgument("hardware profile lacks cores, GEMV / sparse FFN throughput or random-read figures");
+  }
+  const int max_threads = limits.cores > 0 ? std::min(limits.cores, hw.cores) : hw.cores;
+  const auto start = std::chrono::steady_clock::now();
+  SolveResult result;
+  try {
+    const double mem_mib = static_cast<double>(limits.memory_bytes) / kMiB;
+    const double max_token_us = limits.min_tokens_per_s > 0 ? 1e6 / limits.min_tokens_per_s : 0;
+    const std::vector<Knobs> candidates = Candidates(hw, model, max_threads);
+    result.candidates = static_cast<int>(candidates.size());
+    Optimum best;
+    const Goal goal = limits.objective == UserLimits::Objective::kMemory ? Goal::kMemory : Goal::kSpeed;
+    if (model.fixed_bytes <= limits.memory_bytes &&
+        OptimiseAll(hw, model, candidates, mem_mib, max_token_us, goal, &best)) {
+      result.feasible = true;
+      result.solver_token_s = best.token_us * 1e-6;
+      result.settings = best.settings;
+      result.prediction = Evaluate(hw, model, result.settings);
+      result.solve_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      return result;
+    }
+
+    // Infeasible for every knob combination: the conflicting limits (the union of the per-combination cores) and
+    // the nearest feasible limits.
+    for (const Knobs& k : candidates) {
+      for (std::string& name : UnsatCore(hw, model, k, mem_mib, max_token_us)) result.conflict.push_back(name);
+    }
+    std::sort(result.conflict.begin(), result.conflict.end());
+    result.conflict.erase(std::unique(result.conflict.begin(), result.conflict.end()), result.conflict.end());
+    if (max_token_us > 0) {
+      Optimum o;
+      if (OptimiseAll(hw, model, candidates, 0, max_token_us, Goal::kMemory, &o)) {
+        result.min_feasible_memory = static_cast<uint64_t>(std::ceil(o.memory_mib * kMiB));
+      }
+    }
+    if (model.fixed_bytes <= limits.memory_bytes) {
+      Optimum o;
+      if (OptimiseAll(hw, model, candidates, mem_mib, 0, Goal::kSpeed, &o)) result.max_feasible_speed = 1e6 / o.token_us;
+    }
+    std::string msg = "no plan satisfies the limits: conflicting constraints {";
+    for (size_t i = 0; i < result.conflict.size(); ++i) msg += (i ? ", " : "") + result.conflict[i];
+    msg += "}";
+    if (model.fixed_bytes > limits.memory_bytes) {
+      msg += "; the fixed part (resident weights, KV cache, scratch) alone needs " + Gib(model.fixed_bytes) +
+             " but the memory limit is " + Gib(limits.memory_bytes);
+    }
+    if (result.min_feasible_memory > 0) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "; reaching %.2f tok/s needs at least %s", limits.min_tokens_per_s,
+                    Gib(result.min_feasible_memory).c_str());
+      msg += buf;
+    } else if (max_token_us > 0) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "; %.2f tok/s is out of reach at any memory size", limits.min_tokens_per_s);
+      msg += buf;
+    }
+    if (result.max_feasible_speed > 0) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "; within %s the best is %.2f tok/s", Gib(limits.memory_bytes).c_str(),
+                    result.max_feasible_speed);
+      msg += buf;
+    }
+    result.message = msg;
+  } catch (const z3::exception& ex) {
+    return Status::Internal(std::string("Z3: ") + ex.msg());
+  }
+  result.solve_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+}  // namespace nflash::planner

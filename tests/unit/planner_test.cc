@@ -1,0 +1,252 @@
+// Planner: the cost model on hand-computed cases, the Z3 solution on cases whose optimum is known, and infeasible
+// limits explained by the unsat core.
+#include <gtest/gtest.h>
+
+#include <chrono>
+
+#include "planner/cost_model.h"
+#include "planner/z3_planner.h"
+
+namespace nflash::planner {
+namespace {
+
+Curve Linear() { return Curve{{0.0, 1.0}, {0.0, 1.0}}; }
+Curve Zero() { return Curve{{0.0, 1.0}, {0.0, 0.0}}; }
+
+// One region of 1000 neurons, 10% active, 1000-byte bundles read as 4096 bytes; 1 GB/s sparse compute; 100 MB/s random
+// reads of 4 KiB at every queue depth; attention 1 MB per token at 1 GB/s.
+HardwareParams Hw() {
+  HardwareParams hw;
+  hw.cores = 2;
+  hw.mem_bw_gbs = 10;
+  hw.dense_gemv_gbs = {1.0, 2.0};
+  hw.sparse_ffn_gbs = {1.0, 2.0};
+  for (int qd : {1, 64}) hw.random_reads.push_back({4096, qd, 100.0, 40.0});
+  hw.seq_read_mbs = 1000;
+  return hw;
+}
+
+ModelParams OneRegion(Curve popularity, Curve lru) {
+  ModelParams m;
+  m.n_layers = 1;
+  m.fixed_bytes = 1 << 20;
+  m.dense_bytes_per_token = 1000000;
+  FfnParams f;
+  f.n_neurons = 1000;
+  f.active_fraction = 0.1;
+  f.bundle_bytes = 1000;
+  f.read_bytes = 4096;
+  f.slot_bytes = 4096;
+  f.popularity = std::move(popularity);
+  f.lru_hit = std::move(lru);
+  m.ffns.push_back(f);
+  return m;
+}
+
+TEST(CurveTest, InterpolatesAndFindsTheConcaveHull) {
+  const Curve c{{0.0, 0.5, 1.0}, {0.0, 0.8, 1.0}};
+  EXPECT_DOUBLE_EQ(c.At(0.25), 0.4);
+  EXPECT_DOUBLE_EQ(c.At(0.75), 0.9);
+  EXPECT_DOUBLE_EQ(c.At(2.0), 1.0);
+  const auto segs = c.ConcaveSegments();
+  ASSERT_EQ(segs.size(), 2u);
+  EXPECT_DOUBLE_EQ(segs[0].first, 1.6);
+  EXPECT_DOUBLE_EQ(segs[1].first, 0.4);
+  EXPECT_DOUBLE_EQ(segs[1].second, 0.6);
+  // A convex kink is bridged by the hull: (0,0) (0.5,0.2) (1,1) -> one segment y = x.
+  const auto hull = Curve{{0.0, 0.5, 1.0}, {0.0, 0.2, 1.0}}.ConcaveSegments();
+  ASSERT_EQ(hull.size(), 1u);
+  EXPECT_DOUBLE_EQ(hull[0].first, 1.0);
+}
+
+TEST(HardwareTest, ReadThroughputInterpolatesInLogSize) {
+  HardwareParams hw;
+  hw.random_reads = {{4096, 1, 50, 80}, {16384, 1, 150, 100}, {4096, 32, 400, 300}};
+  EXPECT_DOUBLE_EQ(hw.ReadMbps(4096, 1), 50);
+  EXPECT_DOUBLE_EQ(hw.ReadMbps(8192, 1), 100);   // halfway in log2 size
+  EXPECT_DOUBLE_EQ(hw.ReadMbps(4096, 16), 50);   // largest measured depth <= 16 is 1
+  EXPECT_DOUBLE_EQ(hw.ReadMbps(4096, 64), 400);
+  EXPECT_DOUBLE_EQ(hw.ReadMbps(2048, 1), 25);    // below the smallest size: same IOPS
+}
+
+TEST(CostModelTest, HandComputedBreakdown) {
+  const HardwareParams hw = Hw();
+  const ModelParams m = OneRegion(Linear(), Zero());
+  PlanSettings s;
+  s.compute_threads = 1;
+  s.queue_depth = 64;
+  s.cluster_neurons = 32;
+  s.hot_neurons = {500};
+  s.cold_slots = {0};
+  const Prediction p = Evaluate(hw, m, s);
+  // attention 1e6 B / 1e9 B/s = 1000 us; compute 100 neurons * 1000 B / 1e9 = 100 us; served P(0.5) = 0.5 so 50
+  // misses * 4096 B / 1e8 B/s = 2048 us; pipeline 100/32 * 5 us + 32 * 0.5 * 4096 / 1e8 s = 15.625 + 655.36 us.
+  EXPECT_NEAR(p.attention_s, 1000e-6, 1e-12);
+  EXPECT_NEAR(p.ffn_compute_s, 100e-6, 1e-12);
+  EXPECT_NEAR(p.io_s, 2048e-6, 1e-12);
+  EXPECT_NEAR(p.pipeline_s, 670.985e-6, 1e-12);
+  EXPECT_NEAR(p.token_s, (1000 + 2048 + 670.985) * 1e-6, 1e-12);
+  EXPECT_NEAR(p.read_mb_per_token, 50 * 4096 / 1e6, 1e-12);
+  EXPECT_EQ(p.memory_bytes, (1u << 20) + 500u * 4096u);
+  // Two threads share the cores with the I/O thread: each miss also costs submit time on the compute threads.
+  s.compute_threads = 2;
+  const Prediction p2 = Evaluate(hw, m, s);
+  EXPECT_NEAR(p2.ffn_compute_s, (50.0 + 50 * 2.0 / 2) * 1e-6, 1e-12);
+  EXPECT_NEAR(p2.attention_s, 500e-6, 1e-12);
+}
+
+TEST(CostModelTest, ServedFractionTakesTheTighterBound) {
+  const HardwareParams hw = Hw();
+  // P(h + c) = 0.6 at 0.6; P(0.2) + H(0.4) = 0.2 + 0.1: the sum bound is tighter.
+  const ModelParams m = OneRegion(Linear(), Curve{{0.0, 0.4, 1.0}, {0.0, 0.1, 1.0}});
+  PlanSettings s;
+  s.hot_neurons = {200};
+  s.cold_slots = {400};
+  EXPECT_NEAR(Evaluate(hw, m, s).served_fraction, 0.3, 1e-12);
+}
+
+TEST(PlannerTest, WholeModelFitsServesEverythingFromMemory) {
+  const HardwareParams hw = Hw();
+  const ModelParams m = OneRegion(Linear(), Zero());
+  UserLimits limits;
+  limits.memory_bytes = 64u << 20;
+  auto r = SolvePlan(hw, m, limits);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->feasible) << r->message;
+  EXPECT_EQ(r->settings.hot_neurons[0] + r->settings.cold_slots[0], 1000);
+  EXPECT_EQ(r->settings.compute_threads, 2);
+  EXPECT_NEAR(r->prediction.io_s, 0.0, 1e-12);
+  // 2 threads: attention 500 us + compute 50 us + cluster sync (100 / 128 clusters * 5 us / 2).
+  EXPECT_NEAR(r->prediction.token_s, (500 + 50 + 100.0 / 128 * 5 / 2) * 1e-6, 1e-9);
+  EXPECT_NEAR(r->solver_token_s, r->prediction.token_s, 1e-9);
+}
+
+TEST(PlannerTest, MemoryLimitedPlanUsesAllTheMemoryItHas) {
+  const HardwareParams hw = Hw();
+  const ModelParams m = OneRegion(Linear(), Zero());
+  UserLimits limits;
+  limits.memory_bytes = (1u << 20) + 600u * 4096u;  // room for 600 of 1000 neurons
+  auto r = SolvePlan(hw, m, limits);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->feasible) << r->message;
+  EXPECT_EQ(r->settings.hot_neurons[0] + r->settings.cold_slots[0], 600);
+  EXPECT_LE(r->prediction.memory_bytes, limits.memory_bytes);
+  EXPECT_NEAR(r->prediction.served_fraction, 0.6, 1e-9);
+}
+
+TEST(PlannerTest, MemoryBelowTheFixedPartIsExplained) {
+  const HardwareParams hw = Hw();
+  const ModelParams m = OneRegion(Linear(), Zero());
+  UserLimits limits;
+  limits.memory_bytes = 1000;
+  auto r = SolvePlan(hw, m, limits);
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->feasible);
+  EXPECT_EQ(r->conflict, std::vector<std::string>{"fixed_part"});
+  EXPECT_NE(r->message.find("fixed part"), std::string::npos) << r->message;
+}
+
+TEST(PlannerTest, UnreachableSpeedNamesMemoryAndSpeedAndTheMemoryThatWouldDo) {
+  const HardwareParams hw = Hw();
+  const ModelParams m = OneRegion(Linear(), Zero());
+  UserLimits limits;
+  limits.memory_bytes = (1u << 20) + 100u * 4096u;
+  // With everything in memory a token takes 550 + ~2 us; ask for 1 / 1000 us: needs most neurons in memory.
+  limits.min_tokens_per_s = 1000;
+  auto r = SolvePlan(hw, m, limits);
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->feasible);
+  EXPECT_EQ(r->conflict, (std::vector<std::string>{"memory_limit", "min_speed"}));
+  EXPECT_GT(r->min_feasible_memory, limits.memory_bytes);
+  EXPECT_GT(r->max_feasible_speed, 0.0);
+  EXPECT_LT(r->max_feasible_speed, 1000.0);
+  // The memory the message proposes does reach the speed.
+  limits.memory_bytes = r->min_feasible_memory + 4096;
+  auto r2 = SolvePlan(hw, m, limits);
+  ASSERT_TRUE(r2.ok());
+  EXPECT_TRUE(r2->feasible) << r2->message;
+}
+
+// The solver against an exhaustive search with the direct evaluation (no Z3): two regions of different sparsity and
+// curves, every hot/cold split on a 10-neuron grid, every knob. The solver may only be better (it is continuous) or
+// lose what rounding to whole neurons costs.
+TEST(PlannerTest, NoGridPointBeatsTheSolver) {
+  HardwareParams hw = Hw();
+  hw.random_reads = {{4096, 1, 40.0, 100.0}, {4096, 8, 150.0, 200.0}, {4096, 64, 160.0, 1600.0}};
+  ModelParams m = OneRegion(Curve{{0.0, 0.2, 0.5, 1.0}, {0.0, 0.6, 0.9, 1.0}}, Curve{{0.0, 0.5, 1.0}, {0.0, 0.7, 1.0}});
+  for (auto& f : m.ffns) f.n_neurons = 100;
+  FfnParams second = m.ffns[0];
+  second.layer = 1;
+  second.active_fraction = 0.3;
+  second.popularity = Linear();
+  second.lru_hit = Curve{{0.0, 1.0}, {0.0, 0.5}};
+  m.ffns.push_back(second);
+  UserLimits limits;
+  limits.memory_bytes = m.fixed_bytes + 90u * 4096u;
+  auto r = SolvePlan(hw, m, limits);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->feasible) << r->message;
+  EXPECT_LE(r->prediction.memory_bytes, limits.memory_bytes);
+
+  double best = 1e30;
+  PlanSettings s;
+  s.hot_neurons = {0, 0};
+  s.cold_slots = {0, 0};
+  for (int t = 1; t <= 2; ++t) {
+    for (int qd : kQueueDepthChoices) {
+      for (int k : kClusterChoices) {
+        s.compute_threads = t;
+        s.queue_depth = qd;
+        s.cluster_neurons = k;
+        for (int h0 = 0; h0 <= 100; h0 += 10) {
+          for (int c0 = 0; h0 + c0 <= 100; c0 += 10) {
+            for (int h1 = 0; h1 <= 100; h1 += 10) {
+              for (int c1 = 0; h1 + c1 <= 100; c1 += 10) {
+                if (h0 + c0 + h1 + c1 > 90) continue;
+                s.hot_neurons = {h0, h1};
+                s.cold_slots = {c0, c1};
+                best = std::min(best, Evaluate(hw, m, s).token_s);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_LE(r->prediction.token_s, best * 1.01) << "grid best " << best;
+  // And the search is not vacuous: memory matters in this case.
+  s = r->settings;
+  s.hot_neurons = {0, 0};
+  s.cold_slots = {0, 0};
+  EXPECT_GT(Evaluate(hw, m, s).token_s, r->prediction.token_s * 1.2);
+}
+
+TEST(PlannerTest, ThirtyTwoLayersSolveQuickly) {
+  const HardwareParams hw = Hw();
+  ModelParams m;
+  const ModelParams one = OneRegion(Curve{{0.0, 0.1, 0.3, 1.0}, {0.0, 0.5, 0.8, 1.0}},
+                                    Curve{{0.0, 0.2, 1.0}, {0.0, 0.4, 1.0}});
+  m.fixed_bytes = one.fixed_bytes;
+  m.dense_bytes_per_token = one.dense_bytes_per_token;
+  for (int l = 0; l < 32; ++l) {
+    FfnParams f = one.ffns[0];
+    f.layer = l;
+    f.active_fraction = 0.05 + 0.005 * l;
+    m.ffns.push_back(f);
+  }
+  UserLimits limits;
+  limits.memory_bytes = (1u << 20) + 32u * 300u * 4096u;
+  const auto start = std::chrono::steady_clock::now();
+  auto r = SolvePlan(hw, m, limits);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->feasible) << r->message;
+  EXPECT_LE(r->prediction.memory_bytes, limits.memory_bytes);
+  // The solver's optimum (hull curves, unrounded) is at least as fast as the rounded plan's evaluation.
+  EXPECT_LE(r->solver_token_s, r->prediction.token_s * (1 + 1e-6));
+  RecordProperty("solve_seconds", std::to_string(secs));
+  std::printf("32-layer solve: %.2f s\n", secs);
+}
+
+}  // namespace
+}  // namespace nflash::planner
