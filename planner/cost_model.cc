@@ -113,4 +113,25 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
   return p;
 }
 
+PrefillPrediction EvaluatePrefill(const HardwareParams& hw, const ModelParams& model, const PlanSettings& s,
+                                  int64_t n_tokens) {
+  PrefillPrediction p;
+  const double n = static_cast<double>(std::max<int64_t>(n_tokens, 1));
+  p.compute_s = hw.gemm_gflops > 0 ? 2.0 * static_cast<double>(model.matmul_params) * n / (hw.gemm_gflops * 1e9) : 0.0;
+  // Dense prefill needs every neuron: the ones not held in the hot region or the cold cache stream from flash.
+  double streamed = 0;
+  for (size_t r = 0; r < model.ffns.size(); ++r) {
+    const FfnParams& f = model.ffns[r];
+    const auto held = std::min<int64_t>(s.hot_neurons.at(r) + s.cold_slots.at(r), f.n_neurons);
+    streamed += static_cast<double>(f.n_neurons - held) * static_cast<double>(f.read_bytes);
+  }
+  p.io_s = hw.seq_read_mbs > 0 ? streamed / (hw.seq_read_mbs * 1e6) : 0.0;
+  // Layer l + 1 is read while layer l computes; the first layer's read has nothing to hide behind.
+  const double layers = static_cast<double>(std::max<int64_t>(model.n_layers, 1));
+  p.exposed_io_s = p.io_s / layers;
+  p.total_s = std::max(p.compute_s, p.io_s - p.exposed_io_s) + p.exposed_io_s;
+  p.tokens_per_s = p.total_s > 0 ? n / p.total_s : 0.0;
+  return p;
+}
+
 }  // namespace nflash::planner

@@ -64,6 +64,7 @@ struct ModelParams {
   uint64_t dense_bytes_per_token = 0;   // attention + output head + norms read per token (GEMV)
   uint64_t predictor_bytes = 0;         // all predictors (read per token)
   uint64_t ffn_bytes = 0;               // the whole flash image (for prefill streaming)
+  uint64_t matmul_params = 0;           // weights in every matrix product per token (2 flops each per token)
   std::vector<FfnParams> ffns;
 };
 
@@ -102,6 +103,14 @@ inline const std::vector<int> kQueueDepthChoices = {1, 2, 4, 8, 16, 32, 64};
 // Synchronisation cost of one cluster hand-off between the I/O thread and a compute thread (a futex wake and a cache
 // line transfer: measured at 3-8 us on this class of machine; 5 us used).
 inline constexpr double kClusterSyncUs = 5.0;
+
+// Prefill of `n_tokens` (docs/planner.md, "Prefill"): GEMM time against streaming the FFN regions that are not held
+// in memory, overlapped by next-layer prefetch except for the first layer's read.
+struct PrefillPrediction {
+  double compute_s = 0, io_s = 0, exposed_io_s = 0, total_s = 0, tokens_per_s = 0;
+};
+PrefillPrediction EvaluatePrefill(const HardwareParams& hw, const ModelParams& model, const PlanSettings& settings,
+                                  int64_t n_tokens);
 
 // The cost model evaluated for `settings` (see docs/planner.md). Served fraction per region: the tighter of
 // P(h + c) and P(h) + H(c) (popularity curve P, LRU curve H, h hot and c cold fractions of the region).

@@ -105,6 +105,24 @@ TEST(CostModelTest, ServedFractionTakesTheTighterBound) {
   EXPECT_NEAR(Evaluate(hw, m, s).served_fraction, 0.3, 1e-12);
 }
 
+TEST(CostModelTest, PrefillIsGemmAgainstStreamingWithTheFirstLayerExposed) {
+  HardwareParams hw = Hw();
+  hw.gemm_gflops = 100;
+  ModelParams m = OneRegion(Linear(), Linear());
+  m.n_layers = 2;
+  m.ffns.push_back(m.ffns[0]);
+  m.matmul_params = 5000000;  // 2 * 5e6 * 100 tokens = 1e9 flops = 10 ms at 100 GFLOP/s
+  PlanSettings s;
+  s.hot_neurons = {1000, 500};
+  s.cold_slots = {0, 0};
+  const PrefillPrediction p = EvaluatePrefill(hw, m, s, 100);
+  // 500 neurons x 4096 bytes streamed at 1000 MB/s = 2.048 ms; half of it (the first of two layers) exposed.
+  EXPECT_NEAR(p.compute_s, 10e-3, 1e-12);
+  EXPECT_NEAR(p.io_s, 2.048e-3, 1e-12);
+  EXPECT_NEAR(p.total_s, 10e-3 + 1.024e-3, 1e-12);
+  EXPECT_NEAR(p.tokens_per_s, 100 / (11.024e-3), 1e-6);
+}
+
 TEST(PlannerTest, WholeModelFitsServesEverythingFromMemory) {
   const HardwareParams hw = Hw();
   const ModelParams m = OneRegion(Linear(), Zero());
