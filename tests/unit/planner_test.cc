@@ -3,8 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <fstream>
+
+#include "runtime/core/checksum.h"
+#include "tests/test_util.h"
 
 #include "planner/cost_model.h"
+#include "planner/plan.h"
 #include "planner/z3_planner.h"
 
 namespace nflash::planner {
@@ -264,6 +269,57 @@ TEST(PlannerTest, ThirtyTwoLayersSolveQuickly) {
   EXPECT_LE(r->solver_token_s, r->prediction.token_s * (1 + 1e-6));
   RecordProperty("solve_seconds", std::to_string(secs));
   std::printf("32-layer solve: %.2f s\n", secs);
+}
+
+TEST(PlanFileTest, RoundTripsAndRejectsBadFilesAndOtherDeployments) {
+  nflash::testing::TempDir dir;
+  const std::string deploy = dir.path();
+  {
+    std::ofstream(deploy + "/manifest.json") << "{\"a\": 1}\n";
+  }
+  Plan p;
+  p.deployment_hash = HashToHex(HashFile(deploy + "/manifest.json").value());
+  p.hardware_hash = "0123456789abcdef";
+  p.model_name = "m";
+  p.memory_limit_bytes = 3ull << 30;  // above 2^32: 64-bit fields survive
+  p.objective = "speed";
+  p.compute_threads = 2;
+  p.queue_depth = 16;
+  p.cluster_neurons = 64;
+  p.regions = {{0, -1, 10, 20}, {1, 3, 5, 0}};
+  p.predicted.token_s = 0.25;
+  p.predicted.memory_bytes = 123;
+  const std::string path = deploy + "/plan.json";
+  ASSERT_TRUE(SavePlan(p, path, false).ok());
+  EXPECT_FALSE(SavePlan(p, path, false).ok());  // no silent overwrite
+  auto q = LoadPlan(path);
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ(q->memory_limit_bytes, 3ull << 30);
+  EXPECT_EQ(q->queue_depth, 16);
+  ASSERT_EQ(q->regions.size(), 2u);
+  EXPECT_EQ(q->regions[1].expert, 3);
+  EXPECT_EQ(q->regions[1].hot_neurons, 5);
+  EXPECT_DOUBLE_EQ(q->predicted.token_s, 0.25);
+  EXPECT_TRUE(CheckPlanForDeployment(*q, deploy).ok());
+
+  {
+    std::ofstream(deploy + "/manifest.json") << "{\"a\": 2}\n";
+  }
+  const Status other = CheckPlanForDeployment(*q, deploy);
+  EXPECT_FALSE(other.ok());
+  EXPECT_NE(other.message().find("another deployment"), std::string::npos) << other.message();
+
+  std::string text = PlanToJson(p);
+  auto bad_version = ParsePlan(std::string(text).replace(text.find("\"schema_version\": 1"), 19,
+                                                         "\"schema_version\": 9"), "x.json");
+  ASSERT_FALSE(bad_version.ok());
+  EXPECT_NE(bad_version.status().message().find("expected 1, found 9"), std::string::npos);
+  auto bad_type = ParsePlan(std::string(text).replace(text.find("\"queue_depth\": 16"), 17, "\"queue_depth\": \"x\""),
+                            "x.json");
+  ASSERT_FALSE(bad_type.ok());
+  EXPECT_NE(bad_type.status().message().find("settings.queue_depth"), std::string::npos)
+      << bad_type.status().message();
+  EXPECT_FALSE(ParsePlan("not json", "x.json").ok());
 }
 
 }  // namespace

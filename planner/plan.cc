@@ -1,0 +1,187 @@
+// plan.json reading and writing (schema in docs/planner.md).
+#include "planner/plan.h"
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/core/checksum.h"
+#include "runtime/core/file.h"
+
+namespace nflash::planner {
+namespace {
+
+using nlohmann::json;
+
+// Typed field access with errors naming the file, the field, the expected type and what was found.
+class Reader {
+ public:
+  Reader(const json& j, std::string source) : j_(j), source_(std::move(source)) {}
+
+  template <typename T>
+  Status Get(const json& obj, const std::string& path, const char* key, T* out) const {
+    const std::string field = path.empty() ? key : path + "." + key;
+    if (!obj.is_object() || !obj.contains(key)) return Status::Corruption(source_ + ": missing field '" + field + "'");
+    const json& v = obj.at(key);
+    bool ok = false;
+    if constexpr (std::is_same_v<T, std::string>) {
+      ok = v.is_string();
+    } else if constexpr (std::is_floating_point_v<T>) {
+      ok = v.is_number();
+    } else {
+      ok = v.is_number_integer() && (std::is_signed_v<T> || v.is_number_unsigned() || v.get<int64_t>() >= 0);
+    }
+    if (!ok) {
+      return Status::Corruption(source_ + ": field '" + field + "' has the wrong type: expected " + TypeName<T>() +
+                                ", found " + v.dump());
+    }
+    *out = v.get<T>();
+    return Status::Ok();
+  }
+  const json& root() const { return j_; }
+  const std::string& source() const { return source_; }
+
+ private:
+  template <typename T>
+  static const char* TypeName() {
+    if constexpr (std::is_same_v<T, std::string>) return "a string";
+    if constexpr (std::is_floating_point_v<T>) return "a number";
+    if constexpr (std::is_unsigned_v<T>) return "a non-negative integer";
+    return "an integer";
+  }
+  const json& j_;
+  std::string source_;
+};
+
+}  // namespace
+
+std::string PlanToJson(const Plan& p) {
+  json j;
+  j["schema_version"] = p.schema_version;
+  j["deployment_hash"] = p.deployment_hash;
+  j["hardware_hash"] = p.hardware_hash;
+  j["model_name"] = p.model_name;
+  j["limits"] = {{"memory_bytes", p.memory_limit_bytes},
+                 {"cores", p.cores},
+                 {"min_tokens_per_s", p.min_tokens_per_s},
+                 {"objective", p.objective}};
+  j["settings"] = {{"fixed_bytes", p.fixed_bytes},         {"n_ctx", p.n_ctx},
+                   {"compute_threads", p.compute_threads}, {"io_threads", p.io_threads},
+                   {"queue_depth", p.queue_depth},         {"cluster_neurons", p.cluster_neurons}};
+  json regions = json::array();
+  for (const RegionPlan& r : p.regions) {
+    regions.push_back(
+        {{"layer", r.layer}, {"expert", r.expert}, {"hot_neurons", r.hot_neurons}, {"cold_slots", r.cold_slots}});
+  }
+  j["regions"] = regions;
+  const PlanPrediction& q = p.predicted;
+  j["predicted"] = {{"attention_s", q.attention_s},
+                    {"predictor_s", q.predictor_s},
+                    {"ffn_compute_s", q.ffn_compute_s},
+                    {"io_s", q.io_s},
+                    {"io_exposed_s", q.io_exposed_s},
+                    {"pipeline_s", q.pipeline_s},
+                    {"token_s", q.token_s},
+                    {"tokens_per_s", q.tokens_per_s},
+                    {"served_fraction", q.served_fraction},
+                    {"read_mb_per_token", q.read_mb_per_token},
+                    {"reads_per_token", q.reads_per_token},
+                    {"prefill128_tokens_per_s", q.prefill128_tokens_per_s},
+                    {"prefill512_tokens_per_s", q.prefill512_tokens_per_s},
+                    {"memory_bytes", q.memory_bytes}};
+  j["solve_seconds"] = p.solve_seconds;
+  return j.dump(2) + "\n";
+}
+
+Result<Plan> ParsePlan(const std::string& text, const std::string& source) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Status::Corruption(source + ": not a JSON object");
+  const Reader rd(j, source);
+  Plan p;
+  NF_RETURN_IF_ERROR(rd.Get(j, "", "schema_version", &p.schema_version));
+  if (p.schema_version != kPlanSchemaVersion) {
+    return Status::Unsupported(source + ": field 'schema_version': expected " + std::to_string(kPlanSchemaVersion) +
+                               ", found " + std::to_string(p.schema_version));
+  }
+  NF_RETURN_IF_ERROR(rd.Get(j, "", "deployment_hash", &p.deployment_hash));
+  NF_RETURN_IF_ERROR(rd.Get(j, "", "hardware_hash", &p.hardware_hash));
+  NF_RETURN_IF_ERROR(rd.Get(j, "", "model_name", &p.model_name));
+  if (!j.contains("limits") || !j.contains("settings") || !j.contains("regions") || !j.contains("predicted")) {
+    return Status::Corruption(source + ": expected objects 'limits', 'settings', 'regions', 'predicted'");
+  }
+  const json& lim = j["limits"];
+  NF_RETURN_IF_ERROR(rd.Get(lim, "limits", "memory_bytes", &p.memory_limit_bytes));
+  NF_RETURN_IF_ERROR(rd.Get(lim, "limits", "cores", &p.cores));
+  NF_RETURN_IF_ERROR(rd.Get(lim, "limits", "min_tokens_per_s", &p.min_tokens_per_s));
+  NF_RETURN_IF_ERROR(rd.Get(lim, "limits", "objective", &p.objective));
+  const json& set = j["settings"];
+  NF_RETURN_IF_ERROR(rd.Get(set, "settings", "fixed_bytes", &p.fixed_bytes));
+  NF_RETURN_IF_ERROR(rd.Get(set, "settings", "n_ctx", &p.n_ctx));
+  NF_RETURN_IF_ERROR(rd.Get(set, "settings", "compute_threads", &p.compute_threads));
+  NF_RETURN_IF_ERROR(rd.Get(set, "settings", "io_threads", &p.io_threads));
+  NF_RETURN_IF_ERROR(rd.Get(set, "settings", "queue_depth", &p.queue_depth));
+  NF_RETURN_IF_ERROR(rd.Get(set, "settings", "cluster_neurons", &p.cluster_neurons));
+  if (p.compute_threads < 1 || p.io_threads < 0 || p.queue_depth < 1 || p.cluster_neurons < 1) {
+    return Status::Corruption(source + ": 'settings' needs compute_threads >= 1, io_threads >= 0, queue_depth >= 1, " +
+                              "cluster_neurons >= 1");
+  }
+  if (!j["regions"].is_array()) return Status::Corruption(source + ": field 'regions': expected an array");
+  for (size_t i = 0; i < j["regions"].size(); ++i) {
+    const json& r = j["regions"][i];
+    const std::string path = "regions[" + std::to_string(i) + "]";
+    RegionPlan rp;
+    NF_RETURN_IF_ERROR(rd.Get(r, path, "layer", &rp.layer));
+    NF_RETURN_IF_ERROR(rd.Get(r, path, "expert", &rp.expert));
+    NF_RETURN_IF_ERROR(rd.Get(r, path, "hot_neurons", &rp.hot_neurons));
+    NF_RETURN_IF_ERROR(rd.Get(r, path, "cold_slots", &rp.cold_slots));
+    if (rp.hot_neurons < 0 || rp.cold_slots < 0) {
+      return Status::Corruption(source + ": " + path + ": hot_neurons and cold_slots must be >= 0");
+    }
+    p.regions.push_back(rp);
+  }
+  const json& q = j["predicted"];
+  PlanPrediction& pr = p.predicted;
+  for (auto [key, dst] : std::initializer_list<std::pair<const char*, double*>>{
+           {"attention_s", &pr.attention_s},
+           {"predictor_s", &pr.predictor_s},
+           {"ffn_compute_s", &pr.ffn_compute_s},
+           {"io_s", &pr.io_s},
+           {"io_exposed_s", &pr.io_exposed_s},
+           {"pipeline_s", &pr.pipeline_s},
+           {"token_s", &pr.token_s},
+           {"tokens_per_s", &pr.tokens_per_s},
+           {"served_fraction", &pr.served_fraction},
+           {"read_mb_per_token", &pr.read_mb_per_token},
+           {"reads_per_token", &pr.reads_per_token},
+           {"prefill128_tokens_per_s", &pr.prefill128_tokens_per_s},
+           {"prefill512_tokens_per_s", &pr.prefill512_tokens_per_s}}) {
+    NF_RETURN_IF_ERROR(rd.Get(q, "predicted", key, dst));
+  }
+  NF_RETURN_IF_ERROR(rd.Get(q, "predicted", "memory_bytes", &pr.memory_bytes));
+  NF_RETURN_IF_ERROR(rd.Get(j, "", "solve_seconds", &p.solve_seconds));
+  return p;
+}
+
+Result<Plan> LoadPlan(const std::string& path) {
+  NF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(path));
+  return ParsePlan(std::string(bytes.begin(), bytes.end()), path);
+}
+
+Status SavePlan(const Plan& plan, const std::string& path, bool overwrite) {
+  NF_ASSIGN_OR_RETURN(auto writer, AtomicFileWriter::Create(path, overwrite));
+  const std::string text = PlanToJson(plan);
+  NF_RETURN_IF_ERROR(writer->Append(text.data(), text.size()));
+  return writer->Commit();
+}
+
+Status CheckPlanForDeployment(const Plan& plan, const std::string& deploy_dir) {
+  const std::string manifest = deploy_dir + "/manifest.json";
+  NF_ASSIGN_OR_RETURN(uint64_t hash, HashFile(manifest));
+  const std::string found = HashToHex(hash);
+  if (found != plan.deployment_hash) {
+    return Status::InvalidArgument("the plan was made for another deployment: its deployment_hash is " +
+                                   plan.deployment_hash + " but " + manifest + " hashes to " + found +
+                                   " (run `nflash plan` for this deployment)");
+  }
+  return Status::Ok();
+}
+
+}  // namespace nflash::planner

@@ -1,0 +1,62 @@
+// plan.json: the execution plan `nflash plan` writes and the sparse runtime follows (docs/planner.md, "plan.json").
+// This file has no solver dependency so that the runtime can read plans without linking Z3.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/core/status.h"
+
+namespace nflash::planner {
+
+// Major version of plan.json; readers reject any other.
+inline constexpr int kPlanSchemaVersion = 1;
+
+struct RegionPlan {
+  int64_t layer = 0;
+  int64_t expert = -1;      // -1: a dense FFN
+  int64_t hot_neurons = 0;  // the first hot_neurons slots of the region (the packer put the hottest first)
+  int64_t cold_slots = 0;   // LRU cold-cache capacity, in neurons
+};
+
+// The predicted per-token breakdown (seconds) the plan was chosen for.
+struct PlanPrediction {
+  double attention_s = 0, predictor_s = 0, ffn_compute_s = 0, io_s = 0, io_exposed_s = 0, pipeline_s = 0;
+  double token_s = 0, tokens_per_s = 0;
+  double served_fraction = 0, read_mb_per_token = 0, reads_per_token = 0;
+  double prefill128_tokens_per_s = 0, prefill512_tokens_per_s = 0;
+  uint64_t memory_bytes = 0;
+};
+
+struct Plan {
+  int schema_version = kPlanSchemaVersion;
+  std::string deployment_hash;  // HashToHex(HashFile(DEPLOY_DIR/manifest.json)): the deployment it was made for
+  std::string hardware_hash;    // HashToHex(HashFile(hw.json))
+  std::string model_name;
+  // User limits it was solved under.
+  uint64_t memory_limit_bytes = 0;
+  int cores = 0;
+  double min_tokens_per_s = 0;
+  std::string objective;  // "speed" or "memory"
+  // Settings.
+  uint64_t fixed_bytes = 0;  // resident image + KV cache + scratch, as the planner counted them
+  int n_ctx = 0;             // context length the KV cache was sized for
+  int compute_threads = 1;
+  int io_threads = 1;
+  int queue_depth = 32;
+  int cluster_neurons = 32;
+  std::vector<RegionPlan> regions;  // layer-major, experts in order (the manifest's order)
+  PlanPrediction predicted;
+  double solve_seconds = 0;
+};
+
+std::string PlanToJson(const Plan& plan);
+// Validates field presence and types and the schema version; `source` names the file in errors.
+Result<Plan> ParsePlan(const std::string& json_text, const std::string& source);
+Result<Plan> LoadPlan(const std::string& path);
+Status SavePlan(const Plan& plan, const std::string& path, bool overwrite);
+// InvalidArgument naming both hashes when the plan was made for another deployment (manifest.json hash).
+Status CheckPlanForDeployment(const Plan& plan, const std::string& deploy_dir);
+
+}  // namespace nflash::planner
