@@ -100,6 +100,10 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
     p.io_exposed_s += std::max(0.0, io - compute);
     p.pipeline_s += pipeline;
     p.layer_token_s.push_back(t);
+    p.layer_compute_s.push_back(compute);
+    p.layer_io_s.push_back(io);
+    p.layer_pipeline_s.push_back(pipeline);
+    p.layer_served.push_back(served);
     p.read_mb_per_token += missed * static_cast<double>(f.read_bytes) / 1e6;
     p.reads_per_token += missed;
     active_total += active;

@@ -94,7 +94,8 @@ struct Prediction {
   double read_mb_per_token = 0;
   double reads_per_token = 0;
   uint64_t memory_bytes = 0;
-  std::vector<double> layer_token_s;
+  // Per region (ModelParams::ffns order): its time and terms.
+  std::vector<double> layer_token_s, layer_compute_s, layer_io_s, layer_pipeline_s, layer_served;
 };
 
 // Cluster sizes and queue depths the planner chooses from (the runtime's supported values).

@@ -1,6 +1,6 @@
 // The model profile written by `nflash profile`: what calibration text did to every FFN neuron of a model, for the
 // packer (hot/cold split, ordering), the planner (popularity and cache hit-rate curves) and the predictor trainer.
-// Stored as a GGUF container (schema below, documented in docs/formats.md): metadata keys "nflash.profile.*" and one
+// Stored as a GGUF container (schema below, documented in docs/profile-format.md): metadata keys "nflash.profile.*" and one
 // tensor per array, so `nflash inspect` and any GGUF reader can open it.
 #pragma once
 
@@ -44,6 +44,8 @@ struct FfnProfile {
   int64_t coact_k = 0;
   std::vector<int32_t> coact_partner;  // n_neurons * coact_k
   std::vector<uint32_t> coact_count;   // n_neurons * coact_k
+  // Thresholds on |act(gate)| that give ModelProfile::report_sparsities (same order; empty when none were asked).
+  std::vector<float> report_thresholds;
 };
 
 struct ModelProfile {
@@ -54,6 +56,9 @@ struct ModelProfile {
   int64_t n_layers = 0, n_ff = 0, n_experts = 0, dim = 0;
   int64_t tokens = 0;       // calibration tokens run
   std::string text_path;    // calibration text (for the record)
+  int64_t ctx = 0;          // window length (tokens) the text was run in
+  double target_sparsity = 0.0;  // silu: the sparsity the thresholds were calibrated for (0 for relu / drelu)
+  std::vector<float> report_sparsities;  // sparsities of FfnProfile::report_thresholds
   std::vector<FfnProfile> ffns;  // layer-major, experts in order
   // The FFN of (layer, expert), or nullptr.
   const FfnProfile* Find(int64_t layer, int64_t expert = -1) const;

@@ -1,4 +1,204 @@
-// Placeholder while the profiler issue is built; replaced by its implementation.
+// `nflash train-predictor`: trains per-layer activation predictors for a model from calibration text and writes the
+// predictor side file (format: runtime/engine/predictor.h, docs/predictor.md).
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
 #include "profiler/commands.h"
-#include "profiler/profile.h"
-namespace nflash::profiler { void RegisterTrainPredictorCommand(CLI::App&, cli::CommandAction*) {} }
+#include "profiler/predictor_train.h"
+#include "runtime/cli/model_loader.h"
+#include "runtime/core/checksum.h"
+#include "runtime/core/file.h"
+#include "runtime/core/log.h"
+#include "runtime/engine/predictor.h"
+
+namespace nflash::profiler {
+namespace {
+
+struct TrainFlags {
+  cli::ModelSource source;
+  std::string calib_file, eval_file, output, ranks = "16,32,64,128,256", weight_type = "f32";
+  int64_t tokens = 20000, eval_tokens = 20000, window = 256, max_rank = 256;
+  double target_sparsity = -1;
+  double val_fraction = 0.2;
+  int threads = 0;
+  bool force = false;
+  TrainOptions train;
+};
+
+// The first `n` tokens of a text file (BOS + the text as one string, as perplexity encodes it). Only a prefix of the
+// file is encoded: kBytesPerToken is a generous bound for the byte-level and small-vocabulary tokenizers used here.
+Result<std::vector<int32_t>> ReadTokens(const Tokenizer& tok, const std::string& path, int64_t n) {
+  constexpr int64_t kBytesPerToken = 8;
+  NF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(path));
+  const size_t take = std::min(bytes.size(), static_cast<size_t>(n * kBytesPerToken + 4096));
+  std::vector<int32_t> ids = tok.Encode(std::string(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(take)),
+                                        true);
+  if (static_cast<int64_t>(ids.size()) > n) ids.resize(static_cast<size_t>(n));
+  return ids;
+}
+
+Status RunTrain(TrainFlags f) {
+  if (!f.force && FileExists(f.output)) return Status::InvalidArgument(f.output + " exists; pass --force to overwrite");
+  if (f.train.target_recall <= 0 || f.train.target_recall > 1) {
+    return Status::InvalidArgument("--recall must be in (0, 1]");
+  }
+  f.train.ranks.clear();
+  std::stringstream ss(f.ranks);
+  for (std::string item; std::getline(ss, item, ',');) {
+    int64_t r = 0;
+    try {
+      r = std::stoll(item);
+    } catch (...) {
+      return Status::InvalidArgument("--ranks: '" + item + "' is not a number");
+    }
+    if (r <= 0) return Status::InvalidArgument("--ranks: rank " + item + " must be positive");
+    if (r <= f.max_rank) f.train.ranks.push_back(r);
+  }
+  if (f.train.ranks.empty()) return Status::InvalidArgument("no --ranks value is <= --max-rank");
+  const auto wt = ParseGgmlType(f.weight_type);
+  if (!wt || (*wt != GgmlType::kF32 && *wt != GgmlType::kF16)) {
+    return Status::InvalidArgument("--weight-type must be f32 or f16");
+  }
+  NF_ASSIGN_OR_RETURN(cli::LoadedModel lm, cli::LoadModelForInference(f.source));
+  const LlamaHparams& hp = lm.model->hparams();
+  const bool silu = hp.activation == FfnActivation::kSilu;
+  if (silu && !(f.target_sparsity > 0 && f.target_sparsity < 1)) {
+    return Status::InvalidArgument("a SiLU model has no exact zeros: pass --target-sparsity S in (0, 1)");
+  }
+  if (!silu && f.target_sparsity >= 0) {
+    return Status::InvalidArgument("--target-sparsity applies to SiLU models; " + hp.name +
+                                   " uses ReLU-family zeros (threshold 0)");
+  }
+  NF_ASSIGN_OR_RETURN(uint64_t hash, HashFile(f.source.path));
+  ThreadPool pool(f.threads);
+
+  NF_ASSIGN_OR_RETURN(std::vector<int32_t> ids, ReadTokens(*lm.tokenizer, f.calib_file, f.tokens));
+  const auto t0 = std::chrono::steady_clock::now();
+  NF_ASSIGN_OR_RETURN(ActivationSamples samples, CollectSamples(*lm.model, ids, f.window, &pool));
+  const int64_t n_val = static_cast<int64_t>(static_cast<double>(samples.n_tokens) * f.val_fraction);
+  const int64_t n_train = samples.n_tokens - n_val;
+  if (n_val < 1 || n_train < f.train.batch) {
+    return Status::InvalidArgument(f.calib_file + ": " + std::to_string(samples.n_tokens) +
+                                   " calibration tokens are too few (need a batch of " +
+                                   std::to_string(f.train.batch) + " for training plus a validation split)");
+  }
+  NF_LOG(Info) << "collected " << samples.n_tokens << " calibration tokens (" << n_train << " train, " << n_val
+               << " validation) in "
+               << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s";
+  const std::vector<float> thresholds =
+      silu ? SparsityThresholds(samples, f.target_sparsity) : std::vector<float>(static_cast<size_t>(hp.n_layers), 0.0f);
+
+  std::unique_ptr<ActivationSamples> eval;
+  if (!f.eval_file.empty()) {
+    NF_ASSIGN_OR_RETURN(std::vector<int32_t> eval_ids, ReadTokens(*lm.tokenizer, f.eval_file, f.eval_tokens));
+    NF_ASSIGN_OR_RETURN(ActivationSamples e, CollectSamples(*lm.model, eval_ids, f.window, &pool));
+    eval = std::make_unique<ActivationSamples>(std::move(e));
+  }
+
+  PredictorData data;
+  data.model_hash = HashToHex(hash);
+  data.model_name = hp.name;
+  data.activation = FfnActivationName(hp.activation);
+  data.dim = hp.dim;
+  data.n_ff = hp.n_ff;
+  data.target_recall = f.train.target_recall;
+  data.train_tokens = n_train;
+  std::printf("| layer | rank | act. threshold | recall | precision | predicted | true active | pred/true | bytes | "
+              "train s |%s\n",
+              eval ? " held-out recall | precision | predicted | true active |" : "");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|%s\n", eval ? "---|---|---|---|" : "");
+  double sum_recall = 0, sum_eval_recall = 0, sum_ratio = 0, sum_eval_ratio = 0;
+  for (int64_t l = 0; l < hp.n_layers; ++l) {
+    const float thr = thresholds[static_cast<size_t>(l)];
+    const std::vector<uint8_t> mask = ActiveMask(samples, l, thr);
+    bool fallback = false;
+    NF_ASSIGN_OR_RETURN(PredictorLayerData L,
+                        TrainLayerChooseRank(samples.x[l].data(), mask.data(), n_train, n_val, hp.dim, hp.n_ff,
+                                             f.train, &pool, &fallback));
+    L.info.activation_threshold = thr;
+    if (fallback) {
+      NF_LOG(Warning) << "layer " << l << ": no candidate rank reached recall " << f.train.target_recall
+                      << " with predicted <= " << f.train.max_predicted_ratio << "x true; using rank " << L.info.rank
+                      << " (smallest predicted fraction)";
+    }
+    if (eval) {
+      const std::vector<uint8_t> emask = ActiveMask(*eval, l, thr);
+      const PredictionQuality q =
+          Evaluate(L, hp.dim, hp.n_ff, eval->x[l].data(), emask.data(), eval->n_tokens, &pool);
+      L.info.eval_recall = static_cast<float>(q.recall);
+      L.info.eval_precision = static_cast<float>(q.precision);
+      L.info.eval_predicted_fraction = static_cast<float>(q.predicted_fraction);
+      L.info.eval_true_fraction = static_cast<float>(q.true_fraction);
+      sum_eval_recall += q.recall;
+      sum_eval_ratio += q.true_fraction > 0 ? q.predicted_fraction / q.true_fraction : 0;
+    }
+    const PredictorLayerInfo& i = L.info;
+    const uint64_t bytes = static_cast<uint64_t>((i.rank * hp.dim + hp.n_ff * i.rank) * (*wt == GgmlType::kF16 ? 2 : 4) +
+                                                 hp.n_ff * 4);
+    sum_recall += i.recall;
+    sum_ratio += i.true_fraction > 0 ? i.predicted_fraction / i.true_fraction : 0;
+    std::printf("| %lld | %lld%s | %.4g | %.4f | %.4f | %.4f | %.4f | %.2f | %llu | %.1f |", static_cast<long long>(l),
+                static_cast<long long>(i.rank), fallback ? " (fallback)" : "", i.activation_threshold, i.recall,
+                i.precision, i.predicted_fraction, i.true_fraction,
+                i.true_fraction > 0 ? i.predicted_fraction / i.true_fraction : 0.0, static_cast<unsigned long long>(bytes),
+                i.train_seconds);
+    if (eval) {
+      std::printf(" %.4f | %.4f | %.4f | %.4f |", i.eval_recall, i.eval_precision, i.eval_predicted_fraction,
+                  i.eval_true_fraction);
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+    data.layers.push_back(std::move(L));
+  }
+  const double nl = static_cast<double>(hp.n_layers);
+  std::printf("mean over layers: validation recall %.4f, predicted/true %.2f", sum_recall / nl, sum_ratio / nl);
+  if (eval) {
+    std::printf("; held-out (%lld tokens of %s) recall %.4f, predicted/true %.2f", static_cast<long long>(eval->n_tokens),
+                f.eval_file.c_str(), sum_eval_recall / nl, sum_eval_ratio / nl);
+  }
+  std::printf("\ntotal time %.1f s\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  NF_RETURN_IF_ERROR(SavePredictor(data, f.output, f.force, *wt));
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<Predictor> check, Predictor::Load(f.output));
+  std::printf("wrote %s (%llu bytes of predictor weights)\n", f.output.c_str(),
+              static_cast<unsigned long long>(check->PredictorBytes()));
+  return Status::Ok();
+}
+
+}  // namespace
+
+void RegisterTrainPredictorCommand(CLI::App& app, cli::CommandAction* action) {
+  auto f = std::make_shared<TrainFlags>();
+  CLI::App* sub = app.add_subcommand("train-predictor", "Train per-layer activation predictors for a model");
+  sub->add_option("-m,--model", f->source.path, "Model: GGUF, or llama2.c checkpoint")->required()->check(CLI::ExistingFile);
+  sub->add_option("--tokenizer", f->source.tokenizer, "llama2.c only: tokenizer.bin");
+  sub->add_option("--activation", f->source.activation, "llama2.c only: FFN activation silu|relu|drelu");
+  sub->add_option("-f,--file", f->calib_file, "Calibration text")->required()->check(CLI::ExistingFile);
+  sub->add_option("--tokens", f->tokens, "Calibration tokens (the last 20% are the validation split)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--window", f->window, "Tokens per forward window (each from an empty context)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--recall", f->train.target_recall, "Target recall (micro, per layer)");
+  sub->add_option("--max-rank", f->max_rank, "Largest candidate rank")->check(CLI::PositiveNumber);
+  sub->add_option("--ranks", f->ranks, "Candidate ranks, comma-separated, tried smallest first");
+  sub->add_option("--max-ratio", f->train.max_predicted_ratio, "Accept a rank when predicted <= this x true active");
+  sub->add_option("--target-sparsity", f->target_sparsity, "SiLU models: fraction of neurons counted inactive");
+  sub->add_option("--epochs", f->train.epochs, "Training epochs")->check(CLI::PositiveNumber);
+  sub->add_option("--lr", f->train.learning_rate, "Adam learning rate");
+  sub->add_option("--pos-weight", f->train.pos_weight, "BCE weight of active neurons");
+  sub->add_option("--seed", f->train.seed, "Random seed (initialisation, shuffling)");
+  sub->add_option("--eval-text", f->eval_file, "Held-out text for the recall/precision report")->check(CLI::ExistingFile);
+  sub->add_option("--eval-tokens", f->eval_tokens, "Held-out tokens to evaluate")->check(CLI::PositiveNumber);
+  sub->add_option("--weight-type", f->weight_type, "Predictor weight type: f32 or f16");
+  sub->add_option("-t,--threads", f->threads, "Compute threads (0: all cores)");
+  sub->add_option("-o,--output", f->output, "Output predictor file (.gguf)")->required();
+  sub->add_flag("--force", f->force, "Overwrite the output");
+  sub->callback([f, action] { *action = [f] { return RunTrain(*f); }; });
+}
+
+}  // namespace nflash::profiler

@@ -1,8 +1,17 @@
 // Kernel microbenchmarks: STREAM-like memory bandwidth measured in the same run, then GEMV / sparse GEMV /
 // AccumulateRows per weight type as GB/s of weights and as a fraction of that bandwidth (bw_ratio), and GEMM GFLOP/s.
 //
+// Also measures one core's int8 dot-product peak (vpdpbusd), the ceiling for the quantized GEMM's GFLOP/s.
+//
 // Usage: nflash_kernel_bench [--isa=scalar|avx2|avx512] [google benchmark flags]
 #include <benchmark/benchmark.h>
+// GCC 12's AVX-512 intrinsics warn about their own _mm512_undefined_*() values (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -119,6 +128,45 @@ void MeasureBandwidth() {
     std::printf("  %-7d  %-6.1f  %-6.1f  %-6.1f\n", threads, kStreamBytes / read / 1e9, kStreamBytes / copy / 1e9,
                 3.0 * kTriadBytes / triad / 1e9);
   }
+  std::fflush(stdout);
+}
+
+// Compute peak of one core for the quantized GEMM's inner instruction: `vpdpbusd` (64 int8 multiply-adds = 128
+// ops, the unit the GEMM's GFLOP/s counts) on 12 independent accumulators, enough to cover its latency on current
+// cores. Returns ops per second of the calling thread's CPU time, so a loaded machine understates it less than a
+// wall-clock figure; 0 when the CPU lacks AVX-512 VNNI.
+[[gnu::target("avx512f,avx512bw,avx512vnni")]] double VnniPeakOps() {
+  constexpr int64_t kIters = 20'000'000;  // ~0.1 s at 2-4 GHz
+  constexpr int kChains = 12;
+  __m512i acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_epi32(i);
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-5);
+  timespec t0{}, t1{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+  for (int64_t it = 0; it < kIters; ++it) {
+    #pragma GCC unroll 12
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+    asm volatile("" : "+v"(acc[0]), "+v"(acc[1]), "+v"(acc[2]), "+v"(acc[3]), "+v"(acc[4]), "+v"(acc[5]));
+  }
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+  __m512i sum = acc[0];
+  for (int i = 1; i < kChains; ++i) sum = _mm512_add_epi32(sum, acc[i]);
+  benchmark::DoNotOptimize(sum);
+  const double secs = static_cast<double>(t1.tv_sec - t0.tv_sec) + 1e-9 * static_cast<double>(t1.tv_nsec - t0.tv_nsec);
+  return 128.0 * kChains * static_cast<double>(kIters) / secs;
+}
+
+void MeasureComputePeak() {
+  if (!CpuHasAvx512()) {
+    std::printf("Compute peak: no AVX-512 VNNI on this CPU, not measured\n");
+    return;
+  }
+  std::vector<double> runs;
+  for (int i = 0; i < 3; ++i) runs.push_back(VnniPeakOps());
+  std::sort(runs.begin(), runs.end());
+  std::printf("Compute peak (vpdpbusd, one core, per CPU-second, median of 3): %.1f int8 GOP/s "
+              "(x2 cores: %.1f); Gemm GFLOP/s below count the same ops\n",
+              runs[1] / 1e9, 2 * runs[1] / 1e9);
   std::fflush(stdout);
 }
 
@@ -317,6 +365,7 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 2;
   std::printf("Kernel ISA: %s\n", nflash::KernelIsaName(nflash::ActiveIsa()));
   nflash::MeasureBandwidth();
+  nflash::MeasureComputePeak();
   nflash::Register();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -6,10 +6,12 @@
 
 #include "converter/commands.h"
 #include "packer/commands.h"
+#include "runtime/bench/commands.h"
 #include "profiler/commands.h"
 #include "runtime/cli/command.h"
 #include "runtime/cli/run_command.h"
 #include "runtime/core/log.h"
+#include "runtime/sparse/commands.h"
 
 int main(int argc, char** argv) {
   using namespace nflash;
@@ -33,6 +35,8 @@ int main(int argc, char** argv) {
   profiler::RegisterProfileHwCommand(app, &action);
   packer::RegisterPackCommand(app, &action);
   packer::RegisterVerifyCommand(app, &action);
+  sparse::RegisterOffloadCommand(app, &action);
+  bench::RegisterBenchCommand(app, &action);
 
   try {
     app.parse(argc, argv);

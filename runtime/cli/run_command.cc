@@ -9,12 +9,17 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <sstream>
 
+#include "profiler/predictor_train.h"
 #include "runtime/cli/model_loader.h"
+#include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
 #include "runtime/core/log.h"
 #include "runtime/core/proc_stats.h"
 #include "runtime/engine/context.h"
+#include "runtime/engine/predictor.h"
+#include "runtime/engine/sparse_ffn.h"
 #include "runtime/text/sampler.h"
 
 namespace nflash::cli {
@@ -42,6 +47,148 @@ void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mma
   sub->add_flag("--no-mmap", *no_mmap, "Read the weights into memory instead of mapping the file");
 }
 
+
+// The sparse FFN options shared by `run` and `perplexity` (see docs/predictor.md).
+struct SparseFlags {
+  std::string mode;         // "", "oracle", "predictor"
+  std::string predictor;    // predictor file
+  std::string thresholds;   // comma-separated per-layer activation thresholds
+  double target_sparsity = -1;
+  std::string calib_text;   // for --target-sparsity
+  int64_t calib_tokens = 8192;
+  bool measure_recall = false;
+  bool skip_hash = false;
+};
+
+void AddSparseOptions(CLI::App* sub, SparseFlags* s) {
+  sub->add_option("--sparse", s->mode, "Sparse FFN: oracle (exact active set) or predictor (predicted set)")
+      ->check(CLI::IsMember({"oracle", "predictor"}));
+  sub->add_option("--predictor", s->predictor, "Predictor file (train-predictor); its activation thresholds apply")
+      ->check(CLI::ExistingFile);
+  sub->add_option("--activation-thresholds", s->thresholds,
+                  "Per-layer active thresholds on |act(gate)|, comma-separated (default: the predictor's, or 0)");
+  sub->add_option("--target-sparsity", s->target_sparsity,
+                  "SiLU: thresholds for this inactive fraction, calibrated on --calib-text");
+  sub->add_option("--calib-text", s->calib_text, "Calibration text for --target-sparsity")->check(CLI::ExistingFile);
+  sub->add_option("--calib-tokens", s->calib_tokens, "Calibration tokens for --target-sparsity");
+  sub->add_flag("--measure-recall", s->measure_recall,
+                "Predictor mode: also compute every gate row to report recall (slower)");
+  sub->add_flag("--skip-predictor-hash", s->skip_hash,
+                "Accept a predictor recorded for another file of the same shape (e.g. the GGUF of the same weights)");
+}
+
+struct SparseSetup {
+  std::unique_ptr<Predictor> predictor;
+  std::unique_ptr<SparseFfn> ffn;
+};
+
+Result<SparseSetup> SetupSparse(const SparseFlags& s, const ModelSource& src, const LoadedModel& lm, ThreadPool* pool,
+                                bool sparse_prefill) {
+  SparseSetup out;
+  if (s.mode.empty()) {
+    if (!s.predictor.empty() || !s.thresholds.empty() || s.target_sparsity >= 0) {
+      return Status::InvalidArgument("--predictor, --activation-thresholds and --target-sparsity need --sparse");
+    }
+    return out;
+  }
+  const LlamaHparams& hp = lm.model->hparams();
+  SparseFfnOptions o;
+  o.mode = s.mode == "predictor" ? SparseMode::kPredictor : SparseMode::kOracle;
+  o.sparse_prefill = sparse_prefill;
+  o.measure_recall = s.measure_recall;
+  if (o.mode == SparseMode::kPredictor && s.predictor.empty()) {
+    return Status::InvalidArgument("--sparse predictor needs --predictor FILE");
+  }
+  if (!s.predictor.empty()) {
+    NF_ASSIGN_OR_RETURN(out.predictor, Predictor::Load(s.predictor));
+    std::string hash;
+    if (!s.skip_hash) {
+      NF_ASSIGN_OR_RETURN(uint64_t h, HashFile(src.path));
+      hash = HashToHex(h);
+    }
+    NF_RETURN_IF_ERROR(out.predictor->CheckForModel(*lm.model, hash, src.path));
+    for (int64_t l = 0; l < hp.n_layers; ++l) o.activation_threshold.push_back(out.predictor->activation_threshold(l));
+  }
+  if (!s.thresholds.empty()) {
+    o.activation_threshold.clear();
+    std::stringstream ss(s.thresholds);
+    for (std::string item; std::getline(ss, item, ',');) {
+      try {
+        o.activation_threshold.push_back(std::stof(item));
+      } catch (...) {
+        return Status::InvalidArgument("--activation-thresholds: '" + item + "' is not a number");
+      }
+    }
+    if (o.activation_threshold.size() == 1) o.activation_threshold.assign(static_cast<size_t>(hp.n_layers), o.activation_threshold[0]);
+  } else if (s.target_sparsity >= 0) {
+    if (s.target_sparsity >= 1) return Status::InvalidArgument("--target-sparsity must be in [0, 1)");
+    if (s.calib_text.empty()) return Status::InvalidArgument("--target-sparsity needs --calib-text (calibration text)");
+    std::vector<uint8_t> bytes;
+    NF_ASSIGN_OR_RETURN(bytes, ReadWholeFile(s.calib_text));
+    // A prefix is enough: 8 bytes per token bounds the small tokenizers used here.
+    const size_t take = std::min(bytes.size(), static_cast<size_t>(s.calib_tokens * 8 + 4096));
+    std::vector<int32_t> ids = lm.tokenizer->Encode(std::string(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(take)), true);
+    if (static_cast<int64_t>(ids.size()) > s.calib_tokens) ids.resize(static_cast<size_t>(s.calib_tokens));
+    NF_ASSIGN_OR_RETURN(profiler::ActivationSamples samples,
+                        profiler::CollectSamples(*lm.model, ids, std::min<int64_t>(256, hp.context_length), pool));
+    o.activation_threshold = profiler::SparsityThresholds(samples, s.target_sparsity);
+  }
+  NF_ASSIGN_OR_RETURN(out.ffn, SparseFfn::Create(*lm.model, out.predictor.get(), o, pool));
+  std::string thr;
+  for (int64_t l = 0; l < hp.n_layers; ++l) thr += (l ? "," : "") + std::to_string(out.ffn->activation_threshold(l));
+  NF_LOG(Info) << "sparse FFN (" << s.mode << "), activation thresholds " << thr << "; transposed down "
+               << out.ffn->extra_bytes() / 1048576.0 << " MiB"
+               << (out.predictor ? ", predictor " + std::to_string(out.predictor->PredictorBytes()) + " bytes" : "");
+  return out;
+}
+
+// Per-layer and mean fractions of neurons computed / active (and recall when known), as JSON and as text on stderr.
+nlohmann::json SparseReport(const SparseFfn& ffn, int64_t n_ff, bool print) {
+  if (print) std::fflush(stdout);  // after the streamed text, not inside it
+  nlohmann::json layers = nlohmann::json::array();
+  double sum_c = 0, sum_a = 0, sum_t = 0, sum_r = 0;
+  bool has_truth = true;
+  const auto& st = ffn.stats();
+  for (size_t l = 0; l < st.size(); ++l) {
+    const SparseFfnLayerStats& s = st[l];
+    const double pairs = static_cast<double>(std::max<int64_t>(1, s.tokens) * n_ff);
+    nlohmann::json j = {{"layer", l}, {"tokens", s.tokens}, {"computed_fraction", s.computed / pairs},
+                        {"active_fraction", s.active / pairs}};
+    sum_c += s.computed / pairs;
+    sum_a += s.active / pairs;
+    if (s.true_active >= 0) {
+      const double recall = s.true_active > 0 ? static_cast<double>(s.true_positive) / s.true_active : 1.0;
+      j["true_active_fraction"] = s.true_active / pairs;
+      j["recall"] = recall;
+      sum_t += s.true_active / pairs;
+      sum_r += recall;
+    } else {
+      has_truth = false;
+    }
+    if (print) {
+      std::fprintf(stderr, "layer %zu: computed %.4f, active %.4f", l, s.computed / pairs, s.active / pairs);
+      if (s.true_active >= 0) {
+        std::fprintf(stderr, ", true active %.4f, recall %.4f", j["true_active_fraction"].get<double>(),
+                     j["recall"].get<double>());
+      }
+      std::fprintf(stderr, "\n");
+    }
+    layers.push_back(j);
+  }
+  const double n = static_cast<double>(std::max<size_t>(1, st.size()));
+  nlohmann::json out = {{"layers", layers}, {"mean_computed_fraction", sum_c / n}, {"mean_active_fraction", sum_a / n}};
+  if (has_truth) {
+    out["mean_true_active_fraction"] = sum_t / n;
+    out["mean_recall"] = sum_r / n;
+  }
+  if (print) {
+    std::fprintf(stderr, "sparse FFN: mean computed fraction %.4f, mean active fraction %.4f", sum_c / n, sum_a / n);
+    if (has_truth) std::fprintf(stderr, ", true active %.4f, recall %.4f", sum_t / n, sum_r / n);
+    std::fprintf(stderr, "\n");
+  }
+  return out;
+}
+
 struct RunFlags {
   ModelSource source;
   std::string prompt;
@@ -53,6 +200,7 @@ struct RunFlags {
   bool json = false;
   SamplerConfig sampler;
   std::vector<std::string> stop;
+  SparseFlags sparse;
 };
 
 Status RunGenerate(const RunFlags& f) {
@@ -76,6 +224,9 @@ Status RunGenerate(const RunFlags& f) {
   }
   ThreadPool pool(f.threads);
   InferenceContext ctx(*lm.model, &pool, n_ctx);
+  // Sparse decode only: the prompt's batched prefill stays dense.
+  NF_ASSIGN_OR_RETURN(SparseSetup sparse, SetupSparse(f.sparse, src, lm, &pool, /*sparse_prefill=*/false));
+  if (sparse.ffn) ctx.SetFfnBackend(sparse.ffn.get());
   NF_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(f.sampler));
   for (int32_t t : ids) sampler.Accept(t);
   StopConfig stop_config;
@@ -146,6 +297,7 @@ Status RunGenerate(const RunFlags& f) {
   j["rss_bytes"] = mem.rss_bytes;
   j["peak_rss_bytes"] = mem.peak_rss_bytes;
   j["total_s"] = Seconds(t0, t2);
+  if (sparse.ffn) j["sparse"] = SparseReport(*sparse.ffn, hp.n_ff, !f.json);
   if (f.json) {
     j["text"] = text;
     std::printf("%s\n", j.dump(2).c_str());
@@ -173,6 +325,7 @@ struct PplFlags {
   int threads = 0;
   bool no_mmap = false;
   bool json = false;
+  SparseFlags sparse;
 };
 
 Status RunPerplexity(const PplFlags& f) {
@@ -197,6 +350,9 @@ Status RunPerplexity(const PplFlags& f) {
   }
   ThreadPool pool(f.threads);
   InferenceContext ctx(*lm.model, &pool, f.ctx);
+  // Every token goes through the sparse FFN (windows are prefilled token by token there).
+  NF_ASSIGN_OR_RETURN(SparseSetup sparse, SetupSparse(f.sparse, src, lm, &pool, /*sparse_prefill=*/true));
+  if (sparse.ffn) ctx.SetFfnBackend(sparse.ffn.get());
   double nll = 0;
   int64_t count = 0;
   ProgressBar bar("perplexity", static_cast<uint64_t>(n_windows * f.ctx), "tok");
@@ -223,8 +379,10 @@ Status RunPerplexity(const PplFlags& f) {
     nlohmann::json j = {{"model", f.source.path},       {"text", f.text_file}, {"ctx", f.ctx},
                         {"windows", n_windows},         {"predictions", count}, {"perplexity", ppl},
                         {"tokens_per_s", count / secs}, {"synthetic", hp.synthetic}};
+    if (sparse.ffn) j["sparse"] = SparseReport(*sparse.ffn, hp.n_ff, false);
     std::printf("%s\n", j.dump(2).c_str());
   } else {
+    if (sparse.ffn) SparseReport(*sparse.ffn, hp.n_ff, true);
     std::printf("perplexity %.4f over %lld windows of %lld tokens (%lld predictions), %.1f tok/s%s\n", ppl,
                 static_cast<long long>(n_windows), static_cast<long long>(f.ctx), static_cast<long long>(count),
                 count / secs, hp.synthetic ? " [SYNTHETIC weights]" : "");
@@ -252,6 +410,7 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
   sub->add_option("-s,--seed", f->sampler.seed, "Random seed");
   sub->add_option("--stop", f->stop, "Stop when the text contains this string (repeatable)");
   sub->add_flag("--json", f->json, "Print a JSON summary (with the text) instead of streaming");
+  AddSparseOptions(sub, &f->sparse);
   sub->callback([f, action] { *action = [f] { return RunGenerate(*f); }; });
 }
 
@@ -263,6 +422,7 @@ void RegisterPerplexityCommand(CLI::App& app, CommandAction* action) {
   sub->add_option("--ctx", f->ctx, "Window size in tokens");
   sub->add_option("--max-windows", f->max_windows, "Evaluate only the first N windows (0: all)");
   sub->add_flag("--json", f->json, "Print a JSON summary");
+  AddSparseOptions(sub, &f->sparse);
   sub->callback([f, action] { *action = [f] { return RunPerplexity(*f); }; });
 }
 

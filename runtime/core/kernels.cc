@@ -249,6 +249,39 @@ void Gemm(const MatrixView& w, const Activation& x, float* y, ThreadPool* pool) 
   DotRowsParallel(w, rs, w.rows, ts, y, w.rows, pool);
 }
 
+void GemmMany(std::span<const MatrixView> ws, const Activation& x, std::span<float* const> ys, ThreadPool* pool) {
+  if (ws.size() != ys.size()) Die("GemmMany: " + std::to_string(ws.size()) + " matrices, " +
+                                  std::to_string(ys.size()) + " outputs");
+  int64_t total = 0;
+  MatrixView widest;
+  for (const MatrixView& w : ws) {
+    Tokens(w, x);
+    total += w.rows;
+    if (w.row_bytes >= widest.row_bytes) widest = w;
+  }
+  if (total == 0 || x.n() <= 0) return;
+  const IsaKernels& k = Kernels();
+  const TokenSet ts = Tokens(ws[0], x);
+  // Rows [begin, end) of the matrices stacked in order: each overlapped matrix computes its part.
+  auto run = [&](int64_t begin, int64_t end) {
+    int64_t first = 0;
+    for (size_t i = 0; i < ws.size() && begin < end; ++i) {
+      const MatrixView& w = ws[i];
+      const int64_t lo = std::max(begin, first), hi = std::min(end, first + w.rows);
+      if (lo < hi) {
+        const RowSet rs{static_cast<const uint8_t*>(w.data), w.row_bytes, nullptr};
+        k.dot_rows(w.type, rs, lo - first, hi - first, ts, ys[i], w.rows);
+      }
+      first += w.rows;
+    }
+  };
+  if (pool == nullptr || pool->NumThreads() == 1) {
+    run(0, total);
+    return;
+  }
+  ForEachChunk(pool, total, RowGrain(widest, x.n()), run);
+}
+
 void GemvRows(const MatrixView& w, std::span<const int32_t> rows, const float* x, float* y, ThreadPool* pool) {
   Activation a(x, 1, w.cols);
   GemvRows(w, rows, a, y, pool);

@@ -88,6 +88,11 @@ void Gemv(const MatrixView& w, const Activation& x, float* y, ThreadPool* pool);
 void Gemm(const MatrixView& w, const float* x, int64_t n, float* y, ThreadPool* pool);
 void Gemm(const MatrixView& w, const Activation& x, float* y, ThreadPool* pool);
 
+// Several matrices with the same column count times one activation in one parallel loop over all their rows:
+// ys[i] = Gemm(ws[i], x). Equal, value for value, to separate Gemm calls; saves one pool wake-up and barrier per
+// extra matrix (decode: q/k/v and gate/up). ws.size() == ys.size().
+void GemmMany(std::span<const MatrixView> ws, const Activation& x, std::span<float* const> ys, ThreadPool* pool);
+
 // Sparse gate/up projection: y[k] = W[rows[k],:] . x for k < rows.size() (compact output). Indices must be in
 // [0, w.rows); duplicates are allowed (computed twice).
 void GemvRows(const MatrixView& w, std::span<const int32_t> rows, const float* x, float* y, ThreadPool* pool);

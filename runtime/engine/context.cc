@@ -3,10 +3,12 @@
 #include "runtime/engine/context.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <numeric>
 
+#include "runtime/core/kernels.h"
 #include "runtime/core/quant.h"
 
 namespace nflash {
@@ -24,6 +26,132 @@ void ApplyFfnActivation(FfnActivation a, int64_t count, float* gate, const float
   for (int64_t i = 0; i < count; ++i) hidden[i] = ActivateNeuron(a, gate[i], up[i], &gate[i]);
 }
 
+// Prefill attention is flash-attention style: a tile of queries of one KV head (all its GQA query heads) walks the
+// keys in blocks with an online softmax, so scores never need a row of n_ctx floats and each key block is loaded
+// (and transposed) once for the whole tile. Queries per tile: 16 rows share every transposed key block, which makes
+// the transpose 1/16 of the QK work, while 16 x 64 scores (4 KiB) stay in L1.
+constexpr int64_t kQueryTile = 16;
+// Keys per block: 64 keys x head_dim 128 transposed is 32 KiB (L1/L2-resident), and 64 floats are whole vectors of
+// any width, so the QK loop over a block's keys has no scalar tail except at the causal edge.
+constexpr int64_t kKeyBlock = 64;
+// Below this many multiply-adds (~50 microseconds on one core) an attention call runs on the calling thread: waking
+// the pool costs more than it saves (stories260K decode: 8 heads of 8 dims).
+constexpr double kMinParallelAttentionWork = 2e5;
+
+struct AttentionParams {
+  const float* q = nullptr;   // (n, q_stride), RoPE applied
+  const float* kc = nullptr;  // (n_ctx, kv_stride): this layer's key cache, positions < pos + n filled
+  const float* vc = nullptr;  // (n_ctx, kv_stride)
+  float* out = nullptr;       // (n, q_stride)
+  int64_t pos = 0;            // position of query 0
+  int64_t n = 0;
+  int64_t head_dim = 0;
+  int64_t q_stride = 0;
+  int64_t kv_stride = 0;
+  int64_t group = 1;          // query heads per KV head
+  float scale = 1.0f;         // 1 / sqrt(head_dim)
+};
+
+// Floats of one thread's scratch: transposed key block, scores, output accumulators, running max and sum.
+size_t AttentionScratchFloats(int64_t head_dim, int64_t group) {
+  const int64_t rows = group * kQueryTile;
+  return static_cast<size_t>(head_dim * kKeyBlock + rows * kKeyBlock + rows * head_dim + 2 * rows);
+}
+
+// Queries [t0, t1) of every query head of KV head `kvh`. Each (query, head) row goes through the same operations in
+// the same order whatever the tile holds (keys past its causal limit are skipped, not masked), so a batch gives the
+// same values as token-by-token decode. Written as plain loops over contiguous floats, which the compiler vectorises
+// for the ISA of the function it is inlined into (AttendTile's per-ISA copies).
+[[gnu::always_inline]] inline void AttendTileBody(const AttentionParams& a, int64_t t0, int64_t t1, int64_t kvh,
+                                                  float* scratch) {
+  const int64_t hd = a.head_dim, rows = (t1 - t0) * a.group, max_rows = a.group * kQueryTile;
+  float* kt = scratch;                    // (head_dim, kKeyBlock): key block transposed
+  float* s = kt + hd * kKeyBlock;         // (rows, kKeyBlock): scores, then probabilities
+  float* o = s + max_rows * kKeyBlock;    // (rows, head_dim): unnormalised output
+  float* m = o + max_rows * hd;           // (rows): running max of the scores
+  float* l = m + max_rows;                // (rows): running sum of exp(score - m)
+  for (int64_t r = 0; r < rows; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+    std::fill(o + r * hd, o + (r + 1) * hd, 0.0f);
+  }
+  const int64_t keys = a.pos + t1;  // keys seen by the tile's last query
+  for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, keys - k0);
+    for (int64_t j = 0; j < nk; ++j) {
+      const float* k = a.kc + (k0 + j) * a.kv_stride + kvh * hd;
+      for (int64_t i = 0; i < hd; ++i) kt[i * kKeyBlock + j] = k[i];
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = t0 + r / a.group, h = kvh * a.group + r % a.group;
+      const int64_t len = a.pos + t + 1;  // causal: this query sees keys [0, len)
+      if (k0 >= len) continue;
+      const int64_t nv = std::min(nk, len - k0);
+      const float* q = a.q + t * a.q_stride + h * hd;
+      float* sr = s + r * kKeyBlock;
+      std::fill(sr, sr + nv, 0.0f);
+      for (int64_t i = 0; i < hd; ++i) {
+        const float qi = q[i];
+        const float* kr = kt + i * kKeyBlock;
+        for (int64_t j = 0; j < nv; ++j) sr[j] += qi * kr[j];
+      }
+      float mx = m[r];
+      for (int64_t j = 0; j < nv; ++j) {
+        sr[j] *= a.scale;
+        mx = std::max(mx, sr[j]);
+      }
+      const float alpha = std::exp(m[r] - mx);  // rescales what earlier blocks summed; 0 for the first block
+      float sum = 0.0f;
+      for (int64_t j = 0; j < nv; ++j) {
+        sr[j] = std::exp(sr[j] - mx);
+        sum += sr[j];
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = mx;
+      float* orow = o + r * hd;
+      if (alpha != 1.0f) {
+        for (int64_t i = 0; i < hd; ++i) orow[i] *= alpha;
+      }
+      for (int64_t j = 0; j < nv; ++j) {
+        const float p = sr[j];
+        const float* v = a.vc + (k0 + j) * a.kv_stride + kvh * hd;
+        for (int64_t i = 0; i < hd; ++i) orow[i] += p * v[i];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r / a.group, h = kvh * a.group + r % a.group;
+    const float inv = 1.0f / l[r];
+    float* out = a.out + t * a.q_stride + h * hd;
+    for (int64_t i = 0; i < hd; ++i) out[i] = o[r * hd + i] * inv;
+  }
+}
+
+// One copy of AttendTileBody per kernel ISA (the kernels' CPU checks guard them; see kernels.h ActiveIsa).
+[[gnu::target("avx512f,avx512vl,avx512bw,avx512dq,fma,f16c,prefer-vector-width=512")]] void AttendTileAvx512(
+    const AttentionParams& a, int64_t t0, int64_t t1, int64_t kvh, float* scratch) {
+  AttendTileBody(a, t0, t1, kvh, scratch);
+}
+[[gnu::target("avx2,fma,f16c")]] void AttendTileAvx2(const AttentionParams& a, int64_t t0, int64_t t1, int64_t kvh,
+                                                    float* scratch) {
+  AttendTileBody(a, t0, t1, kvh, scratch);
+}
+void AttendTileScalar(const AttentionParams& a, int64_t t0, int64_t t1, int64_t kvh, float* scratch) {
+  AttendTileBody(a, t0, t1, kvh, scratch);
+}
+
+void AttendTile(const AttentionParams& a, int64_t t0, int64_t t1, int64_t kvh, float* scratch) {
+  switch (ActiveIsa()) {
+    case KernelIsa::kAvx512:
+      return AttendTileAvx512(a, t0, t1, kvh, scratch);
+    case KernelIsa::kAvx2:
+      return AttendTileAvx2(a, t0, t1, kvh, scratch);
+    case KernelIsa::kScalar:
+      break;
+  }
+  AttendTileScalar(a, t0, t1, kvh, scratch);
+}
+
 }  // namespace
 
 InferenceContext::InferenceContext(const Model& model, ThreadPool* pool, int64_t n_ctx)
@@ -31,7 +159,9 @@ InferenceContext::InferenceContext(const Model& model, ThreadPool* pool, int64_t
   const size_t kv = static_cast<size_t>(hp_.n_layers * n_ctx_ * hp_.kv_dim());
   k_cache_.assign(kv, 0.0f);
   v_cache_.assign(kv, 0.0f);
-  scores_.assign(static_cast<size_t>(pool_->NumThreads() * n_ctx_), 0.0f);
+  attn_scratch_.assign(AttentionScratchFloats(hp_.head_dim, hp_.n_heads / hp_.n_kv_heads) *
+                           static_cast<size_t>(pool_->NumThreads()),
+                       0.0f);
   // RoPE tables: pair i of a head rotates by (pos / scale) * theta^(-2i / head_dim) (llama2.c / GGUF convention).
   const int64_t half = hp_.head_dim / 2;
   rope_cos_.resize(static_cast<size_t>(n_ctx_ * half));
@@ -48,7 +178,7 @@ InferenceContext::InferenceContext(const Model& model, ThreadPool* pool, int64_t
 }
 
 uint64_t InferenceContext::state_bytes() const {
-  uint64_t floats = k_cache_.size() + v_cache_.size() + scores_.size() + logits_.size() + rope_cos_.size() +
+  uint64_t floats = k_cache_.size() + v_cache_.size() + attn_scratch_.size() + logits_.size() + rope_cos_.size() +
                     rope_sin_.size();
   for (const auto* v : {&x_, &xn_, &q_, &k_, &v_, &att_, &o_, &gate_, &up_, &hidden_, &ffn_out_}) floats += v->size();
   return floats * sizeof(float);
@@ -109,9 +239,12 @@ Status InferenceContext::Eval(std::span<const int32_t> tokens, bool all_logits) 
     const LayerWeights& L = model_.layers()[static_cast<size_t>(l)];
     for (int64_t t = 0; t < n; ++t) RmsNorm(x_.data() + t * dim, L.attn_norm, dim, hp_.norm_eps, xn_.data() + t * dim);
     act_.Set(xn_.data(), n, dim);
-    MatMul(L.wq, act_, q_.data());
-    MatMul(L.wk, act_, k_.data());
-    MatMul(L.wv, act_, v_.data());
+    {
+      // One parallel loop for the three projections of the same input.
+      const MatrixView ws[] = {L.wq, L.wk, L.wv};
+      float* const ys[] = {q_.data(), k_.data(), v_.data()};
+      GemmMany(ws, act_, ys, pool_);
+    }
     Attention(l, n);
     act_.Set(att_.data(), n, hp_.q_dim());
     MatMul(L.wo, act_, o_.data());
@@ -163,36 +296,40 @@ void InferenceContext::Attention(int64_t layer, int64_t n) {
     std::memcpy(kc + (pos_ + t) * kv_dim, k_.data() + t * kv_dim, sizeof(float) * kv_dim);
     std::memcpy(vc + (pos_ + t) * kv_dim, v_.data() + t * kv_dim, sizeof(float) * kv_dim);
   }
-  // Causal attention, one (token, head) pair per work item; each pair is computed by one thread in a fixed order.
-  const float inv_sqrt = 1.0f / std::sqrt(static_cast<float>(hd));
-  pool_->ParallelFor(n * hp_.n_heads, 1, [&](int64_t begin, int64_t end, int thread) {
-    float* sc = scores_.data() + thread * n_ctx_;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / hp_.n_heads, h = item % hp_.n_heads;
-      const int64_t kvh = h / group;
-      const int64_t len = pos_ + t + 1;
-      const float* q = q_.data() + t * q_dim + h * hd;
-      float mx = -INFINITY;
-      for (int64_t p = 0; p < len; ++p) {
-        const float* k = kc + p * kv_dim + kvh * hd;
-        float d = 0;
-        for (int64_t i = 0; i < hd; ++i) d += q[i] * k[i];
-        sc[p] = d * inv_sqrt;
-        mx = std::max(mx, sc[p]);
-      }
-      float sum = 0;
-      for (int64_t p = 0; p < len; ++p) {
-        sc[p] = std::exp(sc[p] - mx);
-        sum += sc[p];
-      }
-      const float inv = 1.0f / sum;
-      float* out = att_.data() + t * q_dim + h * hd;
-      std::fill(out, out + hd, 0.0f);
-      for (int64_t p = 0; p < len; ++p) {
-        const float* v = vc + p * kv_dim + kvh * hd;
-        const float a = sc[p] * inv;
-        for (int64_t i = 0; i < hd; ++i) out[i] += a * v[i];
-      }
+  AttentionParams a;
+  a.q = q_.data();
+  a.kc = kc;
+  a.vc = vc;
+  a.out = att_.data();
+  a.pos = pos_;
+  a.n = n;
+  a.head_dim = hd;
+  a.q_stride = q_dim;
+  a.kv_stride = kv_dim;
+  a.group = group;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t tiles = (n + kQueryTile - 1) / kQueryTile;
+  const int64_t items = tiles * hp_.n_kv_heads;
+  const size_t per_thread = AttentionScratchFloats(hd, group);
+  // Work item i is (query tile, kv head); tiles are taken last first, since causal masking makes later tiles the
+  // longest, so the threads finish together. Each item is computed by one thread in a fixed order, so the result
+  // does not depend on the thread count.
+  auto run_item = [&](int64_t i, float* scratch) {
+    const int64_t tile = tiles - 1 - i / hp_.n_kv_heads, kvh = i % hp_.n_kv_heads;
+    AttendTile(a, tile * kQueryTile, std::min(n, (tile + 1) * kQueryTile), kvh, scratch);
+  };
+  // Multiply-adds of the whole call: n queries x (pos + n/2) keys on average x 2 (QK and PV) x q_dim.
+  const double work = static_cast<double>(n) * static_cast<double>(pos_ + (n + 1) / 2) * 2.0 * q_dim;
+  if (pool_->NumThreads() == 1 || items == 1 || work < kMinParallelAttentionWork) {
+    for (int64_t i = 0; i < items; ++i) run_item(i, attn_scratch_.data());
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  pool_->ParallelFor(pool_->NumThreads(), 1, [&](int64_t, int64_t, int thread) {
+    float* scratch = attn_scratch_.data() + per_thread * static_cast<size_t>(thread);
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      run_item(i, scratch);
     }
   });
 }
@@ -204,8 +341,11 @@ Status InferenceContext::DenseFfn(const LayerWeights& L, int64_t layer, int64_t 
     NF_ASSIGN_OR_RETURN(bool handled, ffn_backend_->Forward(layer, -1, act_, ffn_out_.data()));
     if (handled) return Status::Ok();
   }
-  MatMul(L.gate, act_, gate_.data());
-  MatMul(L.up, act_, up_.data());
+  {
+    const MatrixView ws[] = {L.gate, L.up};
+    float* const ys[] = {gate_.data(), up_.data()};
+    GemmMany(ws, act_, ys, pool_);
+  }
   ApplyFfnActivation(hp_.activation, n * n_ff, gate_.data(), up_.data(), hidden_.data());
   if (observer_) {
     FfnObservation obs;

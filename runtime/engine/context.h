@@ -73,7 +73,7 @@ class InferenceContext {
   // Batch scratch, sized for the largest batch seen.
   int64_t batch_cap_ = 0;
   std::vector<float> x_, xn_, q_, k_, v_, att_, o_, gate_, up_, hidden_, ffn_out_;
-  std::vector<float> scores_;             // per thread: n_ctx
+  std::vector<float> attn_scratch_;       // per thread: AttentionScratchFloats (context.cc)
   std::vector<float> logits_;
   int64_t n_logits_ = 0;
   std::vector<float> rope_cos_, rope_sin_;  // (n_ctx, head_dim / 2)

@@ -86,15 +86,20 @@ Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const LoadOp
   if (!file.ok()) return file.status();
   std::shared_ptr<const ReadableFile> shared(std::move(file).value());
   NF_ASSIGN_OR_RETURN(GgufFile gguf, GgufFile::Open(shared));
-  return FromGguf(std::make_shared<const GgufFile>(std::move(gguf)));
+  return FromGguf(std::make_shared<const GgufFile>(std::move(gguf)), options);
 }
 
 Result<std::unique_ptr<Model>> Model::FromGguf(std::shared_ptr<const GgufFile> file) {
+  return FromGguf(std::move(file), LoadOptions{});
+}
+
+Result<std::unique_ptr<Model>> Model::FromGguf(std::shared_ptr<const GgufFile> file, const LoadOptions& options) {
   if (file->file().Data() == nullptr) {
     return Status::InvalidArgument(file->path() + ": the engine needs the file mapped or in memory");
   }
   std::unique_ptr<Model> m(new Model());
   m->file_ = std::move(file);
+  m->external_ffn_ = options.external_ffn;
   NF_ASSIGN_OR_RETURN(m->hp_, ReadLlamaHparams(*m->file_));
   NF_RETURN_IF_ERROR(m->Bind());
   return m;
@@ -155,7 +160,11 @@ Status Model::Bind() {
     NF_RETURN_IF_ERROR(matrix(p + "attn_v.weight", hp.dim, hp.kv_dim(), 0, &L.wv, nullptr));
     NF_RETURN_IF_ERROR(matrix(p + "attn_output.weight", hp.q_dim(), hp.dim, 0, &L.wo, nullptr));
     NF_RETURN_IF_ERROR(vec(p + "ffn_norm.weight", hp.dim, &L.ffn_norm));
-    if (hp.n_experts == 0) {
+    if (external_ffn_) {
+      if (hp.n_experts > 0) {
+        NF_RETURN_IF_ERROR(matrix(p + "ffn_gate_inp.weight", hp.dim, hp.n_experts, 0, &L.router, nullptr));
+      }
+    } else if (hp.n_experts == 0) {
       NF_RETURN_IF_ERROR(matrix(p + "ffn_gate.weight", hp.dim, hp.n_ff, 0, &L.gate, nullptr));
       NF_RETURN_IF_ERROR(matrix(p + "ffn_up.weight", hp.dim, hp.n_ff, 0, &L.up, nullptr));
       NF_RETURN_IF_ERROR(matrix(p + "ffn_down.weight", hp.n_ff, hp.dim, 0, &L.down, nullptr));

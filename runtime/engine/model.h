@@ -58,6 +58,9 @@ struct LayerWeights {
 
 struct LoadOptions {
   bool use_mmap = true;  // false: read the whole file into memory (--no-mmap)
+  // The FFN weights are not in the file (a deployment's resident.gguf): every FFN is computed by an FfnBackend (the
+  // flash-offloaded runtime), so gate/up/down tensors are not required and their views stay empty (MoE routers are).
+  bool external_ffn = false;
 };
 
 // Thread-safety: immutable after Load; shared by any number of inference contexts.
@@ -66,6 +69,7 @@ class Model {
   static Result<std::unique_ptr<Model>> Load(const std::string& path, const LoadOptions& options);
   // From an already opened file (tests, on-the-fly conversions held in memory).
   static Result<std::unique_ptr<Model>> FromGguf(std::shared_ptr<const GgufFile> file);
+  static Result<std::unique_ptr<Model>> FromGguf(std::shared_ptr<const GgufFile> file, const LoadOptions& options);
 
   const LlamaHparams& hparams() const { return hp_; }
   const GgufFile& gguf() const { return *file_; }
@@ -87,6 +91,7 @@ class Model {
   MatrixView output_;
   std::vector<LayerWeights> layers_;
   uint64_t weight_bytes_ = 0;
+  bool external_ffn_ = false;
 };
 
 }  // namespace nflash

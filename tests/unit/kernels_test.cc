@@ -97,10 +97,11 @@ std::string Name(GgmlType t, int64_t rows, int64_t cols) {
          KernelIsaName(ActiveIsa());
 }
 
-// Shapes: 1 row, rows not a multiple of the 4-row tile, cols = 32 (one block), wide rows; float types also get
+// Shapes: 1 row, rows not a multiple of the 4-row tile, cols = 32 (one block), 224 (7 blocks: 4-block steps plus a
+// 3-block tail), wide rows; float types also get
 // column counts that are not multiples of 8 (vector tails).
 std::vector<std::pair<int64_t, int64_t>> Shapes(GgmlType t) {
-  std::vector<std::pair<int64_t, int64_t>> s = {{1, 32}, {3, 32}, {5, 64}, {7, 96}, {17, 256}, {6, 4096}};
+  std::vector<std::pair<int64_t, int64_t>> s = {{1, 32}, {3, 32}, {5, 64}, {7, 96}, {17, 256}, {9, 224}, {6, 4096}};
   if (!IsQuant(t)) s.insert(s.end(), {{1, 1}, {5, 7}, {9, 13}, {4, 35}, {3, 100}});
   return s;
 }
@@ -270,6 +271,46 @@ TEST_P(KernelIsaTest, ThreadCountsGiveBitIdenticalResults) {
       EXPECT_EQ(std::memcmp(gemm.data(), gemm1.data(), 4 * rows * 4), 0) << what;
       EXPECT_EQ(std::memcmp(sparse.data(), rows1.data(), idx.size() * 4), 0) << what;
       EXPECT_EQ(std::memcmp(acc.data(), acc1.data(), cols * 4), 0) << what;
+    }
+  }
+}
+
+TEST_P(KernelIsaTest, GemmManyMatchesReferenceAndSeparateGemmCalls) {
+  // Three matrices of different row counts (not multiples of the tiles) and, for quantized types, enough rows that
+  // the stacked row range is cut into several chunks that straddle the matrix boundaries.
+  for (GgmlType type : kTypes) {
+    const int64_t cols = 1024;
+    const int64_t row_counts[] = {700, 37, 1301};
+    std::vector<TestMatrix> ms;
+    for (int i = 0; i < 3; ++i) ms.push_back(MakeMatrix(type, row_counts[i], cols, 40 + i));
+    for (int64_t n : {1, 3}) {
+      const auto x = RandomFloats(n * cols, 50);
+      const Activation act(x.data(), n, cols);
+      std::vector<std::vector<float>> sep(3);
+      for (int i = 0; i < 3; ++i) {
+        sep[i].resize(n * row_counts[i]);
+        Gemm(ms[i].view(), act, sep[i].data(), nullptr);
+      }
+      for (int threads : {1, 2, 3}) {
+        ThreadPool pool(threads);
+        std::vector<std::vector<float>> many(3);
+        for (int i = 0; i < 3; ++i) many[i].assign(n * row_counts[i], -7.0f);
+        const MatrixView ws[] = {ms[0].view(), ms[1].view(), ms[2].view()};
+        float* const ys[] = {many[0].data(), many[1].data(), many[2].data()};
+        GemmMany(ws, act, ys, &pool);
+        for (int i = 0; i < 3; ++i) {
+          const std::string what = Name(type, row_counts[i], cols) + " n " + std::to_string(n) + " threads " +
+                                   std::to_string(threads) + " matrix " + std::to_string(i);
+          EXPECT_EQ(std::memcmp(many[i].data(), sep[i].data(), many[i].size() * 4), 0) << what;
+          for (int64_t t = 0; t < n; ++t) {
+            const auto xe = EffectiveActivation(type, x.data() + t * cols, cols);
+            for (int64_t r = 0; r < row_counts[i]; r += 13) {
+              const RefDot ref = Reference(ms[i], r, xe);
+              ASSERT_NEAR(many[i][t * row_counts[i] + r], ref.value, ref.tol) << what << " row " << r;
+            }
+          }
+        }
+      }
     }
   }
 }

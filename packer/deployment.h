@@ -1,0 +1,187 @@
+// The deployment directory written by `nflash pack` and read by the flash-offloaded runtime: format constants, the
+// bundle layout of one FFN neuron on flash, the validated manifest, and the reader API (ranges to read, checksums,
+// views of a bundle's gate row / up row / down column). Prose spec: docs/deployment-format.md.
+//
+// DEPLOY_DIR/
+//   manifest.json   schema version, source model/profile hashes, shapes, bundle layout, regions, sizes (JSON)
+//   resident.gguf   every tensor of the model except the FFN gate/up/down (llama.* metadata kept), plus per region the
+//                   index tables: slot_of_neuron (I32), gate / up+down xxHash64 per neuron (I64 bit patterns)
+//   ffn.bin         the flash image: one region per (layer, expert), each starting at a multiple of kDeployAlignment;
+//                   a region holds n_neurons bundles in slot order, hot neurons (most popular first) in the first slots
+//   predictor.gguf  optional: the --predictor file, copied verbatim (Predictor::Load reads it as is)
+//
+// A bundle (neuron i of a region): [gate row i][up row i][down column i], parts back to back, gate first so that a
+// two-phase load can read the gate part alone. Slots are grouped: `slots_per_group` bundles back to back at the start
+// of a group of `group_bytes` (a multiple of kDeployAlignment), zero padding after them. Small bundles (far below
+// 4 KiB) share a group; a bundle never straddles a group; bundles larger than half a page get one group each, padded.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "runtime/core/ggml_type.h"
+#include "runtime/core/gguf.h"
+#include "runtime/core/kernels.h"
+#include "runtime/core/status.h"
+
+namespace nflash::packer {
+
+// Major version of the whole directory format; readers reject any other (no minor versions yet).
+inline constexpr int kDeploymentSchemaVersion = 1;
+// Every region (and every slot group) starts at a multiple of this and is a multiple of it long: O_DIRECT needs file
+// offset, length and buffer aligned to the device's logical block size (512 B or 4 KiB on NVMe/UFS; 4 KiB covers
+// both and is the page size, so registered io_uring buffers and page-granular caches line up).
+inline constexpr uint64_t kDeployAlignment = 4096;
+inline constexpr char kManifestFileName[] = "manifest.json";
+inline constexpr char kResidentFileName[] = "resident.gguf";
+inline constexpr char kFlashFileName[] = "ffn.bin";
+inline constexpr char kPredictorFileName[] = "predictor.gguf";
+
+// Names of the index tensors in resident.gguf for region (layer, expert); expert -1 is a dense FFN.
+//   <prefix>.slot_of_neuron  I32 [n_neurons]   slot of each neuron (a permutation of 0..n-1)
+//   <prefix>.gate_xxh64      I64 [n_neurons]   xxHash64 (seed 0) of the neuron's gate part, per neuron
+//   <prefix>.updown_xxh64    I64 [n_neurons]   xxHash64 (seed 0) of its up part and down part (contiguous), per neuron
+// prefix = "nflash.deploy.blk.<layer>" or "nflash.deploy.blk.<layer>.exp.<expert>".
+std::string IndexTensorPrefix(int64_t layer, int64_t expert);
+
+// The placement of one neuron's bundle. Identical for all regions of a deployment.
+struct BundleLayout {
+  int64_t dim = 0;  // elements of each part (gate row, up row, down column)
+  GgmlType gate_type = GgmlType::kF32, up_type = GgmlType::kF32, down_type = GgmlType::kF32;
+  // Byte offsets/sizes inside a bundle: gate at 0, up right after, down right after up.
+  uint64_t gate_offset = 0, gate_bytes = 0;
+  uint64_t up_offset = 0, up_bytes = 0;
+  uint64_t down_offset = 0, down_bytes = 0;
+  uint64_t bundle_bytes = 0;    // gate + up + down
+  int64_t slots_per_group = 0;  // bundles per group (>= 1)
+  uint64_t group_bytes = 0;     // bytes per group, a multiple of kDeployAlignment
+  // Offset of slot `slot` from the start of its region.
+  uint64_t SlotOffset(int64_t slot) const {
+    return static_cast<uint64_t>(slot / slots_per_group) * group_bytes +
+           static_cast<uint64_t>(slot % slots_per_group) * bundle_bytes;
+  }
+  // Bytes of a region of `n` neurons (whole groups).
+  uint64_t RegionBytes(int64_t n) const {
+    return static_cast<uint64_t>((n + slots_per_group - 1) / slots_per_group) * group_bytes;
+  }
+};
+// Part sizes from the types; groups: floor(kDeployAlignment / bundle) bundles per page when the bundle is at most half
+// a page, else one bundle per group padded up to a multiple of kDeployAlignment. InvalidArgument when a part's row
+// length is not a multiple of its type's block size.
+Result<BundleLayout> MakeBundleLayout(int64_t dim, GgmlType gate_type, GgmlType up_type, GgmlType down_type);
+// The type of the down column inside a bundle for a model whose down projection is `model_down_type`: F32/F16/BF16
+// unchanged (exact transposition); Q8_0/Q4_0 unchanged (column requantized) when dim % 32 == 0, else F32.
+GgmlType BundleDownType(GgmlType model_down_type, int64_t dim);
+
+// One FFN neuron set on flash (a dense layer's FFN, or one expert).
+struct RegionInfo {
+  int64_t layer = 0;
+  int64_t expert = -1;
+  int64_t n_neurons = 0;
+  int64_t hot_count = 0;    // slots [0, hot_count) hold the hot neurons, most popular first
+  uint64_t offset = 0;      // in ffn.bin, multiple of kDeployAlignment
+  uint64_t size = 0;        // layout.RegionBytes(n_neurons)
+  uint64_t hot_bytes = 0;   // bytes of the groups that hold the hot slots (the region's prefix read as one run)
+  // Index tables (from resident.gguf), n_neurons each.
+  std::vector<int32_t> slot_of_neuron;
+  std::vector<int32_t> neuron_of_slot;
+  std::vector<uint64_t> gate_hash;    // per neuron
+  std::vector<uint64_t> updown_hash;  // per neuron
+};
+
+struct Manifest {
+  int schema_version = kDeploymentSchemaVersion;
+  std::string model_name;
+  std::string model_hash;      // HashToHex(HashFile(source model))
+  std::string profile_hash;    // HashToHex(HashFile(profile))
+  std::string resident_hash;   // HashToHex(HashFile(resident.gguf))
+  std::string predictor_hash;  // "" when no predictor.gguf
+  uint64_t resident_bytes = 0, flash_bytes = 0, predictor_bytes = 0;
+  std::string activation;      // silu / relu / drelu
+  int64_t dim = 0, n_ff = 0, n_layers = 0, n_experts = 0;  // n_experts 0: dense
+  uint64_t alignment = kDeployAlignment;
+  BundleLayout layout;
+  std::string order;           // "hotness" or "coactivation"
+  double hot_fraction = 0.0;   // requested share of hot neurons per region (-1: 50%-of-activations rule)
+  uint64_t padding_bytes = 0;  // ffn.bin bytes that belong to no bundle
+  // Mean (over regions, weighted by neurons) of the profile's active fraction, and what that means per token:
+  // expected_bytes_per_token = sum over regions of mean_active_fraction * n_neurons * bundle_bytes (bundle bytes
+  // needed if no neuron is cached); read amplification = group_bytes / (slots_per_group * bundle_bytes) for a
+  // reader that reads whole groups.
+  double mean_active_fraction = 0.0;
+  double expected_bytes_per_token = 0.0;
+  double read_amplification = 1.0;
+  std::vector<RegionInfo> regions;  // layer-major, experts in order; tables filled by Deployment::Open
+};
+
+// A byte range of ffn.bin.
+struct ByteRange {
+  uint64_t offset = 0;
+  uint64_t size = 0;
+};
+
+// One bundle's parts as 1-row matrices (type = the part's type, cols = dim) pointing into a bundle buffer.
+struct BundleView {
+  MatrixView gate, up, down;
+};
+// `bundle` must hold layout.bundle_bytes bytes (or, for gate only, gate_bytes: then up/down are left empty when
+// `bundle_size` is smaller than bundle_bytes).
+BundleView ViewBundle(const BundleLayout& layout, const uint8_t* bundle, uint64_t bundle_size);
+
+// An opened, validated deployment. Thread-safety: immutable after Open; all const methods may be called concurrently.
+class Deployment {
+ public:
+  struct Options {
+    // Re-hash resident.gguf (and predictor.gguf) against the manifest: a full read; `nflash verify` sets it.
+    bool verify_resident_hash = false;
+  };
+  // Parses manifest.json, checks schema version, shapes, that every region lies inside ffn.bin (whose size must match
+  // exactly), opens resident.gguf (mmap) and loads/validates the index tables (permutations, lengths). Errors name the
+  // file, the field, expected and found.
+  static Result<std::unique_ptr<Deployment>> Open(const std::string& dir, const Options& options);
+  static Result<std::unique_ptr<Deployment>> Open(const std::string& dir) { return Open(dir, Options{}); }
+
+  const Manifest& manifest() const { return manifest_; }
+  const BundleLayout& layout() const { return manifest_.layout; }
+  const std::string& dir() const { return dir_; }
+  std::string resident_path() const { return dir_ + "/" + kResidentFileName; }
+  std::string flash_path() const { return dir_ + "/" + kFlashFileName; }
+  // "" when the deployment has no predictor.
+  std::string predictor_path() const;
+  // resident.gguf (mmapped): bind attention, embeddings, norms and output head from it like Model::Load does.
+  const GgufFile& resident() const { return *resident_; }
+  std::shared_ptr<const GgufFile> resident_shared() const { return resident_; }
+
+  // The region of (layer, expert) (expert -1 for dense FFNs), or nullptr.
+  const RegionInfo* Region(int64_t layer, int64_t expert) const;
+  // Ranges in ffn.bin of neuron `neuron`'s whole bundle, its gate part, and its up+down parts. Preconditions (checked,
+  // abort on violation: a caller bug): the region exists and 0 <= neuron < n_neurons.
+  ByteRange BundleRange(int64_t layer, int64_t expert, int64_t neuron) const;
+  ByteRange GateRange(int64_t layer, int64_t expert, int64_t neuron) const;
+  ByteRange UpDownRange(int64_t layer, int64_t expert, int64_t neuron) const;
+  // Checks bytes read from flash against the stored xxHash64: the whole bundle (bundle_bytes), the gate part
+  // (gate_bytes) or the up+down parts (up_bytes + down_bytes). Corruption naming layer, expert, neuron, slot and the
+  // ffn.bin offset on mismatch or wrong size.
+  Status VerifyBundle(int64_t layer, int64_t expert, int64_t neuron, std::span<const uint8_t> bytes) const;
+  Status VerifyGate(int64_t layer, int64_t expert, int64_t neuron, std::span<const uint8_t> bytes) const;
+  Status VerifyUpDown(int64_t layer, int64_t expert, int64_t neuron, std::span<const uint8_t> bytes) const;
+
+ private:
+  Deployment() = default;
+  const RegionInfo& RegionOrDie(int64_t layer, int64_t expert, int64_t neuron) const;
+  std::string dir_;
+  Manifest manifest_;
+  std::shared_ptr<const GgufFile> resident_;
+  std::vector<int64_t> region_index_;  // layer * max(1, n_experts) + max(0, expert) -> index in regions, or -1
+};
+
+// Manifest <-> JSON, one pair shared by writer and reader (tables are not part of the JSON). ParseManifest validates
+// field presence/types, the schema version and internal consistency (layout recomputed from dim and types, regions
+// aligned, non-overlapping, in bounds of flash_bytes); `source` names the file in errors.
+std::string ManifestToJson(const Manifest& manifest);
+Result<Manifest> ParseManifest(const std::string& json_text, const std::string& source);
+
+}  // namespace nflash::packer

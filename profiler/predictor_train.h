@@ -1,0 +1,72 @@
+// Training activation predictors in C++: collect (FFN input, active mask) pairs from the dense engine, fit each layer's
+// low-rank MLP (runtime/engine/predictor.h) with mini-batch Adam on a weighted binary cross-entropy, pick the logit
+// threshold that reaches the recall target on a validation split, and pick the rank per layer.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "runtime/core/status.h"
+#include "runtime/core/thread_pool.h"
+#include "runtime/engine/model.h"
+#include "runtime/engine/predictor.h"
+
+namespace nflash::profiler {
+
+// What the dense engine showed of each layer's FFN over a token stream: the normalised FFN inputs and |act(gate)|.
+struct ActivationSamples {
+  int64_t dim = 0, n_ff = 0, n_tokens = 0;
+  std::vector<std::vector<float>> x;         // per layer: n_tokens x dim
+  std::vector<std::vector<float>> gate_abs;  // per layer: n_tokens x n_ff, |act(gate)|
+};
+
+// Runs `tokens` through the dense engine in windows of `window` tokens (each from an empty context; batched prefill)
+// and records every layer's FFN input and |act(gate)|. Dense (non-MoE) models only.
+Result<ActivationSamples> CollectSamples(const Model& model, std::span<const int32_t> tokens, int64_t window,
+                                         ThreadPool* pool);
+
+// Per layer, the CATS threshold for `sparsity` in [0, 1): the `sparsity` quantile (nearest rank, QuantileThreshold of
+// profiler/activation_stats.h, as the profile) of the pooled |act(gate)| values of the layer, so that fraction of
+// neuron-token pairs is at or below it. sparsity 0 gives threshold 0.
+std::vector<float> SparsityThresholds(const ActivationSamples& samples, double sparsity);
+
+// Active masks (n_tokens x n_ff bytes, 1 = active: |act(gate)| > threshold) of one layer.
+std::vector<uint8_t> ActiveMask(const ActivationSamples& samples, int64_t layer, float threshold);
+
+struct TrainOptions {
+  float target_recall = 0.98f;
+  std::vector<int64_t> ranks = {16, 32, 64, 128, 256};  // candidates, tried in increasing order
+  float max_predicted_ratio = 1.5f;  // accept a rank when predicted-active <= this x true-active
+  int epochs = 6;            // enough for the loss to flatten on the models tried (see docs/predictor.md)
+  int64_t batch = 256;       // tokens per Adam step: large enough for the GEMMs to be efficient
+  float learning_rate = 2e-3f;
+  float pos_weight = 2.0f;   // BCE weight of active neurons (> 1 trades precision for recall)
+  uint64_t seed = 1;
+};
+
+// Recall / precision (micro: neuron-token pairs) of a predictor layer with its logit threshold.
+struct PredictionQuality {
+  double recall = 0, precision = 0, predicted_fraction = 0, true_fraction = 0;
+};
+
+// The logits of one layer's predictor for n tokens (n x n_ff), batched with GEMMs.
+void PredictorLogits(const PredictorLayerData& layer, int64_t dim, int64_t n_ff, const float* x, int64_t n,
+                     std::vector<float>* logits, ThreadPool* pool);
+
+PredictionQuality Evaluate(const PredictorLayerData& layer, int64_t dim, int64_t n_ff, const float* x,
+                           const uint8_t* mask, int64_t n, ThreadPool* pool);
+
+// Trains one layer at one rank on the first n_train tokens, then sets info.logit_threshold from the n_val tokens
+// that follow (the smallest threshold step that keeps micro recall >= target) and fills info.recall etc. from them.
+Result<PredictorLayerData> TrainLayer(const float* x, const uint8_t* mask, int64_t n_train, int64_t n_val, int64_t dim,
+                                      int64_t n_ff, int64_t rank, const TrainOptions& options, ThreadPool* pool);
+
+// Trains the candidate ranks in increasing order and returns the first that meets the recall target with
+// predicted-active <= max_predicted_ratio x true-active; when none does, the one with the smallest predicted
+// fraction, with *fallback set.
+Result<PredictorLayerData> TrainLayerChooseRank(const float* x, const uint8_t* mask, int64_t n_train, int64_t n_val,
+                                                int64_t dim, int64_t n_ff, const TrainOptions& options,
+                                                ThreadPool* pool, bool* fallback);
+
+}  // namespace nflash::profiler

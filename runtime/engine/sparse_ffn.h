@@ -1,0 +1,91 @@
+// The sparse in-memory FFN: an FfnBackend that computes, for each decoded token, only the FFN neurons of an active set
+// (exact "oracle" set, or the set an activation predictor guesses) and skips the rest. It is the numerical reference
+// for the flash-offloaded runtime, which replaces where the rows come from, not how they are combined.
+//
+// Per token and layer, with A the set of computed neurons:
+//   oracle:     gate = W_gate . x (all rows); A = {i : |act(gate_i)| > threshold}; up only for A
+//   predictor:  A = Predict(x); gate and up only for A (GemvRows)
+//   hidden_i  = ActivateNeuron(gate_i, up_i), set to 0 when |act(gate_i)| <= threshold (the runtime applies the
+//               "active" test of runtime/engine/predictor.h to what it computed, so a predicted-but-inactive neuron
+//               contributes nothing, exactly as in oracle mode)
+//   out       = sum over i in A with hidden_i != 0 of hidden_i * down[:, i]  (AccumulateRows on a transposed copy)
+// The transposed copy of ffn_down (n_ff rows of dim) is made at construction: F32/F16/BF16 exactly; Q8_0/Q4_0 are
+// dequantized and requantized per column to Q8_0 (one extra rounding of each weight, |error| <= half a Q8_0 step of
+// the new block; Q4_0 -> Q4_0 would cost half a 4-bit step, visibly worse). The dense path instead quantizes the
+// hidden vector to Q8_0, so the two differ by rounding either way.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "runtime/core/kernels.h"
+#include "runtime/core/thread_pool.h"
+#include "runtime/engine/context.h"
+#include "runtime/engine/model.h"
+#include "runtime/engine/predictor.h"
+
+namespace nflash {
+
+enum class SparseMode { kOracle, kPredictor };
+
+struct SparseFfnOptions {
+  SparseMode mode = SparseMode::kOracle;
+  // The "active" threshold per layer (n_layers items; empty: 0 for every layer, the ReLU/dReLU exact zeros). In
+  // predictor mode, empty means the predictor file's thresholds.
+  std::vector<float> activation_threshold;
+  // Also run batched prefill (x.n() > 1) token by token through the sparse path (perplexity with only predicted
+  // neurons); false: prefill returns to the dense path.
+  bool sparse_prefill = false;
+  // Predictor mode: also compute every gate row to count the exact active set and the recall (costs a dense gate
+  // GEMV per token: for measurements, not for speed).
+  bool measure_recall = false;
+};
+
+// Counts per layer, summed over the tokens the sparse path ran (neuron-token pairs).
+struct SparseFfnLayerStats {
+  int64_t tokens = 0;
+  int64_t computed = 0;        // neurons whose gate/up rows were computed (oracle: the active set; predictor: predicted)
+  int64_t active = 0;          // computed neurons that passed the active test (the rows down actually used)
+  int64_t true_active = -1;    // exact active set size (oracle; predictor with measure_recall), else -1
+  int64_t true_positive = -1;  // predicted and truly active (predictor with measure_recall)
+};
+
+// Thread-safety: not thread-safe (per-context scratch and statistics); one per InferenceContext. The model, the
+// predictor and the pool must outlive it. Results do not depend on the pool's thread count (the kernels' per-element
+// order is fixed).
+class SparseFfn : public FfnBackend {
+ public:
+  // `predictor` is required in predictor mode (and checked against the model's shapes), ignored in oracle mode.
+  static Result<std::unique_ptr<SparseFfn>> Create(const Model& model, const Predictor* predictor,
+                                                   const SparseFfnOptions& options, ThreadPool* pool);
+
+  Result<bool> Forward(int64_t layer, int64_t expert, const Activation& x, float* out) override;
+
+  const std::vector<SparseFfnLayerStats>& stats() const { return stats_; }
+  void ResetStats();
+  // Bytes of the transposed down projections this backend holds (in addition to the model).
+  uint64_t extra_bytes() const;
+  float activation_threshold(int64_t layer) const { return thresholds_[static_cast<size_t>(layer)]; }
+
+ private:
+  SparseFfn(const Model& model, const Predictor* predictor, const SparseFfnOptions& options, ThreadPool* pool);
+  Status BuildTransposedDown();
+  void ForwardToken(int64_t layer, const Activation& x, int64_t token, float* out);
+
+  const Model& model_;
+  const Predictor* predictor_;
+  SparseFfnOptions options_;
+  ThreadPool* pool_;
+  std::vector<float> thresholds_;
+  std::vector<std::vector<uint8_t>> down_t_bytes_;  // per layer: (n_ff, dim) in the model's down type
+  std::vector<MatrixView> down_t_;
+  std::vector<SparseFfnLayerStats> stats_;
+  // Scratch (sized at construction: no allocation per token).
+  PredictorScratch pred_scratch_;
+  std::vector<int32_t> rows_, used_;
+  std::vector<float> gate_all_, gate_, up_, hidden_;
+  Activation token_act_;
+};
+
+}  // namespace nflash

@@ -1,0 +1,448 @@
+// DirectReader: O_DIRECT + io_uring reads with registered buffers, bounce buffers for unaligned requests, short-read
+// resubmission and one EIO retry; the synchronous pread path; request coalescing.
+#include "runtime/io/direct_reader.h"
+
+#include <fcntl.h>
+#include <liburing.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "runtime/core/log.h"
+
+namespace nflash::io {
+namespace {
+
+// tmpfs and ramfs accept O_DIRECT on recent kernels but the data still lives in the page cache.
+constexpr long kTmpfsMagic = 0x01021994;
+constexpr long kRamfsMagic = 0x858458f6;
+// One registered buffer may not exceed 1 GiB (kernel limit), so larger arenas are registered in 1 GiB pieces.
+constexpr size_t kMaxRegisteredBuffer = size_t{1} << 30;
+
+uint64_t NowNs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+uint64_t ThreadCpuNs() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+struct FreeDeleter {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+using AlignedBuffer = std::unique_ptr<uint8_t, FreeDeleter>;
+
+AlignedBuffer AllocAligned(size_t alignment, size_t bytes) {
+  const size_t rounded = (bytes + alignment - 1) / alignment * alignment;
+  return AlignedBuffer(static_cast<uint8_t*>(std::aligned_alloc(alignment, std::max(rounded, alignment))));
+}
+
+std::string ReadError(const std::string& path, uint64_t offset, size_t size, const std::string& why) {
+  return path + ": read of " + std::to_string(size) + " bytes at offset " + std::to_string(offset) + " failed: " + why;
+}
+
+Status CheckRange(const std::string& path, uint64_t file_size, uint64_t offset, size_t size) {
+  if (offset > file_size || size > file_size - offset) {
+    return Status::IOError(ReadError(path, offset, size, "past the end of the file (" + std::to_string(file_size) +
+                                                             " bytes)"));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+// One request in flight: the range actually read (aligned when direct), where it lands, and what the caller wants.
+struct DirectReader::Op {
+  size_t request = 0;          // index in the batch
+  uint64_t read_offset = 0;    // file offset of buf[0]
+  size_t read_length = 0;      // bytes asked of the kernel in total
+  size_t needed = 0;           // bytes that must arrive (read_length may run past EOF for the last block)
+  size_t done = 0;
+  uint8_t* buf = nullptr;      // caller memory (aligned path) or bounce.get()
+  AlignedBuffer bounce;
+  size_t copy_from = 0;        // offset in bounce of the caller's first byte
+  int fixed_index = -1;        // registered buffer index, or -1
+  int eio_retries = 0;
+  uint64_t first_submit_ns = 0;
+};
+
+size_t QueryDirectAlignment(int fd) {
+  struct statx stx {};
+  if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) != 0) return 0;
+  if (!(stx.stx_mask & STATX_DIOALIGN)) return 0;
+  return std::max<size_t>(stx.stx_dio_mem_align, stx.stx_dio_offset_align);
+}
+
+Result<std::unique_ptr<AlignedArena>> AlignedArena::Create(size_t slot_bytes, size_t num_slots, size_t alignment) {
+  if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
+    return Status::InvalidArgument("arena alignment must be a power of two, got " + std::to_string(alignment));
+  }
+  if (slot_bytes == 0 || num_slots == 0) return Status::InvalidArgument("arena with zero slots or zero-byte slots");
+  const size_t slot = (slot_bytes + alignment - 1) / alignment * alignment;
+  if (num_slots > SIZE_MAX / slot) return Status::ResourceExhausted("arena size overflows");
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(alignment, slot * num_slots));
+  if (p == nullptr) {
+    return Status::ResourceExhausted("cannot allocate an arena of " + std::to_string(slot * num_slots) + " bytes");
+  }
+  return std::unique_ptr<AlignedArena>(new AlignedArena(p, slot, num_slots));
+}
+
+AlignedArena::~AlignedArena() { std::free(data_); }
+
+Result<std::unique_ptr<DirectReader>> DirectReader::Open(const std::string& path, const DirectReaderOptions& options) {
+  int fd = -1;
+  if (!options.buffered) {
+    fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (fd < 0 && errno == EINVAL) {
+      if (!options.allow_buffered_fallback) {
+        return Status::Unsupported("the filesystem of " + path + " refuses O_DIRECT (tmpfs?)");
+      }
+      NF_LOG(Warning) << path << ": the filesystem refuses O_DIRECT; reads go through the page cache";
+    } else if (fd < 0) {
+      return Status::FromErrno("cannot open " + path, errno);
+    }
+  }
+  if (fd < 0) fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::FromErrno("cannot open " + path, errno);
+  return FromFd(fd, path, options);
+}
+
+Result<std::unique_ptr<DirectReader>> DirectReader::FromFd(int fd, const std::string& name,
+                                                           const DirectReaderOptions& options) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return Status::FromErrno("cannot stat " + name, err);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Status::InvalidArgument(name + " is not a regular file");
+  }
+  if (options.queue_depth == 0 || options.queue_depth > 4096) {
+    ::close(fd);
+    return Status::InvalidArgument("queue depth must be in [1, 4096], got " + std::to_string(options.queue_depth));
+  }
+  const int flags = ::fcntl(fd, F_GETFL);
+  bool direct = flags >= 0 && (flags & O_DIRECT) != 0;
+  struct statfs sfs {};
+  if (direct && ::fstatfs(fd, &sfs) == 0 && (sfs.f_type == kTmpfsMagic || sfs.f_type == kRamfsMagic)) {
+    if (!options.allow_buffered_fallback) {
+      ::close(fd);
+      return Status::Unsupported(name + " is on tmpfs/ramfs: O_DIRECT would still read from the page cache");
+    }
+    NF_LOG(Warning) << name << ": on tmpfs/ramfs, O_DIRECT reads are served from the page cache";
+    direct = false;
+  }
+  size_t alignment = 1;
+  if (direct) {
+    alignment = QueryDirectAlignment(fd);
+    if (alignment == 0) alignment = kDefaultDirectAlignment;
+  }
+  std::unique_ptr<DirectReader> reader(
+      new DirectReader(fd, name, static_cast<uint64_t>(st.st_size), direct, alignment, options));
+  NF_RETURN_IF_ERROR(reader->InitRing());
+  return reader;
+}
+
+DirectReader::DirectReader(int fd, std::string path, uint64_t size, bool direct, size_t alignment,
+                           const DirectReaderOptions& opts)
+    : fd_(fd), path_(std::move(path)), size_(size), direct_(direct), alignment_(alignment),
+      queue_depth_(opts.queue_depth), hook_(opts.completion_hook), latency_ns_(kLatencySampleCapacity) {}
+
+Status DirectReader::InitRing() {
+  ring_ = std::make_unique<io_uring>();
+  const int rc = io_uring_queue_init(queue_depth_, ring_.get(), 0);
+  if (rc < 0) {
+    ring_.reset();
+    return Status::FromErrno("io_uring_queue_init(" + std::to_string(queue_depth_) + ") for " + path_, -rc);
+  }
+  return Status::Ok();
+}
+
+DirectReader::~DirectReader() {
+  if (ring_) io_uring_queue_exit(ring_.get());
+  if (fd_ >= 0) ::close(fd_);
+}
+
+bool DirectReader::IsAligned(uint64_t offset, size_t size, const void* dst) const {
+  if (!direct_) return true;
+  const uint64_t mask = alignment_ - 1;
+  return (offset & mask) == 0 && (size & mask) == 0 && (reinterpret_cast<uintptr_t>(dst) & mask) == 0;
+}
+
+Result<std::unique_ptr<AlignedArena>> DirectReader::CreateArena(size_t slot_bytes, size_t num_slots) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (registered_ != nullptr) return Status::InvalidArgument(path_ + ": an arena is already registered");
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<AlignedArena> arena,
+                      AlignedArena::Create(slot_bytes, num_slots, std::max(alignment_, kDefaultDirectAlignment)));
+  std::vector<iovec> iovs;
+  for (size_t off = 0; off < arena->size(); off += kMaxRegisteredBuffer) {
+    iovs.push_back({arena->data() + off, std::min(kMaxRegisteredBuffer, arena->size() - off)});
+  }
+  const int rc = io_uring_register_buffers(ring_.get(), iovs.data(), static_cast<unsigned>(iovs.size()));
+  if (rc < 0) {
+    // Usually RLIMIT_MEMLOCK on older kernels: reads into the arena still work, only without fixed buffers.
+    NF_LOG(Warning) << path_ << ": cannot register the I/O arena with io_uring (" << std::strerror(-rc)
+                    << "); reading without fixed buffers";
+  } else {
+    registered_ = arena.get();
+  }
+  return arena;
+}
+
+Status DirectReader::ReadAt(uint64_t offset, size_t size, void* dst) const {
+  ReadRequest r{offset, size, dst};
+  return ReadBatch(std::span<const ReadRequest>(&r, 1));
+}
+
+Status DirectReader::ReadBatch(std::span<const ReadRequest> requests) const {
+  for (const ReadRequest& r : requests) NF_RETURN_IF_ERROR(CheckRange(path_, size_, r.offset, r.size));
+  std::lock_guard<std::mutex> lock(mu_);
+  return RunBatchLocked(requests);
+}
+
+Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests) const {
+  io_uring* ring = ring_.get();
+  std::vector<Op> ops(queue_depth_);
+  std::vector<int> free_slots;
+  for (int i = static_cast<int>(queue_depth_) - 1; i >= 0; --i) free_slots.push_back(i);
+  std::vector<int> resubmit;  // slots whose remainder (or retry) must be submitted again
+  size_t next = 0;
+  size_t in_flight = 0;
+  Status first_error;
+
+  auto prep = [&](int slot) {
+    Op& op = ops[slot];
+    io_uring_sqe* sqe = io_uring_get_sqe(ring);  // never null: at most queue_depth_ ops are in flight
+    // O_DIRECT resumes must stay aligned: restart a short read at the block boundary below what arrived.
+    const size_t resume = direct_ ? op.done & ~(alignment_ - 1) : op.done;
+    op.done = resume;
+    uint8_t* dst = op.buf + resume;
+    const unsigned len = static_cast<unsigned>(op.read_length - resume);
+    if (op.fixed_index >= 0) {
+      io_uring_prep_read_fixed(sqe, fd_, dst, len, op.read_offset + resume, op.fixed_index);
+    } else {
+      io_uring_prep_read(sqe, fd_, dst, len, op.read_offset + resume);
+    }
+    io_uring_sqe_set_data64(sqe, static_cast<uint64_t>(slot));
+    if (op.first_submit_ns == 0) op.first_submit_ns = NowNs();
+  };
+
+  auto start = [&](size_t index, int slot) {
+    const ReadRequest& r = requests[index];
+    Op& op = ops[slot];
+    op = Op{};
+    op.request = index;
+    if (IsAligned(r.offset, r.size, r.dst)) {
+      op.read_offset = r.offset;
+      op.read_length = op.needed = r.size;
+      op.buf = static_cast<uint8_t*>(r.dst);
+      if (registered_ != nullptr && registered_->Contains(r.dst, r.size)) {
+        const size_t rel = op.buf - registered_->data();
+        if (rel / kMaxRegisteredBuffer == (rel + r.size - 1) / kMaxRegisteredBuffer) {
+          op.fixed_index = static_cast<int>(rel / kMaxRegisteredBuffer);
+        }
+      }
+    } else {
+      const uint64_t begin = r.offset & ~uint64_t{alignment_ - 1};
+      const uint64_t end = (r.offset + r.size + alignment_ - 1) & ~uint64_t{alignment_ - 1};
+      op.read_offset = begin;
+      op.read_length = end - begin;
+      op.needed = r.offset + r.size - begin;
+      op.copy_from = r.offset - begin;
+      op.bounce = AllocAligned(alignment_, op.read_length);
+      op.buf = op.bounce.get();
+      ++counters_.bounce_reads;
+    }
+  };
+
+  while (next < requests.size() || in_flight > 0 || !resubmit.empty()) {
+    for (int slot : resubmit) {
+      prep(slot);
+    }
+    resubmit.clear();
+    while (first_error.ok() && next < requests.size() && !free_slots.empty()) {
+      if (requests[next].size == 0) {
+        ++next;
+        continue;
+      }
+      const int slot = free_slots.back();
+      free_slots.pop_back();
+      start(next++, slot);
+      prep(slot);
+      ++in_flight;
+    }
+    // Submits everything prepared, including entries a previous partial or refused submit left in the queue.
+    if (io_uring_sq_ready(ring) > 0) {
+      const uint64_t cpu0 = ThreadCpuNs();
+      int rc;
+      do {
+        rc = io_uring_submit(ring);
+      } while (rc == -EINTR);
+      counters_.submit_cpu_ns += ThreadCpuNs() - cpu0;
+      ++counters_.submit_calls;
+      // EAGAIN/EBUSY: the kernel is short of resources or the completion queue is full; the entries stay queued and
+      // are submitted again after the completions below are reaped. Anything else means the ring we set up is
+      // broken while reads may be in flight into memory we cannot safely release: an internal invariant, so abort.
+      if (rc < 0 && rc != -EAGAIN && rc != -EBUSY) {
+        NF_LOG(Error) << path_ << ": io_uring_submit failed: " << std::strerror(-rc);
+        std::abort();
+      }
+    }
+    if (in_flight == 0) break;
+
+    io_uring_cqe* cqe = nullptr;
+    int rc = io_uring_wait_cqe(ring, &cqe);
+    while (rc == -EINTR) rc = io_uring_wait_cqe(ring, &cqe);
+    if (rc < 0) {  // as for submit: reads are in flight into our buffers, so returning would be unsafe
+      NF_LOG(Error) << path_ << ": io_uring_wait_cqe failed: " << std::strerror(-rc);
+      std::abort();
+    }
+    unsigned head;
+    unsigned seen = 0;
+    io_uring_for_each_cqe(ring, head, cqe) {
+      ++seen;
+      const int slot = static_cast<int>(io_uring_cqe_get_data64(cqe));
+      Op& op = ops[slot];
+      const ReadRequest& r = requests[op.request];
+      const size_t asked = op.read_length - op.done;
+      int res = cqe->res;
+      if (hook_) res = hook_(op.read_offset + op.done, asked, res);
+      auto fail = [&](Status s) {
+        if (first_error.ok()) first_error = std::move(s);
+        op.bounce.reset();
+        free_slots.push_back(slot);
+        --in_flight;
+      };
+      if (res == -EAGAIN || res == -EINTR) {
+        resubmit.push_back(slot);
+      } else if (res == -EIO && op.eio_retries == 0 && first_error.ok()) {
+        ++op.eio_retries;
+        ++counters_.retries;
+        NF_LOG(Warning) << ReadError(path_, r.offset, r.size, "EIO") << "; retrying once";
+        resubmit.push_back(slot);
+      } else if (res < 0) {
+        fail(Status::IOError(ReadError(path_, r.offset, r.size, std::strerror(-res)) +
+                             (op.eio_retries > 0 ? " (after 1 retry)" : "")));
+      } else if (res == 0 && op.done < op.needed) {
+        fail(Status::IOError(ReadError(path_, r.offset, r.size,
+                                       "unexpected end of file at offset " + std::to_string(op.read_offset + op.done))));
+      } else {
+        op.done += static_cast<size_t>(res);
+        if (op.done < op.needed && first_error.ok()) {
+          ++counters_.short_reads;
+          resubmit.push_back(slot);
+        } else {
+          if (op.done >= op.needed) {
+            if (op.bounce) std::memcpy(r.dst, op.bounce.get() + op.copy_from, r.size);
+            ++counters_.requests;
+            counters_.bytes += r.size;
+            const uint64_t lat = NowNs() - op.first_submit_ns;
+            latency_ns_[latency_next_] = static_cast<uint32_t>(std::min<uint64_t>(lat, UINT32_MAX));
+            latency_next_ = (latency_next_ + 1) % latency_ns_.size();
+            ++latency_count_;
+          }
+          op.bounce.reset();
+          free_slots.push_back(slot);
+          --in_flight;
+        }
+      }
+    }
+    io_uring_cq_advance(ring, seen);
+    // After an error, in-flight reads are drained (their buffers must stay valid) but nothing new is started.
+    if (!first_error.ok() && !resubmit.empty()) {
+      for (int slot : resubmit) {
+        ops[slot].bounce.reset();
+        free_slots.push_back(slot);
+        --in_flight;
+      }
+      resubmit.clear();
+    }
+  }
+  return first_error;
+}
+
+Status DirectReader::PreadAt(uint64_t offset, size_t size, void* dst) const {
+  NF_RETURN_IF_ERROR(CheckRange(path_, size_, offset, size));
+  uint64_t read_offset = offset;
+  size_t read_length = size;
+  size_t needed = size;
+  uint8_t* buf = static_cast<uint8_t*>(dst);
+  AlignedBuffer bounce;
+  if (!IsAligned(offset, size, dst)) {
+    read_offset = offset & ~uint64_t{alignment_ - 1};
+    read_length = ((offset + size + alignment_ - 1) & ~uint64_t{alignment_ - 1}) - read_offset;
+    needed = offset + size - read_offset;
+    bounce = AllocAligned(alignment_, read_length);
+    buf = bounce.get();
+  }
+  size_t done = 0;
+  int eio_retries = 0;
+  while (done < needed) {
+    const ssize_t n = ::pread(fd_, buf + done, read_length - done, static_cast<off_t>(read_offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EIO && eio_retries++ == 0) continue;
+    if (n < 0) return Status::IOError(ReadError(path_, offset, size, std::strerror(errno)));
+    if (n == 0) return Status::IOError(ReadError(path_, offset, size, "unexpected end of file"));
+    done += static_cast<size_t>(n);
+    if (direct_) done = done < needed ? done & ~(alignment_ - 1) : done;
+  }
+  if (bounce) std::memcpy(dst, bounce.get() + (offset - read_offset), size);
+  std::lock_guard<std::mutex> lock(mu_);
+  ++counters_.pread_requests;
+  counters_.pread_bytes += size;
+  return Status::Ok();
+}
+
+IoCounters DirectReader::Counters() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return counters_;
+}
+
+std::vector<uint32_t> DirectReader::LatencySampleNs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t n = static_cast<size_t>(std::min<uint64_t>(latency_count_, latency_ns_.size()));
+  std::vector<uint32_t> out;
+  out.reserve(n);
+  const size_t first = (latency_next_ + latency_ns_.size() - n) % latency_ns_.size();
+  for (size_t i = 0; i < n; ++i) out.push_back(latency_ns_[(first + i) % latency_ns_.size()]);
+  return out;
+}
+
+void DirectReader::ResetCounters() {
+  std::lock_guard<std::mutex> lock(mu_);
+  counters_ = IoCounters{};
+  latency_next_ = 0;
+  latency_count_ = 0;
+}
+
+std::vector<ReadRequest> CoalesceRequests(std::span<const ReadRequest> requests, size_t max_bytes) {
+  std::vector<ReadRequest> out;
+  for (const ReadRequest& r : requests) {
+    if (!out.empty()) {
+      ReadRequest& last = out.back();
+      const bool file_adjacent = last.offset + last.size == r.offset;
+      const bool memory_adjacent = static_cast<uint8_t*>(last.dst) + last.size == r.dst;
+      if (file_adjacent && memory_adjacent && last.size + r.size <= max_bytes) {
+        last.size += r.size;
+        continue;
+      }
+    }
+    out.push_back(r);
+  }
+  return out;
+}
+
+}  // namespace nflash::io

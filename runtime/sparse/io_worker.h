@@ -1,0 +1,55 @@
+// The I/O thread of the neuron-cluster pipeline: reads a list of requests chunk by chunk on its own thread and lets
+// the compute thread wait for each chunk separately, so compute on chunk i (and on cache hits) overlaps the reads of
+// chunks i+1, i+2, ...
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include "runtime/core/file.h"
+#include "runtime/core/status.h"
+
+namespace nflash::sparse {
+
+// Thread-safety: Start, WaitChunk and Drain are called by one thread (the compute thread that owns the job); the
+// worker thread only reads the file. The request memory and destinations must stay valid until Drain returns or the
+// last chunk was waited for.
+class IoWorker {
+ public:
+  explicit IoWorker(const ReadableFile* file);
+  ~IoWorker();
+  IoWorker(const IoWorker&) = delete;
+  IoWorker& operator=(const IoWorker&) = delete;
+
+  // Starts reading requests[0, chunk_ends[0]), [chunk_ends[0], chunk_ends[1]), ... in order, each chunk with one
+  // ReadBatch (one batched submission); returns at once. The previous job must be fully waited for (Drain).
+  void Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
+  // Blocks until chunk `i` is read; its status.
+  Status WaitChunk(size_t i);
+  // Blocks until every chunk of the current job is done (used before reusing buffers after an error).
+  void Drain();
+  // Nanoseconds the caller spent blocked in WaitChunk/Drain since construction.
+  uint64_t wait_ns() const { return wait_ns_; }
+
+ private:
+  void Loop();
+  const ReadableFile* file_;
+  std::mutex mu_;
+  std::condition_variable job_cv_, done_cv_;
+  // Guarded by mu_.
+  bool stop_ = false;
+  uint64_t job_id_ = 0;           // incremented by Start
+  std::span<const ReadRequest> requests_;
+  std::vector<size_t> chunk_ends_;
+  size_t done_ = 0;               // chunks finished
+  std::vector<Status> statuses_;  // per chunk
+  uint64_t wait_ns_ = 0;          // caller thread only
+  std::thread thread_;
+};
+
+}  // namespace nflash::sparse

@@ -1,0 +1,268 @@
+// The segmented neuron cache: slot regions with O(1) lookup and eviction over one preallocated arena.
+#include "runtime/sparse/neuron_cache.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+
+namespace nflash::sparse {
+
+CacheCounters& CacheCounters::operator+=(const CacheCounters& o) {
+  hits += o.hits;
+  misses += o.misses;
+  bypasses += o.bypasses;
+  evictions += o.evictions;
+  bytes_loaded += o.bytes_loaded;
+  return *this;
+}
+
+namespace {
+
+Status CheckRegion(const RegionConfig& c, const char* name, int64_t* total_slots) {
+  auto bad = [&](const std::string& what) { return Status::InvalidArgument(std::string("neuron cache ") + name + " region: " + what); };
+  if (c.n_groups < 0 || c.units_per_group < 0) {
+    return bad("n_groups " + std::to_string(c.n_groups) + " and units_per_group " + std::to_string(c.units_per_group) +
+               " must be >= 0");
+  }
+  // Lookup tables and slot links are int32: 2^31 units is far beyond any model (a 70B model has ~2.3M FFN neurons).
+  if (c.n_groups != 0 && c.units_per_group > std::numeric_limits<int32_t>::max() / c.n_groups) {
+    return bad("n_groups x units_per_group = " + std::to_string(c.n_groups) + " x " + std::to_string(c.units_per_group) +
+               " exceeds 2^31 units");
+  }
+  int64_t slots = 0;
+  if (!c.slots_per_group.empty()) {
+    if (static_cast<int64_t>(c.slots_per_group.size()) != c.n_groups) {
+      return bad("slots_per_group has " + std::to_string(c.slots_per_group.size()) + " entries, expected n_groups = " +
+                 std::to_string(c.n_groups));
+    }
+    for (size_t g = 0; g < c.slots_per_group.size(); ++g) {
+      if (c.slots_per_group[g] < 0) {
+        return bad("slots_per_group[" + std::to_string(g) + "] = " + std::to_string(c.slots_per_group[g]) + " is negative");
+      }
+      slots += c.slots_per_group[g];
+      if (slots > std::numeric_limits<int32_t>::max()) return bad("more than 2^31 slots");
+    }
+  } else {
+    if (c.shared_slots < 0 || c.shared_slots > std::numeric_limits<int32_t>::max()) {
+      return bad("shared_slots " + std::to_string(c.shared_slots) + " is outside [0, 2^31)");
+    }
+    slots = c.shared_slots;
+  }
+  if (slots > 0 && c.unit_bytes == 0) return bad("unit_bytes is 0 but the region has " + std::to_string(slots) + " slots");
+  if (c.slot_stride % kSlotAlignment != 0 || (c.slot_stride != 0 && c.slot_stride < c.unit_bytes)) {
+    return bad("slot_stride " + std::to_string(c.slot_stride) + " must be a multiple of " +
+               std::to_string(kSlotAlignment) + " and >= unit_bytes " + std::to_string(c.unit_bytes));
+  }
+  *total_slots = slots;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<SlotRegion>> SlotRegion::Create(const RegionConfig& config, uint8_t* arena) {
+  int64_t n_slots = 0;
+  NF_RETURN_IF_ERROR(CheckRegion(config, "slot", &n_slots));
+  std::unique_ptr<SlotRegion> r(new SlotRegion());
+  r->config_ = config;
+  if (r->config_.slot_stride == 0) r->config_.slot_stride = AlignSlot(config.unit_bytes);
+  if (n_slots > 0 && arena == nullptr) return Status::InvalidArgument("neuron cache region: no arena for its slots");
+  r->arena_ = arena;
+  r->slot_of_key_.assign(static_cast<size_t>(config.n_groups * config.units_per_group), -1);
+  r->slots_.resize(static_cast<size_t>(n_slots));
+  r->counters_.resize(static_cast<size_t>(config.n_groups));
+  if (config.slots_per_group.empty()) {
+    r->partitions_.resize(1);
+    r->partitions_[0].n_slots = n_slots;
+  } else {
+    r->partitions_.resize(config.slots_per_group.size());
+    int64_t first = 0;
+    for (size_t g = 0; g < config.slots_per_group.size(); ++g) {
+      r->partitions_[g].first_slot = first;
+      r->partitions_[g].n_slots = config.slots_per_group[g];
+      first += config.slots_per_group[g];
+    }
+  }
+  for (size_t p = 0; p < r->partitions_.size(); ++p) {
+    for (int64_t s = r->partitions_[p].first_slot; s < r->partitions_[p].first_slot + r->partitions_[p].n_slots; ++s) {
+      r->slots_[s].partition = static_cast<int32_t>(p);
+    }
+  }
+  r->Clear();
+  return r;
+}
+
+void SlotRegion::Clear() {
+  for (auto& s : slots_) {
+    if (s.pins != 0) std::abort();  // a pinned slot is being filled or read: clearing it would be a use-after-free
+    if (s.key >= 0) slot_of_key_[s.key] = -1;
+    s.key = -1;
+    s.prev = -1;
+  }
+  for (auto& p : partitions_) {
+    p.head = p.tail = -1;
+    // Free stack in ascending slot order so that the first misses fill the arena front to back.
+    p.free_top = -1;
+    for (int64_t s = p.first_slot + p.n_slots - 1; s >= p.first_slot; --s) {
+      slots_[s].next = p.free_top;
+      p.free_top = static_cast<int32_t>(s);
+    }
+  }
+}
+
+void SlotRegion::Unlink(int32_t s) {
+  Slot& x = slots_[s];
+  Partition& p = partitions_[x.partition];
+  if (x.prev >= 0) slots_[x.prev].next = x.next; else p.head = x.next;
+  if (x.next >= 0) slots_[x.next].prev = x.prev; else p.tail = x.prev;
+  x.prev = x.next = -1;
+}
+
+void SlotRegion::PushMru(int32_t s) {
+  Slot& x = slots_[s];
+  Partition& p = partitions_[x.partition];
+  x.next = -1;
+  x.prev = p.tail;
+  if (p.tail >= 0) slots_[p.tail].next = s; else p.head = s;
+  p.tail = s;
+}
+
+SlotRegion::Lookup SlotRegion::Acquire(int64_t group, int64_t unit) {
+  const int64_t key = group * config_.units_per_group + unit;
+  Lookup out;
+  CacheCounters& c = counters_[group];
+  int32_t s = slot_of_key_[key];
+  if (s >= 0) {
+    // Pinned slots are off the LRU list (so the list head is always evictable); the first pin unlinks it.
+    if (slots_[s].pins++ == 0) Unlink(s);
+    ++c.hits;
+    out.slot = s;
+    out.hit = true;
+    return out;
+  }
+  ++c.misses;
+  c.bytes_loaded += config_.unit_bytes;
+  Partition& p = partitions_[PartitionOf(group)];
+  if (p.free_top >= 0) {
+    s = p.free_top;
+    p.free_top = slots_[s].next;
+    slots_[s].next = -1;
+  } else if (p.head >= 0) {
+    s = p.head;
+    Unlink(s);
+    const int64_t old = slots_[s].key;
+    slot_of_key_[old] = -1;
+    ++counters_[old / config_.units_per_group].evictions;
+    out.evicted_unit = old % config_.units_per_group;
+  } else {
+    ++c.bypasses;
+    return out;
+  }
+  slots_[s].key = key;
+  slots_[s].pins = 1;
+  slot_of_key_[key] = s;
+  out.slot = s;
+  return out;
+}
+
+void SlotRegion::Release(int32_t s) {
+  Slot& x = slots_[s];
+  if (x.pins <= 0) std::abort();  // unbalanced Release: the LRU list would be corrupted
+  if (--x.pins == 0) PushMru(s);
+}
+
+void SlotRegion::Abandon(int32_t s) {
+  Slot& x = slots_[s];
+  if (x.pins != 1) std::abort();  // only the filler (sole pin holder) may abandon a slot
+  slot_of_key_[x.key] = -1;
+  x.key = -1;
+  x.pins = 0;
+  Partition& p = partitions_[x.partition];
+  x.next = p.free_top;
+  p.free_top = s;
+}
+
+int32_t SlotRegion::Find(int64_t group, int64_t unit) const {
+  return slot_of_key_[group * config_.units_per_group + unit];
+}
+
+CacheCounters SlotRegion::TotalCounters() const {
+  CacheCounters t;
+  for (const auto& c : counters_) t += c;
+  return t;
+}
+
+void SlotRegion::ResetCounters() {
+  for (auto& c : counters_) c = CacheCounters();
+}
+
+namespace {
+
+struct ArenaLayout {
+  int64_t hot_slots = 0, cold_slots = 0;
+  size_t hot_bytes = 0, total = 0;
+};
+
+Result<ArenaLayout> LayoutArena(const NeuronCacheConfig& config) {
+  ArenaLayout a;
+  NF_RETURN_IF_ERROR(CheckRegion(config.hot, "hot", &a.hot_slots));
+  NF_RETURN_IF_ERROR(CheckRegion(config.cold, "cold", &a.cold_slots));
+  if (a.hot_slots > 0 && config.hot_cluster_neurons <= 0) {
+    return Status::InvalidArgument("neuron cache: hot region has slots but hot_cluster_neurons is " +
+                                   std::to_string(config.hot_cluster_neurons));
+  }
+  const size_t hot_stride = config.hot.slot_stride ? config.hot.slot_stride : AlignSlot(config.hot.unit_bytes);
+  const size_t cold_stride = config.cold.slot_stride ? config.cold.slot_stride : AlignSlot(config.cold.unit_bytes);
+  size_t cold_bytes = 0;
+  if (__builtin_mul_overflow(static_cast<size_t>(a.hot_slots), hot_stride, &a.hot_bytes) ||
+      __builtin_mul_overflow(static_cast<size_t>(a.cold_slots), cold_stride, &cold_bytes) ||
+      __builtin_add_overflow(a.hot_bytes, cold_bytes, &a.total)) {
+    return Status::InvalidArgument("neuron cache: arena size overflows");
+  }
+  return a;
+}
+
+}  // namespace
+
+Result<size_t> NeuronCache::ArenaBytes(const NeuronCacheConfig& config) {
+  NF_ASSIGN_OR_RETURN(ArenaLayout a, LayoutArena(config));
+  return a.total;
+}
+
+Result<std::unique_ptr<NeuronCache>> NeuronCache::Create(const NeuronCacheConfig& config, uint8_t* external,
+                                                         size_t external_bytes) {
+  NF_ASSIGN_OR_RETURN(ArenaLayout a, LayoutArena(config));
+  std::unique_ptr<NeuronCache> cache(new NeuronCache());
+  if (external != nullptr) {
+    if (external_bytes < a.total || reinterpret_cast<uintptr_t>(external) % kSlotAlignment != 0) {
+      return Status::InvalidArgument("neuron cache: the given arena (" + std::to_string(external_bytes) +
+                                     " bytes) must hold " + std::to_string(a.total) + " bytes and be aligned to " +
+                                     std::to_string(kSlotAlignment));
+    }
+    cache->arena_ = external;
+  } else if (a.total > 0) {
+    cache->arena_ = static_cast<uint8_t*>(std::aligned_alloc(kSlotAlignment, a.total));
+    if (cache->arena_ == nullptr) {
+      return Status::ResourceExhausted("neuron cache: cannot allocate an arena of " + std::to_string(a.total) +
+                                       " bytes");
+    }
+    cache->owns_arena_ = true;
+  }
+  // Touch every page now: the memory budget counts the arena as resident, and first-touch faults during decode
+  // would add latency to the first tokens.
+  if (a.total > 0) std::memset(cache->arena_, 0, a.total);
+  cache->arena_bytes_ = a.total;
+  cache->hot_cluster_neurons_ = config.hot_cluster_neurons;
+  NF_ASSIGN_OR_RETURN(cache->hot_, SlotRegion::Create(config.hot, a.hot_slots ? cache->arena_ : nullptr));
+  NF_ASSIGN_OR_RETURN(cache->cold_,
+                      SlotRegion::Create(config.cold, a.cold_slots ? cache->arena_ + a.hot_bytes : nullptr));
+  return cache;
+}
+
+NeuronCache::~NeuronCache() {
+  hot_.reset();
+  cold_.reset();
+  if (owns_arena_) std::free(arena_);
+}
+
+}  // namespace nflash::sparse

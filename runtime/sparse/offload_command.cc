@@ -1,0 +1,197 @@
+// `nflash offload`: greedy generation from a deployment directory with the FFN on flash (modes full and llmflash),
+// reporting speed, per-token latency percentiles, cache hit rates, flash traffic, the memory accounting and the
+// measured peak RSS. The dense baseline is `nflash run -m model.gguf` (mmap).
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "packer/deployment.h"
+#include "runtime/cli/command.h"
+#include "runtime/core/gguf.h"
+#include "runtime/core/proc_stats.h"
+#include "runtime/sparse/commands.h"
+#include "runtime/sparse/sparse_runtime.h"
+#include "runtime/text/tokenizer.h"
+
+namespace nflash::sparse {
+namespace {
+
+struct OffloadFlags {
+  std::string deploy;
+  std::string prompt = "Once upon a time";
+  int64_t n_predict = 64;
+  std::string mode = "full";
+  std::string memory;
+  std::string active_set = "auto";
+  int64_t hot_slots = 0, cold_slots = 0;
+  double hot_fraction = kDefaultHotFraction;
+  int64_t ctx = 0;
+  int64_t cluster_groups = 0;
+  int64_t chunk_requests = 16;
+  unsigned queue_depth = io::kDefaultQueueDepth;
+  int threads = 0;
+  bool json = false;
+  bool buffered = false;
+};
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p / 100.0 * static_cast<double>(v.size() - 1) + 0.5));
+  return v[i];
+}
+
+Status RunOffload(const OffloadFlags& f) {
+  using Clock = std::chrono::steady_clock;
+  SparseRuntimeOptions o;
+  if (f.mode == "full") {
+    o.mode = OffloadMode::kFull;
+  } else if (f.mode == "llmflash") {
+    o.mode = OffloadMode::kLlmFlash;
+  } else {
+    return Status::InvalidArgument("--mode " + f.mode + ": expected full or llmflash (dense-mmap is `nflash run`)");
+  }
+  if (f.active_set == "auto") o.active_set = ActiveSetSource::kAuto;
+  else if (f.active_set == "predictor") o.active_set = ActiveSetSource::kPredictor;
+  else if (f.active_set == "oracle") o.active_set = ActiveSetSource::kOracle;
+  else return Status::InvalidArgument("--active-set " + f.active_set + ": expected auto, predictor or oracle");
+  if (!f.memory.empty()) {
+    auto budget = ParseMemorySize(f.memory);
+    if (!budget.ok()) return budget.status().WithContext("--memory");
+    o.memory_budget = *budget;
+    if (o.memory_budget == 0) return Status::InvalidArgument("--memory 0: give a budget, or leave --memory out");
+  }
+  // The tokenizer and the context size first (the KV cache is part of the fixed memory): -c 0 means prompt +
+  // max tokens, as `nflash run` does, capped at the model's context length.
+  NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::OpenPath(f.deploy + "/" + packer::kResidentFileName));
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tok, LoadTokenizer(resident));
+  NF_ASSIGN_OR_RETURN(LlamaHparams rhp, ReadLlamaHparams(resident));
+  std::vector<int32_t> ids = tok->Encode(f.prompt, tok->add_bos());
+  if (ids.empty()) return Status::InvalidArgument("the prompt is empty and the model adds no BOS token: pass -p");
+  o.n_ctx = f.ctx > 0 ? f.ctx : std::min<int64_t>(rhp.context_length, static_cast<int64_t>(ids.size()) + f.n_predict);
+  o.hot_slots = f.hot_slots;
+  o.cold_slots = f.cold_slots;
+  o.hot_fraction = f.hot_fraction;
+  o.cluster_groups = f.cluster_groups;
+  o.chunk_requests = f.chunk_requests;
+  o.io.queue_depth = f.queue_depth;
+  o.io.buffered = f.buffered;
+  ThreadPool pool(f.threads);
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<SparseRuntime> opened, SparseRuntime::Open(f.deploy, o, &pool));
+  SparseRuntime& rt = *opened;
+  const LlamaHparams& hp = rt.model().hparams();
+  InferenceContext& ctx = rt.context();
+  const int64_t room = ctx.n_ctx() - static_cast<int64_t>(ids.size());
+  if (room <= 0) return Status::InvalidArgument("the prompt does not fit the context (" + std::to_string(ctx.n_ctx()) + ")");
+  const int64_t n = std::min(f.n_predict, room);
+
+  const auto t0 = Clock::now();
+  NF_RETURN_IF_ERROR(ctx.Eval(ids, false));
+  const auto t1 = Clock::now();
+  rt.ffn().ResetStats();  // decode figures only
+  const uint64_t wait0 = rt.ffn().io_wait_ns();
+  std::vector<int32_t> out;
+  std::vector<double> lat_ms;
+  Detokenizer detok(*tok);
+  std::string text;
+  for (int32_t t : ids) text += detok.Push(t);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* lg = ctx.logits();
+    const int32_t next = static_cast<int32_t>(std::max_element(lg, lg + hp.n_vocab) - lg);
+    out.push_back(next);
+    text += detok.Push(next);
+    if (next == tok->eos_id()) break;
+    const auto s = Clock::now();
+    NF_RETURN_IF_ERROR(ctx.Eval(std::vector<int32_t>{next}, false));
+    lat_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - s).count());
+  }
+  text += detok.Finish();
+  const auto t2 = Clock::now();
+  const double decode_s = std::chrono::duration<double>(t2 - t1).count();
+  const double steps = std::max<double>(1.0, static_cast<double>(lat_ms.size()));
+  const OffloadGroupStats st = rt.ffn().TotalStats();
+  const CacheCounters hot = rt.ffn().cache().hot().TotalCounters();
+  const CacheCounters cold = rt.ffn().cache().cold().TotalCounters();
+  const ProcessMemory mem = ReadProcessMemory();
+  const double io_wait_ms = static_cast<double>(rt.ffn().io_wait_ns() - wait0) / 1e6;
+  io::IoCounters ioc;
+  if (rt.reader()) ioc = rt.reader()->Counters();
+
+  nlohmann::json j = {
+      {"deploy", f.deploy},
+      {"mode", f.mode},
+      {"active_set", rt.predictor() ? "predictor" : "oracle"},
+      {"direct_io", rt.reader() ? rt.reader()->direct_io() : false},
+      {"prompt_tokens", ids.size()},
+      {"generated", out.size()},
+      {"prefill_s", std::chrono::duration<double>(t1 - t0).count()},
+      {"decode_tok_s", lat_ms.empty() ? 0.0 : static_cast<double>(lat_ms.size()) / decode_s},
+      {"token_ms_p50", Percentile(lat_ms, 50)},
+      {"token_ms_p90", Percentile(lat_ms, 90)},
+      {"token_ms_p99", Percentile(lat_ms, 99)},
+      {"hot_hit_rate", hot.HitRate()},
+      {"cold_hit_rate", cold.HitRate()},
+      {"active_neurons_per_token", static_cast<double>(st.active) / steps},
+      {"mb_read_per_token", static_cast<double>(st.bytes_read) / 1e6 / steps},
+      {"requests_per_token", static_cast<double>(st.requests) / steps},
+      {"io_wait_ms_per_token", io_wait_ms / steps},
+      {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns) / 1e6},
+      {"retries", st.retries},
+      {"memory_budget", rt.budget()},
+      {"accounted_bytes", rt.fixed().Total() + rt.split().hot_bytes + rt.split().cold_bytes},
+      {"hot_slots", rt.split().hot_slots},
+      {"cold_slots", rt.split().cold_slots},
+      {"peak_rss_bytes", mem.peak_rss_bytes},
+      {"tokens", out},
+      {"text", text},
+  };
+  if (f.json) {
+    std::printf("%s\n", j.dump(2).c_str());
+    return Status::Ok();
+  }
+  std::printf("%s\n\n", text.c_str());
+  std::printf("%s", rt.Accounting().c_str());
+  std::printf("  %-18s %12s\n", "peak RSS", FormatBytes(mem.peak_rss_bytes).c_str());
+  std::printf("decode (%s, %s): %zu tokens, %.2f tok/s; per token P50 %.2f ms, P90 %.2f ms, P99 %.2f ms\n",
+              f.mode.c_str(), rt.predictor() ? "predictor" : "oracle", lat_ms.size(),
+              j["decode_tok_s"].get<double>(), Percentile(lat_ms, 50), Percentile(lat_ms, 90), Percentile(lat_ms, 99));
+  std::printf("cache: hot hit rate %.3f (%d slots), cold hit rate %.3f (%d slots); per token: %.1f active neurons, "
+              "%.3f MB read in %.1f requests, %.3f ms waiting for I/O; %lld retries%s\n",
+              hot.HitRate(), static_cast<int>(rt.split().hot_slots), cold.HitRate(),
+              static_cast<int>(rt.split().cold_slots), static_cast<double>(st.active) / steps,
+              static_cast<double>(st.bytes_read) / 1e6 / steps, static_cast<double>(st.requests) / steps,
+              io_wait_ms / steps, static_cast<long long>(st.retries),
+              rt.reader() && !rt.reader()->direct_io() ? " (O_DIRECT refused: reads went through the page cache)" : "");
+  return Status::Ok();
+}
+
+}  // namespace
+
+void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
+  auto flags = std::make_shared<OffloadFlags>();
+  CLI::App* cmd = app.add_subcommand("offload", "Generate (greedy) from a deployment with the FFN on flash");
+  cmd->add_option("-d,--deploy", flags->deploy, "Deployment directory (nflash pack)")->required()->check(CLI::ExistingDirectory);
+  cmd->add_option("-p,--prompt", flags->prompt, "Prompt text");
+  cmd->add_option("-n,--max-tokens", flags->n_predict, "Tokens to generate at most")->check(CLI::PositiveNumber);
+  cmd->add_option("--mode", flags->mode, "full (io_uring, pipelined) or llmflash (blocking reads, no overlap)");
+  cmd->add_option("--memory", flags->memory, "Memory budget for everything the process holds, e.g. 1.5G, 800M");
+  cmd->add_option("--active-set", flags->active_set, "auto, predictor or oracle (exact; gate rows held in memory)");
+  cmd->add_option("--hot-slots", flags->hot_slots, "Without --memory: hot cluster slots");
+  cmd->add_option("--cold-slots", flags->cold_slots, "Without --memory: cold neuron slots");
+  cmd->add_option("--hot-fraction", flags->hot_fraction, "With --memory: share of the cache budget for hot clusters");
+  cmd->add_option("-c,--ctx", flags->ctx, "Context size (0: prompt + max tokens, capped at the model's)");
+  cmd->add_option("--cluster-groups", flags->cluster_groups, "Hot cluster size in flash groups (0: 64 KiB)");
+  cmd->add_option("--chunk-requests", flags->chunk_requests, "Reads per pipeline chunk");
+  cmd->add_option("--queue-depth", flags->queue_depth, "io_uring queue depth");
+  cmd->add_option("-t,--threads", flags->threads, "Compute threads (0: all cores)");
+  cmd->add_flag("--buffered", flags->buffered, "Read through the page cache (no O_DIRECT): a comparison only");
+  cmd->add_flag("--json", flags->json, "Print the result as JSON");
+  cmd->callback([flags, action] { *action = [flags] { return RunOffload(*flags); }; });
+}
+
+}  // namespace nflash::sparse

@@ -1,0 +1,546 @@
+// The flash-offloaded FFN backend: active set, cache lookup, batched and pipelined reads, checksums, fixed-order
+// accumulation (see offload_ffn.h).
+#include "runtime/sparse/offload_ffn.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <string>
+
+#include "runtime/core/ffn_activation.h"
+#include "runtime/core/kernels.h"
+
+namespace nflash::sparse {
+
+namespace {
+
+uint64_t NowNs() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+int64_t ClusterGroups(const packer::BundleLayout& layout, int64_t cluster_groups) {
+  if (cluster_groups > 0) return cluster_groups;
+  return std::max<int64_t>(1, static_cast<int64_t>(kDefaultClusterBytes / layout.group_bytes));
+}
+
+// A cold neuron is read as its whole group when the group holds only it (an aligned O_DIRECT read straight into the
+// slot), else as its exact bundle (the reader bounces it through an aligned buffer).
+uint64_t ColdReadBytes(const packer::BundleLayout& layout) {
+  return layout.slots_per_group == 1 ? layout.group_bytes : layout.bundle_bytes;
+}
+
+int64_t Groups(const packer::Manifest& m) { return m.n_layers * std::max<int64_t>(1, m.n_experts); }
+
+}  // namespace
+
+const char* OffloadModeName(OffloadMode mode) { return mode == OffloadMode::kFull ? "full" : "llmflash"; }
+
+uint64_t OffloadFfn::ColdSlotBytes(const packer::Deployment& d) { return AlignSlot(ColdReadBytes(d.layout())); }
+
+uint64_t OffloadFfn::HotSlotBytes(const packer::Deployment& d, int64_t cluster_groups) {
+  return static_cast<uint64_t>(ClusterGroups(d.layout(), cluster_groups)) * d.layout().group_bytes;
+}
+
+int64_t OffloadFfn::HotClusterCount(const packer::Deployment& d, int64_t cluster_groups) {
+  const int64_t c = ClusterGroups(d.layout(), cluster_groups) * d.layout().slots_per_group;
+  int64_t n = 0;
+  for (const auto& r : d.manifest().regions) n += (r.hot_count + c - 1) / c;
+  return n;
+}
+
+uint64_t OffloadFfn::EstimateScratchBytes(const packer::Deployment& d) {
+  const auto& m = d.manifest();
+  const uint64_t n_ff = static_cast<uint64_t>(m.n_ff);
+  // Staging for misses without a slot, compact down rows, and ~16 small per-neuron arrays (4 bytes each).
+  return n_ff * ColdSlotBytes(d) + n_ff * d.layout().down_bytes + n_ff * 16 * 4;
+}
+
+uint64_t OffloadFfn::EstimateOracleBytes(const packer::Deployment& d, bool oracle) {
+  if (!oracle) return 0;
+  return static_cast<uint64_t>(Groups(d.manifest())) * static_cast<uint64_t>(d.manifest().n_ff) * d.layout().gate_bytes;
+}
+
+OffloadFfn::OffloadFfn(const packer::Deployment& deployment, const Model& model,
+                       std::shared_ptr<const ReadableFile> flash, const OffloadOptions& options, ThreadPool* pool)
+    : deploy_(deployment), model_(model), flash_(std::move(flash)), options_(options), pool_(pool) {}
+
+OffloadFfn::~OffloadFfn() {
+  io_.reset();  // joins the I/O thread before the buffers it may write go away
+  std::free(staging_);
+}
+
+Result<std::unique_ptr<OffloadFfn>> OffloadFfn::Create(const packer::Deployment& deployment, const Model& model,
+                                                       std::shared_ptr<const ReadableFile> flash,
+                                                       const OffloadOptions& options, ThreadPool* pool) {
+  std::unique_ptr<OffloadFfn> f(new OffloadFfn(deployment, model, std::move(flash), options, pool));
+  NF_RETURN_IF_ERROR(f->Init());
+  return f;
+}
+
+Status OffloadFfn::Init() {
+  const LlamaHparams& hp = model_.hparams();
+  const packer::Manifest& m = deploy_.manifest();
+  const packer::BundleLayout& lay = deploy_.layout();
+  auto mismatch = [&](const char* what, int64_t dep, int64_t mod) {
+    return Status::InvalidArgument(deploy_.dir() + ": manifest " + what + " is " + std::to_string(dep) +
+                                   " but the resident model has " + std::to_string(mod));
+  };
+  if (m.dim != hp.dim) return mismatch("dim", m.dim, hp.dim);
+  if (m.n_ff != hp.n_ff) return mismatch("n_ff", m.n_ff, hp.n_ff);
+  if (m.n_layers != hp.n_layers) return mismatch("n_layers", m.n_layers, hp.n_layers);
+  if (m.n_experts != hp.n_experts) return mismatch("n_experts", m.n_experts, hp.n_experts);
+  if (flash_->Size() != m.flash_bytes) {
+    return Status::Corruption(flash_->Path() + ": size " + std::to_string(flash_->Size()) + ", manifest says " +
+                              std::to_string(m.flash_bytes));
+  }
+  n_experts_ = std::max<int64_t>(1, hp.n_experts);
+  n_groups_ = hp.n_layers * n_experts_;
+  oracle_ = options_.predictor == nullptr;
+  if (!oracle_) {
+    const Predictor& p = *options_.predictor;
+    if (p.n_layers() != hp.n_layers || p.n_ff() != hp.n_ff || p.dim() != hp.dim) {
+      return Status::InvalidArgument("predictor shape (layers " + std::to_string(p.n_layers()) + ", n_ff " +
+                                     std::to_string(p.n_ff()) + ", dim " + std::to_string(p.dim()) +
+                                     ") does not match the deployment");
+    }
+    if (hp.n_experts > 0) return Status::Unsupported("predictor mode for MoE deployments is not implemented");
+  }
+  if (!options_.activation_threshold.empty() &&
+      static_cast<int64_t>(options_.activation_threshold.size()) != hp.n_layers) {
+    return Status::InvalidArgument("activation_threshold has " + std::to_string(options_.activation_threshold.size()) +
+                                   " values, expected one per layer (" + std::to_string(hp.n_layers) + ")");
+  }
+  thresholds_.resize(static_cast<size_t>(hp.n_layers));
+  for (int64_t l = 0; l < hp.n_layers; ++l) {
+    thresholds_[l] = !options_.activation_threshold.empty() ? options_.activation_threshold[l]
+                     : oracle_                               ? 0.0f
+                                                             : options_.predictor->activation_threshold(l);
+  }
+  if (options_.chunk_requests <= 0) return Status::InvalidArgument("chunk_requests must be > 0");
+
+  const int64_t k = ClusterGroups(lay, options_.cluster_groups);
+  cluster_neurons_ = k * lay.slots_per_group;
+  cluster_bytes_ = static_cast<uint64_t>(k) * lay.group_bytes;
+  cold_stride_ = ColdSlotBytes(deploy_);
+  int64_t max_clusters = 0;
+  for (const auto& r : m.regions) max_clusters = std::max(max_clusters, (r.hot_count + cluster_neurons_ - 1) / cluster_neurons_);
+
+  NeuronCacheConfig cc;
+  cc.hot_cluster_neurons = cluster_neurons_;
+  cc.hot.n_groups = n_groups_;
+  cc.hot.units_per_group = max_clusters;
+  cc.hot.unit_bytes = cluster_bytes_;
+  cc.hot.slot_stride = cluster_bytes_;
+  cc.hot.shared_slots = max_clusters > 0 ? options_.hot_slots : 0;
+  cc.cold.n_groups = n_groups_;
+  cc.cold.units_per_group = hp.n_ff;
+  cc.cold.unit_bytes = ColdReadBytes(lay);
+  cc.cold.slot_stride = cold_stride_;
+  cc.cold.slots_per_group = options_.cold_slots_per_group;
+  cc.cold.shared_slots = options_.cold_slots;
+  if (cluster_bytes_ % kSlotAlignment != 0) {
+    return Status::Internal("deployment group_bytes " + std::to_string(lay.group_bytes) + " is not a multiple of 4096");
+  }
+  NF_ASSIGN_OR_RETURN(cache_, NeuronCache::Create(cc, options_.arena, options_.arena_bytes));
+
+  const size_t n_ff = static_cast<size_t>(hp.n_ff);
+  staging_ = static_cast<uint8_t*>(std::aligned_alloc(kSlotAlignment, std::max<size_t>(1, n_ff) * cold_stride_));
+  if (staging_ == nullptr) return Status::ResourceExhausted("cannot allocate the miss staging buffer");
+  active_.reserve(n_ff);
+  gate_all_.resize(n_ff);
+  bundle_.resize(n_ff);
+  item_unit_.resize(n_ff);
+  cluster_slot_.assign(static_cast<size_t>(max_clusters), -1);
+  cluster_unit_.assign(static_cast<size_t>(max_clusters), -1);
+  touched_clusters_.reserve(static_cast<size_t>(max_clusters));
+  units_.reserve(n_ff);
+  unit_order_.reserve(n_ff);
+  requests_.reserve(n_ff);
+  request_of_unit_.resize(n_ff);
+  chunk_ends_.reserve(n_ff);
+  items_by_chunk_.reserve(n_ff);
+  chunk_item_begin_.reserve(n_ff + 1);
+  ready_items_.reserve(n_ff);
+  acquired_hot_.reserve(static_cast<size_t>(max_clusters));
+  acquired_cold_.reserve(n_ff);
+  hidden_.resize(n_ff);
+  used_flag_.resize(n_ff);
+  used_rows_.reserve(n_ff);
+  used_hidden_.reserve(n_ff);
+  down_compact_.resize(std::max<size_t>(1, n_ff * lay.down_bytes));
+  stats_.assign(static_cast<size_t>(n_groups_), OffloadGroupStats());
+  if (!oracle_) options_.predictor->PrepareScratch(&pred_scratch_);
+  if (oracle_) NF_RETURN_IF_ERROR(LoadOracleGates());
+  if (options_.mode == OffloadMode::kFull) io_ = std::make_unique<IoWorker>(flash_.get());
+  return Status::Ok();
+}
+
+Status OffloadFfn::LoadOracleGates() {
+  const packer::BundleLayout& lay = deploy_.layout();
+  const int64_t n_ff = model_.hparams().n_ff;
+  oracle_gate_bytes_.resize(static_cast<size_t>(n_groups_));
+  oracle_gate_.resize(static_cast<size_t>(n_groups_));
+  std::vector<ReadRequest> reqs(static_cast<size_t>(n_ff));
+  for (int64_t g = 0; g < n_groups_; ++g) {
+    const int64_t layer = g / n_experts_;
+    const int64_t expert = model_.hparams().n_experts > 0 ? g % n_experts_ : -1;
+    auto& bytes = oracle_gate_bytes_[g];
+    bytes.resize(static_cast<size_t>(n_ff) * lay.gate_bytes);
+    for (int64_t n = 0; n < n_ff; ++n) {
+      const packer::ByteRange r = deploy_.GateRange(layer, expert, n);
+      reqs[n] = ReadRequest{r.offset, static_cast<size_t>(r.size), bytes.data() + n * lay.gate_bytes};
+    }
+    Status batch = flash_->ReadBatch(reqs);
+    for (int64_t n = 0; n < n_ff; ++n) {
+      std::span<const uint8_t> row(bytes.data() + n * lay.gate_bytes, lay.gate_bytes);
+      if (batch.ok() && deploy_.VerifyGate(layer, expert, n, row).ok()) continue;
+      // Retry once, synchronously, then report the neuron.
+      NF_RETURN_IF_ERROR(flash_->ReadAt(reqs[n].offset, reqs[n].size, reqs[n].dst)
+                             .WithContext("oracle gate rows: layer " + std::to_string(layer) + " neuron " +
+                                          std::to_string(n) + " (second attempt)"));
+      NF_RETURN_IF_ERROR(deploy_.VerifyGate(layer, expert, n, row).WithContext("oracle gate rows, after one retry"));
+    }
+    oracle_gate_[g] = MatrixView{lay.gate_type, bytes.data(), n_ff, lay.dim, static_cast<size_t>(lay.gate_bytes)};
+  }
+  return Status::Ok();
+}
+
+Result<bool> OffloadFfn::Forward(int64_t layer, int64_t expert, const Activation& x, float* out) {
+  const int64_t dim = model_.hparams().dim;
+  const int64_t group = layer * n_experts_ + std::max<int64_t>(0, expert);
+  if (x.n() == 1) {
+    NF_RETURN_IF_ERROR(ForwardToken(group, layer, expert, x, out));
+    return true;
+  }
+  // Prefill runs token by token through the same path (the FFN weights are not in memory for a dense GEMM).
+  for (int64_t t = 0; t < x.n(); ++t) {
+    token_act_.Set(x.f32() + t * dim, 1, dim);
+    NF_RETURN_IF_ERROR(ForwardToken(group, layer, expert, token_act_, out + t * dim));
+  }
+  return true;
+}
+
+Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
+  const packer::BundleLayout& lay = deploy_.layout();
+  SlotRegion& hot = cache_->hot();
+  SlotRegion& cold = cache_->cold();
+  units_.clear();
+  acquired_hot_.clear();
+  acquired_cold_.clear();
+  touched_clusters_.clear();
+  ready_items_.clear();
+  int64_t staging_used = 0;
+  auto add_unit = [&](bool is_hot, int64_t index, uint64_t offset, size_t size, uint8_t* dst, int32_t slot,
+                      int32_t acq) {
+    units_.push_back(Unit{offset, size, dst, slot, is_hot, index, acq});
+    return static_cast<int32_t>(units_.size() - 1);
+  };
+  for (size_t k = 0; k < active_.size(); ++k) {
+    const int32_t n = active_[k];
+    const int32_t s = region.slot_of_neuron[n];
+    item_unit_[k] = -1;
+    if (s < region.hot_count && hot.SlotCount() > 0) {
+      const int64_t c = s / cluster_neurons_;
+      if (cluster_slot_[c] == -1) {
+        touched_clusters_.push_back(static_cast<int32_t>(c));
+        SlotRegion::Lookup l = hot.Acquire(group, c);
+        if (l.slot < 0) {
+          cluster_slot_[c] = -2;
+        } else {
+          cluster_slot_[c] = l.slot;
+          acquired_hot_.push_back(l.slot);
+          cluster_unit_[c] = -1;
+          if (!l.hit) {
+            const uint64_t start = lay.SlotOffset(c * cluster_neurons_);
+            const size_t size = static_cast<size_t>(std::min<uint64_t>(cluster_bytes_, region.size - start));
+            cluster_unit_[c] = add_unit(true, c, region.offset + start, size, hot.SlotData(l.slot), l.slot,
+                                        static_cast<int32_t>(acquired_hot_.size() - 1));
+          }
+        }
+      }
+      if (cluster_slot_[c] >= 0) {
+        bundle_[k] = hot.SlotData(cluster_slot_[c]) + (lay.SlotOffset(s) - lay.SlotOffset(c * cluster_neurons_));
+        item_unit_[k] = cluster_unit_[c];
+        if (item_unit_[k] < 0) ready_items_.push_back(static_cast<int32_t>(k));
+        continue;
+      }
+      // No hot slot for this cluster (every one pinned): serve the neuron through the cold path.
+    }
+    const uint64_t offset = region.offset + lay.SlotOffset(s);
+    SlotRegion::Lookup l = cold.Acquire(group, n);
+    uint8_t* dst;
+    int32_t acq = -1;
+    if (l.slot >= 0) {
+      dst = cold.SlotData(l.slot);
+      acquired_cold_.push_back(l.slot);
+      acq = static_cast<int32_t>(acquired_cold_.size() - 1);
+    } else {
+      dst = staging_ + static_cast<size_t>(staging_used++) * cold_stride_;
+    }
+    bundle_[k] = dst;
+    if (l.hit) {
+      ready_items_.push_back(static_cast<int32_t>(k));
+    } else {
+      item_unit_[k] = add_unit(false, n, offset, static_cast<size_t>(ColdReadBytes(lay)), dst, l.slot, acq);
+    }
+  }
+  // Requests in file order, merged when both the file ranges and the destinations are adjacent.
+  unit_order_.resize(units_.size());
+  std::iota(unit_order_.begin(), unit_order_.end(), 0);
+  std::sort(unit_order_.begin(), unit_order_.end(),
+            [&](int32_t a, int32_t b) { return units_[a].offset < units_[b].offset; });
+  requests_.clear();
+  for (int32_t u : unit_order_) {
+    const Unit& x = units_[u];
+    if (!requests_.empty()) {
+      ReadRequest& last = requests_.back();
+      if (last.offset + last.size == x.offset && static_cast<uint8_t*>(last.dst) + last.size == x.dst &&
+          last.size + x.size <= options_.max_request_bytes) {
+        last.size += x.size;
+        request_of_unit_[u] = static_cast<int32_t>(requests_.size() - 1);
+        continue;
+      }
+    }
+    requests_.push_back(ReadRequest{x.offset, x.size, x.dst});
+    request_of_unit_[u] = static_cast<int32_t>(requests_.size() - 1);
+  }
+  chunk_ends_.clear();
+  for (size_t r = 0; r < requests_.size(); r += static_cast<size_t>(options_.chunk_requests)) {
+    chunk_ends_.push_back(std::min(requests_.size(), r + static_cast<size_t>(options_.chunk_requests)));
+  }
+  // Items grouped by the chunk their unit is read in (counting sort).
+  const size_t n_chunks = chunk_ends_.size();
+  chunk_item_begin_.assign(n_chunks + 1, 0);
+  auto chunk_of_item = [&](size_t k) {
+    return static_cast<size_t>(request_of_unit_[item_unit_[k]]) / static_cast<size_t>(options_.chunk_requests);
+  };
+  for (size_t k = 0; k < active_.size(); ++k) {
+    if (item_unit_[k] >= 0) ++chunk_item_begin_[chunk_of_item(k) + 1];
+  }
+  for (size_t c = 0; c < n_chunks; ++c) chunk_item_begin_[c + 1] += chunk_item_begin_[c];
+  items_by_chunk_.resize(chunk_item_begin_[n_chunks]);
+  chunk_fill_.assign(chunk_item_begin_.begin(), chunk_item_begin_.end() - (n_chunks ? 1 : 0));
+  for (size_t k = 0; k < active_.size(); ++k) {
+    if (item_unit_[k] >= 0) items_by_chunk_[chunk_fill_[chunk_of_item(k)]++] = static_cast<int32_t>(k);
+  }
+  return Status::Ok();
+}
+
+Status OffloadFfn::VerifyUnit(int64_t layer, int64_t expert, const packer::RegionInfo& region, const Unit& u) const {
+  const packer::BundleLayout& lay = deploy_.layout();
+  if (!u.hot) {
+    return deploy_.VerifyBundle(layer, expert, u.index, std::span<const uint8_t>(u.dst, lay.bundle_bytes));
+  }
+  const int64_t first = u.index * cluster_neurons_;
+  const int64_t end = std::min<int64_t>(first + cluster_neurons_, region.hot_count);
+  for (int64_t s = first; s < end; ++s) {
+    const uint8_t* b = u.dst + (lay.SlotOffset(s) - lay.SlotOffset(first));
+    NF_RETURN_IF_ERROR(deploy_.VerifyBundle(layer, expert, region.neuron_of_slot[s],
+                                            std::span<const uint8_t>(b, lay.bundle_bytes)));
+  }
+  return Status::Ok();
+}
+
+Status OffloadFfn::CheckArrival(int64_t layer, int64_t expert, const packer::RegionInfo& region, size_t u,
+                                const Status& read_status) {
+  const Unit& x = units_[u];
+  // A failed batch may have read this unit or not: its checksum decides (a per-neuron hash cannot pass on another
+  // neuron's stale bytes), so only units whose bytes are wrong are read again.
+  Status first = VerifyUnit(layer, expert, region, x);
+  if (first.ok()) return first;
+  if (!read_status.ok()) first = read_status;
+  // One synchronous retry: transient read errors and bits flipped in transit get a second chance; persistent
+  // corruption on flash does not go away and is reported.
+  ++stats_[static_cast<size_t>(layer * n_experts_ + std::max<int64_t>(0, expert))].retries;
+  const std::string what = std::string("layer ") + std::to_string(layer) +
+                           (expert >= 0 ? " expert " + std::to_string(expert) : std::string()) +
+                           (x.hot ? " hot cluster " : " neuron ") + std::to_string(x.index) + ": ffn.bin offset " +
+                           std::to_string(x.offset) + " (" + std::to_string(x.size) + " bytes)";
+  Status again = flash_->ReadAt(x.offset, x.size, x.dst);
+  if (!again.ok()) {
+    return Status::IOError(what + ": read failed twice: " + again.message() + " (first: " + first.message() + ")");
+  }
+  Status verified = VerifyUnit(layer, expert, region, x);
+  if (!verified.ok()) return Status::Corruption(what + ": checksum mismatch after one retry: " + verified.message());
+  return verified;
+}
+
+void OffloadFfn::ComputeItems(std::span<const int32_t> items, const Activation& x, float threshold) {
+  const packer::BundleLayout& lay = deploy_.layout();
+  const FfnActivation act = model_.hparams().activation;
+  auto body = [&](int64_t begin, int64_t end, int) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int32_t k = items[j];
+      const uint8_t* b = bundle_[k];
+      const packer::BundleView v = packer::ViewBundle(lay, b, lay.bundle_bytes);
+      const float gate = oracle_ ? gate_all_[active_[k]] : RowDot(v.gate, 0, x, 0);
+      const float up = RowDot(v.up, 0, x, 0);
+      float ga = 0.0f;
+      const float h = ActivateNeuron(act, gate, up, &ga);
+      const bool use = std::fabs(ga) > threshold && h != 0.0f;
+      used_flag_[k] = use;
+      hidden_[k] = h;
+      if (use) std::memcpy(down_compact_.data() + static_cast<size_t>(k) * lay.down_bytes, b + lay.down_offset, lay.down_bytes);
+    }
+  };
+  // A neuron is two dot products of dim and a copy (~1 us at dim 4096): below a few hundred neurons, waking the
+  // pool's workers (and, on a loaded machine, waiting for them to be scheduled) costs more than it saves.
+  constexpr int64_t kParallelMin = 256, kGrain = 64;
+  if (items.size() < static_cast<size_t>(kParallelMin) || pool_ == nullptr) {
+    body(0, static_cast<int64_t>(items.size()), 0);
+  } else {
+    pool_->ParallelFor(static_cast<int64_t>(items.size()), kGrain, body);
+  }
+}
+
+void OffloadFfn::ReleaseAll() {
+  for (int32_t s : acquired_hot_) {
+    if (s >= 0) cache_->hot().Release(s);
+  }
+  for (int32_t s : acquired_cold_) {
+    if (s >= 0) cache_->cold().Release(s);
+  }
+  for (int32_t c : touched_clusters_) cluster_slot_[c] = -1;
+  acquired_hot_.clear();
+  acquired_cold_.clear();
+  touched_clusters_.clear();
+}
+
+void OffloadFfn::AbandonPending() {
+  // Pending slots may hold partial data: drop them from the cache instead of releasing them.
+  for (const Unit& u : units_) {
+    if (u.cache_slot < 0) continue;
+    if (u.hot) {
+      cache_->hot().Abandon(u.cache_slot);
+      acquired_hot_[u.acquired] = -1;
+    } else {
+      cache_->cold().Abandon(u.cache_slot);
+      acquired_cold_[u.acquired] = -1;
+    }
+  }
+  ReleaseAll();
+}
+
+Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, const Activation& x, float* out) {
+  const LlamaHparams& hp = model_.hparams();
+  const packer::BundleLayout& lay = deploy_.layout();
+  const packer::RegionInfo* region = deploy_.Region(layer, expert);
+  if (region == nullptr) {
+    return Status::Internal("deployment has no region for layer " + std::to_string(layer) + " expert " +
+                            std::to_string(expert));
+  }
+  const float thr = thresholds_[static_cast<size_t>(layer)];
+  OffloadGroupStats& st = stats_[static_cast<size_t>(group)];
+
+  // 1. The active set, ascending.
+  active_.clear();
+  if (oracle_) {
+    Gemv(oracle_gate_[group], x, gate_all_.data(), pool_);
+    float ga = 0.0f;
+    for (int64_t i = 0; i < hp.n_ff; ++i) {
+      ActivateNeuron(hp.activation, gate_all_[i], 0.0f, &ga);
+      if (std::fabs(ga) > thr) active_.push_back(static_cast<int32_t>(i));
+    }
+  } else {
+    options_.predictor->Predict(layer, x, 0, &pred_scratch_, &active_, pool_);
+  }
+
+  // 2. Cache lookups and the reads the misses need.
+  NF_RETURN_IF_ERROR(Resolve(group, *region));
+  st.tokens += 1;
+  st.active += static_cast<int64_t>(active_.size());
+  st.requests += static_cast<int64_t>(requests_.size());
+  for (const ReadRequest& r : requests_) st.bytes_read += r.size;
+
+  // 3-4. Reads, checks and compute.
+  Status status;
+  if (options_.mode == OffloadMode::kFull) {
+    if (!requests_.empty()) io_->Start(requests_, chunk_ends_);
+    ComputeItems(ready_items_, x, thr);  // cache hits: while the first reads are in flight
+    size_t pos = 0;  // in unit_order_
+    for (size_t c = 0; c < chunk_ends_.size() && status.ok(); ++c) {
+      Status read = io_->WaitChunk(c);
+      for (; pos < unit_order_.size() && static_cast<size_t>(request_of_unit_[unit_order_[pos]]) < chunk_ends_[c];
+           ++pos) {
+        status = CheckArrival(layer, expert, *region, static_cast<size_t>(unit_order_[pos]), read);
+        if (!status.ok()) break;
+      }
+      if (!status.ok()) break;
+      ComputeItems(std::span<const int32_t>(items_by_chunk_).subspan(chunk_item_begin_[c],
+                                                                     chunk_item_begin_[c + 1] - chunk_item_begin_[c]),
+                   x, thr);
+    }
+    if (!status.ok()) io_->Drain();
+  } else {
+    const uint64_t t0 = NowNs();
+    for (int32_t u : unit_order_) {
+      const Unit& x_unit = units_[u];
+      Status read = flash_->ReadAt(x_unit.offset, x_unit.size, x_unit.dst);
+      status = CheckArrival(layer, expert, *region, static_cast<size_t>(u), read);
+      if (!status.ok()) break;
+    }
+    sync_wait_ns_ += NowNs() - t0;
+    if (status.ok()) {
+      ComputeItems(ready_items_, x, thr);
+      ComputeItems(items_by_chunk_, x, thr);
+    }
+  }
+  if (!status.ok()) {
+    AbandonPending();
+    return status;
+  }
+  ReleaseAll();
+
+  // 5. out = sum over used neurons in ascending order of h * down column.
+  used_rows_.clear();
+  used_hidden_.clear();
+  for (size_t k = 0; k < active_.size(); ++k) {
+    if (!used_flag_[k]) continue;
+    used_rows_.push_back(static_cast<int32_t>(k));
+    used_hidden_.push_back(hidden_[k]);
+  }
+  st.used += static_cast<int64_t>(used_rows_.size());
+  std::fill(out, out + hp.dim, 0.0f);
+  const MatrixView down{lay.down_type, down_compact_.data(), static_cast<int64_t>(active_.size()), lay.dim,
+                        static_cast<size_t>(lay.down_bytes)};
+  AccumulateRows(down, used_rows_, used_hidden_.data(), out, pool_);
+  return Status::Ok();
+}
+
+OffloadGroupStats OffloadFfn::TotalStats() const {
+  OffloadGroupStats t;
+  for (const auto& s : stats_) {
+    t.tokens += s.tokens;
+    t.active += s.active;
+    t.used += s.used;
+    t.requests += s.requests;
+    t.bytes_read += s.bytes_read;
+    t.retries += s.retries;
+  }
+  return t;
+}
+
+void OffloadFfn::ResetStats() {
+  for (auto& s : stats_) s = OffloadGroupStats();
+  cache_->hot().ResetCounters();
+  cache_->cold().ResetCounters();
+}
+
+uint64_t OffloadFfn::io_wait_ns() const { return sync_wait_ns_ + (io_ ? io_->wait_ns() : 0); }
+
+uint64_t OffloadFfn::scratch_bytes() const {
+  return static_cast<uint64_t>(model_.hparams().n_ff) * cold_stride_ + down_compact_.size() +
+         static_cast<uint64_t>(model_.hparams().n_ff) * 16 * 4;
+}
+
+uint64_t OffloadFfn::oracle_bytes() const {
+  uint64_t n = 0;
+  for (const auto& b : oracle_gate_bytes_) n += b.size();
+  return n;
+}
+
+}  // namespace nflash::sparse

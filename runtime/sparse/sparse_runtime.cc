@@ -1,0 +1,98 @@
+// Assembles the sparse runtime from a deployment directory (see sparse_runtime.h).
+#include "runtime/sparse/sparse_runtime.h"
+
+#include "runtime/core/log.h"
+
+namespace nflash::sparse {
+
+SparseRuntime::~SparseRuntime() {
+  // The backend (and its I/O thread) goes before the reader and the arena it reads into.
+  if (ctx_) ctx_->SetFfnBackend(nullptr);
+  ffn_.reset();
+  ctx_.reset();
+}
+
+Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& deploy_dir,
+                                                           const SparseRuntimeOptions& options, ThreadPool* pool) {
+  std::unique_ptr<SparseRuntime> rt(new SparseRuntime());
+  NF_ASSIGN_OR_RETURN(rt->deploy_, packer::Deployment::Open(deploy_dir));
+  const packer::Deployment& d = *rt->deploy_;
+  LoadOptions lo;
+  lo.external_ffn = true;
+  NF_ASSIGN_OR_RETURN(rt->model_, Model::FromGguf(d.resident_shared(), lo));
+  const LlamaHparams& hp = rt->model_->hparams();
+
+  const std::string pred_path = d.predictor_path();
+  bool oracle = options.active_set == ActiveSetSource::kOracle;
+  if (options.active_set == ActiveSetSource::kPredictor && pred_path.empty()) {
+    return Status::InvalidArgument(deploy_dir + " has no predictor.gguf (pack with --predictor, or use the oracle)");
+  }
+  if (options.active_set == ActiveSetSource::kAuto) oracle = pred_path.empty();
+  if (!oracle) {
+    NF_ASSIGN_OR_RETURN(rt->predictor_, Predictor::Load(pred_path));
+    NF_RETURN_IF_ERROR(rt->predictor_->CheckForModel(*rt->model_, d.manifest().model_hash, deploy_dir));
+  }
+
+  // The flash image through O_DIRECT + io_uring.
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<io::DirectReader> reader, io::DirectReader::Open(d.flash_path(), options.io));
+  io::DirectReader* reader_raw = reader.get();
+  rt->reader_ = reader_raw;
+  std::shared_ptr<const ReadableFile> flash(std::move(reader));
+  rt->flash_ = options.wrap_flash ? options.wrap_flash(flash) : flash;
+
+  rt->ctx_ = std::make_unique<InferenceContext>(*rt->model_, pool, options.n_ctx);
+
+  // The fixed part and the cache split.
+  FixedMemory& f = rt->fixed_;
+  f.resident_weights = d.manifest().resident_bytes;
+  f.kv_cache = KvCacheBytes(hp.n_layers, rt->ctx_->n_ctx(), hp.kv_dim());
+  const uint64_t ctx_state = rt->ctx_->state_bytes();
+  f.scratch = (ctx_state > f.kv_cache ? ctx_state - f.kv_cache : 0) + OffloadFfn::EstimateScratchBytes(d);
+  // Index tables of every region: slot_of_neuron, neuron_of_slot (4 bytes each), two hashes (8 bytes each).
+  f.scratch += static_cast<uint64_t>(d.manifest().regions.size()) * static_cast<uint64_t>(hp.n_ff) * 24;
+  f.predictor = oracle ? OffloadFfn::EstimateOracleBytes(d, true) : rt->predictor_->PredictorBytes();
+  CacheShape shape;
+  shape.n_groups = static_cast<int64_t>(d.manifest().regions.size());
+  shape.hot_slot_bytes = OffloadFfn::HotSlotBytes(d, options.cluster_groups);
+  shape.hot_clusters = OffloadFfn::HotClusterCount(d, options.cluster_groups);
+  shape.cold_slot_bytes = OffloadFfn::ColdSlotBytes(d);
+  shape.cold_neurons = shape.n_groups * hp.n_ff;
+  if (options.memory_budget > 0) {
+    NF_ASSIGN_OR_RETURN(rt->split_, SplitBudget(options.memory_budget, f, shape, options.hot_fraction));
+    rt->budget_ = options.memory_budget;
+  } else {
+    rt->split_.hot_slots = std::min(options.hot_slots, shape.hot_clusters);
+    rt->split_.cold_slots = options.cold_slots;
+    rt->split_.hot_bytes = static_cast<uint64_t>(rt->split_.hot_slots) * shape.hot_slot_bytes;
+    rt->split_.cold_bytes = static_cast<uint64_t>(rt->split_.cold_slots) * shape.cold_slot_bytes;
+  }
+
+  OffloadOptions oo;
+  oo.mode = options.mode;
+  oo.predictor = rt->predictor_.get();
+  oo.activation_threshold = options.activation_threshold;
+  oo.hot_slots = rt->split_.hot_slots;
+  oo.cold_slots = rt->split_.cold_slots;
+  oo.cluster_groups = options.cluster_groups;
+  oo.chunk_requests = options.chunk_requests;
+  // The cache arena registered with the ring, so reads into it skip per-request page pinning.
+  const uint64_t arena_bytes = rt->split_.hot_bytes + rt->split_.cold_bytes;
+  if (arena_bytes > 0) {
+    auto arena = reader_raw->CreateArena(kSlotAlignment, arena_bytes / kSlotAlignment);
+    if (arena.ok()) {
+      rt->arena_ = std::move(arena).value();
+      oo.arena = rt->arena_->data();
+      oo.arena_bytes = rt->arena_->size();
+    } else {
+      NF_LOG(Warning) << "cache arena not registered with io_uring (" << arena.status().message()
+                      << "); reads still work, with per-request page pinning";
+    }
+  }
+  NF_ASSIGN_OR_RETURN(rt->ffn_, OffloadFfn::Create(d, *rt->model_, rt->flash_, oo, pool));
+  rt->ctx_->SetFfnBackend(rt->ffn_.get());
+  return rt;
+}
+
+std::string SparseRuntime::Accounting() const { return DescribeAccounting(budget_, fixed_, split_); }
+
+}  // namespace nflash::sparse

@@ -1,0 +1,81 @@
+// The sparse runtime assembled from a deployment directory: the resident model (attention, embeddings, norms, head
+// from resident.gguf; no FFN weights in memory), the predictor (or the oracle), the flash reader (O_DIRECT +
+// io_uring), the memory budget and its cache split, the offloaded FFN backend and one inference context using it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "packer/deployment.h"
+#include "runtime/core/file.h"
+#include "runtime/core/thread_pool.h"
+#include "runtime/engine/context.h"
+#include "runtime/engine/model.h"
+#include "runtime/engine/predictor.h"
+#include "runtime/io/direct_reader.h"
+#include "runtime/sparse/memory_budget.h"
+#include "runtime/sparse/offload_ffn.h"
+
+namespace nflash::sparse {
+
+enum class ActiveSetSource {
+  kAuto,       // the deployment's predictor when it has one, else the oracle
+  kPredictor,  // the deployment's predictor (error when it has none)
+  kOracle,     // the exact active set from every gate row (held in memory: for testing and upper bounds)
+};
+
+struct SparseRuntimeOptions {
+  OffloadMode mode = OffloadMode::kFull;
+  ActiveSetSource active_set = ActiveSetSource::kAuto;
+  std::vector<float> activation_threshold;  // per layer; empty: predictor's / 0
+  // Everything the process holds (0: no budget; the caches get hot_slots / cold_slots).
+  uint64_t memory_budget = 0;
+  double hot_fraction = kDefaultHotFraction;
+  int64_t hot_slots = 0, cold_slots = 0;
+  int64_t n_ctx = 0;  // <= 0: the model's context length
+  int64_t cluster_groups = 0;
+  int64_t chunk_requests = 16;
+  io::DirectReaderOptions io;
+  // Tests: wraps the flash file (fault injection through the File abstraction).
+  std::function<std::shared_ptr<const ReadableFile>(std::shared_ptr<const ReadableFile>)> wrap_flash;
+};
+
+// Thread-safety: not thread-safe (one sequence). The pool must outlive it.
+class SparseRuntime {
+ public:
+  static Result<std::unique_ptr<SparseRuntime>> Open(const std::string& deploy_dir, const SparseRuntimeOptions& options,
+                                                     ThreadPool* pool);
+  ~SparseRuntime();
+
+  const packer::Deployment& deployment() const { return *deploy_; }
+  const Model& model() const { return *model_; }
+  InferenceContext& context() { return *ctx_; }
+  OffloadFfn& ffn() { return *ffn_; }
+  const Predictor* predictor() const { return predictor_.get(); }
+  // nullptr when the flash file is not read through io_uring.
+  const io::DirectReader* reader() const { return reader_; }
+  const FixedMemory& fixed() const { return fixed_; }
+  const CacheSplit& split() const { return split_; }
+  uint64_t budget() const { return budget_; }
+  // The accounting table (memory_budget.h) of what this runtime holds.
+  std::string Accounting() const;
+
+ private:
+  SparseRuntime() = default;
+  std::unique_ptr<packer::Deployment> deploy_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Predictor> predictor_;
+  std::shared_ptr<const ReadableFile> flash_;
+  const io::DirectReader* reader_ = nullptr;
+  std::unique_ptr<io::AlignedArena> arena_;
+  std::unique_ptr<InferenceContext> ctx_;
+  std::unique_ptr<OffloadFfn> ffn_;
+  FixedMemory fixed_;
+  CacheSplit split_;
+  uint64_t budget_ = 0;
+};
+
+}  // namespace nflash::sparse

@@ -1,0 +1,166 @@
+// `nflash bench` end to end on stories260K (converted to GGUF in a TempDir): the dense modes' grid as JSON and CSV,
+// each row from its own child process, with positive speeds, latencies consistent with the speed, a memory cgroup or
+// an explicit "unconstrained" for the budgeted dense-mmap rows, and the usage errors.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <sstream>
+
+#include "tests/test_util.h"
+
+namespace nflash {
+namespace {
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+class BenchCliTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir();
+    auto r = testing::RunCommand(testing::NflashBinary() + " -q convert " +
+                                 testing::SharedPath("models/stories260K/stories260K.bin") + " -o " + Model() +
+                                 " --type f32");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  static void TearDownTestSuite() { delete dir_; }
+  static std::string Model() { return dir_->File("s.gguf"); }
+  static testing::TempDir* dir_;
+};
+testing::TempDir* BenchCliTest::dir_ = nullptr;
+
+TEST_F(BenchCliTest, DenseGridAsJson) {
+  const std::string out = dir_->File("rows.json");
+  auto r = testing::RunCommand(testing::NflashBinary() + " bench -m " + Model() +
+                               " --modes dense-mmap,in-memory,full --memory 64M --tests tg16,pp32 -r 1 -t 2"
+                               " --output json -o " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(ReadText(out));
+  ASSERT_TRUE(j.is_array());
+  // dense-mmap x 64M x 2 tests, full x 64M x 2 tests (no deployment: unavailable), in-memory x 2 tests (no budget).
+  ASSERT_EQ(j.size(), 6u) << j.dump(2);
+  int dense_rows = 0;
+  for (const auto& row : j) {
+    const std::string mode = row["mode"];
+    if (mode == "full") {
+      EXPECT_NE(row["status"].get<std::string>().find("unavailable"), std::string::npos) << row.dump();
+      continue;
+    }
+    ++dense_rows;
+    ASSERT_EQ(row["status"], "ok") << row.dump();
+    const double mean = row["tok_s_mean"];
+    EXPECT_GT(mean, 0.0) << row.dump();
+    ASSERT_EQ(row["tok_s"].size(), 1u);
+    EXPECT_DOUBLE_EQ(row["tok_s"][0].get<double>(), mean);
+    // The child's peak RSS holds at least the 1 MiB of weights the forward pass touched.
+    EXPECT_GT(row["peak_rss_bytes"].get<uint64_t>(), uint64_t{1} << 20) << row.dump();
+    EXPECT_GT(row["cpu_util"].get<double>(), 0.0);
+    if (row["test"] == "tg16") {
+      const double p50 = row["token_ms_p50"], p99 = row["token_ms_p99"];
+      EXPECT_GT(p50, 0.0);
+      EXPECT_GE(p99, p50);
+      // 16 steps at tok_s: the median step cannot be far from the mean step (1000 / tok_s ms).
+      EXPECT_LT(p50, 5.0 * 1000.0 / mean) << row.dump();
+      EXPECT_GT(p50, 0.2 * 1000.0 / mean) << row.dump();
+    } else {
+      EXPECT_EQ(row["test"], "pp32");
+    }
+    const std::string constraint = row["constraint"];
+    if (mode == "dense-mmap") {
+      EXPECT_EQ(row["memory_budget"].get<uint64_t>(), uint64_t{64} << 20);
+      EXPECT_TRUE(constraint.rfind("cgroup v", 0) == 0 || constraint.rfind("unconstrained: ", 0) == 0) << constraint;
+    } else {
+      EXPECT_EQ(mode, "in-memory");
+      EXPECT_EQ(row["memory_budget"].get<uint64_t>(), 0u);
+    }
+  }
+  EXPECT_EQ(dense_rows, 4);
+}
+
+TEST_F(BenchCliTest, CsvAndMarkdown) {
+  auto r = testing::RunCommand(testing::NflashBinary() + " -q bench -m " + Model() +
+                                   " --modes in-memory --tests pp8 -r 2 --output csv",
+                               /*capture_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::istringstream in(r.output);
+  std::vector<std::string> lines;
+  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  ASSERT_EQ(lines.size(), 2u) << r.output;
+  EXPECT_EQ(lines[0].rfind("model,mode,memory_budget_bytes,", 0), 0u);
+  EXPECT_EQ(lines[1].rfind("s.gguf,in-memory,0,", 0), 0u) << lines[1];
+  EXPECT_EQ(lines[1].substr(lines[1].size() - 3), ",ok");
+
+  r = testing::RunCommand(testing::NflashBinary() + " -q bench -m " + Model() + " --modes dense-mmap --tests tg4 -r 1",
+                          /*capture_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("| model | mode | memory | test | t/s |"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("| s.gguf | dense-mmap | - | tg4 |"), std::string::npos) << r.output;
+}
+
+// full and llmflash through a deployment of stories260K-relu (convert, profile on calibration text, pack).
+TEST_F(BenchCliTest, SparseModesWithDeployment) {
+  const std::string nf = testing::NflashBinary();
+  const std::string model = dir_->File("relu.gguf"), deploy = dir_->File("deploy");
+  auto r = testing::RunCommand(nf + " -q convert " + testing::SharedPath("models/stories260K-relu/stories260K-relu.bin") +
+                               " --tokenizer " + testing::SharedPath("models/stories260K/tok512.bin") +
+                               " --activation relu --type f32 -o " + model);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = testing::RunCommand(nf + " -q profile -m " + model + " -f " + testing::SharedPath("text/tinystories_calib.txt") +
+                          " --tokens 2000 -t 2 -o " + dir_->File("p.prof"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = testing::RunCommand(nf + " -q pack -m " + model + " -p " + dir_->File("p.prof") + " -o " + deploy);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string out = dir_->File("sparse.json");
+  r = testing::RunCommand(nf + " bench -m " + model + " --deploy " + deploy +
+                          " --modes full,llmflash --memory 2M --tests tg8 -r 1 --output json -o " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(ReadText(out));
+  ASSERT_EQ(j.size(), 2u) << j.dump(2);
+  for (const auto& row : j) {
+    ASSERT_EQ(row["status"], "ok") << row.dump();
+    EXPECT_GT(row["tok_s_mean"].get<double>(), 0.0);
+    const double hit = row["hit_rate"];
+    EXPECT_GE(hit, 0.0);
+    EXPECT_LE(hit, 1.0);
+    // A 2 MiB budget cannot hold the whole FFN of every layer after the fixed part: some neurons come from flash.
+    EXPECT_GT(row["reads_per_token"].get<double>(), 0.0) << row.dump();
+    EXPECT_GT(row["mb_read_per_token"].get<double>(), 0.0) << row.dump();
+    EXPECT_EQ(row["constraint"].get<std::string>().rfind("runtime budget", 0), 0u) << row.dump();
+  }
+  // Same deployment, budget, tokens and predictor: the two modes read the same bytes.
+  EXPECT_DOUBLE_EQ(j[0]["mb_read_per_token"].get<double>(), j[1]["mb_read_per_token"].get<double>());
+}
+
+TEST_F(BenchCliTest, RowTimeoutKillsTheRow) {
+  // 1 ms cannot cover exec + model load + 64 decode steps: the row is killed and says so; bench itself succeeds.
+  auto r = testing::RunCommand(testing::NflashBinary() + " -q bench -m " + Model() +
+                                   " --modes in-memory --tests tg64 -r 1 --row-timeout 0.001 --output json",
+                               /*capture_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  ASSERT_EQ(j.size(), 1u);
+  EXPECT_NE(j[0]["status"].get<std::string>().find("timed out"), std::string::npos) << j.dump();
+}
+
+TEST_F(BenchCliTest, UsageErrors) {
+  const std::string nf = testing::NflashBinary() + " -q bench -m " + Model();
+  EXPECT_EQ(testing::RunCommand(nf + " --output xml").exit_code, 2);
+  EXPECT_EQ(testing::RunCommand(nf + " --tests pp0").exit_code, 2);
+  EXPECT_EQ(testing::RunCommand(nf + " --modes warp").exit_code, 2);
+  EXPECT_EQ(testing::RunCommand(nf + " --memory 1G --offload 0.5").exit_code, 2);
+  EXPECT_EQ(testing::RunCommand(nf + " --offload 1.5").exit_code, 2);
+  EXPECT_EQ(testing::RunCommand(testing::NflashBinary() + " -q bench -m " + dir_->File("absent.gguf")).exit_code, 2);
+  const std::string existing = dir_->File("exists.md");
+  testing::WriteText(existing, "keep");
+  auto r = testing::RunCommand(nf + " --modes in-memory --tests pp4 -r 1 -o " + existing);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(ReadText(existing), "keep");
+}
+
+}  // namespace
+}  // namespace nflash

@@ -1,0 +1,187 @@
+// `nflash profile` and `nflash inspect PROFILE` end to end on stories260K-relu: the sparsity its README measured,
+// the trace file agreeing with the profile's counts, hash checks and bad input.
+#include <gtest/gtest.h>
+#include <zstd.h>
+
+#include <bit>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "profiler/profile.h"
+#include "runtime/core/checksum.h"
+#include "tests/test_util.h"
+
+namespace nflash::profiler {
+namespace {
+
+using testing::NflashBinary;
+using testing::RunCommand;
+using testing::SharedPath;
+using testing::TempDir;
+
+std::string ReluModel() { return SharedPath("models/stories260K-relu/stories260K-relu.bin"); }
+std::string ProfileCmd(const std::string& text, const std::string& out, const std::string& extra = "") {
+  return NflashBinary() + " profile -m " + ReluModel() + " --activation relu --tokenizer " +
+         SharedPath("models/stories260K/tok512.bin") + " -f " + text + " -o " + out + " " + extra;
+}
+
+std::vector<uint8_t> Decompress(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> src((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<uint8_t> out;
+  ZSTD_DCtx* d = ZSTD_createDCtx();
+  ZSTD_inBuffer ib{src.data(), src.size(), 0};
+  std::vector<uint8_t> buf(ZSTD_DStreamOutSize());
+  while (ib.pos < ib.size) {
+    ZSTD_outBuffer ob{buf.data(), buf.size(), 0};
+    const size_t r = ZSTD_decompressStream(d, &ob, &ib);
+    if (ZSTD_isError(r)) break;
+    out.insert(out.end(), buf.begin(), buf.begin() + static_cast<ptrdiff_t>(ob.pos));
+  }
+  ZSTD_freeDCtx(d);
+  return out;
+}
+
+// One run shared by the tests (profiling takes under a second; the suite stays small).
+class ProfileCli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir();
+    const auto r = RunCommand(ProfileCmd(SharedPath("text/tinystories_calib.txt"), dir_->File("relu.prof"),
+                                         "--tokens 2000 --traces " + dir_->File("relu.trace.zst")));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  static void TearDownTestSuite() { delete dir_; }
+  static TempDir* dir_;
+};
+TempDir* ProfileCli::dir_ = nullptr;
+
+TEST_F(ProfileCli, SparsityMatchesTheModelReadme) {
+  auto p = LoadProfile(dir_->File("relu.prof"));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->activation, "relu");
+  EXPECT_EQ(p->tokens, 2000);
+  ASSERT_EQ(p->ffns.size(), 5u);
+  // README (whole held-out file): zero share per layer 0.926 0.889 0.881 0.833 0.791, i.e. active 0.136 overall.
+  // 2000 calibration tokens are another sample of the same kind of text: within 0.03 per layer.
+  const double readme_active[5] = {0.074, 0.111, 0.119, 0.167, 0.209};
+  double mean = 0;
+  for (int l = 0; l < 5; ++l) {
+    const FfnProfile* f = p->Find(l);
+    ASSERT_NE(f, nullptr);
+    EXPECT_EQ(f->threshold, 0.0f);
+    EXPECT_EQ(f->tokens, 2000);
+    EXPECT_NEAR(f->mean_active_fraction, readme_active[l], 0.03) << "layer " << l;
+    mean += f->mean_active_fraction / 5;
+    // The mean from the counts: sum of per-neuron counts / (tokens * n_ff).
+    uint64_t sum = 0;
+    for (uint32_t c : f->count_bs1) sum += c;
+    EXPECT_NEAR(static_cast<double>(sum) / (2000.0 * f->n_neurons), f->mean_active_fraction, 1e-9);
+    // 8 windows (the last has 208 tokens): 4 pairs and 2 quadruples, each using all 256 positions.
+    EXPECT_EQ(f->groups2, 4 * 256);
+    EXPECT_EQ(f->groups4, 2 * 256);
+    EXPECT_FLOAT_EQ(f->popularity[16], 1.0f);
+    EXPECT_GT(f->lru_hit_rate[16], 0.9f);
+  }
+  EXPECT_NEAR(mean, 0.136, 0.015);
+}
+
+TEST_F(ProfileCli, TraceAgreesWithCounts) {
+  auto p = LoadProfile(dir_->File("relu.prof"));
+  ASSERT_TRUE(p.ok());
+  const std::vector<uint8_t> t = Decompress(dir_->File("relu.trace.zst"));
+  ASSERT_GE(t.size(), 12u);
+  uint32_t head[3];
+  std::memcpy(head, t.data(), 12);
+  EXPECT_EQ(head[0], 0x5254464eu);  // "NFTR"
+  EXPECT_EQ(head[1], 1u);
+  ASSERT_EQ(head[2], 5u);
+  size_t off = 12 + 5 * 4;
+  const size_t words = (172 + 63) / 64;
+  std::vector<std::vector<uint32_t>> counts(5, std::vector<uint32_t>(172, 0));
+  size_t records = 0;
+  while (off + 8 + words * 8 <= t.size()) {
+    uint32_t ffn;
+    std::memcpy(&ffn, &t[off], 4);
+    ASSERT_LT(ffn, 5u);
+    off += 8;
+    for (size_t w = 0; w < words; ++w) {
+      uint64_t bits;
+      std::memcpy(&bits, &t[off + w * 8], 8);
+      for (; bits; bits &= bits - 1) ++counts[ffn][w * 64 + std::countr_zero(bits)];
+    }
+    off += words * 8;
+    ++records;
+  }
+  EXPECT_EQ(off, t.size());
+  EXPECT_EQ(records, 2000u * 5);
+  for (int l = 0; l < 5; ++l) EXPECT_EQ(counts[l], p->Find(l)->count_bs1) << "layer " << l;
+}
+
+TEST_F(ProfileCli, InspectPrintsSummaryAndPlots) {
+  const auto r = RunCommand(NflashBinary() + " inspect " + dir_->File("relu.prof"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("stories260K-relu"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("hit25%"), std::string::npos);
+  if (std::system("command -v gnuplot > /dev/null") == 0) {
+    const auto pl = RunCommand(NflashBinary() + " inspect " + dir_->File("relu.prof") + " --plot " +
+                               dir_->File("curves.svg"));
+    ASSERT_EQ(pl.exit_code, 0) << pl.output;
+    std::ifstream svg(dir_->File("curves.svg"));
+    std::string first;
+    std::getline(svg, first);
+    EXPECT_NE(first.find("<?xml"), std::string::npos) << first;
+  }
+}
+
+TEST_F(ProfileCli, HashMismatchIsDetected) {
+  auto p = LoadProfile(dir_->File("relu.prof"));
+  ASSERT_TRUE(p.ok());
+  auto relu_hash = HashFile(ReluModel());
+  auto silu_hash = HashFile(SharedPath("models/stories260K/stories260K.bin"));
+  ASSERT_TRUE(relu_hash.ok() && silu_hash.ok());
+  EXPECT_TRUE(CheckProfileForModel(*p, HashToHex(*relu_hash), ReluModel()).ok());
+  EXPECT_FALSE(CheckProfileForModel(*p, HashToHex(*silu_hash), "stories260K.bin").ok());
+}
+
+TEST_F(ProfileCli, RefusesToOverwriteWithoutForce) {
+  const auto r = RunCommand(ProfileCmd(SharedPath("text/tinystories_calib.txt"), dir_->File("relu.prof"),
+                                       "--tokens 10"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--force"), std::string::npos) << r.output;
+}
+
+TEST(ProfileCliBadInput, EmptyNonUtf8AndUnwritable) {
+  TempDir dir;
+  testing::WriteText(dir.File("empty.txt"), "");
+  auto r = RunCommand(ProfileCmd(dir.File("empty.txt"), dir.File("a.prof")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("empty"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.File("a.prof")));
+
+  testing::WriteBytes(dir.File("latin1.txt"), {'O', 'n', 'c', 'e', ' ', 0xE9, 't', 'e', '\n'});
+  r = RunCommand(ProfileCmd(dir.File("latin1.txt"), dir.File("b.prof")));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("UTF-8"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("offset 5"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.File("b.prof")));
+
+  testing::WriteText(dir.File("ok.txt"), "Once upon a time there was a cat.\n");
+  r = RunCommand(ProfileCmd(dir.File("ok.txt"), dir.File("no/such/dir/c.prof")));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("not writable"), std::string::npos) << r.output;
+
+  r = RunCommand(NflashBinary() + " profile -m " + dir.File("missing.bin") + " -f " + dir.File("ok.txt") + " -o " +
+                 dir.File("d.prof"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.File("d.prof")));
+
+  // A tiny text still profiles (fewer tokens than one window).
+  r = RunCommand(ProfileCmd(dir.File("ok.txt"), dir.File("e.prof")));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(LoadProfile(dir.File("e.prof")).ok());
+}
+
+}  // namespace
+}  // namespace nflash::profiler

@@ -1,0 +1,73 @@
+// The predictor pipeline end to end through the CLI on stories260K-relu: train-predictor on the calibration text with
+// a small budget reaches recall >= 0.95 on the held-out text, and `perplexity` runs with the oracle (equal to dense
+// on a ReLU model) and with the predictor; misuse is reported as a usage error.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <regex>
+#include <string>
+
+#include "tests/test_util.h"
+
+namespace nflash {
+namespace {
+
+const std::string kRelu = " -m " + testing::SharedPath("models/stories260K-relu/stories260K-relu.bin") +
+                          " --activation relu --tokenizer " + testing::SharedPath("models/stories260K/tok512.bin");
+
+double Extract(const std::string& text, const std::string& pattern) {
+  std::smatch m;
+  if (!std::regex_search(text, m, std::regex(pattern))) {
+    ADD_FAILURE() << "no match for " << pattern << " in:\n" << text;
+    return -1;
+  }
+  return std::stod(m[1].str());
+}
+
+TEST(SparseCliTest, TrainPredictorAndSparsePerplexity) {
+  testing::TempDir dir;
+  const std::string pred = dir.File("relu.pred.gguf");
+  const std::string held_out = testing::SharedPath("text/tinystories_cased_197K.txt");
+  auto r = testing::RunCommand(testing::NflashBinary() + " train-predictor" + kRelu + " -f " +
+                               testing::SharedPath("text/tinystories_calib.txt") +
+                               " --tokens 12000 --ranks 64 --epochs 20 --recall 0.99 --eval-text " + held_out +
+                               " --eval-tokens 6000 -t 1 -o " + pred);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const double recall = Extract(r.output, R"(held-out \(\d+ tokens of [^)]*\) recall ([0-9.]+))");
+  const double ratio = Extract(r.output, R"(held-out[^\n]*predicted/true ([0-9.]+))");
+  EXPECT_GE(recall, 0.95) << r.output;
+  EXPECT_LE(ratio, 2.0) << r.output;
+  // Refuses to overwrite.
+  EXPECT_NE(testing::RunCommand(testing::NflashBinary() + " train-predictor" + kRelu + " -f " + held_out +
+                                " --tokens 2000 -o " + pred).exit_code, 0);
+
+  const std::string ppl = testing::NflashBinary() + " perplexity" + kRelu + " -f " + held_out + " --max-windows 8 -t 2";
+  auto dense = testing::RunCommand(ppl);
+  ASSERT_EQ(dense.exit_code, 0) << dense.output;
+  auto oracle = testing::RunCommand(ppl + " --sparse oracle");
+  ASSERT_EQ(oracle.exit_code, 0) << oracle.output;
+  auto predicted = testing::RunCommand(ppl + " --sparse predictor --predictor " + pred + " --measure-recall");
+  ASSERT_EQ(predicted.exit_code, 0) << predicted.output;
+  const double p_dense = Extract(dense.output, R"(perplexity ([0-9.]+))");
+  const double p_oracle = Extract(oracle.output, R"(perplexity ([0-9.]+))");
+  const double p_pred = Extract(predicted.output, R"(perplexity ([0-9.]+))");
+  EXPECT_NEAR(p_oracle, p_dense, 1e-3 * p_dense);  // exact zeros skipped: the same model
+  EXPECT_LT(p_pred, 1.10 * p_dense);                // a few % is expected at ~0.97 recall; 10% means it is broken
+  EXPECT_GT(p_pred, 0.99 * p_dense);
+  const double active = Extract(oracle.output, R"(mean active fraction ([0-9.]+))");
+  EXPECT_GT(active, 0.08);  // README: 86.4% zeros over the held-out file
+  EXPECT_LT(active, 0.20);
+  EXPECT_GE(Extract(predicted.output, R"(, recall ([0-9.]+)\n)"), 0.95);
+
+  // Usage errors (exit 2): predictor mode without a file; a predictor for another model (the SiLU stories260K).
+  EXPECT_EQ(testing::RunCommand(ppl + " --sparse predictor").exit_code, 2);
+  const std::string silu = " -m " + testing::SharedPath("models/stories260K/stories260K.bin") + " -f " + held_out +
+                           " --max-windows 1";
+  auto foreign = testing::RunCommand(testing::NflashBinary() + " perplexity" + silu + " --sparse predictor --predictor " +
+                                     pred);
+  EXPECT_EQ(foreign.exit_code, 2) << foreign.output;
+  EXPECT_NE(foreign.output.find("different model"), std::string::npos) << foreign.output;
+}
+
+}  // namespace
+}  // namespace nflash

@@ -1,0 +1,233 @@
+// `nflash bench` pieces without running a model: statistics against hand-computed values, list parsers, the md / csv /
+// json formatters, the row JSON round trip, and memory cgroup detection on fake /proc files (and on this machine).
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "runtime/bench/bench_report.h"
+#include "runtime/bench/cgroup.h"
+#include "tests/test_util.h"
+
+namespace nflash::bench {
+namespace {
+
+TEST(BenchStats, MeanAndSampleSd) {
+  // {2, 4, 4, 4, 5, 5, 7, 9}: mean 5, squared deviations sum 32, sample variance 32 / 7.
+  const MeanSd m = ComputeMeanSd({2, 4, 4, 4, 5, 5, 7, 9});
+  EXPECT_DOUBLE_EQ(m.mean, 5.0);
+  EXPECT_NEAR(m.sd, std::sqrt(32.0 / 7.0), 1e-12);
+  EXPECT_DOUBLE_EQ(ComputeMeanSd({3.5}).mean, 3.5);
+  EXPECT_DOUBLE_EQ(ComputeMeanSd({3.5}).sd, 0.0);
+  EXPECT_DOUBLE_EQ(ComputeMeanSd({}).mean, 0.0);
+  // {10, 20}: mean 15, sample sd sqrt(50 + 50) / 1 = 7.0710678...
+  EXPECT_NEAR(ComputeMeanSd({10, 20}).sd, 7.0710678118654755, 1e-12);
+}
+
+TEST(BenchStats, NearestRankPercentiles) {
+  // 1..10 shuffled: nearest rank ceil(q * 10): P50 -> 5th = 5, P90 -> 9th = 9, P99 -> 10th = 10.
+  const std::vector<double> v = {7, 3, 10, 1, 9, 2, 8, 5, 4, 6};
+  EXPECT_DOUBLE_EQ(Percentile(v, 0.50), 5);
+  EXPECT_DOUBLE_EQ(Percentile(v, 0.90), 9);
+  EXPECT_DOUBLE_EQ(Percentile(v, 0.99), 10);
+  EXPECT_DOUBLE_EQ(Percentile(v, 0.0), 1);
+  // 100 values 1..100: P99 is the 99th.
+  std::vector<double> h;
+  for (int i = 100; i >= 1; --i) h.push_back(i);
+  EXPECT_DOUBLE_EQ(Percentile(h, 0.99), 99);
+  EXPECT_DOUBLE_EQ(Percentile(h, 0.90), 90);
+  EXPECT_DOUBLE_EQ(Percentile({}, 0.5), 0);
+  EXPECT_DOUBLE_EQ(Percentile({42}, 0.99), 42);
+}
+
+TEST(BenchParse, SizeLists) {
+  auto v = ParseSizeList("1G,1.5G,800M,4096");
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  ASSERT_EQ(v->size(), 4u);
+  EXPECT_EQ((*v)[0], uint64_t{1} << 30);
+  EXPECT_EQ((*v)[1], uint64_t{3} << 29);
+  EXPECT_EQ((*v)[2], uint64_t{800} << 20);
+  EXPECT_EQ((*v)[3], 4096u);
+  EXPECT_FALSE(ParseSizeList("1G,,2G").ok());
+  EXPECT_FALSE(ParseSizeList("1G,0").ok());
+  EXPECT_FALSE(ParseSizeList("lots").ok());
+  EXPECT_EQ(ParseSizeList("-1G").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(BenchParse, TestsAndModes) {
+  auto t = ParseTestList("pp128,tg64,pp1");
+  ASSERT_TRUE(t.ok());
+  ASSERT_EQ(t->size(), 3u);
+  EXPECT_FALSE((*t)[0].decode);
+  EXPECT_EQ((*t)[0].n_tokens, 128);
+  EXPECT_TRUE((*t)[1].decode);
+  EXPECT_EQ((*t)[1].n_tokens, 64);
+  EXPECT_EQ((*t)[1].Name(), "tg64");
+  for (const char* bad : {"pp", "tg0", "xx12", "pp12a", "pp-3", "", "tg99999999999"}) {
+    EXPECT_FALSE(ParseBenchTest(bad).ok()) << bad;
+  }
+  auto m = ParseModeList("full,llmflash,dense-mmap,in-memory");
+  ASSERT_TRUE(m.ok());
+  EXPECT_EQ((*m)[2], BenchMode::kDenseMmap);
+  EXPECT_FALSE(ParseModeList("full,dense").ok());
+  EXPECT_EQ(SplitList("a,,b").size(), 3u);
+}
+
+RowResult SampleRow(BenchMode mode, bool decode) {
+  RowResult r;
+  r.spec.model = "/models/x, \"odd\".gguf";
+  r.spec.mode = mode;
+  r.spec.memory_budget = uint64_t{1} << 30;
+  r.spec.offload = 0.5;
+  r.spec.test = BenchTest{decode, 16};
+  r.tok_s = {10, 20};
+  r.speed = ComputeMeanSd(r.tok_s);
+  r.p50_ms = 1.25;
+  r.p90_ms = 2.5;
+  r.p99_ms = 3.75;
+  r.hit_rate = 0.875;
+  r.mb_read_per_token = 0.125;
+  r.reads_per_token = 12.5;
+  r.peak_rss_bytes = 3u << 20;
+  r.cpu_util = 1.5;
+  r.constraint = "cgroup v1 memory.limit_in_bytes=1.00 GiB";
+  return r;
+}
+
+TEST(BenchFormat, Markdown) {
+  RowResult failed = SampleRow(BenchMode::kFull, false);
+  failed.status = "unavailable: no --deploy directory for this model (a|b)";
+  const std::string md = FormatMarkdown({SampleRow(BenchMode::kDenseMmap, true), failed});
+  std::istringstream in(md);
+  std::vector<std::string> lines;
+  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  ASSERT_EQ(lines.size(), 4u) << md;
+  EXPECT_EQ(lines[0].rfind("| model | mode | memory | test | t/s |", 0), 0u) << lines[0];
+  // Every line has the same number of cells (14 columns -> 15 bars not escaped as "\|").
+  for (const std::string& l : lines) {
+    int bars = 0;
+    for (size_t i = 0; i < l.size(); ++i) bars += l[i] == '|' && (i == 0 || l[i - 1] != '\\');
+    EXPECT_EQ(bars, 15) << l;
+  }
+  EXPECT_NE(lines[2].find("| dense-mmap | 1.00 GiB (offload 0.50) | tg16 | 15.00 ± 7.07 | 1.25 | 2.50 | 3.75 | 0.875 |"),
+            std::string::npos)
+      << lines[2];
+  EXPECT_NE(lines[2].find("| 150% |"), std::string::npos) << lines[2];
+  EXPECT_NE(lines[3].find("unavailable: no --deploy directory for this model (a\\|b)"), std::string::npos) << lines[3];
+}
+
+TEST(BenchFormat, CsvQuotesAndColumns) {
+  const std::string csv = FormatCsv({SampleRow(BenchMode::kInMemory, false)});
+  std::istringstream in(csv);
+  std::string header, row;
+  std::getline(in, header);
+  std::getline(in, row);
+  EXPECT_EQ(header.rfind("model,mode,memory_budget_bytes,", 0), 0u);
+  const size_t n_header = static_cast<size_t>(std::count(header.begin(), header.end(), ',')) + 1;
+  EXPECT_EQ(n_header, 22u);
+  // The model basename has a comma and quotes: one quoted field, quotes doubled.
+  EXPECT_EQ(row.rfind("\"x, \"\"odd\"\".gguf\",in-memory,1073741824,0.500,pp16,16,", 0), 0u) << row;
+  EXPECT_NE(row.find(",15.0000,7.0711,"), std::string::npos) << row;
+  EXPECT_EQ(row.substr(row.size() - 3), ",ok");
+}
+
+TEST(BenchFormat, JsonRoundTrip) {
+  const RowResult r = SampleRow(BenchMode::kLlmFlash, true);
+  const auto j = nlohmann::json::parse(FormatJson({r}));
+  ASSERT_TRUE(j.is_array());
+  ASSERT_EQ(j.size(), 1u);
+  EXPECT_EQ(j[0]["mode"], "llmflash");
+  EXPECT_EQ(j[0]["test"], "tg16");
+  EXPECT_DOUBLE_EQ(j[0]["tok_s_mean"].get<double>(), 15.0);
+  auto back = RowResult::FromJson(j[0]);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->spec.model, r.spec.model);
+  EXPECT_EQ(back->spec.memory_budget, r.spec.memory_budget);
+  EXPECT_EQ(back->spec.test.n_tokens, 16);
+  EXPECT_TRUE(back->spec.test.decode);
+  EXPECT_DOUBLE_EQ(back->p99_ms, 3.75);
+  EXPECT_EQ(back->tok_s, r.tok_s);
+  EXPECT_EQ(back->constraint, r.constraint);
+  EXPECT_FALSE(RowSpec::FromJson(nlohmann::json{{"model", "m"}, {"mode", "warp"}, {"test", "tg1"}}).ok());
+  EXPECT_FALSE(RowSpec::FromJson(nlohmann::json{{"mode", "full"}}).ok());
+}
+
+// A fake /proc/self/mountinfo + /proc/self/cgroup pointing at directories in a TempDir.
+struct FakeCgroupFs {
+  testing::TempDir dir;
+  std::string mountinfo, self_cgroup;
+  explicit FakeCgroupFs(const std::string& mounts, const std::string& groups) {
+    mountinfo = dir.File("mountinfo");
+    self_cgroup = dir.File("cgroup");
+    testing::WriteText(mountinfo, mounts);
+    testing::WriteText(self_cgroup, groups);
+  }
+};
+
+TEST(BenchCgroup, DetectsV1MemoryHierarchy) {
+  testing::TempDir root;
+  const std::string mem = root.File("memory");
+  ASSERT_EQ(::mkdir(mem.c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir((mem + "/job").c_str(), 0755), 0);
+  testing::WriteText(mem + "/job/memory.limit_in_bytes", "9223372036854771712\n");
+  FakeCgroupFs fs("30 25 0:26 / " + mem + " rw,relatime shared:9 - cgroup cgroup rw,memory\n"
+                  "31 25 0:27 / " + root.File("cpu") + " rw,relatime - cgroup cgroup rw,cpu\n",
+                  "4:memory:/job\n1:cpu:/\n0::/\n");
+  const CgroupSupport s = DetectMemoryCgroup(fs.mountinfo, fs.self_cgroup);
+  EXPECT_EQ(s.version, CgroupVersion::kV1) << s.reason;
+  EXPECT_EQ(s.parent_dir, mem + "/job");
+}
+
+TEST(BenchCgroup, DetectsDelegatedV2) {
+  testing::TempDir root;
+  const std::string grp = root.File("user.slice");
+  ASSERT_EQ(::mkdir(grp.c_str(), 0755), 0);
+  testing::WriteText(root.File("cgroup.controllers"), "cpuset cpu io memory pids\n");
+  testing::WriteText(root.File("cgroup.subtree_control"), "cpu\n");
+  testing::WriteText(grp + "/cgroup.subtree_control", "cpu memory\n");
+  FakeCgroupFs fs("22 1 0:21 / " + root.path() + " rw - cgroup2 cgroup2 rw,nsdelegate\n", "0::/user.slice\n");
+  const CgroupSupport s = DetectMemoryCgroup(fs.mountinfo, fs.self_cgroup);
+  EXPECT_EQ(s.version, CgroupVersion::kV2) << s.reason;
+  EXPECT_EQ(s.parent_dir, grp);
+}
+
+TEST(BenchCgroup, UnavailableGivesAReasonNotACrash) {
+  // No memory controller anywhere.
+  testing::TempDir root;
+  testing::WriteText(root.File("cgroup.controllers"), "cpu pids\n");
+  FakeCgroupFs fs("22 1 0:21 / " + root.path() + " rw - cgroup2 cgroup2 rw\n", "0::/\n");
+  CgroupSupport s = DetectMemoryCgroup(fs.mountinfo, fs.self_cgroup);
+  EXPECT_EQ(s.version, CgroupVersion::kNone);
+  EXPECT_NE(s.reason.find("no memory controller"), std::string::npos) << s.reason;
+  // Missing and garbage files.
+  s = DetectMemoryCgroup(root.File("absent"), root.File("absent2"));
+  EXPECT_EQ(s.version, CgroupVersion::kNone);
+  EXPECT_FALSE(s.reason.empty());
+  FakeCgroupFs junk("garbage\n- - -\n\n1 2 3\n", "::::\nnonsense\n");
+  s = DetectMemoryCgroup(junk.mountinfo, junk.self_cgroup);
+  EXPECT_EQ(s.version, CgroupVersion::kNone);
+  EXPECT_FALSE(s.reason.empty());
+  // Creating a group without support is an error, not a crash.
+  EXPECT_FALSE(MemoryCgroup::Create(s, "x", 1 << 20).ok());
+}
+
+TEST(BenchCgroup, ThisMachineDetectsWithoutCrashing) {
+  const CgroupSupport s = DetectMemoryCgroup();
+  if (s.version == CgroupVersion::kNone) {
+    EXPECT_FALSE(s.reason.empty());
+  } else {
+    EXPECT_FALSE(s.parent_dir.empty());
+  }
+}
+
+TEST(BenchCgroup, DropFileCache) {
+  testing::TempDir dir;
+  testing::WriteText(dir.File("f"), std::string(8192, 'x'));
+  EXPECT_TRUE(DropFileCache(dir.File("f")).ok());
+  EXPECT_FALSE(DropFileCache(dir.File("missing")).ok());
+}
+
+}  // namespace
+}  // namespace nflash::bench

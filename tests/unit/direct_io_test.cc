@@ -1,0 +1,297 @@
+// DirectReader (O_DIRECT + io_uring): bytes equal to what was written for aligned and unaligned random requests,
+// batches larger than the queue depth, coalescing, short reads, EIO retry and failure, the page-cache fallback.
+#include <gtest/gtest.h>
+#include <sys/statfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "runtime/io/direct_reader.h"
+#include "tests/test_util.h"
+
+namespace nflash::io {
+namespace {
+
+using nflash::testing::TempDir;
+using nflash::testing::WriteBytes;
+
+// 1 MiB plus an odd tail, so the last block of the file is partial (O_DIRECT reads there come back short).
+constexpr size_t kFileBytes = (1 << 20) + 1234;
+
+std::vector<uint8_t> RandomBytes(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> v(n);
+  for (auto& b : v) b = static_cast<uint8_t>(rng());
+  return v;
+}
+
+class DirectReaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    bytes_ = RandomBytes(kFileBytes, 42);
+    path_ = dir_.File("data.bin");
+    WriteBytes(path_, bytes_);
+  }
+  std::unique_ptr<DirectReader> Open(DirectReaderOptions options = {}) {
+    auto r = DirectReader::Open(path_, options);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? std::move(r).value() : nullptr;
+  }
+  TempDir dir_;
+  std::string path_;
+  std::vector<uint8_t> bytes_;
+};
+
+TEST_F(DirectReaderTest, RandomAlignedAndUnalignedReadsMatchTheFile) {
+  DirectReaderOptions opt;
+  opt.queue_depth = 8;
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  const size_t a = reader->alignment();
+  ASSERT_GE(a, 1u);
+  constexpr size_t kSlot = 64 << 10;
+  constexpr int kRequests = 200;
+  auto arena = reader->CreateArena(kSlot, kRequests);
+  ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+
+  std::mt19937 rng(7);
+  std::vector<ReadRequest> reqs;
+  std::vector<std::vector<uint8_t>> unaligned_dst(kRequests);
+  for (int i = 0; i < kRequests; ++i) {
+    ReadRequest r;
+    if (i % 2 == 0) {  // aligned: offset and size multiples of 4096, destination an arena slot
+      const size_t blocks = 1 + rng() % (kSlot / 4096);
+      r.size = blocks * 4096;
+      r.offset = (rng() % ((kFileBytes - r.size) / 4096)) * 4096;
+      r.dst = (*arena)->Slot(i);
+    } else {  // unaligned everything: odd offset, odd size, odd destination
+      r.size = 1 + rng() % 20000;
+      r.offset = rng() % (kFileBytes - r.size);
+      unaligned_dst[i].resize(r.size + 3);
+      r.dst = unaligned_dst[i].data() + 3;
+    }
+    reqs.push_back(r);
+  }
+  ASSERT_TRUE(reader->ReadBatch(reqs).ok());
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_EQ(std::memcmp(reqs[i].dst, bytes_.data() + reqs[i].offset, reqs[i].size), 0) << "request " << i;
+  }
+  const IoCounters c = reader->Counters();
+  EXPECT_EQ(c.requests, static_cast<uint64_t>(kRequests));
+  EXPECT_LT(c.submit_calls, static_cast<uint64_t>(kRequests));  // batched: several reads per submit
+  if (reader->direct_io()) {
+    EXPECT_EQ(c.bounce_reads, static_cast<uint64_t>(kRequests / 2));
+  }
+  EXPECT_FALSE(reader->LatencySampleNs().empty());
+
+  // The synchronous path returns the same bytes.
+  for (int i = 0; i < 20; ++i) {
+    std::vector<uint8_t> out(reqs[i].size);
+    ASSERT_TRUE(reader->PreadAt(reqs[i].offset, reqs[i].size, out.data()).ok());
+    ASSERT_EQ(std::memcmp(out.data(), bytes_.data() + reqs[i].offset, out.size()), 0);
+  }
+  EXPECT_EQ(reader->Counters().pread_requests, 20u);
+}
+
+TEST_F(DirectReaderTest, BatchLargerThanQueueDepth) {
+  DirectReaderOptions opt;
+  opt.queue_depth = 2;
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  std::vector<uint8_t> out(100 * 1000);
+  std::vector<ReadRequest> reqs;
+  for (int i = 0; i < 100; ++i) reqs.push_back({static_cast<uint64_t>(i) * 7001, 1000, out.data() + i * 1000});
+  ASSERT_TRUE(reader->ReadBatch(reqs).ok());
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_EQ(std::memcmp(out.data() + i * 1000, bytes_.data() + i * 7001, 1000), 0) << i;
+  }
+  EXPECT_GE(reader->Counters().submit_calls, 50u);  // at most 2 in flight per submit
+}
+
+TEST_F(DirectReaderTest, TailOfFileAndPastTheEnd) {
+  auto reader = Open();
+  ASSERT_NE(reader, nullptr);
+  EXPECT_EQ(reader->Size(), kFileBytes);
+  std::vector<uint8_t> out(5000);
+  ASSERT_TRUE(reader->ReadAt(kFileBytes - 5000, 5000, out.data()).ok());
+  EXPECT_EQ(std::memcmp(out.data(), bytes_.data() + kFileBytes - 5000, 5000), 0);
+  ASSERT_TRUE(reader->PreadAt(kFileBytes - 5000, 5000, out.data()).ok());
+  EXPECT_EQ(std::memcmp(out.data(), bytes_.data() + kFileBytes - 5000, 5000), 0);
+  const Status s = reader->ReadAt(kFileBytes - 10, 20, out.data());
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("past the end"), std::string::npos) << s.message();
+}
+
+TEST_F(DirectReaderTest, ConcurrentCallersAreSerialized) {
+  auto reader = Open();
+  ASSERT_NE(reader, nullptr);
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(3, 0);
+  for (int t = 0; t < 3; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(100 + t);
+      std::vector<uint8_t> out(3000);
+      for (int i = 0; i < 50; ++i) {
+        const uint64_t off = rng() % (kFileBytes - out.size());
+        if (!reader->ReadAt(off, out.size(), out.data()).ok() ||
+            std::memcmp(out.data(), bytes_.data() + off, out.size()) != 0) {
+          ++mismatches[t];
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(mismatches, std::vector<int>(3, 0));
+  EXPECT_EQ(reader->Counters().requests, 150u);
+}
+
+TEST(CoalesceRequestsTest, MergesOnlyFileAndMemoryAdjacentUpToTheLimit) {
+  std::vector<uint8_t> buf(100);
+  std::vector<ReadRequest> in = {
+      {0, 10, buf.data()},        // merges with the next
+      {10, 10, buf.data() + 10},  //
+      {20, 10, buf.data() + 50},  // file-adjacent but memory is not: separate
+      {30, 10, buf.data() + 60},  // merges with the previous
+      {50, 10, buf.data() + 70},  // memory-adjacent but a file gap: separate
+      {60, 10, buf.data() + 80},  // merges; then {70..} would reach 40 > 30: separate
+      {70, 10, buf.data() + 90},
+  };
+  const auto out = CoalesceRequests(in, 20);
+  ASSERT_EQ(out.size(), 4u);
+  EXPECT_EQ(out[0].offset, 0u);
+  EXPECT_EQ(out[0].size, 20u);
+  EXPECT_EQ(out[1].offset, 20u);
+  EXPECT_EQ(out[1].size, 20u);
+  EXPECT_EQ(out[2].offset, 50u);
+  EXPECT_EQ(out[2].size, 20u);
+  EXPECT_EQ(out[3].offset, 70u);
+  EXPECT_EQ(out[3].size, 10u);
+  EXPECT_EQ(CoalesceRequests(in, 1000).size(), 3u);
+}
+
+TEST_F(DirectReaderTest, CoalescedReadDeliversTheSameBytes) {
+  auto reader = Open();
+  ASSERT_NE(reader, nullptr);
+  std::vector<uint8_t> out(16 * 4096);
+  std::vector<ReadRequest> in;
+  for (int i = 0; i < 16; ++i) in.push_back({40960 + static_cast<uint64_t>(i) * 4096, 4096, out.data() + i * 4096});
+  const auto merged = CoalesceRequests(in, 32 * 1024);
+  EXPECT_EQ(merged.size(), 2u);
+  ASSERT_TRUE(reader->ReadBatch(merged).ok());
+  EXPECT_EQ(std::memcmp(out.data(), bytes_.data() + 40960, out.size()), 0);
+}
+
+TEST_F(DirectReaderTest, EioOnceIsRetriedAndSucceeds) {
+  int injected = 0;
+  DirectReaderOptions opt;
+  opt.completion_hook = [&](uint64_t offset, size_t size, int res) {
+    if (offset <= 81920 && 81920 < offset + size && injected == 0) {
+      ++injected;
+      return -EIO;
+    }
+    return res;
+  };
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  std::vector<uint8_t> out(8192);
+  ASSERT_TRUE(reader->ReadAt(81920, 8192, out.data()).ok());
+  EXPECT_EQ(std::memcmp(out.data(), bytes_.data() + 81920, 8192), 0);
+  EXPECT_EQ(injected, 1);
+  EXPECT_EQ(reader->Counters().retries, 1u);
+}
+
+TEST_F(DirectReaderTest, EioAlwaysFailsNamingPathOffsetAndSize) {
+  DirectReaderOptions opt;
+  opt.queue_depth = 4;
+  opt.completion_hook = [](uint64_t offset, size_t size, int res) {
+    return (offset <= 200000 && 200000 < offset + size) ? -EIO : res;
+  };
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  std::vector<uint8_t> out(64 * 4096);
+  std::vector<ReadRequest> reqs;
+  for (int i = 0; i < 64; ++i) reqs.push_back({static_cast<uint64_t>(i) * 4096, 4096, out.data() + i * 4096});
+  const Status s = reader->ReadBatch(reqs);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kIOError);
+  EXPECT_NE(s.message().find(path_), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("offset 196608"), std::string::npos) << s.message();  // 200000 rounded down to 4096
+  EXPECT_NE(s.message().find("4096 bytes"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("after 1 retry"), std::string::npos) << s.message();
+  // The reader stays usable after a failed batch.
+  ASSERT_TRUE(reader->ReadAt(0, 4096, out.data()).ok());
+  EXPECT_EQ(std::memcmp(out.data(), bytes_.data(), 4096), 0);
+}
+
+TEST_F(DirectReaderTest, ShortReadIsResubmittedForTheRemainder) {
+  bool shortened = false;
+  DirectReaderOptions opt;
+  opt.completion_hook = [&](uint64_t, size_t size, int res) {
+    if (!shortened && res == static_cast<int>(size) && size > 8192) {
+      shortened = true;
+      return 8192;  // the kernel read only the first two blocks
+    }
+    return res;
+  };
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  std::vector<uint8_t> out(65536);
+  ASSERT_TRUE(reader->ReadAt(0, 65536, out.data()).ok());
+  EXPECT_TRUE(shortened);
+  EXPECT_EQ(std::memcmp(out.data(), bytes_.data(), 65536), 0);
+  EXPECT_EQ(reader->Counters().short_reads, 1u);
+}
+
+TEST_F(DirectReaderTest, FaultInjectingFileWrapsTheReader) {
+  std::shared_ptr<const ReadableFile> reader = Open();
+  ASSERT_NE(reader, nullptr);
+  FaultInjectingFile faulty(reader);
+  faulty.AddRule({FaultInjectingFile::Fault::kEio, 4096, 4096, 1});
+  std::vector<uint8_t> out(4096);
+  EXPECT_FALSE(faulty.ReadAt(4096, 4096, out.data()).ok());
+  ASSERT_TRUE(faulty.ReadAt(4096, 4096, out.data()).ok());
+  EXPECT_EQ(std::memcmp(out.data(), bytes_.data() + 4096, 4096), 0);
+}
+
+TEST_F(DirectReaderTest, BufferedModeSaysPageCacheInUse) {
+  DirectReaderOptions opt;
+  opt.buffered = true;
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  EXPECT_FALSE(reader->direct_io());
+  std::vector<uint8_t> out(777);
+  ASSERT_TRUE(reader->ReadAt(12345, 777, out.data()).ok());
+  EXPECT_EQ(std::memcmp(out.data(), bytes_.data() + 12345, 777), 0);
+}
+
+TEST(DirectReaderTmpfsTest, TmpfsIsReportedAsPageCache) {
+  struct statfs sfs {};
+  if (statfs("/dev/shm", &sfs) != 0 || sfs.f_type != 0x01021994) GTEST_SKIP() << "/dev/shm is not tmpfs here";
+  const std::string path = "/dev/shm/nflash_direct_io_test_" + std::to_string(getpid());
+  nflash::testing::WriteBytes(path, RandomBytes(10000, 3));
+  auto r = DirectReader::Open(path);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE((*r)->direct_io());
+  DirectReaderOptions strict;
+  strict.allow_buffered_fallback = false;
+  EXPECT_FALSE(DirectReader::Open(path, strict).ok());
+  std::filesystem::remove(path);
+}
+
+TEST(DirectReaderOpenTest, MissingFileAndBadQueueDepth) {
+  auto r = DirectReader::Open("/nonexistent/nflash.bin");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("/nonexistent/nflash.bin"), std::string::npos);
+  TempDir dir;
+  nflash::testing::WriteBytes(dir.File("x"), {1, 2, 3});
+  DirectReaderOptions opt;
+  opt.queue_depth = 0;
+  EXPECT_EQ(DirectReader::Open(dir.File("x"), opt).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace nflash::io

@@ -1,0 +1,319 @@
+// Neuron cache: the O(1) slot regions against a brute-force reference LRU on random traces, pinning, capacity edge
+// cases, the arena layout and config validation.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "runtime/sparse/neuron_cache.h"
+
+namespace nflash::sparse {
+namespace {
+
+// The textbook LRU, written independently of SlotRegion: a list of (key, last use) scanned linearly. An entry used by
+// the current token is pinned (not evictable); a miss with no free space and nothing evictable is a bypass.
+class ReferenceLru {
+ public:
+  explicit ReferenceLru(int64_t capacity) : capacity_(capacity) {}
+  struct Outcome {
+    bool hit = false;
+    bool bypass = false;
+    int64_t evicted = -1;
+  };
+  void BeginToken() { token_start_ = clock_ + 1; }
+  Outcome Access(int64_t key) {
+    Outcome o;
+    ++clock_;
+    for (auto& e : entries_) {
+      if (e.key == key) {
+        e.last_use = clock_;
+        o.hit = true;
+        return o;
+      }
+    }
+    if (static_cast<int64_t>(entries_.size()) < capacity_) {
+      entries_.push_back({key, clock_});
+      return o;
+    }
+    int best = -1;
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      if (entries_[i].last_use >= token_start_) continue;  // used by this token: pinned
+      if (best < 0 || entries_[i].last_use < entries_[best].last_use) best = static_cast<int>(i);
+    }
+    if (best < 0) {
+      o.bypass = true;
+      return o;
+    }
+    o.evicted = entries_[best].key;
+    entries_[best] = {key, clock_};
+    return o;
+  }
+
+ private:
+  struct Entry {
+    int64_t key;
+    int64_t last_use;
+  };
+  int64_t capacity_;
+  int64_t clock_ = 0;
+  int64_t token_start_ = 0;
+  std::vector<Entry> entries_;
+};
+
+constexpr size_t kBundle = 3 * 288 * 4;  // a stories-sized f32 bundle (gate row, up row, down column): not page-sized
+
+RegionConfig Region(int64_t groups, int64_t units, std::vector<int64_t> per_group, int64_t shared) {
+  RegionConfig c;
+  c.n_groups = groups;
+  c.units_per_group = units;
+  c.unit_bytes = kBundle;
+  c.slots_per_group = std::move(per_group);
+  c.shared_slots = shared;
+  return c;
+}
+
+// Runs `tokens` random tokens (each a set of active units per group, drawn from a skewed popularity, in random order
+// with occasional duplicates) through the region and the references, comparing every outcome.
+void RunTrace(const RegionConfig& config, uint64_t seed, int tokens) {
+  int64_t n_slots = 0;
+  for (int64_t s : config.slots_per_group) n_slots += s;
+  if (config.slots_per_group.empty()) n_slots = config.shared_slots;
+  std::vector<uint8_t> memory(static_cast<size_t>(n_slots) * AlignSlot(kBundle) + 1);
+  auto region = SlotRegion::Create(config, memory.data());
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  SlotRegion& r = **region;
+
+  const bool shared = config.slots_per_group.empty();
+  std::vector<ReferenceLru> refs;
+  if (shared) {
+    refs.emplace_back(config.shared_slots);
+  } else {
+    for (int64_t cap : config.slots_per_group) refs.emplace_back(cap);
+  }
+  std::map<int64_t, CacheCounters> expect;  // per group
+  std::mt19937_64 rng(seed);
+  // Skewed popularity: unit u is active with probability ~ 0.6 / (1 + u / 4), so a few units are hot.
+  std::uniform_real_distribution<double> uni(0.0, 1.0);
+  for (int t = 0; t < tokens; ++t) {
+    for (auto& ref : refs) ref.BeginToken();
+    std::vector<std::pair<int64_t, int64_t>> accesses;  // (group, unit)
+    for (int64_t g = 0; g < config.n_groups; ++g) {
+      for (int64_t u = 0; u < config.units_per_group; ++u) {
+        if (uni(rng) < 0.6 / (1.0 + u / 4.0)) accesses.emplace_back(g, u);
+      }
+    }
+    std::shuffle(accesses.begin(), accesses.end(), rng);
+    if (!accesses.empty() && uni(rng) < 0.3) accesses.push_back(accesses[rng() % accesses.size()]);  // a duplicate
+    std::vector<int32_t> held;
+    for (auto [g, u] : accesses) {
+      const int64_t key = g * config.units_per_group + u;
+      ReferenceLru::Outcome want = refs[shared ? 0 : g].Access(key);
+      SlotRegion::Lookup got = r.Acquire(g, u);
+      SCOPED_TRACE("token " + std::to_string(t) + " group " + std::to_string(g) + " unit " + std::to_string(u));
+      ASSERT_EQ(got.hit, want.hit);
+      ASSERT_EQ(got.slot < 0, want.bypass);
+      if (want.evicted >= 0) {
+        ASSERT_EQ(got.evicted_unit, want.evicted % config.units_per_group);
+        ++expect[want.evicted / config.units_per_group].evictions;
+        ASSERT_EQ(r.Find(want.evicted / config.units_per_group, want.evicted % config.units_per_group), -1);
+      } else {
+        ASSERT_EQ(got.evicted_unit, -1);
+      }
+      CacheCounters& c = expect[g];
+      if (want.hit) {
+        ++c.hits;
+      } else {
+        ++c.misses;
+        c.bytes_loaded += kBundle;
+        if (want.bypass) ++c.bypasses;
+      }
+      if (got.slot >= 0) {
+        ASSERT_EQ(r.Find(g, u), got.slot);
+        held.push_back(got.slot);
+      }
+    }
+    for (int32_t s : held) r.Release(s);
+  }
+  for (int64_t g = 0; g < config.n_groups; ++g) {
+    const CacheCounters& got = r.counters(g);
+    const CacheCounters& want = expect[g];
+    EXPECT_EQ(got.hits, want.hits) << "group " << g;
+    EXPECT_EQ(got.misses, want.misses) << "group " << g;
+    EXPECT_EQ(got.bypasses, want.bypasses) << "group " << g;
+    EXPECT_EQ(got.evictions, want.evictions) << "group " << g;
+    EXPECT_EQ(got.bytes_loaded, want.bytes_loaded) << "group " << g;
+  }
+  // The trace must exercise every path, or the comparison proves little.
+  const CacheCounters total = r.TotalCounters();
+  EXPECT_GT(total.hits, 0u);
+  EXPECT_GT(total.misses, 0u);
+  if (n_slots > 0) EXPECT_GT(total.evictions, 0u);
+}
+
+TEST(NeuronCacheTest, PerGroupBudgetsMatchReferenceLru) {
+  for (uint64_t seed = 1; seed <= 5; ++seed) {
+    RunTrace(Region(4, 40, {6, 0, 13, 3}, 0), seed, 60);
+  }
+}
+
+TEST(NeuronCacheTest, SharedPoolMatchesReferenceLru) {
+  for (uint64_t seed = 11; seed <= 15; ++seed) {
+    RunTrace(Region(3, 32, {}, 17), seed, 60);
+  }
+}
+
+TEST(NeuronCacheTest, TinyPoolBypassesWhenEverySlotIsPinned) {
+  RunTrace(Region(2, 30, {}, 2), 99, 40);
+}
+
+TEST(NeuronCacheTest, ZeroSlotsBypassEveryMiss) {
+  auto region = SlotRegion::Create(Region(2, 8, {0, 0}, 0), nullptr);
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  for (int i = 0; i < 3; ++i) {
+    SlotRegion::Lookup l = (*region)->Acquire(1, 5);
+    EXPECT_EQ(l.slot, -1);
+    EXPECT_FALSE(l.hit);
+  }
+  EXPECT_EQ((*region)->counters(1).misses, 3u);
+  EXPECT_EQ((*region)->counters(1).bypasses, 3u);
+  EXPECT_EQ((*region)->counters(1).bytes_loaded, 3 * kBundle);
+  EXPECT_EQ((*region)->counters(0).misses, 0u);
+  EXPECT_EQ((*region)->SlotCount(), 0);
+}
+
+TEST(NeuronCacheTest, PinnedSlotIsNeverEvicted) {
+  std::vector<uint8_t> memory(2 * AlignSlot(kBundle));
+  auto region = SlotRegion::Create(Region(1, 10, {}, 2), memory.data());
+  ASSERT_TRUE(region.ok());
+  SlotRegion& r = **region;
+  auto a = r.Acquire(0, 1);
+  auto b = r.Acquire(0, 2);
+  ASSERT_GE(a.slot, 0);
+  ASSERT_GE(b.slot, 0);
+  EXPECT_EQ(r.PinCount(a.slot), 1);
+  r.Release(b.slot);  // 2 is unpinned, 1 (least recently acquired) stays pinned
+  auto c = r.Acquire(0, 3);
+  EXPECT_EQ(c.slot, b.slot) << "the only unpinned slot must be the victim";
+  EXPECT_EQ(c.evicted_unit, 2);
+  EXPECT_EQ(r.Find(0, 1), a.slot);
+  auto d = r.Acquire(0, 4);  // both pinned
+  EXPECT_EQ(d.slot, -1);
+  // A second pin on a slot: it stays pinned until both are released.
+  auto a2 = r.Acquire(0, 1);
+  EXPECT_TRUE(a2.hit);
+  EXPECT_EQ(r.PinCount(a.slot), 2);
+  r.Release(a.slot);
+  r.Release(c.slot);
+  auto e = r.Acquire(0, 5);
+  EXPECT_EQ(e.slot, c.slot) << "unit 1 is still pinned once";
+  r.Release(a.slot);
+  r.Release(e.slot);
+  auto f = r.Acquire(0, 6);
+  EXPECT_EQ(f.slot, a.slot) << "unit 1 was released before unit 5, so it is the least recently used";
+  EXPECT_EQ(f.evicted_unit, 1);
+}
+
+TEST(NeuronCacheTest, AbandonFreesTheSlot) {
+  std::vector<uint8_t> memory(AlignSlot(kBundle));
+  auto region = SlotRegion::Create(Region(1, 4, {}, 1), memory.data());
+  ASSERT_TRUE(region.ok());
+  SlotRegion& r = **region;
+  auto a = r.Acquire(0, 0);
+  ASSERT_EQ(a.slot, 0);
+  r.Abandon(a.slot);  // e.g. the read failed its checksum twice
+  EXPECT_EQ(r.Find(0, 0), -1);
+  auto b = r.Acquire(0, 3);
+  EXPECT_EQ(b.slot, 0);
+  EXPECT_FALSE(b.hit);
+  EXPECT_EQ(b.evicted_unit, -1) << "an abandoned slot is free, not evicted";
+  EXPECT_EQ(r.counters(0).evictions, 0u);
+  r.Release(b.slot);
+  r.Clear();
+  EXPECT_EQ(r.Find(0, 3), -1);
+}
+
+TEST(NeuronCacheTest, ArenaLayoutIsAlignedAndDisjoint) {
+  NeuronCacheConfig config;
+  config.hot_cluster_neurons = 8;
+  config.hot = Region(2, 5, {}, 3);
+  config.hot.unit_bytes = 8 * kBundle;
+  config.cold = Region(2, 40, {4, 2}, 0);
+  auto cache = NeuronCache::Create(config);
+  ASSERT_TRUE(cache.ok()) << cache.status().ToString();
+  NeuronCache& c = **cache;
+  const size_t hot_stride = AlignSlot(8 * kBundle), cold_stride = AlignSlot(kBundle);
+  EXPECT_EQ(hot_stride % 4096, 0u);
+  EXPECT_GE(hot_stride, 8 * kBundle);
+  EXPECT_EQ(c.arena_bytes(), 3 * hot_stride + 6 * cold_stride);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(c.arena()) % 4096, 0u);
+  std::vector<std::pair<uint8_t*, size_t>> spans;
+  for (int32_t s = 0; s < c.hot().SlotCount(); ++s) spans.emplace_back(c.hot().SlotData(s), hot_stride);
+  for (int32_t s = 0; s < c.cold().SlotCount(); ++s) spans.emplace_back(c.cold().SlotData(s), cold_stride);
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 0; i < spans.size(); ++i) {
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(spans[i].first) % 4096, 0u);
+    EXPECT_GE(spans[i].first, c.arena());
+    EXPECT_LE(spans[i].first + spans[i].second, c.arena() + c.arena_bytes());
+    if (i > 0) EXPECT_GE(spans[i].first, spans[i - 1].first + spans[i - 1].second) << "slots overlap";
+  }
+  // Writing every slot fully must stay inside the arena (checked by ASan builds) and not disturb other slots.
+  for (int32_t s = 0; s < c.cold().SlotCount(); ++s) std::fill_n(c.cold().SlotData(s), cold_stride, uint8_t(s + 1));
+  for (int32_t s = 0; s < c.hot().SlotCount(); ++s) EXPECT_EQ(c.hot().SlotData(s)[hot_stride - 1], 0);
+  // Per-group budgets: group 0's misses never take group 1's slots.
+  for (int u = 0; u < 10; ++u) c.cold().Release(c.cold().Acquire(0, u).slot);
+  auto g1 = c.cold().Acquire(1, 0);
+  EXPECT_FALSE(g1.hit);
+  EXPECT_EQ(g1.evicted_unit, -1) << "group 1 has its own free slots";
+  EXPECT_EQ(c.cold().counters(0).evictions, 6u);
+}
+
+TEST(NeuronCacheTest, UsesAnExternalArena) {
+  NeuronCacheConfig config;
+  config.cold = Region(1, 10, {}, 3);
+  auto bytes = NeuronCache::ArenaBytes(config);
+  ASSERT_TRUE(bytes.ok());
+  EXPECT_EQ(*bytes, 3 * AlignSlot(kBundle));
+  std::vector<uint8_t> memory(*bytes + 4096);
+  uint8_t* aligned = memory.data() + (4096 - reinterpret_cast<uintptr_t>(memory.data()) % 4096) % 4096;
+  auto cache = NeuronCache::Create(config, aligned, *bytes);
+  ASSERT_TRUE(cache.ok()) << cache.status().ToString();
+  EXPECT_EQ((*cache)->arena(), aligned);
+  EXPECT_EQ((*cache)->cold().SlotData(2), aligned + 2 * AlignSlot(kBundle));
+  auto small = NeuronCache::Create(config, aligned, *bytes - 1);
+  EXPECT_FALSE(small.ok());
+  auto misaligned = NeuronCache::Create(config, aligned + 8, *bytes);
+  EXPECT_FALSE(misaligned.ok());
+}
+
+TEST(NeuronCacheTest, RejectsInvalidConfigs) {
+  auto expect_invalid = [](const NeuronCacheConfig& config, const std::string& needle) {
+    auto cache = NeuronCache::Create(config);
+    ASSERT_FALSE(cache.ok());
+    EXPECT_EQ(cache.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(cache.status().message().find(needle), std::string::npos) << cache.status().message();
+  };
+  NeuronCacheConfig c;
+  c.cold = Region(3, 10, {1, 2}, 0);
+  expect_invalid(c, "slots_per_group has 2 entries, expected n_groups = 3");
+  c.cold = Region(2, 10, {1, -2}, 0);
+  expect_invalid(c, "slots_per_group[1] = -2");
+  c.cold = Region(2, 10, {}, 4);
+  c.cold.slot_stride = 5000;
+  expect_invalid(c, "slot_stride 5000 must be a multiple of 4096");
+  c.cold = Region(2, 10, {}, 4);
+  c.cold.slot_stride = 4096;  // < unit_bytes (3456 fits, so use a larger unit)
+  c.cold.unit_bytes = 4097;
+  expect_invalid(c, ">= unit_bytes 4097");
+  c.cold = Region(2, 10, {}, 4);
+  c.hot = Region(2, 2, {}, 1);
+  c.hot_cluster_neurons = 0;
+  expect_invalid(c, "hot_cluster_neurons is 0");
+  c.hot = Region(1 << 20, 1 << 12, {}, 0);
+  expect_invalid(c, "exceeds 2^31 units");
+}
+
+}  // namespace
+}  // namespace nflash::sparse

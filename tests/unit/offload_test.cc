@@ -1,0 +1,362 @@
+// The flash-offloaded runtime on stories260K-relu packed into a deployment: oracle decode equals the published greedy
+// sample (README, checked independently of nflash) and, logit for logit, the in-memory sparse FFN, for every cache
+// size and both modes; cache counters; memory-budget refusal; fault injection (EIO, flipped bits) retried once, then
+// reported with layer, neuron and offset.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "converter/readers.h"
+#include "packer/deployment.h"
+#include "packer/pack.h"
+#include "profiler/profile.h"
+#include "runtime/core/checksum.h"
+#include "runtime/core/file.h"
+#include "runtime/engine/context.h"
+#include "runtime/engine/model.h"
+#include "runtime/engine/predictor.h"
+#include "runtime/engine/sparse_ffn.h"
+#include "runtime/sparse/sparse_runtime.h"
+#include "tests/test_util.h"
+
+namespace nflash::sparse {
+namespace {
+
+// models/stories260K-relu/README.md: prompt "Once upon a time" with BOS, and the first 40 of its 100 greedy tokens.
+const std::vector<int32_t> kPrompt = {1, 403, 407, 261, 378};
+const std::vector<int32_t> kGolden = {432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396,
+                                      267, 337, 335, 311, 267, 422, 419, 269, 344, 444, 427, 421, 414, 276,
+                                      265, 263, 304, 341, 426, 385, 328, 432, 358, 263, 377, 267};
+
+struct GreedyRun {
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<float>> logits;  // per generated token
+};
+
+Result<GreedyRun> Greedy(InferenceContext& ctx, int64_t n_vocab, size_t n) {
+  GreedyRun r;
+  NF_RETURN_IF_ERROR(ctx.Eval(kPrompt, false));
+  for (size_t i = 0; i < n; ++i) {
+    const float* l = ctx.logits();
+    r.logits.emplace_back(l, l + n_vocab);
+    const int32_t next = static_cast<int32_t>(std::max_element(l, l + n_vocab) - l);
+    r.tokens.push_back(next);
+    NF_RETURN_IF_ERROR(ctx.Eval(std::vector<int32_t>{next}, false));
+  }
+  return r;
+}
+
+class OffloadTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir();
+    pool_ = new ThreadPool(2);
+    // The model as an F32 GGUF.
+    auto src = converter::ReadLlama2c(testing::SharedPath("models/stories260K-relu/stories260K-relu.bin"),
+                                      testing::SharedPath("models/stories260K/tok512.bin"), FfnActivation::kRelu);
+    ASSERT_TRUE(src.ok()) << src.status().ToString();
+    converter::WriteOptions wo;
+    wo.path = dir_->File("model.gguf");
+    wo.progress = false;
+    ASSERT_TRUE(converter::WriteModelGguf(*src, wo).ok());
+    auto model = Model::Load(wo.path, LoadOptions{});
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    const LlamaHparams& hp = (*model)->hparams();
+
+    // A profile from real activations: how often each neuron fires over the golden continuation.
+    profiler::ModelProfile prof;
+    auto hash = HashFile(wo.path);
+    ASSERT_TRUE(hash.ok());
+    prof.model_hash = HashToHex(*hash);
+    prof.model_name = hp.name;
+    prof.activation = "relu";
+    prof.n_layers = hp.n_layers;
+    prof.n_ff = hp.n_ff;
+    prof.dim = hp.dim;
+    for (int64_t l = 0; l < hp.n_layers; ++l) {
+      profiler::FfnProfile f;
+      f.layer = l;
+      f.n_neurons = hp.n_ff;
+      f.count_bs1.assign(static_cast<size_t>(hp.n_ff), 0);
+      prof.ffns.push_back(std::move(f));
+    }
+    InferenceContext ctx(**model, pool_, 0);
+    ctx.SetFfnObserver([&](const FfnObservation& o) {
+      auto& f = prof.ffns[static_cast<size_t>(o.layer)];
+      for (int64_t t = 0; t < o.n_tokens; ++t) {
+        for (int64_t i = 0; i < hp.n_ff; ++i) f.count_bs1[i] += o.gate_act[t * hp.n_ff + i] > 0.0f;
+        f.tokens += 1;
+      }
+    });
+    auto dense = Greedy(ctx, hp.n_vocab, kGolden.size());
+    ASSERT_TRUE(dense.ok()) << dense.status().ToString();
+    dense_ = new GreedyRun(std::move(*dense));
+    prof.tokens = prof.ffns[0].tokens;
+
+    packer::PackOptions po;
+    po.hot_fraction = 0.3;  // a real hot region (the flat popularity of this model would give a tiny one)
+    po.progress = false;
+    auto packed = packer::PackDeployment(wo.path, prof, "0000000000000000", dir_->File("deploy"), po, pool_);
+    ASSERT_TRUE(packed.ok()) << packed.status().ToString();
+
+    // A predictor (random low-rank weights from a seed: what it predicts does not matter here, only that both
+    // runtimes use the same one) shipped in a second deployment.
+    PredictorData pd;
+    pd.model_hash = prof.model_hash;
+    pd.model_name = hp.name;
+    pd.activation = "relu";
+    pd.dim = hp.dim;
+    pd.n_ff = hp.n_ff;
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.0f, 0.3f);
+    constexpr int64_t kRank = 8;
+    for (int64_t l = 0; l < hp.n_layers; ++l) {
+      PredictorLayerData ld;
+      ld.fc1.resize(static_cast<size_t>(kRank * hp.dim));
+      ld.fc2.resize(static_cast<size_t>(hp.n_ff * kRank));
+      for (float& w : ld.fc1) w = normal(rng);
+      for (float& w : ld.fc2) w = normal(rng);
+      ld.info.rank = kRank;
+      ld.info.logit_threshold = 0.0f;
+      ld.info.activation_threshold = 0.0f;
+      pd.layers.push_back(std::move(ld));
+    }
+    ASSERT_TRUE(SavePredictor(pd, dir_->File("pred.gguf"), false).ok());
+    po.predictor_path = dir_->File("pred.gguf");
+    packed = packer::PackDeployment(wo.path, prof, "0000000000000000", dir_->File("deploy-pred"), po, pool_);
+    ASSERT_TRUE(packed.ok()) << packed.status().ToString();
+    auto predictor = Predictor::Load(dir_->File("pred.gguf"));
+    ASSERT_TRUE(predictor.ok()) << predictor.status().ToString();
+    SparseFfnOptions po2;
+    po2.mode = SparseMode::kPredictor;
+    po2.sparse_prefill = true;
+    auto psparse = SparseFfn::Create(**model, predictor->get(), po2, pool_);
+    ASSERT_TRUE(psparse.ok()) << psparse.status().ToString();
+    InferenceContext pctx(**model, pool_, 0);
+    pctx.SetFfnBackend(psparse->get());
+    auto prun = Greedy(pctx, hp.n_vocab, 20);
+    ASSERT_TRUE(prun.ok()) << prun.status().ToString();
+    predicted_ = new GreedyRun(std::move(*prun));
+
+    // The in-memory sparse FFN (oracle, prefill too) is the reference the offloaded runtime must equal exactly.
+    SparseFfnOptions so;
+    so.mode = SparseMode::kOracle;
+    so.sparse_prefill = true;
+    auto sparse = SparseFfn::Create(**model, nullptr, so, pool_);
+    ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
+    InferenceContext sctx(**model, pool_, 0);
+    sctx.SetFfnBackend(sparse->get());
+    auto sparse_run = Greedy(sctx, hp.n_vocab, kGolden.size());
+    ASSERT_TRUE(sparse_run.ok()) << sparse_run.status().ToString();
+    sparse_ = new GreedyRun(std::move(*sparse_run));
+    n_vocab_ = hp.n_vocab;
+  }
+  static void TearDownTestSuite() {
+    delete predicted_;
+    delete sparse_;
+    delete dense_;
+    delete pool_;
+    delete dir_;
+  }
+  static std::string DeployDir() { return dir_->File("deploy"); }
+
+  static Result<std::unique_ptr<SparseRuntime>> Open(const SparseRuntimeOptions& o) {
+    return SparseRuntime::Open(DeployDir(), o, pool_);
+  }
+
+  static testing::TempDir* dir_;
+  static ThreadPool* pool_;
+  static GreedyRun* dense_;
+  static GreedyRun* sparse_;
+  static GreedyRun* predicted_;
+  static int64_t n_vocab_;
+};
+testing::TempDir* OffloadTest::dir_ = nullptr;
+ThreadPool* OffloadTest::pool_ = nullptr;
+GreedyRun* OffloadTest::dense_ = nullptr;
+GreedyRun* OffloadTest::sparse_ = nullptr;
+GreedyRun* OffloadTest::predicted_ = nullptr;
+int64_t OffloadTest::n_vocab_ = 0;
+
+TEST_F(OffloadTest, ReferencesMatchThePublishedSample) {
+  ASSERT_TRUE(dense_ && sparse_);
+  EXPECT_EQ(dense_->tokens, kGolden);
+  EXPECT_EQ(sparse_->tokens, kGolden);
+}
+
+TEST_F(OffloadTest, OracleEqualsInMemorySparseForEveryCacheSize) {
+  ASSERT_TRUE(sparse_);
+  struct Config {
+    OffloadMode mode;
+    int64_t hot, cold, chunk;
+  };
+  const Config configs[] = {
+      {OffloadMode::kFull, 0, 0, 16},        // no cache: every neuron read into staging, every token
+      {OffloadMode::kFull, 1, 30, 1},        // tiny cache, one request per chunk (many pipeline steps)
+      {OffloadMode::kFull, 1000, 100000, 64},  // everything fits
+      {OffloadMode::kLlmFlash, 0, 40, 16},
+      {OffloadMode::kLlmFlash, 1000, 100000, 16},
+  };
+  for (const Config& c : configs) {
+    SCOPED_TRACE(std::string(OffloadModeName(c.mode)) + " hot " + std::to_string(c.hot) + " cold " +
+                 std::to_string(c.cold) + " chunk " + std::to_string(c.chunk));
+    SparseRuntimeOptions o;
+    o.mode = c.mode;
+    o.active_set = ActiveSetSource::kOracle;
+    o.hot_slots = c.hot;
+    o.cold_slots = c.cold;
+    o.chunk_requests = c.chunk;
+    auto rt = Open(o);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    auto run = Greedy((*rt)->context(), n_vocab_, kGolden.size());
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    EXPECT_EQ(run->tokens, kGolden);
+    for (size_t i = 0; i < run->logits.size(); ++i) {
+      ASSERT_EQ(0, std::memcmp(run->logits[i].data(), sparse_->logits[i].data(), n_vocab_ * sizeof(float)))
+          << "logits of token " << i << " differ from the in-memory sparse FFN";
+    }
+    const OffloadGroupStats st = (*rt)->ffn().TotalStats();
+    const CacheCounters hot = (*rt)->ffn().cache().hot().TotalCounters();
+    const CacheCounters cold = (*rt)->ffn().cache().cold().TotalCounters();
+    EXPECT_GT(st.active, 0);
+    EXPECT_EQ(st.retries, 0);
+    if (c.hot == 0 && c.cold == 0) {
+      EXPECT_EQ(cold.hits + hot.hits, 0u);
+      EXPECT_EQ(cold.bypasses, cold.misses);
+      EXPECT_EQ(st.requests, st.active) << "no cache: one read per active neuron";
+    }
+    if (c.cold >= 100000) {
+      // Everything fits: each neuron (or hot cluster) is read at most once over the whole run.
+      EXPECT_LE(cold.misses, static_cast<uint64_t>(5 * 172));
+      EXPECT_GT(cold.hits, cold.misses);
+      EXPECT_EQ(cold.evictions + hot.evictions, 0u);
+    }
+  }
+}
+
+TEST_F(OffloadTest, PredictorModeEqualsInMemorySparseWithTheSamePredictor) {
+  ASSERT_TRUE(predicted_);
+  for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
+    SCOPED_TRACE(OffloadModeName(mode));
+    SparseRuntimeOptions o;
+    o.mode = mode;
+    o.active_set = ActiveSetSource::kAuto;  // the deployment has a predictor: it is used
+    o.hot_slots = 1;
+    o.cold_slots = 60;
+    auto rt = SparseRuntime::Open(dir_->File("deploy-pred"), o, pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    ASSERT_NE((*rt)->predictor(), nullptr);
+    auto run = Greedy((*rt)->context(), n_vocab_, predicted_->tokens.size());
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    EXPECT_EQ(run->tokens, predicted_->tokens);
+    for (size_t i = 0; i < run->logits.size(); ++i) {
+      ASSERT_EQ(0, std::memcmp(run->logits[i].data(), predicted_->logits[i].data(), n_vocab_ * sizeof(float)))
+          << "logits of token " << i << " differ from the in-memory sparse FFN with the same predictor";
+    }
+    EXPECT_GT((*rt)->ffn().TotalStats().active, 0);
+  }
+  // No predictor in the first deployment: asking for one is an error.
+  SparseRuntimeOptions o;
+  o.active_set = ActiveSetSource::kPredictor;
+  auto rt = Open(o);
+  ASSERT_FALSE(rt.ok());
+  EXPECT_NE(rt.status().message().find("no predictor.gguf"), std::string::npos) << rt.status().message();
+}
+
+TEST_F(OffloadTest, MemoryBudgetRefusesBelowTheFixedPart) {
+  SparseRuntimeOptions o;
+  o.active_set = ActiveSetSource::kOracle;
+  o.memory_budget = 4096;
+  auto rt = Open(o);
+  ASSERT_FALSE(rt.ok());
+  EXPECT_EQ(rt.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(rt.status().message().find("memory budget 4.00 KiB is below the fixed part"), std::string::npos)
+      << rt.status().message();
+  EXPECT_NE(rt.status().message().find("the minimum is"), std::string::npos);
+  // A budget just above the minimum runs (with small caches) and gives the same tokens.
+  const size_t at = rt.status().message().find("(", rt.status().message().find("the minimum is"));
+  const uint64_t minimum = std::stoull(rt.status().message().substr(at + 1));
+  o.memory_budget = minimum + 64 * 4096;
+  rt = Open(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  EXPECT_LE((*rt)->fixed().Total() + (*rt)->split().hot_bytes + (*rt)->split().cold_bytes, o.memory_budget);
+  EXPECT_GT((*rt)->split().hot_slots + (*rt)->split().cold_slots, 0);
+  auto run = Greedy((*rt)->context(), n_vocab_, 10);
+  ASSERT_TRUE(run.ok()) << run.status().ToString();
+  EXPECT_EQ(run->tokens, std::vector<int32_t>(kGolden.begin(), kGolden.begin() + 10));
+  EXPECT_NE((*rt)->Accounting().find("cold region"), std::string::npos);
+}
+
+// Opens the runtime with the flash file wrapped in a FaultInjectingFile; `*fi` receives it (rules are added after
+// Open, which reads the oracle gate rows, so that they hit decode reads).
+Result<std::unique_ptr<SparseRuntime>> OpenWithFaults(const std::string& dir, OffloadMode mode, ThreadPool* pool,
+                                                      FaultInjectingFile** fi) {
+  SparseRuntimeOptions o;
+  o.mode = mode;
+  o.active_set = ActiveSetSource::kOracle;
+  o.cold_slots = 50;
+  o.hot_slots = 1;
+  o.wrap_flash = [fi](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
+    auto f = std::make_shared<FaultInjectingFile>(std::move(base));
+    *fi = f.get();
+    return f;
+  };
+  return SparseRuntime::Open(dir, o, pool);
+}
+
+TEST_F(OffloadTest, TransientFaultsAreRetriedOnce) {
+  for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
+    for (auto fault : {FaultInjectingFile::Fault::kBitFlip, FaultInjectingFile::Fault::kEio,
+                       FaultInjectingFile::Fault::kShortRead}) {
+      SCOPED_TRACE(std::string(OffloadModeName(mode)) + " fault " + std::to_string(static_cast<int>(fault)));
+      FaultInjectingFile* fi = nullptr;
+      auto rt = OpenWithFaults(DeployDir(), mode, pool_, &fi);
+      ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+      ASSERT_NE(fi, nullptr);
+      fi->AddRule({fault, 0, UINT64_MAX, 1});  // the next read goes wrong, then the file is healthy
+      auto run = Greedy((*rt)->context(), n_vocab_, 10);
+      ASSERT_TRUE(run.ok()) << run.status().ToString();
+      EXPECT_EQ(run->tokens, std::vector<int32_t>(kGolden.begin(), kGolden.begin() + 10));
+      EXPECT_EQ(fi->InjectedCount(), 1);
+      // llmflash reads one unit at a time: exactly the faulty one is retried. Full mode reads batches, and a batch
+      // stops at its first failed read: the units after it in that batch are read again too (at most once each).
+      if (mode == OffloadMode::kLlmFlash) {
+        EXPECT_EQ((*rt)->ffn().TotalStats().retries, 1);
+      } else {
+        EXPECT_GE((*rt)->ffn().TotalStats().retries, 1);
+        EXPECT_LE((*rt)->ffn().TotalStats().retries, 16) << "at most the units of one chunk";
+      }
+      for (size_t i = 0; i < run->logits.size(); ++i) {
+        ASSERT_EQ(0, std::memcmp(run->logits[i].data(), sparse_->logits[i].data(), n_vocab_ * sizeof(float)));
+      }
+    }
+  }
+}
+
+TEST_F(OffloadTest, PersistentFaultsAreReportedWithLayerNeuronAndOffset) {
+  for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
+    for (auto fault : {FaultInjectingFile::Fault::kBitFlip, FaultInjectingFile::Fault::kEio}) {
+      SCOPED_TRACE(std::string(OffloadModeName(mode)) + " fault " + std::to_string(static_cast<int>(fault)));
+      FaultInjectingFile* fi = nullptr;
+      auto rt = OpenWithFaults(DeployDir(), mode, pool_, &fi);
+      ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+      fi->AddRule({fault, 0, UINT64_MAX, -1});
+      Status s = (*rt)->context().Eval(kPrompt, false);
+      ASSERT_FALSE(s.ok());
+      EXPECT_EQ(s.code(), fault == FaultInjectingFile::Fault::kEio ? StatusCode::kIOError : StatusCode::kCorruption)
+          << s.ToString();
+      EXPECT_NE(s.message().find("layer 0"), std::string::npos) << s.message();
+      EXPECT_NE(s.message().find("ffn.bin offset"), std::string::npos) << s.message();
+      EXPECT_TRUE(s.message().find(" neuron ") != std::string::npos ||
+                  s.message().find("hot cluster") != std::string::npos) << s.message();
+      EXPECT_EQ((*rt)->ffn().TotalStats().retries, 1) << "retried once, then reported";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace nflash::sparse

@@ -1,0 +1,338 @@
+// Packer: neuron ordering, bit-exact bundles for every quant type (dense and MoE), the reader API, and the corrupt /
+// truncated / mismatched deployment suite.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "converter/readers.h"
+#include "converter/synth.h"
+#include "packer/deployment.h"
+#include "packer/pack.h"
+#include "packer/verify.h"
+#include "runtime/core/checksum.h"
+#include "runtime/core/file.h"
+#include "runtime/core/gguf.h"
+#include "runtime/core/quant.h"
+#include "tests/test_util.h"
+
+namespace nflash::packer {
+namespace {
+
+namespace fs = std::filesystem;
+using nflash::testing::TempDir;
+using nflash::testing::WriteText;
+
+// A small synthetic model: dim 64 (two quant blocks), n_ff 96 (three blocks: down rows quantize too), 2 layers.
+std::string WriteModel(const std::string& path, GgmlType type, int64_t experts = 0) {
+  converter::SynthOptions o;
+  o.shape = "custom";
+  o.dim = 64;
+  o.ffn = 96;
+  o.layers = 2;
+  o.heads = 4;
+  o.vocab = 260;  // the synthetic byte tokenizer needs 3 specials + 256 bytes
+  o.context = 64;
+  o.experts = experts;
+  o.type = type;
+  o.calib_sequences = 2;
+  o.calib_tokens = 8;
+  o.threads = 1;
+  auto model = converter::BuildSyntheticModel(o, nullptr);
+  if (!model.ok()) return model.status().ToString();
+  converter::WriteOptions w;
+  w.path = path;
+  w.type = type;
+  w.overwrite = true;
+  w.progress = false;
+  w.threads = 1;
+  w.q4_0_scale_search = false;  // faster; the packer does not care which Q4_0 rounding made the file
+  const Status s = converter::WriteModelGguf(*model, w);
+  return s.ok() ? "" : s.ToString();
+}
+
+// A profile with seeded random popularity and co-activation partners, bound to the model by its hash.
+profiler::ModelProfile MakeProfile(const std::string& model_path, int64_t experts, uint64_t seed) {
+  auto gguf = GgufFile::OpenPath(model_path);
+  EXPECT_TRUE(gguf.ok());
+  profiler::ModelProfile p;
+  p.model_hash = HashToHex(*HashFile(model_path));
+  p.model_name = "test";
+  p.activation = "relu";
+  p.n_layers = 2;
+  p.n_ff = 96;
+  p.dim = 64;
+  p.n_experts = experts;
+  p.tokens = 1000;
+  std::mt19937_64 rng(seed);
+  for (int64_t l = 0; l < 2; ++l) {
+    for (int64_t e = experts > 0 ? 0 : -1; e < std::max<int64_t>(0, experts); ++e) {
+      profiler::FfnProfile f;
+      f.layer = l;
+      f.expert = e;
+      f.n_neurons = 96;
+      f.tokens = 1000;
+      f.coact_k = 3;
+      for (int i = 0; i < 96; ++i) {
+        f.count_bs1.push_back(static_cast<uint32_t>(rng() % 1000));
+        for (int j = 0; j < 3; ++j) {
+          f.coact_partner.push_back(static_cast<int32_t>(rng() % 96));
+          f.coact_count.push_back(static_cast<uint32_t>(1 + rng() % 50));
+        }
+      }
+      f.mean_active_fraction = 0.1;
+      p.ffns.push_back(std::move(f));
+    }
+  }
+  return p;
+}
+
+struct Packed {
+  std::string model, dir;
+  profiler::ModelProfile profile;
+};
+
+Packed PackSmall(const TempDir& tmp, GgmlType type, int64_t experts, NeuronOrder order, const std::string& name) {
+  Packed p;
+  p.model = tmp.File(name + ".gguf");
+  EXPECT_EQ(WriteModel(p.model, type, experts), "");
+  p.profile = MakeProfile(p.model, experts, 7);
+  p.dir = tmp.File(name + ".deploy");
+  PackOptions o;
+  o.order = order;
+  o.progress = false;
+  ThreadPool pool(2);
+  auto s = PackDeployment(p.model, p.profile, "0123456789abcdef", p.dir, o, &pool);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return p;
+}
+
+// Checks every neuron of every region against the source model, computing the expected down column independently.
+void ExpectBundlesMatchSource(const Packed& p) {
+  auto d = Deployment::Open(p.dir);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  auto model = GgufFile::OpenPath(p.model);
+  ASSERT_TRUE(model.ok());
+  auto flash = ReadWholeFile((*d)->flash_path());
+  ASSERT_TRUE(flash.ok());
+  const Manifest& m = (*d)->manifest();
+  const BundleLayout& l = m.layout;
+  std::vector<uint8_t> scratch;
+  for (const RegionInfo& r : m.regions) {
+    const std::string b = "blk." + std::to_string(r.layer) + ".";
+    const bool moe = r.expert >= 0;
+    const GgufTensorInfo* g = model->FindTensor(b + (moe ? "ffn_gate_exps.weight" : "ffn_gate.weight"));
+    const GgufTensorInfo* u = model->FindTensor(b + (moe ? "ffn_up_exps.weight" : "ffn_up.weight"));
+    const GgufTensorInfo* dn = model->FindTensor(b + (moe ? "ffn_down_exps.weight" : "ffn_down.weight"));
+    ASSERT_TRUE(g && u && dn);
+    const size_t e = moe ? static_cast<size_t>(r.expert) : 0;
+    std::vector<uint8_t> gs, us, ds;
+    const uint8_t* gate = model->TensorData(*g, &gs)->data() + e * g->n_bytes / std::max<uint64_t>(1, g->dims.size() > 2 ? g->dims[2] : 1);
+    const uint8_t* up = model->TensorData(*u, &us)->data() + e * u->n_bytes / std::max<uint64_t>(1, u->dims.size() > 2 ? u->dims[2] : 1);
+    const uint8_t* down = model->TensorData(*dn, &ds)->data() + e * dn->n_bytes / std::max<uint64_t>(1, dn->dims.size() > 2 ? dn->dims[2] : 1);
+    const size_t grow = *RowBytes(g->type, 64), urow = *RowBytes(u->type, 64), drow = *RowBytes(dn->type, 96);
+    // The whole down matrix as floats (independent of the packer's code path).
+    std::vector<float> down_f(64 * 96);
+    for (int row = 0; row < 64; ++row) ASSERT_TRUE(DequantizeRow(dn->type, down + row * drow, &down_f[row * 96], 96).ok());
+    for (int64_t n = 0; n < r.n_neurons; ++n) {
+      const ByteRange br = (*d)->BundleRange(r.layer, r.expert, n);
+      ASSERT_LE(br.offset + br.size, flash->size());
+      const uint8_t* bundle = flash->data() + br.offset;
+      ASSERT_TRUE((*d)->VerifyBundle(r.layer, r.expert, n, {bundle, br.size}).ok());
+      ASSERT_EQ(0, std::memcmp(bundle + l.gate_offset, gate + n * grow, grow)) << "gate, layer " << r.layer << " neuron " << n;
+      ASSERT_EQ(0, std::memcmp(bundle + l.up_offset, up + n * urow, urow)) << "up, layer " << r.layer << " neuron " << n;
+      std::vector<uint8_t> want(l.down_bytes);
+      if (dn->type == GgmlType::kF32 || dn->type == GgmlType::kF16) {
+        // Exact: the column's raw elements.
+        const size_t es = dn->type == GgmlType::kF32 ? 4 : 2;
+        for (int row = 0; row < 64; ++row) std::memcpy(&want[row * es], down + row * drow + n * es, es);
+      } else {
+        std::vector<float> col(64);
+        for (int row = 0; row < 64; ++row) col[row] = down_f[row * 96 + n];
+        ASSERT_TRUE(QuantizeRow(dn->type, col.data(), want.data(), 64).ok());
+      }
+      ASSERT_EQ(0, std::memcmp(bundle + l.down_offset, want.data(), want.size())) << "down, layer " << r.layer << " neuron " << n;
+      // Views point at the parts with the stored type.
+      const BundleView v = ViewBundle(l, bundle, l.bundle_bytes);
+      ASSERT_EQ(v.gate.data, bundle);
+      ASSERT_EQ(v.down.type, l.down_type);
+      ASSERT_EQ(v.down.cols, 64);
+    }
+    // Hot slots hold the most popular neurons in descending order.
+    const profiler::FfnProfile* fp = p.profile.Find(r.layer, r.expert);
+    for (int64_t s = 1; s < r.hot_count; ++s) {
+      EXPECT_GE(fp->count_bs1[r.neuron_of_slot[s - 1]], fp->count_bs1[r.neuron_of_slot[s]]);
+    }
+  }
+}
+
+TEST(PackerLayoutTest, SmallBundlesSharePagesBigOnesArePadded) {
+  auto small = MakeBundleLayout(64, GgmlType::kF32, GgmlType::kF32, GgmlType::kF32);
+  ASSERT_TRUE(small.ok());
+  EXPECT_EQ(small->bundle_bytes, 768u);
+  EXPECT_EQ(small->slots_per_group, 5);  // floor(4096 / 768)
+  EXPECT_EQ(small->group_bytes, 4096u);
+  EXPECT_EQ(small->SlotOffset(6), 4096u + 768u);
+  // llama-7b Q4_0: 3 x 2304 = 6912 bytes, one bundle per 8 KiB group.
+  auto big = MakeBundleLayout(4096, GgmlType::kQ4_0, GgmlType::kQ4_0, GgmlType::kQ4_0);
+  ASSERT_TRUE(big.ok());
+  EXPECT_EQ(big->bundle_bytes, 6912u);
+  EXPECT_EQ(big->slots_per_group, 1);
+  EXPECT_EQ(big->group_bytes, 8192u);
+  EXPECT_EQ(BundleDownType(GgmlType::kQ4_0, 48), GgmlType::kF32);
+  EXPECT_EQ(BundleDownType(GgmlType::kQ8_0, 64), GgmlType::kQ8_0);
+  EXPECT_FALSE(MakeBundleLayout(48, GgmlType::kQ8_0, GgmlType::kQ8_0, GgmlType::kF32).ok());
+}
+
+TEST(PackerOrderTest, HotCountAndOrders) {
+  profiler::FfnProfile f;
+  f.n_neurons = 6;
+  f.count_bs1 = {1, 50, 10, 30, 0, 9};  // total 100; 50 alone covers half
+  EXPECT_EQ(HotCount(f, -1), 1);
+  EXPECT_EQ(HotCount(f, 0.5), 3);
+  EXPECT_EQ(OrderNeurons(f, 1, NeuronOrder::kHotness), (std::vector<int32_t>{1, 3, 2, 5, 0, 4}));
+  // Co-activation: chains start at the most popular cold neuron (3), follow its strongest unplaced partner.
+  f.coact_k = 2;
+  f.coact_partner = {-1, -1, /*1*/ 3, 2, /*2*/ -1, -1, /*3*/ 1, 4, /*4*/ 0, -1, /*5*/ -1, -1};
+  f.coact_count = {0, 0, 9, 8, 0, 0, 9, 5, 3, 0, 0, 0};
+  // hot = {1}; chain 3 -> (1 is hot) 4 -> 0; then 2; then 5.
+  EXPECT_EQ(OrderNeurons(f, 1, NeuronOrder::kCoactivation), (std::vector<int32_t>{1, 3, 4, 0, 2, 5}));
+}
+
+class PackerTypeTest : public ::testing::TestWithParam<GgmlType> {};
+
+TEST_P(PackerTypeTest, EveryNeuronMatchesTheSource) {
+  TempDir tmp;
+  Packed p = PackSmall(tmp, GetParam(), 0, NeuronOrder::kCoactivation, "m");
+  ExpectBundlesMatchSource(p);
+  auto v = VerifyDeployment(p.dir, false);
+  EXPECT_TRUE(v.ok()) << v.status().ToString();
+  // resident.gguf keeps attention and metadata, drops FFN neuron tensors.
+  auto r = GgufFile::OpenPath(p.dir + "/resident.gguf");
+  ASSERT_TRUE(r.ok());
+  EXPECT_NE(r->FindTensor("blk.0.attn_q.weight"), nullptr);
+  EXPECT_NE(r->FindTensor("blk.1.ffn_norm.weight"), nullptr);
+  EXPECT_EQ(r->FindTensor("blk.0.ffn_gate.weight"), nullptr);
+  EXPECT_TRUE(r->GetUint("llama.block_count").ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, PackerTypeTest,
+                         ::testing::Values(GgmlType::kF32, GgmlType::kF16, GgmlType::kQ8_0, GgmlType::kQ4_0),
+                         [](const auto& info) { return std::string(GgmlTypeName(info.param)); });
+
+TEST(PackerTest, MoeExpertsAreSeparateRegions) {
+  TempDir tmp;
+  Packed p = PackSmall(tmp, GgmlType::kQ8_0, 4, NeuronOrder::kHotness, "moe");
+  ExpectBundlesMatchSource(p);
+  auto d = Deployment::Open(p.dir);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ((*d)->manifest().regions.size(), 8u);
+  EXPECT_NE((*d)->Region(1, 3), nullptr);
+  EXPECT_EQ((*d)->Region(1, -1), nullptr);
+}
+
+// --- corrupt / truncated / mismatched deployments ---------------------------------------------------------------
+
+void FlipByte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x40);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&c, 1);
+}
+
+TEST(PackerCorruptionTest, FlippedBundleByteNamesLayerNeuronOffset) {
+  TempDir tmp;
+  Packed p = PackSmall(tmp, GgmlType::kF16, 0, NeuronOrder::kHotness, "c");
+  auto d = Deployment::Open(p.dir);
+  ASSERT_TRUE(d.ok());
+  const ByteRange br = (*d)->UpDownRange(1, -1, 17);
+  FlipByte((*d)->flash_path(), br.offset + 5);
+  auto v = VerifyDeployment(p.dir, false);
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), StatusCode::kCorruption);
+  const std::string msg = v.status().message();
+  EXPECT_NE(msg.find("layer 1 neuron 17"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("offset " + std::to_string(br.offset)), std::string::npos) << msg;
+}
+
+TEST(PackerCorruptionTest, NonZeroPaddingIsDetected) {
+  TempDir tmp;
+  Packed p = PackSmall(tmp, GgmlType::kF32, 0, NeuronOrder::kHotness, "pad");
+  auto d = Deployment::Open(p.dir);
+  ASSERT_TRUE(d.ok());
+  const BundleLayout& l = (*d)->layout();
+  ASSERT_GT(l.group_bytes, l.slots_per_group * l.bundle_bytes);
+  FlipByte((*d)->flash_path(), l.group_bytes - 1);
+  auto v = VerifyDeployment(p.dir, false);
+  ASSERT_FALSE(v.ok());
+  EXPECT_NE(v.status().message().find("padding byte at offset " + std::to_string(l.group_bytes - 1)), std::string::npos)
+      << v.status().message();
+}
+
+TEST(PackerCorruptionTest, TruncatedWrongVersionOtherModelResident) {
+  TempDir tmp;
+  Packed a = PackSmall(tmp, GgmlType::kF32, 0, NeuronOrder::kHotness, "a");
+  Packed b = PackSmall(tmp, GgmlType::kQ8_0, 0, NeuronOrder::kHotness, "b");
+  // Manifest of another model's deployment dropped in: ffn.bin size disagrees.
+  fs::copy(a.dir, tmp.File("a2.deploy"));
+  fs::copy_file(b.dir + "/manifest.json", tmp.File("a2.deploy/manifest.json"), fs::copy_options::overwrite_existing);
+  auto other = Deployment::Open(tmp.File("a2.deploy"));
+  ASSERT_FALSE(other.ok());
+  EXPECT_NE(other.status().message().find("flash_bytes"), std::string::npos) << other.status().message();
+  // Truncated ffn.bin.
+  fs::resize_file(a.dir + "/ffn.bin", fs::file_size(a.dir + "/ffn.bin") - 4096);
+  auto t = Deployment::Open(a.dir);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("truncated"), std::string::npos) << t.status().message();
+  // Wrong schema version.
+  auto text = ReadWholeFile(b.dir + "/manifest.json");
+  std::string s(text->begin(), text->end());
+  const size_t at = s.find("\"schema_version\": 1");
+  ASSERT_NE(at, std::string::npos);
+  std::string bumped = s;
+  bumped.replace(at, 19, "\"schema_version\": 9");
+  WriteText(b.dir + "/manifest.json", bumped);
+  auto w = Deployment::Open(b.dir);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(w.status().message().find("schema_version 9"), std::string::npos) << w.status().message();
+  // resident.gguf modified: verify's hash check catches it.
+  WriteText(b.dir + "/manifest.json", s);
+  ASSERT_TRUE(VerifyDeployment(b.dir, false).ok());
+  FlipByte(b.dir + "/resident.gguf", fs::file_size(b.dir + "/resident.gguf") - 3);
+  auto r = VerifyDeployment(b.dir, false);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("resident.gguf: xxHash64"), std::string::npos) << r.status().message();
+}
+
+TEST(PackerCorruptionTest, ProfileOfAnotherModelAndOverwriteRefused) {
+  TempDir tmp;
+  Packed a = PackSmall(tmp, GgmlType::kF32, 0, NeuronOrder::kHotness, "a");
+  const std::string other = tmp.File("other.gguf");
+  ASSERT_EQ(WriteModel(other, GgmlType::kF16), "");
+  ThreadPool pool(1);
+  PackOptions o;
+  o.progress = false;
+  auto s = PackDeployment(other, a.profile, "x", tmp.File("o.deploy"), o, &pool);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find(a.profile.model_hash), std::string::npos) << s.status().message();
+  EXPECT_FALSE(fs::exists(tmp.File("o.deploy")));
+  auto again = PackDeployment(a.model, a.profile, "x", a.dir, o, &pool);
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.status().message().find("--force"), std::string::npos);
+  o.overwrite = true;
+  o.hot_fraction = 0.25;
+  auto forced = PackDeployment(a.model, a.profile, "x", a.dir, o, &pool);
+  ASSERT_TRUE(forced.ok()) << forced.status().ToString();
+  auto d = Deployment::Open(a.dir);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ((*d)->Region(0, -1)->hot_count, 24);
+}
+
+}  // namespace
+}  // namespace nflash::packer

@@ -1,0 +1,296 @@
+// Activation predictors and the sparse in-memory FFN: training on a separable synthetic problem, the predictor file
+// round trip and its rejection for another model, and the oracle sparse FFN against the dense engine on
+// stories260K-relu (exact zeros: same logits to fp tolerance, same greedy tokens as the README's golden sample).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "converter/readers.h"
+#include "converter/synth.h"
+#include "profiler/predictor_train.h"
+#include "runtime/core/gguf.h"
+#include "runtime/engine/context.h"
+#include "runtime/engine/model.h"
+#include "runtime/engine/predictor.h"
+#include "runtime/engine/sparse_ffn.h"
+#include "tests/test_util.h"
+
+namespace nflash {
+namespace {
+
+// A problem a rank-8 predictor can solve: neuron j is active iff (U V x)_j > c_j with V (8 x dim) and U (n_ff x 8).
+struct Separable {
+  int64_t dim = 32, n_ff = 64, n = 0;
+  std::vector<float> x;
+  std::vector<uint8_t> mask;
+};
+
+Separable MakeSeparable(int64_t n, uint64_t seed) {
+  Separable s;
+  s.n = n;
+  std::mt19937_64 rng(12345);  // the same U, V, c for every call: train and test data share the problem
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> v(8 * s.dim), u(s.n_ff * 8), c(s.n_ff);
+  for (float& a : v) a = nd(rng);
+  for (float& a : u) a = nd(rng);
+  for (float& a : c) a = 2.0f + nd(rng);  // positive offsets: a minority of neurons is active per token
+  std::mt19937_64 data(seed);
+  s.x.resize(n * s.dim);
+  s.mask.resize(n * s.n_ff);
+  for (int64_t t = 0; t < n; ++t) {
+    float* xt = s.x.data() + t * s.dim;
+    for (int64_t i = 0; i < s.dim; ++i) xt[i] = nd(data);
+    float z[8];
+    for (int k = 0; k < 8; ++k) {
+      z[k] = 0;
+      for (int64_t i = 0; i < s.dim; ++i) z[k] += v[k * s.dim + i] * xt[i];
+    }
+    for (int64_t j = 0; j < s.n_ff; ++j) {
+      float y = 0;
+      for (int k = 0; k < 8; ++k) y += u[j * 8 + k] * z[k];
+      s.mask[t * s.n_ff + j] = y > c[j] ? 1 : 0;
+    }
+  }
+  return s;
+}
+
+TEST(PredictorTrainTest, LearnsSeparableProblem) {
+  ThreadPool pool(2);
+  const Separable train = MakeSeparable(6000, 1);
+  profiler::TrainOptions o;
+  o.target_recall = 0.98f;
+  o.epochs = 20;
+  auto L = profiler::TrainLayer(train.x.data(), train.mask.data(), 5000, 1000, train.dim, train.n_ff, 32, o, &pool);
+  ASSERT_TRUE(L.ok()) << L.status().ToString();
+  // Independent fresh data: recall near the target and a precision the threshold choice does not force.
+  const Separable test = MakeSeparable(2000, 99);
+  const auto q = profiler::Evaluate(*L, test.dim, test.n_ff, test.x.data(), test.mask.data(), test.n, &pool);
+  EXPECT_GT(q.true_fraction, 0.05);
+  EXPECT_LT(q.true_fraction, 0.5);
+  EXPECT_GE(q.recall, 0.95);
+  EXPECT_GE(q.precision, 0.7);
+  EXPECT_LE(q.predicted_fraction, 1.5 * q.true_fraction);
+}
+
+PredictorData RandomData(int64_t dim, int64_t n_ff, int64_t layers, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 0.5f);
+  PredictorData d;
+  d.model_hash = "0123456789abcdef";
+  d.model_name = "test";
+  d.activation = "relu";
+  d.dim = dim;
+  d.n_ff = n_ff;
+  d.target_recall = 0.98f;
+  d.train_tokens = 100;
+  for (int64_t l = 0; l < layers; ++l) {
+    PredictorLayerData L;
+    L.info.rank = 8 * (l + 1);
+    L.info.logit_threshold = 0.1f * static_cast<float>(l);
+    L.info.activation_threshold = 0.0f;
+    L.info.recall = 0.97f;
+    L.fc1.resize(L.info.rank * dim);
+    L.fc2.resize(n_ff * L.info.rank);
+    L.fc2_bias.resize(n_ff);
+    for (float& v : L.fc1) v = nd(rng);
+    for (float& v : L.fc2) v = nd(rng);
+    for (float& v : L.fc2_bias) v = nd(rng);
+    d.layers.push_back(L);
+  }
+  return d;
+}
+
+TEST(PredictorFileTest, RoundTrip) {
+  testing::TempDir dir;
+  const PredictorData d = RandomData(64, 96, 3, 7);
+  ASSERT_TRUE(SavePredictor(d, dir.File("p.gguf"), false).ok());
+  EXPECT_FALSE(SavePredictor(d, dir.File("p.gguf"), false).ok());  // refuses to overwrite
+  auto p = Predictor::Load(dir.File("p.gguf"));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ((*p)->n_layers(), 3);
+  EXPECT_EQ((*p)->model_hash(), d.model_hash);
+  EXPECT_EQ((*p)->info(2).rank, 24);
+  EXPECT_FLOAT_EQ((*p)->info(1).logit_threshold, 0.1f);
+  EXPECT_FLOAT_EQ((*p)->info(0).recall, 0.97f);
+  // Logits against a direct float computation from the data.
+  PredictorScratch scratch;
+  (*p)->PrepareScratch(&scratch);
+  std::vector<float> x(64);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(static_cast<float>(i));
+  for (int64_t l = 0; l < 3; ++l) {
+    const PredictorLayerData& L = d.layers[l];
+    (*p)->Logits(l, x.data(), &scratch, nullptr);
+    std::vector<float> h(L.info.rank);
+    for (int64_t k = 0; k < L.info.rank; ++k) {
+      double s = 0;
+      for (int64_t i = 0; i < 64; ++i) s += L.fc1[k * 64 + i] * x[i];
+      h[k] = std::max(0.0f, static_cast<float>(s));
+    }
+    std::vector<int32_t> expect_active;
+    for (int64_t j = 0; j < 96; ++j) {
+      double s = L.fc2_bias[j];
+      for (int64_t k = 0; k < L.info.rank; ++k) s += L.fc2[j * L.info.rank + k] * h[k];
+      EXPECT_NEAR(scratch.logits[j], s, 1e-3 * (1 + std::fabs(s))) << "layer " << l << " neuron " << j;
+      if (s > L.info.logit_threshold + 1e-3) expect_active.push_back(static_cast<int32_t>(j));
+    }
+    Activation a(x.data(), 1, 64);
+    std::vector<int32_t> active;
+    (*p)->Predict(l, a, 0, &scratch, &active, nullptr);
+    for (int32_t j : expect_active) EXPECT_TRUE(std::binary_search(active.begin(), active.end(), j));
+  }
+  EXPECT_EQ((*p)->PredictorBytes(), (64 * 8 + 96 * 8 + 64 * 16 + 96 * 16 + 64 * 24 + 96 * 24 + 3 * 96) * 4u);
+  // F16 weights: same predictions within half precision.
+  ASSERT_TRUE(SavePredictor(d, dir.File("p16.gguf"), false, GgmlType::kF16).ok());
+  auto p16 = Predictor::Load(dir.File("p16.gguf"));
+  ASSERT_TRUE(p16.ok()) << p16.status().ToString();
+  EXPECT_LT((*p16)->PredictorBytes(), (*p)->PredictorBytes());
+}
+
+TEST(PredictorFileTest, RejectsCorruptAndForeignFiles) {
+  testing::TempDir dir;
+  PredictorData d = RandomData(64, 96, 2, 3);
+  d.layers[1].fc2.pop_back();  // size no longer matches the rank
+  EXPECT_FALSE(SavePredictor(d, dir.File("bad.gguf"), false).ok());
+  testing::WriteText(dir.File("junk.gguf"), "not a gguf file at all");
+  EXPECT_FALSE(Predictor::Load(dir.File("junk.gguf")).ok());
+  EXPECT_FALSE(Predictor::Load(dir.File("missing.gguf")).ok());
+}
+
+// stories260K-relu converted to an F32 GGUF (shared by the tests below).
+std::string ConvertRelu(const testing::TempDir& dir) {
+  auto src = converter::ReadLlama2c(testing::SharedPath("models/stories260K-relu/stories260K-relu.bin"),
+                                    testing::SharedPath("models/stories260K/tok512.bin"), FfnActivation::kRelu);
+  EXPECT_TRUE(src.ok()) << src.status().ToString();
+  converter::WriteOptions opt;
+  opt.path = dir.File("relu.gguf");
+  opt.type = GgmlType::kF32;
+  opt.progress = false;
+  EXPECT_TRUE(converter::WriteModelGguf(*src, opt).ok());
+  return opt.path;
+}
+
+TEST(PredictorFileTest, RejectsPredictorOfAnotherModel) {
+  testing::TempDir dir;
+  auto model = Model::Load(ConvertRelu(dir), LoadOptions());
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const LlamaHparams& hp = (*model)->hparams();
+  // Right shape: accepted without a hash, rejected with a different hash.
+  auto ok = Predictor::FromData(RandomData(hp.dim, hp.n_ff, hp.n_layers, 1));
+  ASSERT_TRUE(ok.ok());
+  EXPECT_TRUE((*ok)->CheckForModel(**model, "", "relu.gguf").ok());
+  Status s = (*ok)->CheckForModel(**model, "fedcba9876543210", "relu.gguf");
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("hash"), std::string::npos) << s.message();
+  // Wrong dims or layer count: rejected, also by SparseFfn::Create.
+  auto wrong = Predictor::FromData(RandomData(hp.dim, hp.n_ff + 32, hp.n_layers, 1));
+  ASSERT_TRUE(wrong.ok());
+  EXPECT_FALSE((*wrong)->CheckForModel(**model, "", "relu.gguf").ok());
+  ThreadPool pool(1);
+  SparseFfnOptions o;
+  o.mode = SparseMode::kPredictor;
+  EXPECT_FALSE(SparseFfn::Create(**model, wrong->get(), o, &pool).ok());
+  auto fewer = Predictor::FromData(RandomData(hp.dim, hp.n_ff, hp.n_layers - 1, 1));
+  EXPECT_FALSE((*fewer)->CheckForModel(**model, "", "relu.gguf").ok());
+}
+
+TEST(SparseFfnTest, OracleEqualsDenseOnReluModel) {
+  testing::TempDir dir;
+  auto model = Model::Load(ConvertRelu(dir), LoadOptions());
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const int64_t n_vocab = (*model)->hparams().n_vocab;
+  for (int threads : {1, 2}) {
+    ThreadPool pool(threads);
+    InferenceContext dense(**model, &pool, 128), sparse(**model, &pool, 128);
+    auto ffn = SparseFfn::Create(**model, nullptr, SparseFfnOptions(), &pool);
+    ASSERT_TRUE(ffn.ok()) << ffn.status().ToString();
+    sparse.SetFfnBackend(ffn->get());
+    // The README's golden prompt [1, 403, 407, 261, 378] and its first 64 greedy continuation ids.
+    const std::vector<int32_t> golden = {432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337,
+                                         335, 311, 267, 422, 419, 269, 344, 444, 427, 421, 414, 276, 265, 263, 304, 341,
+                                         426, 385, 328, 432, 358, 263, 377, 267, 265, 282, 295, 433, 335, 311, 357, 343,
+                                         426, 338, 394, 261, 370, 268, 414, 444, 269, 391, 266, 267, 337, 335, 312, 426};
+    std::vector<int32_t> prompt = {1, 403, 407, 261, 378};
+    std::vector<int32_t> got_dense, got_sparse;
+    double max_diff = 0;
+    for (int32_t t : prompt) {
+      ASSERT_TRUE(dense.Eval({&t, 1}, false).ok());
+      ASSERT_TRUE(sparse.Eval({&t, 1}, false).ok());
+    }
+    for (int i = 0; i < 64; ++i) {
+      const float* a = dense.logits();
+      const float* b = sparse.logits();
+      for (int64_t v = 0; v < n_vocab; ++v) max_diff = std::max(max_diff, static_cast<double>(std::fabs(a[v] - b[v])));
+      int32_t na = static_cast<int32_t>(std::max_element(a, a + n_vocab) - a);
+      int32_t nb = static_cast<int32_t>(std::max_element(b, b + n_vocab) - b);
+      got_dense.push_back(na);
+      got_sparse.push_back(nb);
+      ASSERT_TRUE(dense.Eval({&na, 1}, false).ok());
+      ASSERT_TRUE(sparse.Eval({&nb, 1}, false).ok());
+    }
+    EXPECT_EQ(got_sparse, golden);
+    EXPECT_EQ(got_dense, golden);
+    EXPECT_LT(max_diff, 1e-3) << "oracle sparse FFN logits differ from dense by " << max_diff;
+    // ReLU: the exact active set is a minority (the README measures 86.4% zeros) and recall is 1 by definition.
+    double active = 0;
+    for (const SparseFfnLayerStats& s : (*ffn)->stats()) {
+      EXPECT_EQ(s.tokens, 5 + 64);
+      EXPECT_EQ(s.true_positive, s.true_active);
+      active += static_cast<double>(s.active) / static_cast<double>(s.tokens * (*model)->hparams().n_ff);
+    }
+    active /= static_cast<double>((*ffn)->stats().size());
+    EXPECT_GT(active, 0.05);
+    EXPECT_LT(active, 0.3);
+  }
+}
+
+// Quantized weights: the transposed down is requantized, so oracle and dense agree to quantization rounding, not
+// bit for bit. A small synthetic ReLU model (sparse through its weights) in Q8_0 and Q4_0.
+TEST(SparseFfnTest, OracleCloseToDenseOnQuantizedModel) {
+  testing::TempDir dir;
+  for (GgmlType type : {GgmlType::kQ8_0, GgmlType::kQ4_0}) {
+    converter::SynthOptions o;
+    o.shape = "custom";
+    o.dim = 128;
+    o.ffn = 256;
+    o.layers = 2;
+    o.heads = 4;
+    o.vocab = 300;
+    o.context = 64;
+    o.type = type;
+    o.threads = 1;
+    auto src = converter::BuildSyntheticModel(o, nullptr);
+    ASSERT_TRUE(src.ok()) << src.status().ToString();
+    converter::WriteOptions w;
+    w.path = dir.File(std::string("synth-") + std::string(GgmlTypeName(type)) + ".gguf");
+    w.type = type;
+    w.progress = false;
+    w.q4_0_scale_search = false;
+    ASSERT_TRUE(converter::WriteModelGguf(*src, w).ok());
+    auto model = Model::Load(w.path, LoadOptions());
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    ThreadPool pool(2);
+    InferenceContext dense(**model, &pool, 64), sparse(**model, &pool, 64);
+    auto ffn = SparseFfn::Create(**model, nullptr, SparseFfnOptions(), &pool);
+    ASSERT_TRUE(ffn.ok()) << ffn.status().ToString();
+    sparse.SetFfnBackend(ffn->get());
+    double max_diff = 0, max_abs = 0;
+    for (int32_t t = 3; t < 40; ++t) {
+      const int32_t tok = (t * 37) % 300;
+      ASSERT_TRUE(dense.Eval({&tok, 1}, false).ok());
+      ASSERT_TRUE(sparse.Eval({&tok, 1}, false).ok());
+      for (int64_t v = 0; v < 300; ++v) {
+        max_diff = std::max(max_diff, static_cast<double>(std::fabs(dense.logits()[v] - sparse.logits()[v])));
+        max_abs = std::max(max_abs, static_cast<double>(std::fabs(dense.logits()[v])));
+      }
+    }
+    EXPECT_GT(max_abs, 0.1);
+    EXPECT_LT(max_diff, 0.05 * max_abs) << GgmlTypeName(type);
+    const SparseFfnLayerStats& s = (*ffn)->stats()[0];
+    EXPECT_LT(static_cast<double>(s.active) / static_cast<double>(s.tokens * 256), 0.3);  // synth: ~10% active
+  }
+}
+
+}  // namespace
+}  // namespace nflash

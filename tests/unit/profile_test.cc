@@ -1,0 +1,387 @@
+// Profile file round trip and rejection of corrupt or foreign files; activation statistics checked against
+// independent brute-force computations on seeded random streams.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <list>
+#include <random>
+#include <set>
+
+#include "profiler/activation_stats.h"
+#include "profiler/profile.h"
+#include "runtime/core/gguf.h"
+#include "tests/test_util.h"
+
+namespace nflash::profiler {
+namespace {
+
+using testing::TempDir;
+
+FfnProfile RandomFfn(std::mt19937* rng, int64_t layer, int64_t expert, int64_t n, int64_t k, size_t n_report) {
+  std::uniform_int_distribution<uint32_t> u(0, 1000);
+  FfnProfile f;
+  f.layer = layer;
+  f.expert = expert;
+  f.n_neurons = n;
+  f.threshold = 0.25f;
+  f.tokens = 1000;
+  for (int64_t i = 0; i < n; ++i) {
+    f.count_bs1.push_back(u(*rng));
+    f.count_bs2.push_back(u(*rng));
+    f.count_bs4.push_back(u(*rng));
+  }
+  f.groups2 = 500;
+  f.groups4 = 250;
+  for (int b = 0; b < kActiveHistBins; ++b) f.active_hist.push_back(u(*rng));
+  for (int i = 0; i < kCurvePoints; ++i) {
+    f.popularity.push_back(i / 16.0f);
+    f.lru_hit_rate.push_back(i / 32.0f);
+  }
+  f.mean_active_fraction = 0.123;
+  f.up_given_gate = 0.9;
+  f.down_given_gate = 0.8;
+  f.coact_k = k;
+  for (int64_t i = 0; i < n * k; ++i) {
+    f.coact_partner.push_back(static_cast<int32_t>(u(*rng) % n));
+    f.coact_count.push_back(u(*rng));
+  }
+  for (size_t i = 0; i < n_report; ++i) f.report_thresholds.push_back(0.1f * static_cast<float>(i));
+  return f;
+}
+
+ModelProfile RandomProfile() {
+  std::mt19937 rng(42);
+  ModelProfile p;
+  p.model_hash = "0123456789abcdef";
+  p.model_name = "test-model";
+  p.activation = "silu";
+  p.n_layers = 2;
+  p.n_ff = 100;
+  p.n_experts = 2;
+  p.dim = 16;
+  p.tokens = 1000;
+  p.text_path = "calib.txt";
+  p.ctx = 256;
+  p.target_sparsity = 0.5;
+  p.report_sparsities = {0.0f, 0.5f, 0.9f};
+  for (int64_t l = 0; l < 2; ++l) {
+    for (int64_t e = 0; e < 2; ++e) p.ffns.push_back(RandomFfn(&rng, l, e, 100, 4, 3));
+  }
+  return p;
+}
+
+void ExpectSame(const FfnProfile& a, const FfnProfile& b) {
+  EXPECT_EQ(a.layer, b.layer);
+  EXPECT_EQ(a.expert, b.expert);
+  EXPECT_EQ(a.n_neurons, b.n_neurons);
+  EXPECT_EQ(a.threshold, b.threshold);
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_EQ(a.count_bs1, b.count_bs1);
+  EXPECT_EQ(a.count_bs2, b.count_bs2);
+  EXPECT_EQ(a.count_bs4, b.count_bs4);
+  EXPECT_EQ(a.groups2, b.groups2);
+  EXPECT_EQ(a.groups4, b.groups4);
+  EXPECT_EQ(a.active_hist, b.active_hist);
+  EXPECT_EQ(a.mean_active_fraction, b.mean_active_fraction);
+  EXPECT_EQ(a.popularity, b.popularity);
+  EXPECT_EQ(a.lru_hit_rate, b.lru_hit_rate);
+  EXPECT_EQ(a.up_given_gate, b.up_given_gate);
+  EXPECT_EQ(a.down_given_gate, b.down_given_gate);
+  EXPECT_EQ(a.coact_k, b.coact_k);
+  EXPECT_EQ(a.coact_partner, b.coact_partner);
+  EXPECT_EQ(a.coact_count, b.coact_count);
+  EXPECT_EQ(a.report_thresholds, b.report_thresholds);
+}
+
+TEST(ProfileFile, RoundTrip) {
+  TempDir dir;
+  const ModelProfile p = RandomProfile();
+  ASSERT_TRUE(SaveProfile(p, dir.File("p.prof"), false).ok());
+  auto loaded = LoadProfile(dir.File("p.prof"));
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ(loaded->model_hash, p.model_hash);
+  EXPECT_EQ(loaded->model_name, p.model_name);
+  EXPECT_EQ(loaded->activation, p.activation);
+  EXPECT_EQ(loaded->n_layers, 2);
+  EXPECT_EQ(loaded->n_ff, 100);
+  EXPECT_EQ(loaded->n_experts, 2);
+  EXPECT_EQ(loaded->dim, 16);
+  EXPECT_EQ(loaded->tokens, 1000);
+  EXPECT_EQ(loaded->ctx, 256);
+  EXPECT_EQ(loaded->target_sparsity, 0.5);
+  EXPECT_EQ(loaded->report_sparsities, p.report_sparsities);
+  ASSERT_EQ(loaded->ffns.size(), p.ffns.size());
+  for (size_t i = 0; i < p.ffns.size(); ++i) ExpectSame(loaded->ffns[i], p.ffns[i]);
+  const FfnProfile* f = loaded->Find(1, 0);
+  ASSERT_NE(f, nullptr);
+  EXPECT_EQ(f->count_bs1, p.ffns[2].count_bs1);
+  EXPECT_EQ(loaded->Find(2, 0), nullptr);
+  EXPECT_EQ(loaded->Find(0, -1), nullptr);
+}
+
+TEST(ProfileFile, RefusesOverwriteWithoutForce) {
+  TempDir dir;
+  const ModelProfile p = RandomProfile();
+  ASSERT_TRUE(SaveProfile(p, dir.File("p.prof"), false).ok());
+  Status s = SaveProfile(p, dir.File("p.prof"), false);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("--force"), std::string::npos) << s.message();
+  EXPECT_TRUE(SaveProfile(p, dir.File("p.prof"), true).ok());
+}
+
+TEST(ProfileFile, SaveRejectsWrongSizes) {
+  TempDir dir;
+  ModelProfile p = RandomProfile();
+  p.ffns[1].count_bs2.pop_back();
+  Status s = SaveProfile(p, dir.File("p.prof"), false);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("count_bs2"), std::string::npos) << s.message();
+  EXPECT_FALSE(std::ifstream(dir.File("p.prof")).good());
+}
+
+TEST(ProfileFile, RejectsOtherSchemaVersion) {
+  TempDir dir;
+  ModelProfile p = RandomProfile();
+  p.schema_version = kProfileSchemaVersion + 1;
+  ASSERT_TRUE(SaveProfile(p, dir.File("p.prof"), false).ok());
+  auto loaded = LoadProfile(dir.File("p.prof"));
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_EQ(loaded.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(loaded.status().message().find("schema version 2"), std::string::npos) << loaded.status().message();
+}
+
+TEST(ProfileFile, RejectsAGgufThatIsNotAProfile) {
+  TempDir dir;
+  GgufWriter w;
+  w.Set("general.type", "model");
+  ASSERT_TRUE(w.Begin(dir.File("m.gguf"), false).ok());
+  ASSERT_TRUE(w.Finish().ok());
+  auto loaded = LoadProfile(dir.File("m.gguf"));
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_NE(loaded.status().message().find("not an nflash profile"), std::string::npos);
+}
+
+TEST(ProfileFile, DetectsFlippedDataByte) {
+  TempDir dir;
+  const ModelProfile p = RandomProfile();
+  const std::string path = dir.File("p.prof");
+  ASSERT_TRUE(SaveProfile(p, path, false).ok());
+  uint64_t at = 0;
+  {
+    auto g = GgufFile::OpenPath(path);
+    ASSERT_TRUE(g.ok());
+    const GgufTensorInfo* t = g->FindTensor("prof.blk.1.exp.0.count_bs4");
+    ASSERT_NE(t, nullptr);
+    at = g->data_offset() + t->offset + 5;
+  }
+  std::fstream io(path, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekg(static_cast<std::streamoff>(at));
+  char c = 0;
+  io.read(&c, 1);
+  c ^= 0x10;
+  io.seekp(static_cast<std::streamoff>(at));
+  io.write(&c, 1);
+  io.close();
+  auto loaded = LoadProfile(path);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_EQ(loaded.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(loaded.status().message().find("checksum"), std::string::npos) << loaded.status().message();
+}
+
+TEST(ProfileFile, DetectsTruncation) {
+  TempDir dir;
+  const std::string path = dir.File("p.prof");
+  ASSERT_TRUE(SaveProfile(RandomProfile(), path, false).ok());
+  std::ifstream in(path, std::ios::binary);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (size_t keep : {bytes.size() - 100, bytes.size() / 2, size_t{10}}) {
+    testing::WriteBytes(dir.File("t.prof"), std::vector<uint8_t>(bytes.begin(), bytes.begin() + keep));
+    EXPECT_FALSE(LoadProfile(dir.File("t.prof")).ok()) << "kept " << keep;
+  }
+}
+
+TEST(ProfileFile, CheckProfileForModelNamesBothHashes) {
+  const ModelProfile p = RandomProfile();
+  EXPECT_TRUE(CheckProfileForModel(p, "0123456789abcdef", "m.gguf").ok());
+  Status s = CheckProfileForModel(p, "fedcba9876543210", "m.gguf");
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("0123456789abcdef"), std::string::npos);
+  EXPECT_NE(s.message().find("fedcba9876543210"), std::string::npos);
+}
+
+// ---- statistics ----
+
+// Hits of an LRU cache of `capacity` items on `trace`, simulated directly.
+uint64_t BruteForceLruHits(const std::vector<int32_t>& trace, size_t capacity) {
+  std::list<int32_t> lru;  // front: most recent
+  uint64_t hits = 0;
+  for (int32_t x : trace) {
+    auto it = std::find(lru.begin(), lru.end(), x);
+    if (it != lru.end()) {
+      ++hits;
+      lru.erase(it);
+    } else if (capacity > 0 && lru.size() == capacity) {
+      lru.pop_back();
+    }
+    if (capacity > 0) lru.push_front(x);
+  }
+  return hits;
+}
+
+TEST(StackDistance, MatchesBruteForceLru) {
+  std::mt19937 rng(7);
+  const int64_t n = 60;
+  // Skewed: a hot set plus a uniform tail, so hit rates vary across sizes. 20000 accesses > 4n + 1024 slots, so
+  // compaction runs several times.
+  std::vector<int32_t> trace;
+  std::uniform_int_distribution<int32_t> hot(0, 9), all(0, n - 1);
+  std::bernoulli_distribution pick_hot(0.6);
+  for (int i = 0; i < 20000; ++i) trace.push_back(pick_hot(rng) ? hot(rng) : all(rng));
+  StackDistanceCounter c(n);
+  for (int32_t x : trace) c.Access(x);
+  EXPECT_EQ(c.accesses(), trace.size());
+  for (int64_t cap : {0, 1, 2, 5, 10, 11, 30, 59, 60}) {
+    EXPECT_EQ(c.Hits(cap), BruteForceLruHits(trace, static_cast<size_t>(cap))) << "capacity " << cap;
+  }
+  const std::vector<float> curve = c.HitRateCurve();
+  ASSERT_EQ(curve.size(), static_cast<size_t>(kCurvePoints));
+  for (int i = 0; i < kCurvePoints; ++i) {
+    const size_t cap = static_cast<size_t>(std::llround(i * n / 16.0));
+    EXPECT_NEAR(curve[i], static_cast<double>(BruteForceLruHits(trace, cap)) / trace.size(), 1e-6) << i;
+  }
+}
+
+TEST(Popularity, CurveOfKnownCounts) {
+  // 16 neurons: counts 16..1 (total 136): top k hold sum of the k largest.
+  std::vector<uint32_t> counts;
+  for (uint32_t c = 1; c <= 16; ++c) counts.push_back(c);
+  std::shuffle(counts.begin(), counts.end(), std::mt19937(3));
+  const std::vector<float> curve = PopularityCurve(counts);
+  for (int i = 0; i <= 16; ++i) {
+    const double top = i * 16 - i * (i - 1) / 2.0;  // 16 + 15 + ... (i terms)
+    EXPECT_NEAR(curve[i], top / 136.0, 1e-6) << i;
+  }
+  EXPECT_EQ(PopularityCurve(std::vector<uint32_t>(8, 0))[16], 0.0f);
+}
+
+TEST(Quantile, NearestRank) {
+  std::vector<float> v;
+  for (int i = 100; i >= 1; --i) v.push_back(static_cast<float>(i));
+  auto copy = v;
+  EXPECT_EQ(QuantileThreshold(&copy, 0.3), 30.0f);
+  copy = v;
+  EXPECT_EQ(QuantileThreshold(&copy, 0.9), 90.0f);
+  copy = v;
+  EXPECT_EQ(QuantileThreshold(&copy, 0.0), 0.0f);
+}
+
+TEST(FfnStats, MatchesIndependentCounts) {
+  std::mt19937 rng(11);
+  const int64_t n = 70;  // two bitset words
+  const int64_t ctx = 5;
+  const int64_t n_windows = 7;  // groups of 2: {0,1},{2,3},{4,5},{6}; of 4: {0..3},{4..6}
+  const int64_t last_len = 3;   // the last window is short
+  FfnStatsOptions opt;
+  opt.ctx = ctx;
+  opt.coact_k = 3;
+  opt.coact_tokens = 1000;  // every token sampled: pair counts are exact
+  FfnStats st(2, -1, n, 0.0f, opt);
+  std::vector<std::vector<std::vector<int32_t>>> sets(n_windows);  // [window][pos] -> active set
+  std::vector<int32_t> trace;
+  std::bernoulli_distribution hot(0.7), cold(0.1);
+  for (int64_t w = 0; w < n_windows; ++w) {
+    const int64_t len = w == n_windows - 1 ? last_len : ctx;
+    for (int64_t p = 0; p < len; ++p) {
+      std::vector<int32_t> a;
+      for (int32_t i = 0; i < n; ++i) {
+        if (i < 8 ? hot(rng) : cold(rng)) a.push_back(i);
+      }
+      st.AddToken(a, w, p, true);
+      st.AddGateCoactivation(static_cast<int64_t>(a.size()), static_cast<int64_t>(a.size()) / 2, 1);
+      trace.insert(trace.end(), a.begin(), a.end());
+      sets[w].push_back(a);
+    }
+  }
+  ThreadPool pool(2);
+  const FfnProfile f = st.Finish(&pool);
+  EXPECT_EQ(f.layer, 2);
+  EXPECT_EQ(f.tokens, (n_windows - 1) * ctx + last_len);
+  // Independent: counts at batch 1, unions over window groups at each position, histogram, mean.
+  std::vector<uint32_t> c1(n, 0), c2(n, 0), c4(n, 0);
+  std::vector<uint32_t> hist(kActiveHistBins, 0);
+  double sum_frac = 0;
+  int64_t total_active = 0;
+  for (const auto& win : sets) {
+    for (const auto& a : win) {
+      for (int32_t i : a) ++c1[i];
+      const double frac = static_cast<double>(a.size()) / n;
+      sum_frac += frac;
+      ++hist[std::min<int>(kActiveHistBins - 1, static_cast<int>(frac * kActiveHistBins))];
+      total_active += static_cast<int64_t>(a.size());
+    }
+  }
+  int64_t g2 = 0, g4 = 0;
+  for (int64_t group_size : {2, 4}) {
+    for (int64_t g0 = 0; g0 < n_windows; g0 += group_size) {
+      for (int64_t p = 0; p < ctx; ++p) {
+        std::set<int32_t> u;
+        bool any = false;
+        for (int64_t w = g0; w < std::min(n_windows, g0 + group_size); ++w) {
+          if (p < static_cast<int64_t>(sets[w].size())) {
+            any = true;
+            u.insert(sets[w][p].begin(), sets[w][p].end());
+          }
+        }
+        if (!any) continue;
+        (group_size == 2 ? g2 : g4)++;
+        for (int32_t i : u) ++(group_size == 2 ? c2 : c4)[i];
+      }
+    }
+  }
+  EXPECT_EQ(f.count_bs1, c1);
+  EXPECT_EQ(f.count_bs2, c2);
+  EXPECT_EQ(f.count_bs4, c4);
+  EXPECT_EQ(f.groups2, g2);
+  EXPECT_EQ(f.groups4, g4);
+  EXPECT_EQ(f.active_hist, hist);
+  EXPECT_NEAR(f.mean_active_fraction, sum_frac / static_cast<double>(f.tokens), 1e-12);
+  EXPECT_EQ(f.popularity, PopularityCurve(c1));
+  for (int i = 0; i < kCurvePoints; ++i) {
+    const size_t cap = static_cast<size_t>(std::llround(i * n / 16.0));
+    EXPECT_NEAR(f.lru_hit_rate[i], static_cast<double>(BruteForceLruHits(trace, cap)) / trace.size(), 1e-6);
+  }
+  int64_t up_ok = 0;
+  for (const auto& win : sets) {
+    for (const auto& a : win) up_ok += static_cast<int64_t>(a.size()) / 2;
+  }
+  EXPECT_NEAR(f.up_given_gate, static_cast<double>(up_ok) / total_active, 1e-12);
+  // Co-activation: exact pair counts; top-3 partners by count, ties to the smaller index.
+  ASSERT_EQ(f.coact_k, 3);
+  for (int32_t i = 0; i < n; ++i) {
+    std::vector<std::pair<uint32_t, int32_t>> pairs;
+    for (int32_t j = 0; j < n; ++j) {
+      if (j == i) continue;
+      uint32_t c = 0;
+      for (const auto& win : sets) {
+        for (const auto& a : win) {
+          const bool hi = std::binary_search(a.begin(), a.end(), i), hj = std::binary_search(a.begin(), a.end(), j);
+          c += hi && hj;
+        }
+      }
+      if (c > 0) pairs.emplace_back(c, j);
+    }
+    std::sort(pairs.begin(), pairs.end(), [](auto x, auto y) { return x.first != y.first ? x.first > y.first
+                                                                                        : x.second < y.second; });
+    for (size_t r = 0; r < 3; ++r) {
+      const int32_t want_partner = r < pairs.size() ? pairs[r].second : -1;
+      const uint32_t want_count = r < pairs.size() ? pairs[r].first : 0;
+      EXPECT_EQ(f.coact_partner[i * 3 + r], want_partner) << "neuron " << i << " rank " << r;
+      EXPECT_EQ(f.coact_count[i * 3 + r], want_count) << "neuron " << i << " rank " << r;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace nflash::profiler
