@@ -9,6 +9,7 @@
 //   ffn.bin         the flash image: one region per (layer, expert), each starting at a multiple of kDeployAlignment;
 //                   a region holds n_neurons bundles in slot order, hot neurons (most popular first) in the first slots
 //   predictor.gguf  optional: the --predictor file, copied verbatim (Predictor::Load reads it as is)
+//   profile.gguf    the profile packed from, copied verbatim (hash: manifest profile_hash): `nflash plan` reads it
 //
 // A bundle (neuron i of a region): [gate row i][up row i][down column i], parts back to back, gate first so that a
 // two-phase load can read the gate part alone. Slots are grouped: `slots_per_group` bundles back to back at the start
@@ -39,6 +40,8 @@ inline constexpr char kManifestFileName[] = "manifest.json";
 inline constexpr char kResidentFileName[] = "resident.gguf";
 inline constexpr char kFlashFileName[] = "ffn.bin";
 inline constexpr char kPredictorFileName[] = "predictor.gguf";
+// The profile the deployment was packed from (optional copy, hash = manifest profile_hash): the planner's input.
+inline constexpr char kProfileFileName[] = "profile.gguf";
 
 // Names of the index tensors in resident.gguf for region (layer, expert); expert -1 is a dense FFN.
 //   <prefix>.slot_of_neuron  I32 [n_neurons]   slot of each neuron (a permutation of 0..n-1)

@@ -443,6 +443,15 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
     m.predictor_hash = HashToHex(ph);
     m.predictor_bytes = fs::file_size(dst, ec);
   }
+  if (!options.profile_path.empty()) {
+    const std::string dst = tmp + "/" + kProfileFileName;
+    NF_RETURN_IF_ERROR(CopyFile(options.profile_path, dst));
+    NF_ASSIGN_OR_RETURN(uint64_t copied, HashFile(dst));
+    if (HashToHex(copied) != profile_hash) {
+      return Status::IOError(dst + ": the copy of " + options.profile_path + " hashes to " + HashToHex(copied) +
+                             ", expected " + profile_hash + " (changed while packing?)");
+    }
+  }
   NF_ASSIGN_OR_RETURN(uint64_t rh, HashFile(resident_path));
   m.resident_hash = HashToHex(rh);
   m.resident_bytes = fs::file_size(resident_path, ec);

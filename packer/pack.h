@@ -35,6 +35,9 @@ struct PackOptions {
   NeuronOrder order = NeuronOrder::kHotness;
   double hot_fraction = -1.0;  // < 0: kDefaultHotActivationShare rule
   std::string predictor_path;  // "" or a predictor GGUF copied into the deployment
+  // "" or the profile file (whose hash is `profile_hash`): copied into the deployment as kProfileFileName, so that
+  // `nflash plan` finds the popularity and hit-rate curves of what it plans for without another argument.
+  std::string profile_path;
   bool overwrite = false;      // replace an existing DEPLOY_DIR
   bool progress = true;        // progress bar on stderr
 };

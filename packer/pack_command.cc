@@ -40,6 +40,7 @@ Status RunPack(const PackFlags& flags) {
   }
   options.hot_fraction = flags.hot_fraction;
   options.predictor_path = flags.predictor;
+  options.profile_path = flags.profile;
   options.overwrite = flags.force;
   NF_ASSIGN_OR_RETURN(profiler::ModelProfile profile, profiler::LoadProfile(flags.profile));
   NF_ASSIGN_OR_RETURN(uint64_t profile_hash, HashFile(flags.profile));

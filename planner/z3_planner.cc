@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdio>
 
+#include "runtime/sparse/memory_budget.h"
+
 namespace nflash::planner {
 namespace {
 
@@ -216,11 +218,6 @@ std::vector<std::string> UnsatCore(const HardwareParams& hw, const ModelParams& 
   return names;
 }
 
-std::string Gib(uint64_t bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.3f GiB", static_cast<double>(bytes) / (kMiB * 1024.0));
-  return buf;
-}
 
 }  // namespace
 
@@ -269,13 +266,13 @@ Result<SolveResult> SolvePlan(const HardwareParams& hw, const ModelParams& model
     for (size_t i = 0; i < result.conflict.size(); ++i) msg += (i ? ", " : "") + result.conflict[i];
     msg += "}";
     if (model.fixed_bytes > limits.memory_bytes) {
-      msg += "; the fixed part (resident weights, KV cache, scratch) alone needs " + Gib(model.fixed_bytes) +
-             " but the memory limit is " + Gib(limits.memory_bytes);
+      msg += "; the fixed part (resident weights, KV cache, scratch) alone needs " + sparse::FormatBytes(model.fixed_bytes) +
+             " but the memory limit is " + sparse::FormatBytes(limits.memory_bytes);
     }
     if (result.min_feasible_memory > 0) {
       char buf[160];
       std::snprintf(buf, sizeof buf, "; reaching %.2f tok/s needs at least %s", limits.min_tokens_per_s,
-                    Gib(result.min_feasible_memory).c_str());
+                    sparse::FormatBytes(result.min_feasible_memory).c_str());
       msg += buf;
     } else if (max_token_us > 0) {
       char buf[160];
@@ -284,7 +281,7 @@ Result<SolveResult> SolvePlan(const HardwareParams& hw, const ModelParams& model
     }
     if (result.max_feasible_speed > 0) {
       char buf[160];
-      std::snprintf(buf, sizeof buf, "; within %s the best is %.2f tok/s", Gib(limits.memory_bytes).c_str(),
+      std::snprintf(buf, sizeof buf, "; within %s the best is %.2f tok/s", sparse::FormatBytes(limits.memory_bytes).c_str(),
                     result.max_feasible_speed);
       msg += buf;
     }

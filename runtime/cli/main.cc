@@ -6,6 +6,7 @@
 
 #include "converter/commands.h"
 #include "packer/commands.h"
+#include "planner/commands.h"
 #include "runtime/bench/commands.h"
 #include "profiler/commands.h"
 #include "runtime/cli/command.h"
@@ -35,6 +36,7 @@ int main(int argc, char** argv) {
   profiler::RegisterProfileHwCommand(app, &action);
   packer::RegisterPackCommand(app, &action);
   packer::RegisterVerifyCommand(app, &action);
+  planner::RegisterPlanCommand(app, &action);
   sparse::RegisterOffloadCommand(app, &action);
   bench::RegisterBenchCommand(app, &action);
 

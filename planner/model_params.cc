@@ -1,0 +1,199 @@
+// Planner inputs from the deployment, the profile and hw.json (see model_params.h).
+#include "planner/model_params.h"
+
+#include <algorithm>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/core/checksum.h"
+#include "runtime/core/file.h"
+#include "runtime/engine/model.h"
+
+namespace nflash::planner {
+namespace {
+
+Curve CurveFrom(const std::vector<float>& y) {
+  Curve c;
+  for (size_t i = 0; i < y.size(); ++i) {
+    c.x.push_back(static_cast<double>(i) / static_cast<double>(y.size() - 1));
+    c.y.push_back(std::clamp(static_cast<double>(y[i]), 0.0, 1.0));
+  }
+  return c;
+}
+
+}  // namespace
+
+Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployment, const profiler::ModelProfile& profile,
+                                              const std::string& profile_path, uint64_t fixed_bytes,
+                                              uint64_t slot_bytes) {
+  const packer::Manifest& man = deployment.manifest();
+  NF_ASSIGN_OR_RETURN(uint64_t profile_hash, HashFile(profile_path));
+  if (HashToHex(profile_hash) != man.profile_hash) {
+    return Status::InvalidArgument(profile_path + " is not the profile " + deployment.dir() +
+                                   " was packed from: manifest.json field 'profile_hash' is " + man.profile_hash +
+                                   ", the file hashes to " + HashToHex(profile_hash));
+  }
+  if (profile.n_layers != man.n_layers || profile.n_ff != man.n_ff || profile.n_experts != man.n_experts) {
+    return Status::InvalidArgument(profile_path + ": shape (layers, n_ff, experts) differs from " + deployment.dir() +
+                                   "/manifest.json");
+  }
+  NF_ASSIGN_OR_RETURN(LlamaHparams hp, ReadLlamaHparams(deployment.resident()));
+  ModelParams m;
+  m.name = man.model_name;
+  m.n_layers = man.n_layers;
+  m.fixed_bytes = fixed_bytes;
+  m.predictor_bytes = man.predictor_bytes;
+  m.ffn_bytes = man.flash_bytes;
+
+  // Dense bytes per token: every resident matrix a decode token multiplies with (attention, router, output head). The
+  // embedding table is a lookup (one row) unless it doubles as the output head; the deployment's index tables are
+  // not read per token.
+  const bool tied = deployment.resident().FindTensor("output.weight") == nullptr;
+  for (const GgufTensorInfo& t : deployment.resident().tensors()) {
+    if (t.name.rfind("nflash.", 0) == 0) continue;
+    if (t.name == "token_embd.weight" && !tied) continue;
+    if (t.dims.size() < 2) continue;  // norms: negligible, and not a matrix product
+    m.dense_bytes_per_token += t.n_bytes;
+    m.matmul_params += t.n_elements;
+  }
+  const uint64_t per_region_params = 3ull * static_cast<uint64_t>(man.dim) * static_cast<uint64_t>(man.n_ff);
+
+  const packer::BundleLayout& layout = deployment.layout();
+  for (const packer::RegionInfo& r : man.regions) {
+    const profiler::FfnProfile* fp = profile.Find(r.layer, r.expert);
+    if (fp == nullptr) {
+      return Status::InvalidArgument(profile_path + " has no FFN (layer " + std::to_string(r.layer) + ", expert " +
+                                     std::to_string(r.expert) + ") that " + deployment.dir() + " holds");
+    }
+    if (fp->popularity.size() < 2 || fp->lru_hit_rate.size() < 2) {
+      return Status::InvalidArgument(profile_path + ": layer " + std::to_string(r.layer) +
+                                     " lacks its popularity / LRU hit-rate curves");
+    }
+    FfnParams f;
+    f.layer = r.layer;
+    f.expert = r.expert;
+    f.n_neurons = r.n_neurons;
+    f.active_fraction = fp->mean_active_fraction;
+    f.route_fraction = (r.expert >= 0 && profile.tokens > 0)
+                           ? static_cast<double>(fp->tokens) / static_cast<double>(profile.tokens)
+                           : 1.0;
+    f.bundle_bytes = layout.bundle_bytes;
+    f.read_bytes = layout.group_bytes;  // a miss reads the (4 KiB-aligned) group holding the bundle
+    f.slot_bytes = slot_bytes;
+    f.popularity = CurveFrom(fp->popularity);
+    f.lru_hit = CurveFrom(fp->lru_hit_rate);
+    m.ffns.push_back(std::move(f));
+    // MoE: a token runs n_experts_used experts, so per token the FFN products cost their route share.
+    m.matmul_params += static_cast<uint64_t>(static_cast<double>(per_region_params) *
+                                             (r.expert >= 0 ? static_cast<double>(hp.n_experts_used) /
+                                                                  static_cast<double>(std::max<int64_t>(hp.n_experts, 1))
+                                                            : 1.0));
+  }
+  return m;
+}
+
+namespace {
+
+using nlohmann::json;
+
+Result<double> Number(const json& obj, const char* key, const std::string& where) {
+  if (!obj.is_object() || !obj.contains(key) || !obj.at(key).is_number()) {
+    return Status::Corruption(where + ": expected a number in field '" + key + "'" +
+                              (obj.is_object() && obj.contains(key) ? ", found " + obj.at(key).dump() : ""));
+  }
+  return obj.at(key).get<double>();
+}
+
+Result<const json*> Array(const json& obj, const char* key, const std::string& where) {
+  if (!obj.is_object() || !obj.contains(key) || !obj.at(key).is_array() || obj.at(key).empty()) {
+    return Status::Corruption(where + ": expected a non-empty array in field '" + key + "'");
+  }
+  return &obj.at(key);
+}
+
+}  // namespace
+
+Result<HardwareParams> LoadHardwareParams(const std::string& path, const std::string& type_name) {
+  NF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(path));
+  const json j = json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Status::Corruption(path + ": not a JSON object");
+  if (j.value("format", std::string()) != "nflash.hw_profile") {
+    return Status::Corruption(path + ": field 'format': expected \"nflash.hw_profile\" (a file from `nflash "
+                              "profile-hw`), found " + (j.contains("format") ? j["format"].dump() : "nothing"));
+  }
+  NF_ASSIGN_OR_RETURN(double version, Number(j, "version", path));
+  if (version != 1) {
+    return Status::Unsupported(path + ": field 'version': expected 1, found " + j["version"].dump());
+  }
+  HardwareParams hw;
+  if (!j.contains("machine") || !j.contains("compute") || !j.contains("flash")) {
+    return Status::Corruption(path + ": expected objects 'machine', 'compute' and 'flash'");
+  }
+  NF_ASSIGN_OR_RETURN(double threads, Number(j["machine"], "hardware_threads", path + " machine"));
+  hw.cores = static_cast<int>(threads);
+
+  // Per thread count: the model type's GEMV and sparse-row throughput; the best GEMM.
+  std::map<int, double> gemv, rows, acc, mem;
+  NF_ASSIGN_OR_RETURN(const json* results, Array(j["compute"], "results", path + " compute"));
+  for (const json& r : *results) {
+    if (r.value("type", std::string()) != type_name) continue;
+    const std::string kernel = r.value("kernel", std::string());
+    NF_ASSIGN_OR_RETURN(double t, Number(r, "threads", path + " compute.results"));
+    NF_ASSIGN_OR_RETURN(double gbs, Number(r, "weight_gb_per_s", path + " compute.results"));
+    const int ti = static_cast<int>(t);
+    if (kernel == "gemv") gemv[ti] = gbs;
+    if (kernel == "gemv_rows") rows[ti] = gbs;
+    if (kernel == "accumulate_rows") acc[ti] = gbs;
+    if (kernel == "gemm" && r.value("tokens", 0) >= 128) {
+      NF_ASSIGN_OR_RETURN(double gf, Number(r, "gflop_per_s", path + " compute.results"));
+      hw.gemm_gflops = std::max(hw.gemm_gflops, gf);
+    }
+  }
+  NF_ASSIGN_OR_RETURN(const json* memory, Array(j["compute"], "memory", path + " compute"));
+  for (const json& r : *memory) {
+    NF_ASSIGN_OR_RETURN(double t, Number(r, "threads", path + " compute.memory"));
+    NF_ASSIGN_OR_RETURN(double gbs, Number(r, "read_gb_per_s", path + " compute.memory"));
+    mem[static_cast<int>(t)] = gbs;
+    hw.mem_bw_gbs = std::max(hw.mem_bw_gbs, gbs);
+  }
+  for (int t = 1; t <= hw.cores; ++t) {
+    if (!gemv.count(t) || !rows.count(t) || !acc.count(t)) {
+      if (t == 1) {
+        return Status::Corruption(path + ": no gemv / gemv_rows / accumulate_rows results for type " + type_name +
+                                  " at 1 thread");
+      }
+      break;  // fewer thread counts measured: the planner uses what there is
+    }
+    hw.dense_gemv_gbs.push_back(gemv[t]);
+    // A neuron's bytes are 2/3 gate and up rows (gemv_rows) and 1/3 down column (accumulate_rows).
+    hw.sparse_ffn_gbs.push_back(1.0 / (2.0 / 3.0 / rows[t] + 1.0 / 3.0 / acc[t]));
+  }
+
+  const json& flash = j["flash"];
+  NF_ASSIGN_OR_RETURN(const json* random, Array(flash, "random_read", path + " flash"));
+  std::vector<double> submit;
+  for (const json& r : *random) {
+    const std::string where = path + " flash.random_read";
+    NF_ASSIGN_OR_RETURN(double block, Number(r, "block_bytes", where));
+    NF_ASSIGN_OR_RETURN(double qd, Number(r, "queue_depth", where));
+    NF_ASSIGN_OR_RETURN(double mbs, Number(r, "mb_per_s", where));
+    NF_ASSIGN_OR_RETURN(double lat, Number(r, "latency_mean_us", where));
+    hw.random_reads.push_back({static_cast<uint64_t>(block), static_cast<int>(qd), mbs, lat});
+    if (r.contains("submit_cpu_us_per_request") && r["submit_cpu_us_per_request"].is_number()) {
+      submit.push_back(r["submit_cpu_us_per_request"].get<double>());
+    }
+  }
+  if (!submit.empty()) {
+    std::nth_element(submit.begin(), submit.begin() + static_cast<std::ptrdiff_t>(submit.size() / 2), submit.end());
+    hw.submit_us_per_request = submit[submit.size() / 2];
+  }
+  NF_ASSIGN_OR_RETURN(const json* seq, Array(flash, "sequential_read", path + " flash"));
+  for (const json& r : *seq) {
+    NF_ASSIGN_OR_RETURN(double mbs, Number(r, "mb_per_s", path + " flash.sequential_read"));
+    hw.seq_read_mbs = std::max(hw.seq_read_mbs, mbs);
+  }
+  return hw;
+}
+
+}  // namespace nflash::planner

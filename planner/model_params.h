@@ -1,0 +1,27 @@
+// The planner's inputs from the pipeline's files: ModelParams from a deployment (packer) and the profile it was packed
+// from (profiler), HardwareParams from hw.json (profile-hw). Every figure is read, none assumed, except the few
+// constants documented in docs/planner.md.
+#pragma once
+
+#include <string>
+
+#include "packer/deployment.h"
+#include "planner/cost_model.h"
+#include "profiler/profile.h"
+#include "runtime/core/status.h"
+
+namespace nflash::planner {
+
+// `n_ctx`: the context length the KV cache is sized for (<= 0: the model's). `fixed_bytes`: resident image + KV
+// cache + scratch as the runtime counts them, and `slot_bytes` the memory one cached neuron takes in the runtime's
+// cache (the caller passes the runtime's figures so both agree).
+// InvalidArgument when the profile is not the one the deployment was packed from (hash) or their shapes differ.
+Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployment, const profiler::ModelProfile& profile,
+                                              const std::string& profile_path, uint64_t fixed_bytes,
+                                              uint64_t slot_bytes);
+
+// hw.json (docs/hw-profile.md) for the model's weight type `type_name` (e.g. "q4_0"): GEMV and sparse-FFN throughput
+// per thread count, memory bandwidth, random reads by size and queue depth, sequential reads, GEMM throughput.
+Result<HardwareParams> LoadHardwareParams(const std::string& hw_json_path, const std::string& type_name);
+
+}  // namespace nflash::planner

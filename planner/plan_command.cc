@@ -1,0 +1,169 @@
+// `nflash plan`: the execution plan for a deployment on this machine (docs/planner.md).
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "packer/deployment.h"
+#include "planner/commands.h"
+#include "planner/model_params.h"
+#include "planner/plan.h"
+#include "planner/z3_planner.h"
+#include "profiler/profile.h"
+#include "runtime/core/checksum.h"
+#include "runtime/core/file.h"
+#include "runtime/core/ggml_type.h"
+#include "runtime/core/log.h"
+#include "runtime/core/thread_pool.h"
+#include "runtime/sparse/memory_budget.h"
+#include "runtime/sparse/sparse_runtime.h"
+
+namespace nflash::planner {
+namespace {
+
+struct PlanFlags {
+  std::string hw;
+  std::string deploy;
+  std::string profile;
+  std::string memory;
+  int cores = 0;
+  double min_speed = 0;
+  std::string objective = "speed";
+  int n_ctx = 0;
+  std::string output;
+  bool explain = false;
+  bool force = false;
+};
+
+void PrintExplain(const Plan& plan, const Prediction& p, const ModelParams& model) {
+  std::printf("plan for %s: %d compute thread(s) + %d I/O thread, queue depth %d, clusters of %d neurons\n",
+              plan.model_name.c_str(), plan.compute_threads, plan.io_threads, plan.queue_depth, plan.cluster_neurons);
+  std::printf("memory: %.1f MiB of %.1f MiB (fixed part %.1f MiB)\n", static_cast<double>(p.memory_bytes) / (1 << 20),
+              static_cast<double>(plan.memory_limit_bytes) / (1 << 20),
+              static_cast<double>(plan.fixed_bytes) / (1 << 20));
+  std::printf("\n%-8s %8s %8s %8s %8s %10s %10s %10s %10s\n", "region", "neurons", "hot", "cold", "served",
+              "compute_us", "io_us", "pipe_us", "layer_us");
+  for (size_t r = 0; r < model.ffns.size(); ++r) {
+    char name[32];
+    std::snprintf(name, sizeof name, model.ffns[r].expert >= 0 ? "%lld.%lld" : "%lld",
+                  static_cast<long long>(model.ffns[r].layer), static_cast<long long>(model.ffns[r].expert));
+    std::printf("%-8s %8lld %8lld %8lld %7.1f%% %10.1f %10.1f %10.1f %10.1f\n", name,
+                static_cast<long long>(model.ffns[r].n_neurons), static_cast<long long>(plan.regions[r].hot_neurons),
+                static_cast<long long>(plan.regions[r].cold_slots), p.layer_served[r] * 100,
+                p.layer_compute_s[r] * 1e6, p.layer_io_s[r] * 1e6, p.layer_pipeline_s[r] * 1e6,
+                p.layer_token_s[r] * 1e6);
+  }
+  std::printf("\nper token: attention+head %.1f us, predictor %.1f us, FFN compute %.1f us, flash I/O %.1f us "
+              "(%.1f us not hidden), pipeline %.1f us\n",
+              p.attention_s * 1e6, p.predictor_s * 1e6, p.ffn_compute_s * 1e6, p.io_s * 1e6, p.io_exposed_s * 1e6,
+              p.pipeline_s * 1e6);
+  std::printf("predicted: %.2f tok/s decode (%.2f ms/token), %.1f%% of active neurons from memory, %.2f MB and %.0f "
+              "reads per token; prefill %.1f tok/s at 128 tokens, %.1f at 512\n",
+              p.tokens_per_s, p.token_s * 1e3, p.served_fraction * 100, p.read_mb_per_token, p.reads_per_token,
+              plan.predicted.prefill128_tokens_per_s, plan.predicted.prefill512_tokens_per_s);
+}
+
+Status RunPlan(const PlanFlags& f) {
+  if (!f.force && FileExists(f.output)) return Status::InvalidArgument(f.output + " exists; pass --force to overwrite");
+  UserLimits limits;
+  NF_ASSIGN_OR_RETURN(limits.memory_bytes, sparse::ParseMemorySize(f.memory));
+  limits.cores = f.cores;
+  limits.min_tokens_per_s = f.min_speed;
+  if (f.objective == "memory") {
+    limits.objective = UserLimits::Objective::kMemory;
+  } else if (f.objective != "speed") {
+    return Status::InvalidArgument("--objective " + f.objective + ": expected speed or memory");
+  }
+  if (limits.objective == UserLimits::Objective::kMemory && f.min_speed <= 0) {
+    return Status::InvalidArgument("--objective memory needs --min-speed (the smallest plan reaching what speed?)");
+  }
+
+  NF_ASSIGN_OR_RETURN(auto deployment, packer::Deployment::Open(f.deploy));
+  const packer::Manifest& man = deployment->manifest();
+  const std::string profile_path = f.profile.empty() ? f.deploy + "/" + packer::kProfileFileName : f.profile;
+  if (!FileExists(profile_path)) {
+    return Status::NotFound("no profile: " + profile_path + " does not exist (pass --profile, the file " + f.deploy +
+                            " was packed from)");
+  }
+  NF_ASSIGN_OR_RETURN(profiler::ModelProfile profile, profiler::LoadProfile(profile_path));
+  // The fixed part exactly as the runtime counts it: open the runtime with empty caches and ask.
+  sparse::FixedMemory fixed;
+  int64_t n_ctx = 0;
+  uint64_t slot_bytes = 0;
+  {
+    ThreadPool pool(1);
+    sparse::SparseRuntimeOptions ro;
+    ro.n_ctx = f.n_ctx;
+    NF_ASSIGN_OR_RETURN(auto rt, sparse::SparseRuntime::Open(f.deploy, ro, &pool));
+    fixed = rt->fixed();
+    n_ctx = rt->context().n_ctx();
+    slot_bytes = sparse::OffloadFfn::ColdSlotBytes(rt->deployment());
+  }
+  NF_ASSIGN_OR_RETURN(ModelParams model,
+                      ModelParamsFromDeployment(*deployment, profile, profile_path, fixed.Total(), slot_bytes));
+  const std::string type_name(GgmlTypeName(deployment->layout().gate_type));
+  NF_ASSIGN_OR_RETURN(HardwareParams hw, LoadHardwareParams(f.hw, type_name));
+
+  NF_ASSIGN_OR_RETURN(SolveResult solved, SolvePlan(hw, model, limits));
+  if (!solved.feasible) {
+    // A limit the user set cannot be met: a usage-class error (exit 2) with Z3's explanation.
+    return Status::InvalidArgument(solved.message + " (fixed part: " + fixed.Describe() + ")");
+  }
+  Plan plan;
+  NF_ASSIGN_OR_RETURN(uint64_t deploy_hash, HashFile(f.deploy + "/" + packer::kManifestFileName));
+  NF_ASSIGN_OR_RETURN(uint64_t hw_hash, HashFile(f.hw));
+  plan.deployment_hash = HashToHex(deploy_hash);
+  plan.hardware_hash = HashToHex(hw_hash);
+  plan.model_name = man.model_name;
+  plan.memory_limit_bytes = limits.memory_bytes;
+  plan.cores = limits.cores;
+  plan.min_tokens_per_s = limits.min_tokens_per_s;
+  plan.objective = f.objective;
+  plan.fixed_bytes = fixed.Total();
+  plan.n_ctx = static_cast<int>(n_ctx);
+  plan.compute_threads = solved.settings.compute_threads;
+  plan.io_threads = solved.settings.io_threads;
+  plan.queue_depth = solved.settings.queue_depth;
+  plan.cluster_neurons = solved.settings.cluster_neurons;
+  for (size_t r = 0; r < model.ffns.size(); ++r) {
+    plan.regions.push_back({model.ffns[r].layer, model.ffns[r].expert, solved.settings.hot_neurons[r],
+                            solved.settings.cold_slots[r]});
+  }
+  const Prediction& p = solved.prediction;
+  plan.predicted = {p.attention_s,   p.predictor_s,     p.ffn_compute_s,     p.io_s,
+                    p.io_exposed_s,  p.pipeline_s,      p.token_s,           p.tokens_per_s,
+                    p.served_fraction, p.read_mb_per_token, p.reads_per_token,
+                    EvaluatePrefill(hw, model, solved.settings, 128).tokens_per_s,
+                    EvaluatePrefill(hw, model, solved.settings, 512).tokens_per_s, p.memory_bytes};
+  plan.solve_seconds = solved.solve_seconds;
+  NF_RETURN_IF_ERROR(SavePlan(plan, f.output, f.force));
+  if (f.explain) PrintExplain(plan, p, model);
+  NF_LOG(Info) << "wrote " << f.output << ": predicted " << p.tokens_per_s << " tok/s in "
+               << sparse::FormatBytes(p.memory_bytes) << " (solved " << solved.candidates << " knob combinations in "
+               << solved.solve_seconds << " s)";
+  return Status::Ok();
+}
+
+}  // namespace
+
+void RegisterPlanCommand(CLI::App& app, cli::CommandAction* action) {
+  auto flags = std::make_shared<PlanFlags>();
+  CLI::App* cmd = app.add_subcommand("plan", "Choose the execution plan for a deployment on this machine (Z3 cost model)");
+  cmd->add_option("--hw", flags->hw, "Hardware profile from `nflash profile-hw`")->required();
+  cmd->add_option("--deploy", flags->deploy, "Deployment directory from `nflash pack`")->required();
+  cmd->add_option("--profile", flags->profile,
+                  "Model profile the deployment was packed from (default: the copy inside the deployment)");
+  cmd->add_option("--memory", flags->memory, "Memory limit for everything the runtime holds, e.g. 1.5G")->required();
+  cmd->add_option("--cores", flags->cores, "Cores the runtime may use (default: all)");
+  cmd->add_option("--min-speed", flags->min_speed, "Minimum decode speed, tokens/s");
+  cmd->add_option("--objective", flags->objective, "speed (fastest plan within the memory) or memory (smallest plan "
+                                                   "reaching --min-speed)");
+  cmd->add_option("--ctx", flags->n_ctx, "Context length the KV cache is sized for (default: the runtime's)");
+  cmd->add_option("-o,--output", flags->output, "plan.json to write")->required();
+  cmd->add_flag("--explain", flags->explain, "Print the per-token time breakdown as a table");
+  cmd->add_flag("--force", flags->force, "Overwrite the output if it exists");
+  cmd->callback([flags, action] { *action = [flags] { return RunPlan(*flags); }; });
+}
+
+}  // namespace nflash::planner
