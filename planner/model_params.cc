@@ -83,6 +83,9 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
     f.slot_bytes = slot_bytes;
     f.popularity = CurveFrom(fp->popularity);
     f.lru_hit = CurveFrom(fp->lru_hit_rate);
+    // The profile's replay counts the first touch of every neuron as a miss; a cache holding the whole region has
+    // none in steady state (decode runs far longer than the warm-up), so its end point is 1.
+    f.lru_hit.y.back() = 1.0;
     m.ffns.push_back(std::move(f));
     // MoE: a token runs n_experts_used experts, so per token the FFN products cost their route share.
     m.matmul_params += static_cast<uint64_t>(static_cast<double>(per_region_params) *

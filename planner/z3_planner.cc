@@ -128,18 +128,27 @@ std::vector<Knobs> Candidates(const HardwareParams& hw, const ModelParams& model
   return out;
 }
 
-PlanSettings Extract(const z3::model& m, const Encoding& e, const ModelParams& model, const Knobs& knobs) {
+// Whole neurons from the solver's fractions. A value within 1e-6 of an integer is that integer (the rational optimum
+// printed to 12 digits); otherwise rounded down (`round_up` false: the plan never exceeds the memory the solver
+// allowed) or up (true: the plan never falls below the speed it was solved for). Hot first, then hot + cold.
+PlanSettings Extract(const z3::model& m, const Encoding& e, const ModelParams& model, const Knobs& knobs,
+                     bool round_up) {
   PlanSettings s;
   s.compute_threads = knobs.threads;
   s.queue_depth = knobs.queue_depth;
   s.cluster_neurons = knobs.cluster;
+  auto count = [round_up](double v) {
+    const double r = std::round(v);
+    if (std::abs(v - r) < 1e-6) return static_cast<int64_t>(r);
+    return static_cast<int64_t>(round_up ? std::ceil(v) : std::floor(v));
+  };
   for (size_t r = 0; r < model.ffns.size(); ++r) {
-    const double n = static_cast<double>(model.ffns[r].n_neurons);
-    // Rounded down, so the plan never exceeds the memory the solver allowed.
-    const auto hot = static_cast<int64_t>(std::floor(Value(m, e.hot[r]) * n + 1e-9));
-    const auto cold = static_cast<int64_t>(std::floor(Value(m, e.cold[r]) * n + 1e-9));
-    s.hot_neurons.push_back(std::clamp<int64_t>(hot, 0, model.ffns[r].n_neurons));
-    s.cold_slots.push_back(std::clamp<int64_t>(cold, 0, model.ffns[r].n_neurons - s.hot_neurons.back()));
+    const int64_t n = model.ffns[r].n_neurons;
+    const double h = Value(m, e.hot[r]), c = Value(m, e.cold[r]);
+    const int64_t hot = std::clamp<int64_t>(count(h * static_cast<double>(n)), 0, n);
+    const int64_t held = std::clamp<int64_t>(count((h + c) * static_cast<double>(n)), hot, n);
+    s.hot_neurons.push_back(hot);
+    s.cold_slots.push_back(held - hot);
   }
   return s;
 }
@@ -167,11 +176,21 @@ bool Optimise(const HardwareParams& hw, const ModelParams& model, const Knobs& k
     opt.minimize(e.token_us);
     opt.minimize(e.memory_mib);  // among the fastest plans, the smallest
   }
+  // Last, among equal plans, neurons in the hot region rather than the cold cache: hot clusters are read as large
+  // sequential runs and need no per-neuron LRU bookkeeping.
+  z3::expr hot_total = Real(ctx, 0);
+  for (const z3::expr& h : e.hot) hot_total = hot_total + h;
+  opt.maximize(hot_total);
   if (opt.check() != z3::sat) return false;
   const z3::model m = opt.get_model();
   out->token_us = Value(m, e.token_us);
   out->memory_mib = Value(m, e.memory_mib);
-  out->settings = Extract(m, e, model, knobs);
+  out->settings = Extract(m, e, model, knobs, /*round_up=*/goal == Goal::kMemory);
+  // Rounding up may not cross the memory limit: then down.
+  if (goal == Goal::kMemory && mem_mib > 0 &&
+      static_cast<double>(Evaluate(hw, model, out->settings).memory_bytes) > mem_mib * kMiB) {
+    out->settings = Extract(m, e, model, knobs, /*round_up=*/false);
+  }
   return true;
 }
 

@@ -1,0 +1,137 @@
+// `nflash plan` end to end: stories260K-relu converted, profiled and packed; a hardware profile written by the test
+// (fixed numbers, so results do not depend on the machine); plans at several memory limits, infeasible limits
+// explained, outputs never overwritten silently.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <sstream>
+
+#include "planner/plan.h"
+#include "tests/test_util.h"
+
+namespace nflash::planner {
+namespace {
+
+using nflash::testing::RunCommand;
+using nflash::testing::SharedPath;
+using nflash::testing::TempDir;
+
+std::string Nflash() { return nflash::testing::NflashBinary(); }
+
+// A hardware profile in the schema of docs/hw-profile.md: compute for f32 at 1 and 2 threads, reads at 4 KiB.
+std::string HwJson() {
+  nlohmann::json j;
+  j["format"] = "nflash.hw_profile";
+  j["version"] = 1;
+  j["machine"] = {{"hardware_threads", 2}};
+  nlohmann::json results = nlohmann::json::array();
+  for (int t : {1, 2}) {
+    for (const char* k : {"gemv", "gemv_rows", "accumulate_rows"}) {
+      results.push_back({{"threads", t}, {"kernel", k}, {"type", "f32"}, {"tokens", 1}, {"weight_gb_per_s", 4.0 * t},
+                         {"gflop_per_s", 2.0 * t}});
+    }
+    results.push_back({{"threads", t}, {"kernel", "gemm"}, {"type", "f32"}, {"tokens", 128},
+                       {"weight_gb_per_s", 1.0}, {"gflop_per_s", 20.0 * t}});
+  }
+  j["compute"] = {{"results", results}, {"memory", {{{"threads", 2}, {"read_gb_per_s", 10.0}}}}};
+  nlohmann::json random = nlohmann::json::array();
+  for (auto [qd, mbs] : {std::pair{1, 20.0}, {8, 100.0}, {64, 300.0}}) {
+    random.push_back({{"block_bytes", 4096}, {"queue_depth", qd}, {"mb_per_s", mbs}, {"latency_mean_us", 100.0},
+                      {"submit_cpu_us_per_request", 3.0}});
+  }
+  j["flash"] = {{"random_read", random}, {"sequential_read", {{{"block_bytes", 4194304}, {"mb_per_s", 1000.0}}}}};
+  return j.dump(1);
+}
+
+class PlanCliTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    tmp_ = new TempDir();
+    const std::string model = tmp_->File("relu.gguf");
+    auto c = RunCommand(Nflash() + " convert " + SharedPath("models/stories260K-relu/stories260K-relu.bin") +
+                        " --tokenizer " + SharedPath("models/stories260K/tok512.bin") +
+                        " --activation relu --type f32 -o " + model);
+    ASSERT_EQ(c.exit_code, 0) << c.output;
+    auto p = RunCommand(Nflash() + " -q profile -m " + model + " -f " + SharedPath("text/tinystories_calib.txt") +
+                        " --tokens 3000 -t 2 -o " + model + ".prof");
+    ASSERT_EQ(p.exit_code, 0) << p.output;
+    auto k = RunCommand(Nflash() + " -q pack -m " + model + " -p " + model + ".prof -o " + tmp_->File("deploy"));
+    ASSERT_EQ(k.exit_code, 0) << k.output;
+    nflash::testing::WriteText(tmp_->File("hw.json"), HwJson());
+  }
+  static void TearDownTestSuite() {
+    delete tmp_;
+    tmp_ = nullptr;
+  }
+  static nflash::testing::CommandResult Plan(const std::string& args, const std::string& out) {
+    return RunCommand(Nflash() + " plan --hw " + tmp_->File("hw.json") + " --deploy " + tmp_->File("deploy") + " " +
+                      args + " -o " + tmp_->File(out));
+  }
+  static TempDir* tmp_;
+};
+TempDir* PlanCliTest::tmp_ = nullptr;
+
+TEST_F(PlanCliTest, MoreMemoryNeverPlansSlowerAndEveryPlanFits) {
+  double last_speed = 0;
+  for (const char* mem : {"2600K", "3M", "4M", "8M"}) {
+    const std::string out = std::string("plan_") + mem + ".json";
+    auto r = Plan(std::string("--memory ") + mem + " --explain", out);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("layer_us"), std::string::npos) << r.output;  // the --explain table
+    auto plan = LoadPlan(tmp_->File(out));
+    ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+    EXPECT_LE(plan->predicted.memory_bytes, plan->memory_limit_bytes) << mem;
+    ASSERT_EQ(plan->regions.size(), 5u);
+    for (const RegionPlan& rp : plan->regions) EXPECT_LE(rp.hot_neurons + rp.cold_slots, 172) << mem;
+    EXPECT_TRUE(CheckPlanForDeployment(*plan, tmp_->File("deploy")).ok());
+    EXPECT_GE(plan->predicted.tokens_per_s, last_speed * (1 - 1e-9)) << mem;
+    last_speed = plan->predicted.tokens_per_s;
+  }
+  // 8 MiB holds the whole FFN (0.68 MiB of flash image): nothing left to read.
+  auto all = LoadPlan(tmp_->File("plan_8M.json"));
+  ASSERT_TRUE(all.ok());
+  EXPECT_NEAR(all->predicted.served_fraction, 1.0, 1e-9);
+  EXPECT_NEAR(all->predicted.io_s, 0.0, 1e-12);
+}
+
+TEST_F(PlanCliTest, InfeasibleLimitsNameTheConflictAndTheNearestFeasibleLimit) {
+  auto below_fixed = Plan("--memory 1M", "x.json");
+  EXPECT_EQ(below_fixed.exit_code, 2) << below_fixed.output;
+  EXPECT_NE(below_fixed.output.find("fixed_part"), std::string::npos) << below_fixed.output;
+  EXPECT_NE(below_fixed.output.find("KV cache"), std::string::npos) << below_fixed.output;
+
+  auto too_fast = Plan("--memory 2600K --min-speed 1000000", "x.json");
+  EXPECT_EQ(too_fast.exit_code, 2) << too_fast.output;
+  EXPECT_NE(too_fast.output.find("min_speed"), std::string::npos) << too_fast.output;
+  EXPECT_NE(too_fast.output.find("within"), std::string::npos) << too_fast.output;  // the best speed that fits
+  EXPECT_FALSE(std::ifstream(tmp_->File("x.json")).good());                          // nothing written
+
+  // --objective memory: the smallest plan reaching a speed the 4M plan reaches, no larger than that plan.
+  auto fast = LoadPlan(tmp_->File("plan_4M.json"));
+  if (fast.ok()) {
+    const double target = fast->predicted.tokens_per_s * 0.9;
+    auto small = Plan("--memory 8M --objective memory --min-speed " + std::to_string(target), "small.json");
+    ASSERT_EQ(small.exit_code, 0) << small.output;
+    auto s = LoadPlan(tmp_->File("small.json"));
+    ASSERT_TRUE(s.ok());
+    EXPECT_LE(s->predicted.memory_bytes, fast->predicted.memory_bytes);
+    EXPECT_GE(s->predicted.tokens_per_s, target * (1 - 1e-3));
+  }
+}
+
+TEST_F(PlanCliTest, BadInputsAreUsageErrors) {
+  auto exists = Plan("--memory 3M", "hw.json");  // the output exists
+  EXPECT_EQ(exists.exit_code, 2) << exists.output;
+  nflash::testing::WriteText(tmp_->File("bad_hw.json"), "{\"format\": \"nflash.hw_profile\", \"version\": 7}");
+  auto bad = RunCommand(Nflash() + " plan --hw " + tmp_->File("bad_hw.json") + " --deploy " + tmp_->File("deploy") +
+                        " --memory 3M -o " + tmp_->File("y.json"));
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("version"), std::string::npos) << bad.output;
+  auto size = Plan("--memory 3Q", "y.json");
+  EXPECT_EQ(size.exit_code, 2) << size.output;
+}
+
+}  // namespace
+}  // namespace nflash::planner
