@@ -11,8 +11,10 @@
 #include <vector>
 
 #include "packer/deployment.h"
+#include "planner/plan.h"
 #include "runtime/cli/command.h"
 #include "runtime/core/gguf.h"
+#include "runtime/core/log.h"
 #include "runtime/core/proc_stats.h"
 #include "runtime/sparse/commands.h"
 #include "runtime/sparse/sparse_runtime.h"
@@ -37,7 +39,47 @@ struct OffloadFlags {
   int threads = 0;
   bool json = false;
   bool buffered = false;
+  std::string plan;
 };
+
+// plan.json (`nflash plan`) -> runtime options: the plan's memory limit, context, threads, queue depth, chunk size,
+// hot clusters (the plan's hot neurons of each region, in clusters of the packer's hot region; hot neurons beyond
+// that region become cold slots) and cold slots per layer/expert. Refuses a plan made for another deployment.
+Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, SparseRuntimeOptions* o, int* threads) {
+  NF_ASSIGN_OR_RETURN(planner::Plan plan, planner::LoadPlan(plan_path));
+  NF_RETURN_IF_ERROR(planner::CheckPlanForDeployment(plan, deploy_dir));
+  NF_ASSIGN_OR_RETURN(auto d, packer::Deployment::Open(deploy_dir));
+  const auto& regions = d->manifest().regions;
+  if (plan.regions.size() != regions.size()) {
+    return Status::InvalidArgument(plan_path + ": " + std::to_string(plan.regions.size()) + " regions, " + deploy_dir +
+                                   " has " + std::to_string(regions.size()));
+  }
+  const int64_t cluster = static_cast<int64_t>(OffloadFfn::HotSlotBytes(*d, o->cluster_groups) /
+                                               d->layout().group_bytes) *
+                          d->layout().slots_per_group;  // neurons per hot cluster
+  o->hot_slots = 0;
+  o->cold_slots_per_group.assign(regions.size(), 0);
+  for (size_t r = 0; r < regions.size(); ++r) {
+    const planner::RegionPlan& rp = plan.regions[r];
+    if (rp.layer != regions[r].layer || rp.expert != regions[r].expert) {
+      return Status::InvalidArgument(plan_path + ": region " + std::to_string(r) + " is layer " +
+                                     std::to_string(rp.layer) + ", the deployment's is layer " +
+                                     std::to_string(regions[r].layer));
+    }
+    const int64_t hot = std::min(rp.hot_neurons, regions[r].hot_count);
+    o->hot_slots += (hot + cluster - 1) / cluster;
+    o->cold_slots_per_group[r] = rp.cold_slots + (rp.hot_neurons - hot);
+  }
+  o->memory_budget = plan.memory_limit_bytes;
+  o->n_ctx = plan.n_ctx;
+  o->io.queue_depth = static_cast<unsigned>(plan.queue_depth);
+  o->chunk_requests = plan.cluster_neurons;
+  *threads = plan.compute_threads;
+  NF_LOG(Info) << "plan " << plan_path << ": " << plan.compute_threads << " compute thread(s), queue depth "
+               << plan.queue_depth << ", " << o->hot_slots << " hot clusters, predicted "
+               << plan.predicted.tokens_per_s << " tok/s";
+  return Status::Ok();
+}
 
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0.0;
@@ -81,7 +123,19 @@ Status RunOffload(const OffloadFlags& f) {
   o.chunk_requests = f.chunk_requests;
   o.io.queue_depth = f.queue_depth;
   o.io.buffered = f.buffered;
-  ThreadPool pool(f.threads);
+  int threads = f.threads;
+  if (!f.plan.empty()) {
+    if (!f.memory.empty() || f.hot_slots > 0 || f.cold_slots > 0 || f.ctx > 0) {
+      return Status::InvalidArgument("--plan sets the memory, cache sizes and context: drop --memory, --hot-slots, "
+                                     "--cold-slots and --ctx");
+    }
+    NF_RETURN_IF_ERROR(ApplyPlan(f.plan, f.deploy, &o, &threads));
+    if (o.n_ctx < static_cast<int64_t>(ids.size()) + 1) {
+      return Status::InvalidArgument("the plan's context (" + std::to_string(o.n_ctx) + " tokens) cannot hold the " +
+                                     "prompt: re-plan with a larger --ctx");
+    }
+  }
+  ThreadPool pool(threads);
   NF_ASSIGN_OR_RETURN(std::unique_ptr<SparseRuntime> opened, SparseRuntime::Open(f.deploy, o, &pool));
   SparseRuntime& rt = *opened;
   const LlamaHparams& hp = rt.model().hparams();
@@ -191,6 +245,8 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("-t,--threads", flags->threads, "Compute threads (0: all cores)");
   cmd->add_flag("--buffered", flags->buffered, "Read through the page cache (no O_DIRECT): a comparison only");
   cmd->add_flag("--json", flags->json, "Print the result as JSON");
+  cmd->add_option("--plan", flags->plan, "plan.json from `nflash plan` for this deployment: memory, cache sizes, "
+                                         "context, threads, queue depth")->check(CLI::ExistingFile);
   cmd->callback([flags, action] { *action = [flags] { return RunOffload(*flags); }; });
 }
 

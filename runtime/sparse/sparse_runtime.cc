@@ -57,14 +57,35 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   shape.hot_clusters = OffloadFfn::HotClusterCount(d, options.cluster_groups);
   shape.cold_slot_bytes = OffloadFfn::ColdSlotBytes(d);
   shape.cold_neurons = shape.n_groups * hp.n_ff;
-  if (options.memory_budget > 0) {
+  const bool explicit_split = !options.cold_slots_per_group.empty();
+  if (explicit_split && static_cast<int64_t>(options.cold_slots_per_group.size()) != shape.n_groups) {
+    return Status::InvalidArgument("cold slots given for " + std::to_string(options.cold_slots_per_group.size()) +
+                                   " layers/experts, " + deploy_dir + " has " + std::to_string(shape.n_groups));
+  }
+  if (options.memory_budget > 0 && !explicit_split) {
     NF_ASSIGN_OR_RETURN(rt->split_, SplitBudget(options.memory_budget, f, shape, options.hot_fraction));
     rt->budget_ = options.memory_budget;
   } else {
     rt->split_.hot_slots = std::min(options.hot_slots, shape.hot_clusters);
     rt->split_.cold_slots = options.cold_slots;
+    if (explicit_split) {
+      rt->split_.cold_slots = 0;
+      for (int64_t c : options.cold_slots_per_group) rt->split_.cold_slots += c;
+    }
     rt->split_.hot_bytes = static_cast<uint64_t>(rt->split_.hot_slots) * shape.hot_slot_bytes;
     rt->split_.cold_bytes = static_cast<uint64_t>(rt->split_.cold_slots) * shape.cold_slot_bytes;
+    if (options.memory_budget > 0) {
+      NF_RETURN_IF_ERROR(CheckFixedFits(options.memory_budget, f));
+      const uint64_t total = f.Total() + rt->split_.hot_bytes + rt->split_.cold_bytes;
+      if (total > options.memory_budget) {
+        return Status::InvalidArgument("the cache sizes given (hot " + FormatBytes(rt->split_.hot_bytes) + ", cold " +
+                                       FormatBytes(rt->split_.cold_bytes) + ") and the fixed part (" +
+                                       FormatBytes(f.Total()) + ") need " + FormatBytes(total) +
+                                       ", over the memory budget " + FormatBytes(options.memory_budget));
+      }
+      rt->split_.unused_bytes = options.memory_budget - total;
+      rt->budget_ = options.memory_budget;
+    }
   }
 
   OffloadOptions oo;
@@ -73,6 +94,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.activation_threshold = options.activation_threshold;
   oo.hot_slots = rt->split_.hot_slots;
   oo.cold_slots = rt->split_.cold_slots;
+  oo.cold_slots_per_group = options.cold_slots_per_group;
   oo.cluster_groups = options.cluster_groups;
   oo.chunk_requests = options.chunk_requests;
   // The cache arena registered with the ring, so reads into it skip per-request page pinning.

@@ -35,6 +35,9 @@ struct SparseRuntimeOptions {
   uint64_t memory_budget = 0;
   double hot_fraction = kDefaultHotFraction;
   int64_t hot_slots = 0, cold_slots = 0;
+  // Cold slots per layer/expert (manifest region order), e.g. from a plan: replaces cold_slots. With a memory budget
+  // as well, these sizes are used as given and checked against the budget (no SplitBudget).
+  std::vector<int64_t> cold_slots_per_group;
   int64_t n_ctx = 0;  // <= 0: the model's context length
   int64_t cluster_groups = 0;
   int64_t chunk_requests = 16;

@@ -133,5 +133,36 @@ TEST_F(PlanCliTest, BadInputsAreUsageErrors) {
   EXPECT_EQ(size.exit_code, 2) << size.output;
 }
 
+TEST_F(PlanCliTest, TheRuntimeFollowsThePlanAndRefusesOneForAnotherDeployment) {
+  auto r = Plan("--memory 3M --ctx 128", "run_plan.json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string plan = tmp_->File("run_plan.json");
+  auto run = RunCommand(Nflash() + " offload -d " + tmp_->File("deploy") + " --plan " + plan + " -n 24 --json",
+                        /*capture_stderr=*/false);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  auto j = nlohmann::json::parse(run.output.substr(run.output.find('{')), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << run.output;
+  auto p = LoadPlan(plan);
+  ASSERT_TRUE(p.ok());
+  // The runtime took the plan's budget and cache sizes and stayed within them.
+  EXPECT_EQ(j.value("memory_budget", uint64_t{0}), p->memory_limit_bytes) << j.dump();
+  EXPECT_LE(j.value("accounted_bytes", uint64_t{1} << 62), p->memory_limit_bytes) << j.dump();
+  int64_t planned_cold = 0;
+  for (const RegionPlan& rp : p->regions) planned_cold += rp.cold_slots;
+  EXPECT_GE(j.value("cold_slots", int64_t{-1}), planned_cold) << j.dump();
+  EXPECT_EQ(j.value("generated", 0), 24) << j.dump();
+
+  // The same model packed in the other order is another deployment: refused, exit 2.
+  auto k = RunCommand(Nflash() + " -q pack -m " + tmp_->File("relu.gguf") + " -p " + tmp_->File("relu.gguf.prof") +
+                      " --order coactivation -o " + tmp_->File("deploy2"));
+  ASSERT_EQ(k.exit_code, 0) << k.output;
+  auto other = RunCommand(Nflash() + " offload -d " + tmp_->File("deploy2") + " --plan " + plan + " -n 4");
+  EXPECT_EQ(other.exit_code, 2) << other.output;
+  EXPECT_NE(other.output.find("another deployment"), std::string::npos) << other.output;
+  // --plan with --memory: conflicting settings.
+  auto both = RunCommand(Nflash() + " offload -d " + tmp_->File("deploy") + " --plan " + plan + " --memory 3M -n 4");
+  EXPECT_EQ(both.exit_code, 2) << both.output;
+}
+
 }  // namespace
 }  // namespace nflash::planner
