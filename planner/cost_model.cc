@@ -42,22 +42,28 @@ std::vector<std::pair<double, double>> Curve::ConcaveSegments() const {
   return segments;
 }
 
-double HardwareParams::ReadMbps(uint64_t request_bytes, int queue_depth) const {
-  // Points at the largest measured queue depth <= queue_depth (or the smallest measured).
+namespace {
+
+// A random-read figure (`field` of IoPoint) at `request_bytes` and `queue_depth`: the points at the largest measured
+// queue depth <= queue_depth (or the smallest measured), interpolated linearly in log2 of the request size; below the
+// smallest measured size `below(value, size ratio)` extrapolates.
+template <typename Field, typename Below>
+double Interpolate(const std::vector<IoPoint>& reads, uint64_t request_bytes, int queue_depth, Field field,
+                   Below below) {
   int qd = -1, min_qd = INT32_MAX;
-  for (const IoPoint& p : random_reads) {
+  for (const IoPoint& p : reads) {
     min_qd = std::min(min_qd, p.queue_depth);
     if (p.queue_depth <= queue_depth) qd = std::max(qd, p.queue_depth);
   }
-  if (random_reads.empty()) return 0.0;
+  if (reads.empty()) return 0.0;
   if (qd < 0) qd = min_qd;
-  std::vector<std::pair<double, double>> pts;  // (log2 size, MB/s)
-  for (const IoPoint& p : random_reads) {
-    if (p.queue_depth == qd) pts.push_back({std::log2(static_cast<double>(p.request_bytes)), p.mb_per_s});
+  std::vector<std::pair<double, double>> pts;  // (log2 size, value)
+  for (const IoPoint& p : reads) {
+    if (p.queue_depth == qd) pts.push_back({std::log2(static_cast<double>(p.request_bytes)), field(p)});
   }
   std::sort(pts.begin(), pts.end());
   const double s = std::log2(static_cast<double>(std::max<uint64_t>(request_bytes, 1)));
-  if (s <= pts.front().first) return pts.front().second * std::exp2(s - pts.front().first);  // same IOPS below
+  if (s <= pts.front().first) return below(pts.front().second, std::exp2(s - pts.front().first));
   if (s >= pts.back().first) return pts.back().second;
   for (size_t i = 1; i < pts.size(); ++i) {
     if (s <= pts[i].first) {
@@ -66,6 +72,20 @@ double HardwareParams::ReadMbps(uint64_t request_bytes, int queue_depth) const {
     }
   }
   return pts.back().second;
+}
+
+}  // namespace
+
+double HardwareParams::ReadMbps(uint64_t request_bytes, int queue_depth) const {
+  // Below the smallest measured size: the same IOPS, so throughput shrinks with the size.
+  return Interpolate(random_reads, request_bytes, queue_depth, [](const IoPoint& p) { return p.mb_per_s; },
+                     [](double v, double ratio) { return v * ratio; });
+}
+
+double HardwareParams::ReadLatencyUs(uint64_t request_bytes, int queue_depth) const {
+  // Below the smallest measured size: no faster than the smallest size.
+  return Interpolate(random_reads, request_bytes, queue_depth, [](const IoPoint& p) { return p.mean_latency_us; },
+                     [](double v, double) { return v; });
 }
 
 Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const PlanSettings& s) {
@@ -92,8 +112,9 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
                            (io_shares_cores ? missed * hw.submit_us_per_request * 1e-6 / s.compute_threads : 0.0);
     const double io = bw > 0 ? missed * static_cast<double>(f.read_bytes) / bw : (missed > 0 ? INFINITY : 0.0);
     const double k = static_cast<double>(s.cluster_neurons);
+    const double lat = hw.ReadLatencyUs(f.read_bytes, s.queue_depth) * 1e-6;
     const double pipeline = (active / k) * kClusterSyncUs * 1e-6 / s.compute_threads +
-                            (bw > 0 ? k * (1.0 - served) * static_cast<double>(f.read_bytes) / bw : 0.0);
+                            (1.0 - served) * (lat + (bw > 0 ? k * static_cast<double>(f.read_bytes) / bw : 0.0));
     const double t = std::max(compute, io) + pipeline;
     p.ffn_compute_s += compute;
     p.io_s += io;

@@ -42,6 +42,8 @@ struct HardwareParams {
   // Throughput at `request_bytes` and `queue_depth`: interpolated over request size in log space at the nearest
   // measured queue depth not above it.
   double ReadMbps(uint64_t request_bytes, int queue_depth) const;
+  // Mean latency of one read (us) at `request_bytes` and `queue_depth`, interpolated the same way.
+  double ReadLatencyUs(uint64_t request_bytes, int queue_depth) const;
 };
 
 // One FFN region (a dense layer, or one expert of an MoE layer).

@@ -86,9 +86,10 @@ Encoding Encode(z3::context& ctx, Sink& add, const HardwareParams& hw, const Mod
     z3::expr compute = Real(ctx, active * static_cast<double>(f.bundle_bytes) / Gbs(hw.sparse_ffn_gbs, t) * 1e6);
     if (io_shares_cores) compute = compute + miss_share * Real(ctx, active * hw.submit_us_per_request / t);
     const z3::expr io = miss_share * Real(ctx, active * us_per_miss);
-    // Cluster hand-offs, plus filling the first cluster, which is never hidden.
+    // Cluster hand-offs, plus the first cluster's reads (one latency, then its bytes), which nothing hides.
+    const double latency_us = hw.ReadLatencyUs(f.read_bytes, knobs.queue_depth);
     const z3::expr pipeline = Real(ctx, active / knobs.cluster * kClusterSyncUs / t) +
-                              miss_share * Real(ctx, knobs.cluster * us_per_miss);
+                              miss_share * Real(ctx, latency_us + knobs.cluster * us_per_miss);
     z3::expr layer = ctx.real_const(("layer_us_" + id).c_str());
     add.add(layer >= compute + pipeline);
     add.add(layer >= io + pipeline);
@@ -100,8 +101,9 @@ Encoding Encode(z3::context& ctx, Sink& add, const HardwareParams& hw, const Mod
   return e;
 }
 
-// Every knob combination worth solving: queue depths whose read throughput is beaten or matched by a smaller depth
-// for every region are dropped (a faster read lowers every term it appears in, so they can never win).
+// Every knob combination worth solving: a queue depth is dropped when another depth reads at least as fast with no
+// more latency for every region (strictly better somewhere, or equal and smaller): it lowers or keeps every term
+// they enter, so the dropped depth can never win.
 std::vector<Knobs> Candidates(const HardwareParams& hw, const ModelParams& model, int max_threads) {
   std::vector<int> depths;
   for (size_t i = 0; i < kQueueDepthChoices.size(); ++i) {
@@ -112,8 +114,10 @@ std::vector<Knobs> Candidates(const HardwareParams& hw, const ModelParams& model
       for (const FfnParams& f : model.ffns) {
         const double a = hw.ReadMbps(f.read_bytes, kQueueDepthChoices[i]);
         const double b = hw.ReadMbps(f.read_bytes, kQueueDepthChoices[j]);
-        no_worse = no_worse && b >= a;
-        better = better || b > a;
+        const double la = hw.ReadLatencyUs(f.read_bytes, kQueueDepthChoices[i]);
+        const double lb = hw.ReadLatencyUs(f.read_bytes, kQueueDepthChoices[j]);
+        no_worse = no_worse && b >= a && lb <= la;
+        better = better || b > a || lb < la;
       }
       dominated = no_worse && (better || j < i);
     }

@@ -85,12 +85,13 @@ TEST(CostModelTest, HandComputedBreakdown) {
   s.cold_slots = {0};
   const Prediction p = Evaluate(hw, m, s);
   // attention 1e6 B / 1e9 B/s = 1000 us; compute 100 neurons * 1000 B / 1e9 = 100 us; served P(0.5) = 0.5 so 50
-  // misses * 4096 B / 1e8 B/s = 2048 us; pipeline 100/32 * 5 us + 32 * 0.5 * 4096 / 1e8 s = 15.625 + 655.36 us.
+  // misses * 4096 B / 1e8 B/s = 2048 us; pipeline 100/32 * 5 us + 0.5 * (40 us latency + 32 * 4096 / 1e8 s)
+  // = 15.625 + 20 + 655.36 us.
   EXPECT_NEAR(p.attention_s, 1000e-6, 1e-12);
   EXPECT_NEAR(p.ffn_compute_s, 100e-6, 1e-12);
   EXPECT_NEAR(p.io_s, 2048e-6, 1e-12);
-  EXPECT_NEAR(p.pipeline_s, 670.985e-6, 1e-12);
-  EXPECT_NEAR(p.token_s, (1000 + 2048 + 670.985) * 1e-6, 1e-12);
+  EXPECT_NEAR(p.pipeline_s, 690.985e-6, 1e-12);
+  EXPECT_NEAR(p.token_s, (1000 + 2048 + 690.985) * 1e-6, 1e-12);
   EXPECT_NEAR(p.read_mb_per_token, 50 * 4096 / 1e6, 1e-12);
   EXPECT_EQ(p.memory_bytes, (1u << 20) + 500u * 4096u);
   // Two threads share the cores with the I/O thread: each miss also costs submit time on the compute threads.
