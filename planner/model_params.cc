@@ -9,6 +9,7 @@
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
 #include "runtime/engine/model.h"
+#include "runtime/engine/predictor.h"
 
 namespace nflash::planner {
 namespace {
@@ -59,6 +60,22 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
   }
   const uint64_t per_region_params = 3ull * static_cast<uint64_t>(man.dim) * static_cast<uint64_t>(man.n_ff);
 
+  // What the runtime will compute per token: with a predictor, the share it predicts active (held-out figure when the
+  // trainer measured one); without one the runtime's oracle computes every neuron whose activation is non-zero: the
+  // profile's share for ReLU / dReLU (threshold 0), all of them for SiLU (never exactly zero).
+  std::unique_ptr<Predictor> predictor;
+  if (!deployment.predictor_path().empty()) {
+    NF_ASSIGN_OR_RETURN(predictor, Predictor::Load(deployment.predictor_path()));
+  }
+  auto computed_fraction = [&](const profiler::FfnProfile& fp) -> double {
+    if (predictor && fp.layer < predictor->n_layers()) {
+      const PredictorLayerInfo& info = predictor->info(fp.layer);
+      if (info.eval_predicted_fraction >= 0) return info.eval_predicted_fraction;
+      if (info.predicted_fraction >= 0) return info.predicted_fraction;
+    }
+    if (hp.activation == FfnActivation::kSilu) return 1.0;
+    return fp.mean_active_fraction;
+  };
   const packer::BundleLayout& layout = deployment.layout();
   for (const packer::RegionInfo& r : man.regions) {
     const profiler::FfnProfile* fp = profile.Find(r.layer, r.expert);
@@ -74,7 +91,7 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
     f.layer = r.layer;
     f.expert = r.expert;
     f.n_neurons = r.n_neurons;
-    f.active_fraction = fp->mean_active_fraction;
+    f.active_fraction = computed_fraction(*fp);
     f.route_fraction = (r.expert >= 0 && profile.tokens > 0)
                            ? static_cast<double>(fp->tokens) / static_cast<double>(profile.tokens)
                            : 1.0;
@@ -83,6 +100,12 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
     f.slot_bytes = slot_bytes;
     f.popularity = CurveFrom(fp->popularity);
     f.lru_hit = CurveFrom(fp->lru_hit_rate);
+    if (f.active_fraction >= 1.0) {
+      // Every neuron computed on every token: the profile's curves (of the thresholded activity) do not apply; a
+      // region holding a share x of the neurons serves exactly x of them.
+      f.popularity = Curve{{0.0, 1.0}, {0.0, 1.0}};
+      f.lru_hit = f.popularity;
+    }
     // The profile's replay counts the first touch of every neuron as a miss; a cache holding the whole region has
     // none in steady state (decode runs far longer than the warm-up), so its end point is 1.
     f.lru_hit.y.back() = 1.0;
