@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 7's acceptance benchmark: at several memory budgets, the plan's predicted decode speed against the measured one
+# (`nflash offload --plan`, median of R runs), and the plan's measured speed against the best configuration of a small
+# grid over the same knobs (hot/cold split, queue depth, chunk size) run with `nflash offload --memory`.
+# Usage: scripts/plan_accuracy.sh DEPLOY_DIR HW_JSON "BUDGET1 BUDGET2 ..." [RUNS] [TOKENS]
+# Prints a markdown table. Needs build/runtime/cli/nflash (or $NFLASH) and python3 (JSON parsing, not the product).
+set -euo pipefail
+DEPLOY=$1 HW=$2 BUDGETS=$3 RUNS=${4:-3} TOKENS=${5:-64}
+NF=${NFLASH:-build/runtime/cli/nflash}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+CTX=$((TOKENS + 16))
+
+median_speed() {  # args: offload flags...; prints the median decode tok/s over RUNS runs
+  local speeds=()
+  for _ in $(seq "$RUNS"); do
+    speeds+=("$("$NF" -q offload -d "$DEPLOY" -n "$TOKENS" --json "$@" | python3 -c \
+      'import json,sys; print(json.load(sys.stdin)["decode_tok_s"])')")
+  done
+  printf '%s\n' "${speeds[@]}" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'
+}
+
+echo "| budget | predicted tok/s | measured tok/s (plan) | predicted / measured | best grid tok/s (config) | plan / best |"
+echo "|---|--:|--:|--:|--:|--:|"
+for B in $BUDGETS; do
+  "$NF" -q plan --hw "$HW" --deploy "$DEPLOY" --memory "$B" --ctx "$CTX" -o "$WORK/plan.json" --force
+  predicted=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["predicted"]["tokens_per_s"])' "$WORK/plan.json")
+  measured=$(median_speed --plan "$WORK/plan.json")
+  best=0 best_cfg=""
+  for hf in 0 0.5 1; do
+    for qd in 4 16 64; do
+      for chunk in 8 32; do
+        s=$(median_speed --memory "$B" --ctx "$CTX" --hot-fraction "$hf" --queue-depth "$qd" --chunk-requests "$chunk")
+        if python3 -c "import sys; sys.exit(0 if float('$s') > float('$best') else 1)"; then
+          best=$s best_cfg="hot $hf, qd $qd, chunk $chunk"
+        fi
+      done
+    done
+  done
+  python3 - "$B" "$predicted" "$measured" "$best" "$best_cfg" <<'PY'
+import sys
+b, p, m, g, cfg = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+print(f"| {b} | {p:.1f} | {m:.1f} | {p / m:.2f} | {g:.1f} ({cfg}) | {m / g:.2f} |")
+PY
+done
