@@ -13,6 +13,7 @@
 #include "runtime/core/quant.h"
 #include "runtime/core/thread_pool.h"
 #include "converter/readers.h"
+#include "converter/synth_random.h"
 
 namespace nflash::converter {
 namespace {
@@ -37,34 +38,9 @@ constexpr double kNormEps = 1e-5;
 
 // ---------------------------------------------------------------------------------------------------- random numbers
 
-// splitmix64's finalizer: a bijective 64-bit mix, good enough to turn counters into independent-looking bits.
-inline uint64_t Mix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-// An approximately standard normal value from 64 random bits: the sum of four 16-bit uniforms (Irwin-Hall, n = 4,
-// variance 1/3) standardised. Bounded at +-3.46, which suits block quantization; cheap and branch-free.
-inline float NormalFromBits(uint64_t h) {
-  const uint32_t s = static_cast<uint32_t>(h & 0xffff) + static_cast<uint32_t>((h >> 16) & 0xffff) +
-                     static_cast<uint32_t>((h >> 32) & 0xffff) + static_cast<uint32_t>(h >> 48);
-  constexpr float kScale = 1.7320508f / 65536.0f;  // sqrt(3) / 2^16: unit variance
-  return (static_cast<float>(s) + 2.0f - 2.0f * 65536.0f) * kScale;
-}
-
-uint64_t NameKey(uint64_t seed, const std::string& name) {
-  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a
-  for (unsigned char ch : name) h = (h ^ ch) * 0x100000001b3ULL;
-  return Mix64(h ^ Mix64(seed));
-}
-
-// Fills `out` with the row `row` of the stream `key`: value j depends only on (key, row, j).
-void NormalRow(uint64_t key, uint64_t row, float scale, float* out, int64_t n) {
-  const uint64_t row_key = Mix64(key ^ (row * 0xd1b54a32d192ed03ULL));
-  for (int64_t j = 0; j < n; ++j) out[j] = scale * NormalFromBits(Mix64(row_key + static_cast<uint64_t>(j)));
-}
+using synth_random::Mix64;
+using synth_random::NameKey;
+using synth_random::NormalRow;
 
 // Inverse standard normal CDF (Acklam's rational approximation, relative error 1e-9 after one Newton step).
 double NormalQuantile(double p) {
@@ -122,8 +98,10 @@ struct SynthState {
   int64_t experts() const { return std::max<int64_t>(cfg.n_experts, 1); }
 };
 
-// Row `row` of `spec` as the file holds it before quantization.
-void FillRow(const SynthState& s, const TensorSpec& spec, uint64_t key, int64_t row, float* out) {
+// Row `row` of `spec` as the file holds it before quantization. `basis`: LowRankBasis of a gate/up tensor when
+// --gate-rank is on (GenerateTensor makes it once per tensor), else unused.
+void FillRow(const SynthState& s, const TensorSpec& spec, uint64_t key, int64_t row, float* out,
+             const float* basis = nullptr) {
   const int64_t n = static_cast<int64_t>(spec.dims[0]);
   const ModelConfig& c = s.cfg;
   const float inv_sqrt_dim = 1.0f / std::sqrt(static_cast<float>(c.dim));
@@ -158,7 +136,14 @@ void FillRow(const SynthState& s, const TensorSpec& spec, uint64_t key, int64_t 
       return;
     case Kind::kGate:
     case Kind::kUp: {
-      NormalRow(key, row, inv_sqrt_dim, out, n);
+      if (s.opt.gate_rank > 0) {
+        // Low-rank-plus-noise (--gate-rank): `basis` holds every expert's V, rank x n each.
+        const int64_t r = s.opt.gate_rank;
+        synth_random::LowRankRow(s.opt.seed, spec.name, key, static_cast<uint64_t>(row), basis + (row / c.n_ff) * r * n, r,
+                   static_cast<float>(s.opt.gate_noise), inv_sqrt_dim, out, n);
+      } else {
+        NormalRow(key, row, inv_sqrt_dim, out, n);
+      }
       clear_reserved();
       const auto& offsets = spec.kind == Kind::kGate ? s.gate_offset : s.up_offset;
       if (static_cast<size_t>(spec.layer) < offsets.size() && !offsets[spec.layer].empty()) {
@@ -189,8 +174,12 @@ std::vector<float> GenerateTensor(const SynthState& s, const TensorSpec& spec) {
   const int64_t rows = static_cast<int64_t>(RowCount(spec));
   std::vector<float> out(static_cast<size_t>(n * rows));
   const uint64_t key = NameKey(s.opt.seed, spec.name);
+  std::vector<float> basis;
+  if (s.opt.gate_rank > 0 && (spec.kind == Kind::kGate || spec.kind == Kind::kUp)) {
+    basis = synth_random::LowRankBasis(s.opt.seed, spec.name, s.experts(), s.opt.gate_rank, n);
+  }
   s.pool->ParallelFor(rows, 16, [&](int64_t b, int64_t e, int) {
-    for (int64_t r = b; r < e; ++r) FillRow(s, spec, key, r, out.data() + r * n);
+    for (int64_t r = b; r < e; ++r) FillRow(s, spec, key, r, out.data() + r * n, basis.data());
   });
   return out;
 }
@@ -664,6 +653,11 @@ Result<ModelConfig> SynthConfig(const SynthOptions& o) {
   if (!(o.sparsity >= 0 && o.sparsity < 1 - 1e-9) || o.hot_skew < 0) {
     return Status::InvalidArgument("--sparsity must be in [0, 1) and --hot-skew >= 0");
   }
+  if (o.gate_rank < 0 || (o.gate_rank > 0 && o.gate_rank >= c.dim) || !(o.gate_noise >= 0)) {
+    return Status::InvalidArgument("--gate-rank " + std::to_string(o.gate_rank) + " must be in [0, dim " +
+                                   std::to_string(c.dim) + ") and --gate-noise " + std::to_string(o.gate_noise) +
+                                   " >= 0");
+  }
   if (o.calib_sequences < 2 || o.calib_tokens < 4) {
     return Status::InvalidArgument("calibration needs at least 2 sequences of 4 tokens");
   }
@@ -671,6 +665,7 @@ Result<ModelConfig> SynthConfig(const SynthOptions& o) {
   std::snprintf(name, sizeof name, "synthetic %s %s s%.2f seed %llu", o.shape.c_str(), FfnActivationName(o.activation),
                 o.sparsity, static_cast<unsigned long long>(o.seed));
   c.name = name;
+  if (o.gate_rank > 0) c.name += " rank " + std::to_string(o.gate_rank);  // off: the name (and bytes) as before
   return c;
 }
 
@@ -773,6 +768,10 @@ Result<SourceModel> BuildSyntheticModel(const SynthOptions& options, SynthReport
       {"nflash.synth.seed", static_cast<uint64_t>(options.seed)},
       {"nflash.synth.constant_channel", static_cast<uint32_t>(state->channel)},
   };
+  if (options.gate_rank > 0) {  // only when on, so files made without the flag keep their bytes
+    model.extra_metadata.push_back({"nflash.synth.gate_rank", static_cast<uint32_t>(options.gate_rank)});
+    model.extra_metadata.push_back({"nflash.synth.gate_noise", static_cast<float>(options.gate_noise)});
+  }
   if (report != nullptr) *report = std::move(rep);
   return model;
 }

@@ -33,6 +33,14 @@ struct SynthOptions {
   FfnActivation activation = FfnActivation::kRelu;
   double sparsity = 0.9;  // fraction of FFN neurons inactive per token (relu/drelu only)
   double hot_skew = 0.8;  // power-law exponent of neuron popularity over rank (0 = every neuron equally popular)
+  // Predictable gates (docs/synthetic.md): gate (and up) weights = rank-`gate_rank` product U V plus `gate_noise`
+  // relative i.i.d. noise, per-value variance unchanged, so pre-activations live near a gate_rank-dimensional
+  // subspace of the input as in trained LLMs. 0 = off: every weight i.i.d. (the files made before the flag existed).
+  int64_t gate_rank = 0;
+  // Relative std of the full-rank part. 0.1 leaves 1% of the pre-activation variance unpredictable from the subspace:
+  // a perfect predictor of the low-rank part then reaches recall >= 0.996 at 1.5x the true active set for neurons of
+  // popularity >= 0.03 (Monte Carlo, docs/synthetic.md); 0.3 already caps it at ~0.87-0.94.
+  double gate_noise = 0.1;
   // Calibration simulation: `calib_sequences` random token sequences of `calib_tokens` tokens each; the last one is
   // held out and only measured (the numbers in SynthReport).
   int calib_sequences = 6;

@@ -106,6 +106,11 @@ void RegisterSynthCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--sparsity", o.sparsity, "Fraction of FFN neurons inactive per token")->capture_default_str();
   cmd->add_option("--hot-skew", o.hot_skew, "Power-law exponent of neuron popularity over rank (0: uniform)")
       ->capture_default_str();
+  cmd->add_option("--gate-rank", o.gate_rank,
+                  "Gate/up weights = rank-R product + noise, so a low-rank predictor can learn activity (0: i.i.d.)")
+      ->capture_default_str();
+  cmd->add_option("--gate-noise", o.gate_noise, "With --gate-rank: relative std of the i.i.d. part")
+      ->capture_default_str();
   cmd->add_option("--calib-tokens", o.calib_tokens, "Tokens per calibration sequence")->capture_default_str();
   cmd->add_option("--calib-sequences", o.calib_sequences, "Calibration sequences (the last one is held out)")
       ->capture_default_str();

@@ -279,12 +279,112 @@ TEST(SynthFileTest, DeterministicBytes) {
   EXPECT_FALSE(a == ReadAll(dir.File("c.gguf")));
 }
 
+// Rank of the rows of an m x n matrix (row-major) by modified Gram-Schmidt in double: a row counts when what is left
+// of it after removing the earlier rows' span keeps more than `rel_tol` of its norm.
+int64_t NumericalRank(const std::vector<double>& a, int64_t m, int64_t n, double rel_tol) {
+  std::vector<std::vector<double>> basis;
+  for (int64_t i = 0; i < m; ++i) {
+    std::vector<double> v(a.begin() + i * n, a.begin() + (i + 1) * n);
+    double norm0 = 0;
+    for (double x : v) norm0 += x * x;
+    for (int pass = 0; pass < 2; ++pass) {  // re-orthogonalise once: one pass loses orthogonality in double
+      for (const auto& b : basis) {
+        double d = 0;
+        for (int64_t j = 0; j < n; ++j) d += v[j] * b[j];
+        for (int64_t j = 0; j < n; ++j) v[j] -= d * b[j];
+      }
+    }
+    double norm = 0;
+    for (double x : v) norm += x * x;
+    if (norm0 > 0 && norm > rel_tol * rel_tol * norm0) {
+      for (double& x : v) x /= std::sqrt(norm);
+      basis.push_back(std::move(v));
+    }
+  }
+  return static_cast<int64_t>(basis.size());
+}
+
+// The f32 gate of layer `layer` read back from the file, without the 32-wide block holding the constant channel
+// (column c carries the per-neuron offsets, which are not part of the low-rank product).
+std::vector<double> GateWithoutConstantBlock(const GgufFile& f, int64_t layer, int64_t* cols) {
+  const GgufTensorInfo* g = f.FindTensor("blk." + std::to_string(layer) + ".ffn_gate.weight");
+  EXPECT_NE(g, nullptr);
+  EXPECT_EQ(g->type, GgmlType::kF32);
+  const int64_t n = static_cast<int64_t>(g->dims[0]), m = static_cast<int64_t>(g->dims[1]);
+  std::vector<uint8_t> scratch;
+  auto data = f.TensorData(*g, &scratch);
+  EXPECT_TRUE(data.ok());
+  const float* w = reinterpret_cast<const float*>(data->data());
+  const int64_t block = static_cast<int64_t>(*f.GetUint("nflash.synth.constant_channel")) / 32 * 32;
+  std::vector<double> out;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (j < block || j >= block + 32) out.push_back(w[i * n + j]);
+    }
+  }
+  *cols = n - 32;
+  return out;
+}
+
+TEST(SynthGateRankTest, GateIsLowRankPlusNoiseWithTheSameScale) {
+  TempDir dir;
+  SynthOptions o = SmallOptions();
+  o.layers = 1;
+  o.gate_rank = 16;
+  o.gate_noise = 0;
+  ASSERT_EQ(Write(o, dir.File("r16.gguf")), "");
+  o.gate_noise = 0.1;
+  ASSERT_EQ(Write(o, dir.File("r16n.gguf")), "");
+  o.gate_rank = 0;
+  ASSERT_EQ(Write(o, dir.File("iid.gguf")), "");
+  auto exact = GgufFile::OpenPath(dir.File("r16.gguf"));
+  auto noisy = GgufFile::OpenPath(dir.File("r16n.gguf"));
+  auto iid = GgufFile::OpenPath(dir.File("iid.gguf"));
+  ASSERT_TRUE(exact.ok() && noisy.ok() && iid.ok());
+  EXPECT_EQ(*exact->GetUint("nflash.synth.gate_rank"), 16u);
+  EXPECT_NEAR(*noisy->GetFloat("nflash.synth.gate_noise"), 0.1, 1e-6);
+  EXPECT_FALSE(iid->GetUint("nflash.synth.gate_rank").ok());  // off: no new keys, the old bytes
+  int64_t cols = 0;
+  const std::vector<double> we = GateWithoutConstantBlock(*exact, 0, &cols);
+  const std::vector<double> wn = GateWithoutConstantBlock(*noisy, 0, &cols);
+  const std::vector<double> wi = GateWithoutConstantBlock(*iid, 0, &cols);
+  const int64_t rows = o.ffn;
+  // Noise 0: exactly rank 16 (up to f32 rounding); noise 0.1 and i.i.d.: full rank.
+  EXPECT_EQ(NumericalRank(we, rows, cols, 1e-4), 16);
+  EXPECT_EQ(NumericalRank(wn, rows, cols, 1e-4), cols);
+  // Per-value variance as today's i.i.d. gate, 1/dim (the calibration and the residual scale rely on it).
+  for (const auto* w : {&we, &wn, &wi}) {
+    double ss = 0;
+    for (double x : *w) ss += x * x;
+    EXPECT_NEAR(ss / w->size() * o.dim, 1.0, 0.1);
+  }
+  // The noise is the i.i.d. gate itself, scaled by 0.1 / sqrt(1.01): noisy - exact / sqrt(1.01) is exactly that.
+  double max_err = 0;
+  for (size_t k = 0; k < wn.size(); ++k) {
+    const double expect = we[k] / std::sqrt(1.01) + wi[k] * 0.1 / std::sqrt(1.01);
+    max_err = std::max(max_err, std::abs(wn[k] - expect));
+  }
+  EXPECT_LT(max_err, 1e-5);
+}
+
+TEST(SynthGateRankTest, RejectsBadRank) {
+  SynthOptions o = SmallOptions();
+  o.gate_rank = -1;
+  EXPECT_EQ(SynthConfig(o).status().code(), StatusCode::kInvalidArgument);
+  o.gate_rank = 256;  // = dim: not low rank
+  EXPECT_EQ(SynthConfig(o).status().code(), StatusCode::kInvalidArgument);
+  o.gate_rank = 8;
+  o.gate_noise = -0.5;
+  EXPECT_EQ(SynthConfig(o).status().code(), StatusCode::kInvalidArgument);
+}
+
 struct SparsityCase {
   const char* label;
   FfnActivation activation;
   GgmlType type;
   double sparsity;
   int64_t experts;
+  int64_t gate_rank = 0;  // --gate-rank: low-rank-plus-noise gates must keep the calibration's targets
 };
 
 class SynthSparsityTest : public ::testing::TestWithParam<SparsityCase> {};
@@ -297,6 +397,7 @@ TEST_P(SynthSparsityTest, ReferenceForwardMeasuresTheTarget) {
   o.type = tc.type;
   o.sparsity = tc.sparsity;
   o.experts = tc.experts;
+  o.gate_rank = tc.gate_rank;
   const std::string path = dir.File("m.gguf");
   ASSERT_EQ(Write(o, path), "");
   const Measured m = RunReference(path, dir.File("stats.json"), o.vocab);
@@ -326,7 +427,10 @@ INSTANTIATE_TEST_SUITE_P(
                       SparsityCase{"relu_q4_0_s70", FfnActivation::kRelu, GgmlType::kQ4_0, 0.7, 0},
                       SparsityCase{"drelu_q8_0_s70", FfnActivation::kDRelu, GgmlType::kQ8_0, 0.7, 0},
                       SparsityCase{"drelu_q4_0_s90", FfnActivation::kDRelu, GgmlType::kQ4_0, 0.9, 0},
-                      SparsityCase{"moe_relu_q4_0_s90", FfnActivation::kRelu, GgmlType::kQ4_0, 0.9, 4}),
+                      SparsityCase{"moe_relu_q4_0_s90", FfnActivation::kRelu, GgmlType::kQ4_0, 0.9, 4},
+                      SparsityCase{"relu_q4_0_s90_rank32", FfnActivation::kRelu, GgmlType::kQ4_0, 0.9, 0, 32},
+                      SparsityCase{"drelu_q8_0_s70_rank32", FfnActivation::kDRelu, GgmlType::kQ8_0, 0.7, 0, 32},
+                      SparsityCase{"moe_relu_q4_0_s90_rank16", FfnActivation::kRelu, GgmlType::kQ4_0, 0.9, 4, 16}),
     [](const ::testing::TestParamInfo<SparsityCase>& info) { return std::string(info.param.label); });
 
 }  // namespace
