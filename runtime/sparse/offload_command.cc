@@ -39,6 +39,7 @@ struct OffloadFlags {
   int threads = 0;
   bool json = false;
   bool buffered = false;
+  bool token_prefill = false;
   std::string plan;
 };
 
@@ -123,6 +124,7 @@ Status RunOffload(const OffloadFlags& f) {
   o.chunk_requests = f.chunk_requests;
   o.io.queue_depth = f.queue_depth;
   o.io.buffered = f.buffered;
+  o.batched_prefill = !f.token_prefill;
   int threads = f.threads;
   if (!f.plan.empty()) {
     if (!f.memory.empty() || f.hot_slots > 0 || f.cold_slots > 0 || f.ctx > 0) {
@@ -244,6 +246,9 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--queue-depth", flags->queue_depth, "io_uring queue depth");
   cmd->add_option("-t,--threads", flags->threads, "Compute threads (0: all cores)");
   cmd->add_flag("--buffered", flags->buffered, "Read through the page cache (no O_DIRECT): a comparison only");
+  cmd->add_flag("--token-prefill", flags->token_prefill,
+                "Prefill token by token through the decode path instead of whole layers (no prefill buffers): a "
+                "comparison only");
   cmd->add_flag("--json", flags->json, "Print the result as JSON");
   cmd->add_option("--plan", flags->plan, "plan.json from `nflash plan` for this deployment: memory, cache sizes, "
                                          "context, threads, queue depth")->check(CLI::ExistingFile);

@@ -176,6 +176,7 @@ Status OffloadFfn::Init() {
   if (!oracle_) options_.predictor->PrepareScratch(&pred_scratch_);
   if (oracle_) NF_RETURN_IF_ERROR(LoadOracleGates());
   if (options_.mode == OffloadMode::kFull) io_ = std::make_unique<IoWorker>(flash_.get());
+  NF_RETURN_IF_ERROR(InitPrefill());
   return Status::Ok();
 }
 
@@ -216,7 +217,11 @@ Result<bool> OffloadFfn::Forward(int64_t layer, int64_t expert, const Activation
     NF_RETURN_IF_ERROR(ForwardToken(group, layer, expert, x, out));
     return true;
   }
-  // Prefill runs token by token through the same path (the FFN weights are not in memory for a dense GEMM).
+  if (batched_prefill() && expert < 0) {
+    NF_RETURN_IF_ERROR(ForwardBatch(layer, x, out));
+    return true;
+  }
+  // Without prefill buffers (or for an expert), prefill runs token by token through the decode path.
   for (int64_t t = 0; t < x.n(); ++t) {
     token_act_.Set(x.f32() + t * dim, 1, dim);
     NF_RETURN_IF_ERROR(ForwardToken(group, layer, expert, token_act_, out + t * dim));
@@ -435,6 +440,8 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   }
   const float thr = thresholds_[static_cast<size_t>(layer)];
   OffloadGroupStats& st = stats_[static_cast<size_t>(group)];
+  // A prefetched region nobody will use (e.g. a failed prefill) must not race with this token's reads.
+  if (pending_buf_ >= 0) CancelPrefetch();
 
   // 1. The active set, ascending.
   active_.clear();

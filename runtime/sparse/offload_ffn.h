@@ -16,9 +16,18 @@
 //      column copied to row k of a compact matrix; then out = sum over k ascending with h_k != 0 of h_k * down_k
 //      (AccumulateRows): the summation order is that of A, never the order reads completed in, so results do not
 //      depend on timing, cache state or mode, and equal SparseFfn's (same rows, same order, same kernels).
+//
+// Batched prefill (x.n() > 1, dense FFN, with options.batched_prefill and its buffers; offload_prefill.cc): the
+// layer's whole region is read sequentially in kPrefillRequestBytes requests into one of two layer buffers while the
+// next layer's region is prefetched into the other; gate/up of every neuron by GemmMany over strided views of the
+// bundles, then per token the down columns of the neurons with h != 0 accumulated in ascending neuron order (the
+// token path's arithmetic: oracle mode gives bitwise the token-by-token result; predictor mode computes every neuron,
+// as the in-memory engine's dense prefill does). The hot clusters read are copied into the hot region (a fair share
+// per layer) so decode starts warm.
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -58,6 +67,30 @@ struct OffloadOptions {
   // reader as fixed buffers; nullptr: the cache allocates its own.
   uint8_t* arena = nullptr;
   size_t arena_bytes = 0;
+  // Batched prefill through two layer buffers (PrefillBufferBytes); false: prefill runs token by token (e.g. when the
+  // memory budget has no room for the buffers).
+  bool batched_prefill = false;
+};
+
+// Prefill reads: 1 MiB requests reach sequential flash bandwidth (UFS/NVMe saturate at 512 KiB-1 MiB) while the
+// queue keeps a few in flight; larger ones only add latency before the first bytes can be checked.
+inline constexpr size_t kPrefillRequestBytes = size_t{1} << 20;
+// Tokens per batched-prefill tile: the gate/up outputs of a tile (2 x tile x n_ff floats) stay a few MiB at 7B scale.
+inline constexpr int64_t kPrefillTokenTile = 64;
+
+// Batched prefill, summed over layers.
+struct OffloadPrefillStats {
+  int64_t layers = 0;          // layer passes (one per layer and batch)
+  int64_t tokens = 0;          // token-layer pairs
+  int64_t requests = 0;
+  uint64_t bytes_read = 0;
+  int64_t prefetch_hits = 0;   // layers whose region had been prefetched during the previous layer
+  uint64_t io_wait_ns = 0;     // compute thread blocked on the region read (exposed I/O)
+  uint64_t verify_ns = 0;      // xxHash64 of every bundle read
+  uint64_t compute_ns = 0;     // gate/up GEMM, activation, down accumulation
+  uint64_t gate_up_ns = 0;     // of which the gate/up GEMM
+  int64_t warmed_clusters = 0; // hot clusters copied into the hot region
+  int64_t retries = 0;
 };
 
 // 64 KiB: large enough that a hot cluster read runs near sequential flash throughput (random-read bandwidth keeps
@@ -106,6 +139,11 @@ class OffloadFfn : public FfnBackend {
   static uint64_t ColdSlotBytes(const packer::Deployment& deployment);
   // Hot clusters of all groups and cold-eligible neurons of all groups (the most each region could use).
   static int64_t HotClusterCount(const packer::Deployment& deployment, int64_t cluster_groups);
+  // What batched prefill allocates: two buffers of the largest region plus the gate/up outputs of a token tile.
+  static uint64_t PrefillBufferBytes(const packer::Deployment& deployment);
+  bool batched_prefill() const { return !prefill_buf_[0].empty(); }
+  const OffloadPrefillStats& prefill_stats() const { return prefill_stats_; }
+  uint64_t prefill_bytes() const;
 
  private:
   // A read of one unit (a cold neuron bundle or a hot cluster) into `dst`.
@@ -122,6 +160,19 @@ class OffloadFfn : public FfnBackend {
              const OffloadOptions& options, ThreadPool* pool);
   Status Init();
   Status LoadOracleGates();
+  // Batched dense prefill of a dense FFN layer (offload_prefill.cc).
+  Status ForwardBatch(int64_t layer, const Activation& x, float* out);
+  // kPrefillRequestBytes rounded down to whole flash groups (at least one).
+  uint64_t PrefillRequestBytes() const;
+  // Allocates the prefill buffers when options.batched_prefill (dense models only).
+  Status InitPrefill();
+  // Starts reading `layer`'s region into prefill buffer `buf` (I/O thread in full mode, else synchronously).
+  Status StartRegionRead(int64_t layer, int buf);
+  // Waits for / verifies the region in buffer `buf` (bad bundles re-read once synchronously).
+  Status FinishRegionRead(int64_t layer, int buf);
+  // Drops a prefetch still in flight (before the I/O thread is used for something else).
+  void CancelPrefetch();
+  void WarmHotRegion(int64_t group, const packer::RegionInfo& region, const uint8_t* buf);
   // One token (x.n() == 1).
   Status ForwardToken(int64_t group, int64_t layer, int64_t expert, const Activation& x, float* out);
   // Resolves A into items (bundle pointers or pending units), filling units_ with the misses.
@@ -183,6 +234,24 @@ class OffloadFfn : public FfnBackend {
   Activation token_act_;                 // one prefill token
   PredictorScratch pred_scratch_;
   bool oracle_ = true;
+
+  // Batched prefill: two layer buffers (the region of `buf_layer_[b]`, -1 none), the read in flight, scratch.
+  struct AlignedFree {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  struct PrefillBuffer {
+    std::unique_ptr<uint8_t, AlignedFree> data;
+    size_t bytes = 0;
+    bool empty() const { return bytes == 0; }
+  };
+  PrefillBuffer prefill_buf_[2];
+  int64_t buf_layer_[2] = {-1, -1};
+  int pending_buf_ = -1;                  // buffer whose read the I/O thread runs, -1 none
+  std::vector<ReadRequest> prefill_reqs_[2];
+  std::vector<size_t> prefill_chunks_[2];
+  std::vector<float> pf_gate_, pf_up_;    // kPrefillTokenTile x n_ff, slot-view order (see ForwardBatch)
+  OffloadPrefillStats prefill_stats_;
+  OffloadPrefillStats prefill_batch_start_;  // at layer 0 of the current prompt (for the per-prompt log line)
 };
 
 }  // namespace nflash::sparse

@@ -1,6 +1,8 @@
 // Assembles the sparse runtime from a deployment directory (see sparse_runtime.h).
 #include "runtime/sparse/sparse_runtime.h"
 
+#include <algorithm>
+
 #include "runtime/core/log.h"
 
 namespace nflash::sparse {
@@ -51,6 +53,28 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   // Index tables of every region: slot_of_neuron, neuron_of_slot (4 bytes each), two hashes (8 bytes each).
   f.scratch += static_cast<uint64_t>(d.manifest().regions.size()) * static_cast<uint64_t>(hp.n_ff) * 24;
   f.predictor = oracle ? OffloadFfn::EstimateOracleBytes(d, true) : rt->predictor_->PredictorBytes();
+  // Batched prefill's layer buffers, if the budget has room for them beside the rest of the fixed part (and the
+  // caches the plan asks for).
+  bool batched_prefill = options.batched_prefill && OffloadFfn::PrefillBufferBytes(d) > 0;
+  if (batched_prefill && options.memory_budget > 0) {
+    FixedMemory with = f;
+    with.scratch += OffloadFfn::PrefillBufferBytes(d);
+    uint64_t need = with.Total();
+    if (!options.cold_slots_per_group.empty()) {
+      uint64_t cold = 0;
+      for (int64_t c : options.cold_slots_per_group) cold += static_cast<uint64_t>(c);
+      need += cold * OffloadFfn::ColdSlotBytes(d) +
+              static_cast<uint64_t>(std::min(options.hot_slots, OffloadFfn::HotClusterCount(d, options.cluster_groups))) *
+                  OffloadFfn::HotSlotBytes(d, options.cluster_groups);
+    }
+    if (need > options.memory_budget) {
+      batched_prefill = false;
+      NF_LOG(Info) << "batched prefill off: its two layer buffers (" << FormatBytes(OffloadFfn::PrefillBufferBytes(d))
+                   << ") do not fit the memory budget " << FormatBytes(options.memory_budget)
+                   << " beside the rest; prefill runs token by token";
+    }
+  }
+  if (batched_prefill) f.scratch += OffloadFfn::PrefillBufferBytes(d);
   CacheShape shape;
   shape.n_groups = static_cast<int64_t>(d.manifest().regions.size());
   shape.hot_slot_bytes = OffloadFfn::HotSlotBytes(d, options.cluster_groups);
@@ -97,6 +121,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.cold_slots_per_group = options.cold_slots_per_group;
   oo.cluster_groups = options.cluster_groups;
   oo.chunk_requests = options.chunk_requests;
+  oo.batched_prefill = batched_prefill;
   // The cache arena registered with the ring, so reads into it skip per-request page pinning.
   const uint64_t arena_bytes = rt->split_.hot_bytes + rt->split_.cold_bytes;
   if (arena_bytes > 0) {

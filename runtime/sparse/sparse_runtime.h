@@ -42,6 +42,10 @@ struct SparseRuntimeOptions {
   int64_t cluster_groups = 0;
   int64_t chunk_requests = 16;
   io::DirectReaderOptions io;
+  // Batched prefill (OffloadFfn): two layer buffers counted as scratch in the fixed part. When they do not fit the
+  // memory budget (the fixed part with them, or the plan's cache sizes plus them), prefill falls back to token by
+  // token and Open logs it.
+  bool batched_prefill = true;
   // Tests: wraps the flash file (fault injection through the File abstraction).
   std::function<std::shared_ptr<const ReadableFile>(std::shared_ptr<const ReadableFile>)> wrap_flash;
 };

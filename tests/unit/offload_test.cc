@@ -245,6 +245,9 @@ TEST_F(OffloadTest, PredictorModeEqualsInMemorySparseWithTheSamePredictor) {
     SparseRuntimeOptions o;
     o.mode = mode;
     o.active_set = ActiveSetSource::kAuto;  // the deployment has a predictor: it is used
+    // The reference ran the prompt token by token through the predictor too (batched prefill is dense: tested in
+    // offload_prefill_test.cc).
+    o.batched_prefill = false;
     o.hot_slots = 1;
     o.cold_slots = 60;
     auto rt = SparseRuntime::Open(dir_->File("deploy-pred"), o, pool_);

@@ -1,0 +1,321 @@
+// Batched prefill of the flash-offloaded FFN (see offload_ffn.h): whole-region sequential reads into two layer
+// buffers with the next layer prefetched, per-bundle checksums, gate/up by GEMM over strided bundle views, the down
+// accumulation of the token path per token, and warming the hot region from what was read.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "runtime/core/ffn_activation.h"
+#include "runtime/core/kernels.h"
+#include "runtime/core/log.h"
+#include "runtime/sparse/offload_ffn.h"
+
+namespace nflash::sparse {
+
+namespace {
+
+uint64_t NowNs() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+uint64_t MaxRegionBytes(const packer::Manifest& m) {
+  uint64_t b = 0;
+  for (const auto& r : m.regions) b = std::max(b, r.size);
+  return b;
+}
+
+}  // namespace
+
+uint64_t OffloadFfn::PrefillBufferBytes(const packer::Deployment& d) {
+  const packer::Manifest& m = d.manifest();
+  if (m.n_experts > 0) return 0;  // MoE prefill stays token by token (each expert sees a subset of the batch)
+  return 2 * MaxRegionBytes(m) + 2 * static_cast<uint64_t>(kPrefillTokenTile) * static_cast<uint64_t>(m.n_ff) * 4;
+}
+
+uint64_t OffloadFfn::PrefillRequestBytes() const {
+  // Whole groups per request, so that a bundle never straddles two requests (a retry re-reads whole bundles).
+  const uint64_t g = deploy_.layout().group_bytes;
+  return std::max<uint64_t>(1, kPrefillRequestBytes / g) * g;
+}
+
+uint64_t OffloadFfn::prefill_bytes() const {
+  return prefill_buf_[0].bytes + prefill_buf_[1].bytes + (pf_gate_.size() + pf_up_.size()) * sizeof(float);
+}
+
+Status OffloadFfn::InitPrefill() {
+  const packer::Manifest& m = deploy_.manifest();
+  if (!options_.batched_prefill || m.n_experts > 0) return Status::Ok();
+  const size_t bytes = static_cast<size_t>(MaxRegionBytes(m));
+  if (bytes == 0) return Status::Ok();
+  for (PrefillBuffer& b : prefill_buf_) {
+    b.data.reset(static_cast<uint8_t*>(std::aligned_alloc(kSlotAlignment, bytes)));
+    if (!b.data) return Status::ResourceExhausted("cannot allocate a prefill layer buffer of " + std::to_string(bytes) +
+                                                  " bytes");
+    // Touched now, so the buffers are resident and counted from the start like the cache arena.
+    std::memset(b.data.get(), 0, bytes);
+    b.bytes = bytes;
+  }
+  pf_gate_.resize(static_cast<size_t>(kPrefillTokenTile * m.n_ff));
+  pf_up_.resize(static_cast<size_t>(kPrefillTokenTile * m.n_ff));
+  return Status::Ok();
+}
+
+void OffloadFfn::CancelPrefetch() {
+  if (pending_buf_ < 0) return;
+  io_->Drain();
+  buf_layer_[pending_buf_] = -1;
+  pending_buf_ = -1;
+}
+
+Status OffloadFfn::StartRegionRead(int64_t layer, int buf) {
+  const packer::RegionInfo* region = deploy_.Region(layer, -1);
+  if (region == nullptr) return Status::Internal("deployment has no region for layer " + std::to_string(layer));
+  std::vector<ReadRequest>& reqs = prefill_reqs_[buf];
+  reqs.clear();
+  uint8_t* dst = prefill_buf_[buf].data.get();
+  const uint64_t req_bytes = PrefillRequestBytes();
+  for (uint64_t off = 0; off < region->size; off += req_bytes) {
+    const size_t size = static_cast<size_t>(std::min<uint64_t>(req_bytes, region->size - off));
+    reqs.push_back(ReadRequest{region->offset + off, size, dst + off});
+  }
+  // One chunk: ReadBatch keeps up to the queue depth of these in flight.
+  prefill_chunks_[buf].assign(1, reqs.size());
+  prefill_stats_.requests += static_cast<int64_t>(reqs.size());
+  prefill_stats_.bytes_read += region->size;
+  buf_layer_[buf] = layer;
+  if (options_.mode == OffloadMode::kFull && !reqs.empty()) {
+    io_->Start(reqs, prefill_chunks_[buf]);
+    pending_buf_ = buf;
+  }
+  return Status::Ok();
+}
+
+Status OffloadFfn::FinishRegionRead(int64_t layer, int buf) {
+  const packer::RegionInfo& region = *deploy_.Region(layer, -1);
+  const packer::BundleLayout& lay = deploy_.layout();
+  uint8_t* data = prefill_buf_[buf].data.get();
+  const uint64_t t0 = NowNs();
+  Status read;
+  if (pending_buf_ == buf) {
+    read = io_->WaitChunk(0);
+    pending_buf_ = -1;
+  } else {
+    read = flash_->ReadBatch(prefill_reqs_[buf]);
+  }
+  const uint64_t t1 = NowNs();
+  prefill_stats_.io_wait_ns += t1 - t0;
+  // Every bundle against its hash, request by request; a request with a bad bundle (or one a failed batch may not
+  // have read: the hashes decide) is read again once, synchronously, then the bad neuron is reported.
+  const std::vector<ReadRequest>& reqs = prefill_reqs_[buf];
+  const int64_t slots_per_req = static_cast<int64_t>(PrefillRequestBytes() / lay.group_bytes) * lay.slots_per_group;
+  // First pass in parallel (hashing a 7B layer is ~40 ms on one core; Deployment::VerifyBundle is const and safe to
+  // call concurrently); retries below run on this thread only.
+  std::vector<uint8_t> bad_request(reqs.size(), 0);
+  auto scan = [&](int64_t begin, int64_t end, int) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t end_slot = std::min<int64_t>(region.n_neurons, (r + 1) * slots_per_req);
+      for (int64_t s = r * slots_per_req; s < end_slot && !bad_request[r]; ++s) {
+        bad_request[r] = !deploy_.VerifyBundle(layer, -1, region.neuron_of_slot[s],
+                                               std::span<const uint8_t>(data + lay.SlotOffset(s), lay.bundle_bytes))
+                              .ok();
+      }
+    }
+  };
+  if (pool_ != nullptr) {
+    pool_->ParallelFor(static_cast<int64_t>(reqs.size()), 1, scan);
+  } else {
+    scan(0, static_cast<int64_t>(reqs.size()), 0);
+  }
+  for (size_t r = 0; r < reqs.size(); ++r) {
+    const int64_t first_slot = static_cast<int64_t>(r) * slots_per_req;
+    const int64_t end_slot = std::min<int64_t>(region.n_neurons, first_slot + slots_per_req);
+    auto check = [&](int64_t* bad) {
+      for (int64_t s = first_slot; s < end_slot; ++s) {
+        Status v = deploy_.VerifyBundle(layer, -1, region.neuron_of_slot[s],
+                                        std::span<const uint8_t>(data + lay.SlotOffset(s), lay.bundle_bytes));
+        if (!v.ok()) {
+          *bad = s;
+          return v;
+        }
+      }
+      return Status::Ok();
+    };
+    if (!bad_request[r]) continue;
+    int64_t bad = -1;
+    Status first = check(&bad);
+    if (first.ok()) continue;
+    if (!read.ok()) first = read;
+    ++prefill_stats_.retries;
+    ++stats_[static_cast<size_t>(layer * n_experts_)].retries;
+    const ReadRequest& q = reqs[r];
+    auto what = [&](int64_t slot) {
+      return "prefill: layer " + std::to_string(layer) + " neuron " + std::to_string(region.neuron_of_slot[slot]) +
+             ": ffn.bin offset " + std::to_string(region.offset + lay.SlotOffset(slot)) + " (request at " +
+             std::to_string(q.offset) + ", " + std::to_string(q.size) + " bytes)";
+    };
+    Status again = flash_->ReadAt(q.offset, q.size, q.dst);
+    if (!again.ok()) {
+      buf_layer_[buf] = -1;
+      return Status::IOError(what(bad) + ": read failed twice: " + again.message() + " (first: " + first.message() +
+                             ")");
+    }
+    Status verified = check(&bad);
+    if (!verified.ok()) {
+      buf_layer_[buf] = -1;
+      return Status::Corruption(what(bad) + ": checksum mismatch after one retry: " + verified.message());
+    }
+  }
+  prefill_stats_.verify_ns += NowNs() - t1;
+  return Status::Ok();
+}
+
+void OffloadFfn::WarmHotRegion(int64_t group, const packer::RegionInfo& region, const uint8_t* buf) {
+  SlotRegion& hot = cache_->hot();
+  if (hot.SlotCount() == 0 || cluster_neurons_ == 0) return;
+  const int64_t n_clusters = (region.hot_count + cluster_neurons_ - 1) / cluster_neurons_;
+  // An equal share of the hot region per layer (the first layers get the remainder), most popular clusters first:
+  // warming layer l never evicts what warming layer l-1 put in (the hot region is one LRU pool shared by all layers).
+  const int64_t groups = std::max<int64_t>(1, n_groups_);
+  const int64_t share =
+      std::min(n_clusters, hot.SlotCount() / groups + (group < hot.SlotCount() % groups ? 1 : 0));
+  const packer::BundleLayout& lay = deploy_.layout();
+  for (int64_t c = 0; c < share; ++c) {
+    if (hot.Find(group, c) >= 0) continue;
+    const SlotRegion::Lookup l = hot.Acquire(group, c);
+    if (l.slot < 0) break;
+    if (!l.hit) {
+      const uint64_t start = lay.SlotOffset(c * cluster_neurons_);
+      const size_t size = static_cast<size_t>(std::min<uint64_t>(cluster_bytes_, region.size - start));
+      std::memcpy(hot.SlotData(l.slot), buf + start, size);
+      ++prefill_stats_.warmed_clusters;
+    }
+    hot.Release(l.slot);
+  }
+}
+
+Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) {
+  const LlamaHparams& hp = model_.hparams();
+  const packer::BundleLayout& lay = deploy_.layout();
+  const packer::RegionInfo* region = deploy_.Region(layer, -1);
+  if (region == nullptr) return Status::Internal("deployment has no region for layer " + std::to_string(layer));
+  const int64_t group = layer * n_experts_;
+  if (layer == 0) prefill_batch_start_ = prefill_stats_;
+
+  // 1. The region in a layer buffer: prefetched during the previous layer, still there, or read now.
+  int b = -1;
+  for (int i = 0; i < 2; ++i) {
+    if (buf_layer_[i] == layer) b = i;
+  }
+  if (b >= 0 && pending_buf_ == b) {
+    ++prefill_stats_.prefetch_hits;
+    NF_RETURN_IF_ERROR(FinishRegionRead(layer, b));
+  } else if (b < 0) {
+    if (pending_buf_ >= 0) CancelPrefetch();
+    b = buf_layer_[0] == layer - 1 && layer > 0 ? 1 : 0;  // keep the previous layer's buffer if it is still wanted
+    NF_RETURN_IF_ERROR(StartRegionRead(layer, b));
+    NF_RETURN_IF_ERROR(FinishRegionRead(layer, b));
+  }
+  // 2. The next layer's region into the other buffer while this one computes (full mode: the I/O thread).
+  const int other = 1 - b;
+  if (options_.mode == OffloadMode::kFull && layer + 1 < hp.n_layers && buf_layer_[other] != layer + 1 &&
+      pending_buf_ < 0) {
+    NF_RETURN_IF_ERROR(StartRegionRead(layer + 1, other));
+  }
+
+  // 3. Compute. Slot s of the region is at (s / spg) * group_bytes + (s % spg) * bundle_bytes: for each j < spg the
+  // slots j, j + spg, j + 2 spg, ... have one stride (group_bytes), so the gate (up) rows form spg strided matrices
+  // whose products GemmMany computes in one parallel loop. A tile's outputs of view j start at tn * start[j].
+  const uint64_t t0 = NowNs();
+  const uint8_t* data = prefill_buf_[b].data.get();
+  const int64_t spg = lay.slots_per_group, n_ff = region->n_neurons, dim = hp.dim;
+  std::vector<int64_t> rows(static_cast<size_t>(spg)), start(static_cast<size_t>(spg));
+  int64_t acc = 0;
+  for (int64_t j = 0; j < spg; ++j) {
+    rows[j] = j < n_ff ? (n_ff - j + spg - 1) / spg : 0;
+    start[j] = acc;
+    acc += rows[j];
+  }
+  // Down columns in neuron order, the token path's compact matrix geometry (same kernel chunking, same bits).
+  auto copy_down = [&](int64_t begin, int64_t end, int) {
+    for (int64_t i = begin; i < end; ++i) {
+      std::memcpy(down_compact_.data() + static_cast<size_t>(i) * lay.down_bytes,
+                  data + lay.SlotOffset(region->slot_of_neuron[i]) + lay.down_offset, lay.down_bytes);
+    }
+  };
+  // 256 columns of a few KiB each per task: large enough to amortize the task, small enough to balance.
+  if (pool_ != nullptr) {
+    pool_->ParallelFor(n_ff, 256, copy_down);
+  } else {
+    copy_down(0, n_ff, 0);
+  }
+  const MatrixView down{lay.down_type, down_compact_.data(), n_ff, lay.dim, static_cast<size_t>(lay.down_bytes)};
+  // Oracle: the token path's threshold (bitwise the token-by-token result). Predictor: every neuron with h != 0,
+  // as the in-memory engine's dense prefill (the predictor guesses decode's active set, not the prompt's).
+  const float thr = oracle_ ? thresholds_[static_cast<size_t>(layer)] : 0.0f;
+  const FfnActivation act = hp.activation;
+  Activation tile_act;
+  std::vector<MatrixView> ws;
+  std::vector<float*> ys;
+  for (int64_t t0_tok = 0; t0_tok < x.n(); t0_tok += kPrefillTokenTile) {
+    const int64_t tn = std::min(kPrefillTokenTile, x.n() - t0_tok);
+    tile_act.Set(x.f32() + t0_tok * dim, tn, dim);
+    ws.clear();
+    ys.clear();
+    for (int64_t j = 0; j < spg; ++j) {
+      if (rows[j] == 0) continue;
+      const uint8_t* base = data + static_cast<size_t>(j) * lay.bundle_bytes;
+      ws.push_back(MatrixView{lay.gate_type, base + lay.gate_offset, rows[j], dim, static_cast<size_t>(lay.group_bytes)});
+      ys.push_back(pf_gate_.data() + tn * start[j]);
+      ws.push_back(MatrixView{lay.up_type, base + lay.up_offset, rows[j], dim, static_cast<size_t>(lay.group_bytes)});
+      ys.push_back(pf_up_.data() + tn * start[j]);
+    }
+    const uint64_t g0 = NowNs();
+    GemmMany(ws, tile_act, ys, pool_);
+    prefill_stats_.gate_up_ns += NowNs() - g0;
+    for (int64_t t = 0; t < tn; ++t) {
+      used_rows_.clear();
+      used_hidden_.clear();
+      for (int64_t i = 0; i < n_ff; ++i) {
+        const int64_t s = region->slot_of_neuron[i];
+        const int64_t j = s % spg;
+        const size_t idx = static_cast<size_t>(tn * start[j] + t * rows[j] + s / spg);
+        float ga = 0.0f;
+        const float h = ActivateNeuron(act, pf_gate_[idx], pf_up_[idx], &ga);
+        if (std::fabs(ga) > thr && h != 0.0f) {
+          used_rows_.push_back(static_cast<int32_t>(i));
+          used_hidden_.push_back(h);
+        }
+      }
+      float* y = out + (t0_tok + t) * dim;
+      std::fill(y, y + dim, 0.0f);
+      AccumulateRows(down, used_rows_, used_hidden_.data(), y, pool_);
+    }
+  }
+  prefill_stats_.compute_ns += NowNs() - t0;
+  prefill_stats_.layers += 1;
+  prefill_stats_.tokens += x.n();
+
+  // 4. Decode starts warm: the hot clusters just read go into the hot region.
+  WarmHotRegion(group, *region, data);
+
+  // One line per prompt: where prefill's time went (exposed I/O vs checksums vs compute), per layer.
+  if (layer == hp.n_layers - 1) {
+    const OffloadPrefillStats& a = prefill_batch_start_;
+    const OffloadPrefillStats& z = prefill_stats_;
+    const double layers = static_cast<double>(std::max<int64_t>(1, z.layers - a.layers));
+    NF_LOG(Info) << "prefill: " << x.n() << " tokens, " << (z.layers - a.layers) << " layers: read "
+                 << (z.bytes_read - a.bytes_read) / 1048576 << " MiB in " << (z.requests - a.requests)
+                 << " requests (" << (z.prefetch_hits - a.prefetch_hits) << " layers prefetched); per layer: I/O wait "
+                 << (z.io_wait_ns - a.io_wait_ns) / 1e6 / layers << " ms, verify "
+                 << (z.verify_ns - a.verify_ns) / 1e6 / layers << " ms, compute "
+                 << (z.compute_ns - a.compute_ns) / 1e6 / layers << " ms (gate/up GEMM "
+                 << (z.gate_up_ns - a.gate_up_ns) / 1e6 / layers << " ms); " << (z.warmed_clusters - a.warmed_clusters)
+                 << " hot clusters warmed";
+  }
+  return Status::Ok();
+}
+
+}  // namespace nflash::sparse
