@@ -23,6 +23,7 @@
 #include "runtime/engine/sparse_ffn.h"
 #include "runtime/sparse/sparse_runtime.h"
 #include "tests/test_util.h"
+#include "tests/unit/offload_test_util.h"
 
 namespace nflash::sparse {
 namespace {
@@ -76,28 +77,9 @@ void PackFrom(const std::string& model_path, const std::vector<int32_t>& prompt,
   auto model = Model::Load(model_path, LoadOptions{});
   ASSERT_TRUE(model.ok()) << model.status().ToString();
   const LlamaHparams& hp = (*model)->hparams();
-  profiler::ModelProfile prof;
-  prof.model_hash = HashToHex(*HashFile(model_path));
-  prof.model_name = hp.name;
-  prof.activation = "relu";
-  prof.n_layers = hp.n_layers;
-  prof.n_ff = hp.n_ff;
-  prof.dim = hp.dim;
-  for (int64_t l = 0; l < hp.n_layers; ++l) {
-    profiler::FfnProfile f;
-    f.layer = l;
-    f.n_neurons = hp.n_ff;
-    f.count_bs1.assign(static_cast<size_t>(hp.n_ff), 0);
-    prof.ffns.push_back(std::move(f));
-  }
+  profiler::ModelProfile prof = EmptyReluProfile(model_path, hp);
   InferenceContext ctx(**model, pool, 0);
-  ctx.SetFfnObserver([&](const FfnObservation& o) {
-    auto& f = prof.ffns[static_cast<size_t>(o.layer)];
-    for (int64_t t = 0; t < o.n_tokens; ++t) {
-      for (int64_t i = 0; i < hp.n_ff; ++i) f.count_bs1[i] += o.gate_act[t * hp.n_ff + i] > 0.0f;
-      f.tokens += 1;
-    }
-  });
+  ctx.SetFfnObserver(CountActivations(&prof, hp.n_ff));
   ASSERT_TRUE(ctx.Eval(prompt, false).ok());
   prof.tokens = prof.ffns[0].tokens;
   packer::PackOptions po;

@@ -22,6 +22,7 @@
 #include "runtime/engine/sparse_ffn.h"
 #include "runtime/sparse/sparse_runtime.h"
 #include "tests/test_util.h"
+#include "tests/unit/offload_test_util.h"
 
 namespace nflash::sparse {
 namespace {
@@ -68,30 +69,9 @@ class OffloadTest : public ::testing::Test {
     const LlamaHparams& hp = (*model)->hparams();
 
     // A profile from real activations: how often each neuron fires over the golden continuation.
-    profiler::ModelProfile prof;
-    auto hash = HashFile(wo.path);
-    ASSERT_TRUE(hash.ok());
-    prof.model_hash = HashToHex(*hash);
-    prof.model_name = hp.name;
-    prof.activation = "relu";
-    prof.n_layers = hp.n_layers;
-    prof.n_ff = hp.n_ff;
-    prof.dim = hp.dim;
-    for (int64_t l = 0; l < hp.n_layers; ++l) {
-      profiler::FfnProfile f;
-      f.layer = l;
-      f.n_neurons = hp.n_ff;
-      f.count_bs1.assign(static_cast<size_t>(hp.n_ff), 0);
-      prof.ffns.push_back(std::move(f));
-    }
+    profiler::ModelProfile prof = EmptyReluProfile(wo.path, hp);
     InferenceContext ctx(**model, pool_, 0);
-    ctx.SetFfnObserver([&](const FfnObservation& o) {
-      auto& f = prof.ffns[static_cast<size_t>(o.layer)];
-      for (int64_t t = 0; t < o.n_tokens; ++t) {
-        for (int64_t i = 0; i < hp.n_ff; ++i) f.count_bs1[i] += o.gate_act[t * hp.n_ff + i] > 0.0f;
-        f.tokens += 1;
-      }
-    });
+    ctx.SetFfnObserver(CountActivations(&prof, hp.n_ff));
     auto dense = Greedy(ctx, hp.n_vocab, kGolden.size());
     ASSERT_TRUE(dense.ok()) << dense.status().ToString();
     dense_ = new GreedyRun(std::move(*dense));
