@@ -214,7 +214,8 @@ Status RoundTrip(const SynthState& s, GgmlType type, int64_t n, std::vector<floa
 Result<float> StoredOffset(const SynthState& s, GgmlType type, float w) {
   float block[kQBlock] = {};
   block[s.channel - s.block_start] = w;
-  uint8_t buf[sizeof(BlockQ8_0) * 2];
+  // Large enough for one block of any row type: F32 (4 bytes per value) is the largest.
+  alignas(4) uint8_t buf[kQBlock * sizeof(float)];
   NF_RETURN_IF_ERROR(QuantizeRow(type, block, buf, kQBlock));
   NF_RETURN_IF_ERROR(DequantizeRow(type, buf, block, kQBlock));
   return block[s.channel - s.block_start];
