@@ -138,13 +138,6 @@ MeanSd ComputeMeanSd(const std::vector<double>& v) {
   return out;
 }
 
-double Percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t rank = static_cast<size_t>(std::ceil(q * static_cast<double>(v.size())));
-  return v[std::min(v.size() - 1, rank == 0 ? 0 : rank - 1)];
-}
-
 nlohmann::json RowSpec::ToJson() const {
   return {{"model", model},
           {"deploy", deploy},

@@ -5,6 +5,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/core/stats.h"
+
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -43,8 +45,8 @@ struct MeanSd {
   double mean = 0, sd = 0;
 };
 MeanSd ComputeMeanSd(const std::vector<double>& v);
-// Nearest-rank percentile: the smallest value with at least q (0..1] of the samples at or below it; 0 when empty.
-double Percentile(std::vector<double> v, double q);
+// Percentile (nearest rank): runtime/core/stats.h.
+using nflash::Percentile;
 
 struct RowSpec {
   std::string model;       // GGUF (or llama2.c checkpoint, dense modes only)

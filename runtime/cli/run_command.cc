@@ -17,6 +17,7 @@
 #include "runtime/core/file.h"
 #include "runtime/core/log.h"
 #include "runtime/core/proc_stats.h"
+#include "runtime/core/stats.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/predictor.h"
 #include "runtime/engine/sparse_ffn.h"
@@ -28,14 +29,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
-
-// The value at quantile q (0..1) of `v` by the nearest-rank method; 0 for an empty vector.
-double Percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t rank = static_cast<size_t>(std::ceil(q * static_cast<double>(v.size())));
-  return v[std::min(v.size() - 1, rank == 0 ? 0 : rank - 1)];
-}
 
 void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mmap) {
   sub->add_option("-m,--model", src->path, "Model: GGUF, or llama2.c checkpoint (converted in memory)")

@@ -16,6 +16,7 @@
 #include "runtime/core/gguf.h"
 #include "runtime/core/log.h"
 #include "runtime/core/proc_stats.h"
+#include "runtime/core/stats.h"
 #include "runtime/sparse/commands.h"
 #include "runtime/sparse/sparse_runtime.h"
 #include "runtime/text/tokenizer.h"
@@ -80,13 +81,6 @@ Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, Sp
                << plan.queue_depth << ", " << o->hot_slots << " hot clusters, predicted "
                << plan.predicted.tokens_per_s << " tok/s";
   return Status::Ok();
-}
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p / 100.0 * static_cast<double>(v.size() - 1) + 0.5));
-  return v[i];
 }
 
 Status RunOffload(const OffloadFlags& f) {
@@ -187,9 +181,9 @@ Status RunOffload(const OffloadFlags& f) {
       {"generated", out.size()},
       {"prefill_s", std::chrono::duration<double>(t1 - t0).count()},
       {"decode_tok_s", lat_ms.empty() ? 0.0 : static_cast<double>(lat_ms.size()) / decode_s},
-      {"token_ms_p50", Percentile(lat_ms, 50)},
-      {"token_ms_p90", Percentile(lat_ms, 90)},
-      {"token_ms_p99", Percentile(lat_ms, 99)},
+      {"token_ms_p50", Percentile(lat_ms, 0.5)},
+      {"token_ms_p90", Percentile(lat_ms, 0.9)},
+      {"token_ms_p99", Percentile(lat_ms, 0.99)},
       {"hot_hit_rate", hot.HitRate()},
       {"cold_hit_rate", cold.HitRate()},
       {"active_neurons_per_token", static_cast<double>(st.active) / steps},
@@ -215,7 +209,7 @@ Status RunOffload(const OffloadFlags& f) {
   std::printf("  %-18s %12s\n", "peak RSS", FormatBytes(mem.peak_rss_bytes).c_str());
   std::printf("decode (%s, %s): %zu tokens, %.2f tok/s; per token P50 %.2f ms, P90 %.2f ms, P99 %.2f ms\n",
               f.mode.c_str(), rt.predictor() ? "predictor" : "oracle", lat_ms.size(),
-              j["decode_tok_s"].get<double>(), Percentile(lat_ms, 50), Percentile(lat_ms, 90), Percentile(lat_ms, 99));
+              j["decode_tok_s"].get<double>(), Percentile(lat_ms, 0.5), Percentile(lat_ms, 0.9), Percentile(lat_ms, 0.99));
   std::printf("cache: hot hit rate %.3f (%d slots), cold hit rate %.3f (%d slots); per token: %.1f active neurons, "
               "%.3f MB read in %.1f requests, %.3f ms waiting for I/O; %lld retries%s\n",
               hot.HitRate(), static_cast<int>(rt.split().hot_slots), cold.HitRate(),

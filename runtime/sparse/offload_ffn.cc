@@ -12,15 +12,11 @@
 
 #include "runtime/core/ffn_activation.h"
 #include "runtime/core/kernels.h"
+#include "runtime/core/stats.h"
 
 namespace nflash::sparse {
 
 namespace {
-
-uint64_t NowNs() {
-  return static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
-}
 
 int64_t ClusterGroups(const packer::BundleLayout& layout, int64_t cluster_groups) {
   if (cluster_groups > 0) return cluster_groups;
@@ -483,14 +479,14 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     }
     if (!status.ok()) io_->Drain();
   } else {
-    const uint64_t t0 = NowNs();
+    const uint64_t t0 = SteadyNowNs();
     for (int32_t u : unit_order_) {
       const Unit& x_unit = units_[u];
       Status read = flash_->ReadAt(x_unit.offset, x_unit.size, x_unit.dst);
       status = CheckArrival(layer, expert, *region, static_cast<size_t>(u), read);
       if (!status.ok()) break;
     }
-    sync_wait_ns_ += NowNs() - t0;
+    sync_wait_ns_ += SteadyNowNs() - t0;
     if (status.ok()) {
       ComputeItems(ready_items_, x, thr);
       ComputeItems(items_by_chunk_, x, thr);

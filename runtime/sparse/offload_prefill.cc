@@ -9,17 +9,13 @@
 
 #include "runtime/core/ffn_activation.h"
 #include "runtime/core/kernels.h"
+#include "runtime/core/stats.h"
 #include "runtime/core/log.h"
 #include "runtime/sparse/offload_ffn.h"
 
 namespace nflash::sparse {
 
 namespace {
-
-uint64_t NowNs() {
-  return static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
-}
 
 uint64_t MaxRegionBytes(const packer::Manifest& m) {
   uint64_t b = 0;
@@ -97,7 +93,7 @@ Status OffloadFfn::FinishRegionRead(int64_t layer, int buf) {
   const packer::RegionInfo& region = *deploy_.Region(layer, -1);
   const packer::BundleLayout& lay = deploy_.layout();
   uint8_t* data = prefill_buf_[buf].data.get();
-  const uint64_t t0 = NowNs();
+  const uint64_t t0 = SteadyNowNs();
   Status read;
   if (pending_buf_ == buf) {
     read = io_->WaitChunk(0);
@@ -105,7 +101,7 @@ Status OffloadFfn::FinishRegionRead(int64_t layer, int buf) {
   } else {
     read = flash_->ReadBatch(prefill_reqs_[buf]);
   }
-  const uint64_t t1 = NowNs();
+  const uint64_t t1 = SteadyNowNs();
   prefill_stats_.io_wait_ns += t1 - t0;
   // Every bundle against its hash, request by request; a request with a bad bundle (or one a failed batch may not
   // have read: the hashes decide) is read again once, synchronously, then the bad neuron is reported.
@@ -168,7 +164,7 @@ Status OffloadFfn::FinishRegionRead(int64_t layer, int buf) {
       return Status::Corruption(what(bad) + ": checksum mismatch after one retry: " + verified.message());
     }
   }
-  prefill_stats_.verify_ns += NowNs() - t1;
+  prefill_stats_.verify_ns += SteadyNowNs() - t1;
   return Status::Ok();
 }
 
@@ -228,7 +224,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   // 3. Compute. Slot s of the region is at (s / spg) * group_bytes + (s % spg) * bundle_bytes: for each j < spg the
   // slots j, j + spg, j + 2 spg, ... have one stride (group_bytes), so the gate (up) rows form spg strided matrices
   // whose products GemmMany computes in one parallel loop. A tile's outputs of view j start at tn * start[j].
-  const uint64_t t0 = NowNs();
+  const uint64_t t0 = SteadyNowNs();
   const uint8_t* data = prefill_buf_[b].data.get();
   const int64_t spg = lay.slots_per_group, n_ff = region->n_neurons, dim = hp.dim;
   std::vector<int64_t> rows(static_cast<size_t>(spg)), start(static_cast<size_t>(spg));
@@ -272,9 +268,9 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
       ws.push_back(MatrixView{lay.up_type, base + lay.up_offset, rows[j], dim, static_cast<size_t>(lay.group_bytes)});
       ys.push_back(pf_up_.data() + tn * start[j]);
     }
-    const uint64_t g0 = NowNs();
+    const uint64_t g0 = SteadyNowNs();
     GemmMany(ws, tile_act, ys, pool_);
-    prefill_stats_.gate_up_ns += NowNs() - g0;
+    prefill_stats_.gate_up_ns += SteadyNowNs() - g0;
     for (int64_t t = 0; t < tn; ++t) {
       used_rows_.clear();
       used_hidden_.clear();
@@ -294,7 +290,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
       AccumulateRows(down, used_rows_, used_hidden_.data(), y, pool_);
     }
   }
-  prefill_stats_.compute_ns += NowNs() - t0;
+  prefill_stats_.compute_ns += SteadyNowNs() - t0;
   prefill_stats_.layers += 1;
   prefill_stats_.tokens += x.n();
 
