@@ -16,4 +16,9 @@ void RegisterProfileHwCommand(CLI::App& app, cli::CommandAction* action);
 // drawn by gnuplot (PNG or SVG by the extension).
 Status InspectProfile(const std::string& path, const std::string& plot_path);
 
+struct ModelProfile;
+// The --report-thresholds table (threshold on |act(gate)| per FFN and sparsity) on stdout; nothing when the profile
+// has none. Printed by `profile` and by `inspect`.
+void PrintThresholdTable(const ModelProfile& profile);
+
 }  // namespace nflash::profiler

@@ -123,6 +123,18 @@ Status Plot(const ModelProfile& p, const std::string& plot_path) {
 
 }  // namespace
 
+void PrintThresholdTable(const ModelProfile& p) {
+  if (p.report_sparsities.empty()) return;
+  std::printf("thresholds on |act(gate)| by sparsity:\n%-6s %-6s", "layer", "expert");
+  for (float s : p.report_sparsities) std::printf(" %9.2f", s);
+  std::printf("\n");
+  for (const FfnProfile& f : p.ffns) {
+    std::printf("%-6lld %-6lld", static_cast<long long>(f.layer), static_cast<long long>(f.expert));
+    for (float t : f.report_thresholds) std::printf(" %9.5f", t);
+    std::printf("\n");
+  }
+}
+
 Status InspectProfile(const std::string& path, const std::string& plot_path) {
   NF_ASSIGN_OR_RETURN(ModelProfile p, LoadProfile(path));
   std::printf("nflash profile %s (schema %d)\n", path.c_str(), p.schema_version);
@@ -156,16 +168,7 @@ Status InspectProfile(const std::string& path, const std::string& plot_path) {
   std::printf("mean/P50/P90: per-token active fraction (P50/P90: upper edge of the 5%% bin); top10%%: share of\n"
               "activations on the 10%% most active neurons; hit25%%: LRU hit rate with 25%% of the neurons cached;\n"
               "bs2: active fraction of the union of 2 sequences' tokens\n");
-  if (!p.report_sparsities.empty()) {
-    std::printf("thresholds on |act(gate)| by sparsity:\n%-6s %-6s", "layer", "expert");
-    for (float s : p.report_sparsities) std::printf(" %9.2f", s);
-    std::printf("\n");
-    for (const FfnProfile& f : p.ffns) {
-      std::printf("%-6lld %-6lld", static_cast<long long>(f.layer), static_cast<long long>(f.expert));
-      for (float t : f.report_thresholds) std::printf(" %9.5f", t);
-      std::printf("\n");
-    }
-  }
+  PrintThresholdTable(p);
   if (!plot_path.empty()) NF_RETURN_IF_ERROR(Plot(p, plot_path));
   return Status::Ok();
 }

@@ -368,16 +368,7 @@ Status RunProfile(const ProfileFlags& f) {
   NF_RETURN_IF_ERROR(SaveProfile(p, f.output, f.force));
   NF_LOG(Info) << "profiled " << n_tokens << " tokens in " << seconds << " s ("
                << static_cast<double>(n_tokens) / std::max(seconds, 1e-9) << " tok/s); wrote " << f.output;
-  if (!f.report_sparsities.empty()) {
-    std::printf("layer expert");
-    for (double s : f.report_sparsities) std::printf("  thr@%.2f", s);
-    std::printf("\n");
-    for (const FfnProfile& fp : p.ffns) {
-      std::printf("%5lld %6lld", static_cast<long long>(fp.layer), static_cast<long long>(fp.expert));
-      for (float t : fp.report_thresholds) std::printf("  %8.5f", t);
-      std::printf("\n");
-    }
-  }
+  PrintThresholdTable(p);
   double mean = 0;
   for (const FfnProfile& fp : p.ffns) mean += fp.mean_active_fraction;
   std::printf("mean active fraction %.4f over %zu FFNs (threshold: %s)\n", mean / static_cast<double>(p.ffns.size()),
