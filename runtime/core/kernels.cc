@@ -129,6 +129,25 @@ void CheckRows(const MatrixView& w, std::span<const int32_t> rows) {
   }
 }
 
+void AccumulateRowSet(const MatrixView& w, const RowSet& rs, int64_t count, const float* a, float* y,
+                      ThreadPool* pool) {
+  if (count == 0) return;
+  const IsaKernels& k = Kernels();
+  // Columns per chunk so that a chunk streams at least kMinChunkBytes of the selected rows.
+  const int64_t bytes_per_col = std::max<int64_t>(1, static_cast<int64_t>(w.row_bytes) * count / w.cols);
+  const int64_t min_cols = std::max<int64_t>(1, kMinChunkBytes / bytes_per_col);
+  const int64_t grain = (min_cols + kColGrain - 1) / kColGrain * kColGrain;
+  if (pool == nullptr || pool->NumThreads() == 1 || w.cols <= grain) {
+    k.accumulate(w.type, rs, count, a, 0, w.cols, y);
+    return;
+  }
+  // Static contiguous column ranges, one per thread: dynamic 256-column chunks would cut every selected row into
+  // short scattered pieces that defeat the prefetchers (measured 2x slower on 2 threads).
+  pool->ParallelFor(w.cols, grain, [&](int64_t begin, int64_t end, int) {
+    k.accumulate(w.type, rs, count, a, begin, end, y);
+  });
+}
+
 }  // namespace
 
 MatrixView DenseMatrix(GgmlType type, const void* data, int64_t rows, int64_t cols) {
@@ -298,23 +317,39 @@ void GemvRows(const MatrixView& w, std::span<const int32_t> rows, const Activati
 void AccumulateRows(const MatrixView& w, std::span<const int32_t> rows, const float* a, float* y, ThreadPool* pool) {
   CheckOrDie(ValidateMatrix(w, "weights"));
   CheckRows(w, rows);
-  const int64_t count = static_cast<int64_t>(rows.size());
-  if (count == 0) return;
   const RowSet rs{static_cast<const uint8_t*>(w.data), w.row_bytes, rows.data()};
-  const IsaKernels& k = Kernels();
-  // Columns per chunk so that a chunk streams at least kMinChunkBytes of the selected rows.
-  const int64_t bytes_per_col = std::max<int64_t>(1, static_cast<int64_t>(w.row_bytes) * count / w.cols);
-  const int64_t min_cols = std::max<int64_t>(1, kMinChunkBytes / bytes_per_col);
-  const int64_t grain = (min_cols + kColGrain - 1) / kColGrain * kColGrain;
-  if (pool == nullptr || pool->NumThreads() == 1 || w.cols <= grain) {
-    k.accumulate(w.type, rs, count, a, 0, w.cols, y);
-    return;
+  AccumulateRowSet(w, rs, static_cast<int64_t>(rows.size()), a, y, pool);
+}
+
+namespace {
+
+// `shape` with data and rows describing `rows` (for the checks and the chunking arithmetic).
+MatrixView PointerShape(const MatrixView& shape, std::span<const uint8_t* const> rows) {
+  MatrixView w = shape;
+  w.data = rows.empty() ? nullptr : rows[0];
+  w.rows = static_cast<int64_t>(rows.size());
+  for (const uint8_t* p : rows) {
+    if (p == nullptr) Die("a row pointer is null");
   }
-  // Static contiguous column ranges, one per thread: dynamic 256-column chunks would cut every selected row into
-  // short scattered pieces that defeat the prefetchers (measured 2x slower on 2 threads).
-  pool->ParallelFor(w.cols, grain, [&](int64_t begin, int64_t end, int) {
-    k.accumulate(w.type, rs, count, a, begin, end, y);
-  });
+  return w;
+}
+
+}  // namespace
+
+void GemvRowPtrs(const MatrixView& shape, std::span<const uint8_t* const> rows, const Activation& x, float* y,
+                 ThreadPool* pool) {
+  const MatrixView w = PointerShape(shape, rows);
+  const TokenSet ts = Tokens(w, x);
+  const RowSet rs{nullptr, w.row_bytes, nullptr, rows.data()};
+  DotRowsParallel(w, rs, w.rows, ts, y, w.rows, pool);
+}
+
+void AccumulateRowPtrs(const MatrixView& shape, std::span<const uint8_t* const> rows, const float* a, float* y,
+                       ThreadPool* pool) {
+  const MatrixView w = PointerShape(shape, rows);
+  CheckOrDie(ValidateMatrix(w, "weights"));
+  const RowSet rs{nullptr, w.row_bytes, nullptr, rows.data()};
+  AccumulateRowSet(w, rs, w.rows, a, y, pool);
 }
 
 }  // namespace nflash

@@ -103,4 +103,14 @@ void GemvRows(const MatrixView& w, std::span<const int32_t> rows, const Activati
 // over k, so the summation order is fixed.
 void AccumulateRows(const MatrixView& w, std::span<const int32_t> rows, const float* a, float* y, ThreadPool* pool);
 
+// The same two operations on rows given by address, for rows scattered over several buffers (the offloaded FFN's
+// neuron bundles in the cache arena and staging memory): `shape` gives type, cols and row_bytes (its data and rows
+// are ignored); every pointer addresses a row of that shape. Values equal GemvRows / AccumulateRows on the same bytes
+// in the same order, bit for bit, and the multi-row tiles keep several rows' loads in flight, unlike one RowDot per
+// row.
+void GemvRowPtrs(const MatrixView& shape, std::span<const uint8_t* const> rows, const Activation& x, float* y,
+                 ThreadPool* pool);
+void AccumulateRowPtrs(const MatrixView& shape, std::span<const uint8_t* const> rows, const float* a, float* y,
+                       ThreadPool* pool);
+
 }  // namespace nflash

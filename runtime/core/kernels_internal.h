@@ -15,7 +15,9 @@ struct RowSet {
   const uint8_t* base = nullptr;
   size_t row_bytes = 0;
   const int32_t* index = nullptr;
+  const uint8_t* const* ptrs = nullptr;  // rows by address (GemvRowPtrs / AccumulateRowPtrs): base and index unused
   const uint8_t* Row(int64_t i) const {
+    if (ptrs != nullptr) return ptrs[i];
     return base + row_bytes * static_cast<size_t>(index != nullptr ? static_cast<int64_t>(index[i]) : i);
   }
 };

@@ -245,6 +245,42 @@ TEST_P(KernelIsaTest, AccumulateRowsMatchesReference) {
   }
 }
 
+// Rows given by address, scattered over two buffers in a shuffled order: the same values as GemvRows /
+// AccumulateRows over the same rows in the same order (bit for bit: the ISA kernels' tiles compute every row alike),
+// at 1 and 2 threads, with row counts that leave tile tails.
+TEST_P(KernelIsaTest, RowPointersEqualIndexedRows) {
+  for (GgmlType type : kTypes) {
+    const int64_t rows = 700, cols = 1024;
+    const TestMatrix m = MakeMatrix(type, rows, cols, 31);
+    const auto idx = RandomRows(rows, 0.6, 32);
+    // Copy each selected row to one of two other buffers (alternating), far from the matrix.
+    std::vector<uint8_t> buf_a(idx.size() * m.row_bytes), buf_b(idx.size() * m.row_bytes);
+    std::vector<const uint8_t*> ptrs(idx.size());
+    for (size_t k = 0; k < idx.size(); ++k) {
+      uint8_t* dst = (k % 2 ? buf_b.data() : buf_a.data()) + (idx.size() - 1 - k) * m.row_bytes;
+      std::memcpy(dst, m.data.data() + static_cast<size_t>(idx[k]) * m.row_bytes, m.row_bytes);
+      ptrs[k] = dst;
+    }
+    const auto x = RandomFloats(cols, 33);
+    const Activation act(x.data(), 1, cols);
+    const auto a = RandomFloats(idx.size(), 34);
+    for (int threads : {1, 2}) {
+      ThreadPool pool(threads);
+      std::vector<float> want(idx.size()), got(idx.size(), -1.0f);
+      GemvRows(m.view(), idx, act, want.data(), &pool);
+      GemvRowPtrs(m.view(), ptrs, act, got.data(), &pool);
+      const std::string what = Name(type, rows, cols) + " threads " + std::to_string(threads);
+      EXPECT_EQ(std::memcmp(want.data(), got.data(), idx.size() * 4), 0) << what;
+      std::vector<float> acc_want(cols, 0.5f), acc_got(cols, 0.5f);
+      AccumulateRows(m.view(), idx, a.data(), acc_want.data(), &pool);
+      AccumulateRowPtrs(m.view(), ptrs, a.data(), acc_got.data(), &pool);
+      EXPECT_EQ(std::memcmp(acc_want.data(), acc_got.data(), cols * 4), 0) << what;
+      // And each value equals RowDot of its row.
+      for (size_t k = 0; k < idx.size(); k += 37) ASSERT_EQ(got[k], RowDot(m.view(), idx[k], act, 0)) << what;
+    }
+  }
+}
+
 TEST_P(KernelIsaTest, ThreadCountsGiveBitIdenticalResults) {
   // Sizes chosen so that the kernels' chunk (>= 256 KiB of weights) still gives every call at least 2 chunks: e.g.
   // Q4_0 Gemv 464-row chunks of 1500 rows, AccumulateRows 1024-column chunks of 2048 columns.
