@@ -11,6 +11,7 @@
 
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
+#include "runtime/core/json_fields.h"
 #include "runtime/core/log.h"
 #include "runtime/core/quant.h"
 
@@ -25,20 +26,6 @@ std::string RegionName(int64_t layer, int64_t expert) {
   std::string s = "layer " + std::to_string(layer);
   if (expert >= 0) s += " expert " + std::to_string(expert);
   return s;
-}
-
-// Typed JSON field access with messages naming the file and the field.
-template <typename T>
-Status GetField(const Json& j, const char* key, const std::string& where, T* out) {
-  auto it = j.find(key);
-  if (it == j.end()) return Status::Corruption(where + ": missing field \"" + key + "\"");
-  try {
-    *out = it->get<T>();
-  } catch (const std::exception& e) {
-    return Status::Corruption(where + ": field \"" + key + "\" has the wrong type (" + it->type_name() + "): " +
-                              e.what());
-  }
-  return Status::Ok();
 }
 
 Result<GgmlType> ParseType(const std::string& name, const std::string& where) {
@@ -169,33 +156,33 @@ Result<Manifest> ParseManifest(const std::string& text, const std::string& sourc
   } catch (const std::exception& e) {
     return Status::Corruption(source + ": not valid JSON: " + e.what());
   }
-  if (!j.is_object()) return Status::Corruption(source + ": expected a JSON object at the top level");
+  NF_ASSIGN_OR_RETURN(const JsonFields root, JsonFields::Of(j, JsonLocation(source)));
   Manifest m;
-  NF_RETURN_IF_ERROR(GetField(j, "schema_version", source, &m.schema_version));
+  NF_RETURN_IF_ERROR(root.Get("schema_version", &m.schema_version));
   if (m.schema_version != kDeploymentSchemaVersion) {
     return Status::Unsupported(source + ": schema_version " + std::to_string(m.schema_version) + ", this nflash reads " +
                                std::to_string(kDeploymentSchemaVersion) + " (re-run nflash pack)");
   }
-  NF_RETURN_IF_ERROR(GetField(j, "model_name", source, &m.model_name));
-  NF_RETURN_IF_ERROR(GetField(j, "model_hash", source, &m.model_hash));
-  NF_RETURN_IF_ERROR(GetField(j, "profile_hash", source, &m.profile_hash));
-  NF_RETURN_IF_ERROR(GetField(j, "resident_hash", source, &m.resident_hash));
-  NF_RETURN_IF_ERROR(GetField(j, "predictor_hash", source, &m.predictor_hash));
-  NF_RETURN_IF_ERROR(GetField(j, "resident_bytes", source, &m.resident_bytes));
-  NF_RETURN_IF_ERROR(GetField(j, "flash_bytes", source, &m.flash_bytes));
-  NF_RETURN_IF_ERROR(GetField(j, "predictor_bytes", source, &m.predictor_bytes));
-  NF_RETURN_IF_ERROR(GetField(j, "activation", source, &m.activation));
-  NF_RETURN_IF_ERROR(GetField(j, "dim", source, &m.dim));
-  NF_RETURN_IF_ERROR(GetField(j, "n_ff", source, &m.n_ff));
-  NF_RETURN_IF_ERROR(GetField(j, "n_layers", source, &m.n_layers));
-  NF_RETURN_IF_ERROR(GetField(j, "n_experts", source, &m.n_experts));
-  NF_RETURN_IF_ERROR(GetField(j, "alignment", source, &m.alignment));
-  NF_RETURN_IF_ERROR(GetField(j, "order", source, &m.order));
-  NF_RETURN_IF_ERROR(GetField(j, "hot_fraction", source, &m.hot_fraction));
-  NF_RETURN_IF_ERROR(GetField(j, "padding_bytes", source, &m.padding_bytes));
-  NF_RETURN_IF_ERROR(GetField(j, "mean_active_fraction", source, &m.mean_active_fraction));
-  NF_RETURN_IF_ERROR(GetField(j, "expected_bytes_per_token", source, &m.expected_bytes_per_token));
-  NF_RETURN_IF_ERROR(GetField(j, "read_amplification", source, &m.read_amplification));
+  NF_RETURN_IF_ERROR(root.Get("model_name", &m.model_name));
+  NF_RETURN_IF_ERROR(root.Get("model_hash", &m.model_hash));
+  NF_RETURN_IF_ERROR(root.Get("profile_hash", &m.profile_hash));
+  NF_RETURN_IF_ERROR(root.Get("resident_hash", &m.resident_hash));
+  NF_RETURN_IF_ERROR(root.Get("predictor_hash", &m.predictor_hash));
+  NF_RETURN_IF_ERROR(root.Get("resident_bytes", &m.resident_bytes));
+  NF_RETURN_IF_ERROR(root.Get("flash_bytes", &m.flash_bytes));
+  NF_RETURN_IF_ERROR(root.Get("predictor_bytes", &m.predictor_bytes));
+  NF_RETURN_IF_ERROR(root.Get("activation", &m.activation));
+  NF_RETURN_IF_ERROR(root.Get("dim", &m.dim));
+  NF_RETURN_IF_ERROR(root.Get("n_ff", &m.n_ff));
+  NF_RETURN_IF_ERROR(root.Get("n_layers", &m.n_layers));
+  NF_RETURN_IF_ERROR(root.Get("n_experts", &m.n_experts));
+  NF_RETURN_IF_ERROR(root.Get("alignment", &m.alignment));
+  NF_RETURN_IF_ERROR(root.Get("order", &m.order));
+  NF_RETURN_IF_ERROR(root.Get("hot_fraction", &m.hot_fraction));
+  NF_RETURN_IF_ERROR(root.Get("padding_bytes", &m.padding_bytes));
+  NF_RETURN_IF_ERROR(root.Get("mean_active_fraction", &m.mean_active_fraction));
+  NF_RETURN_IF_ERROR(root.Get("expected_bytes_per_token", &m.expected_bytes_per_token));
+  NF_RETURN_IF_ERROR(root.Get("read_amplification", &m.read_amplification));
   if (m.alignment != kDeployAlignment) {
     return Status::Corruption(source + ": alignment " + std::to_string(m.alignment) + ", expected " +
                               std::to_string(kDeployAlignment));
@@ -205,13 +192,12 @@ Result<Manifest> ParseManifest(const std::string& text, const std::string& sourc
                               std::to_string(m.dim) + "/" + std::to_string(m.n_ff) + "/" + std::to_string(m.n_layers) +
                               "/" + std::to_string(m.n_experts) + ")");
   }
-  auto b = j.find("bundle");
-  if (b == j.end() || !b->is_object()) return Status::Corruption(source + ": missing object \"bundle\"");
+  NF_ASSIGN_OR_RETURN(const JsonFields b, root.Object("bundle"));
   std::string gt, ut, dt;
   const std::string bwhere = source + " bundle";
-  NF_RETURN_IF_ERROR(GetField(*b, "gate_type", bwhere, &gt));
-  NF_RETURN_IF_ERROR(GetField(*b, "up_type", bwhere, &ut));
-  NF_RETURN_IF_ERROR(GetField(*b, "down_type", bwhere, &dt));
+  NF_RETURN_IF_ERROR(b.Get("gate_type", &gt));
+  NF_RETURN_IF_ERROR(b.Get("up_type", &ut));
+  NF_RETURN_IF_ERROR(b.Get("down_type", &dt));
   NF_ASSIGN_OR_RETURN(GgmlType g, ParseType(gt, bwhere));
   NF_ASSIGN_OR_RETURN(GgmlType u, ParseType(ut, bwhere));
   NF_ASSIGN_OR_RETURN(GgmlType d, ParseType(dt, bwhere));
@@ -226,15 +212,15 @@ Result<Manifest> ParseManifest(const std::string& text, const std::string& sourc
       {"group_bytes", m.layout.group_bytes}};
   for (const auto& [key, want] : expect) {
     uint64_t found = 0;
-    NF_RETURN_IF_ERROR(GetField(*b, key, bwhere, &found));
+    NF_RETURN_IF_ERROR(b.Get(key, &found));
     if (found != want) {
       return Status::Corruption(bwhere + ": " + key + " is " + std::to_string(found) + ", expected " +
                                 std::to_string(want) + " for dim " + std::to_string(m.dim) + " and types " + gt + "/" +
                                 ut + "/" + dt);
     }
   }
-  auto regions = j.find("regions");
-  if (regions == j.end() || !regions->is_array()) return Status::Corruption(source + ": missing array \"regions\"");
+  NF_ASSIGN_OR_RETURN(const Json* regions, root.Array("regions"));
+  const JsonLocation regions_at = root.where().Field("regions");
   const int64_t per_layer = std::max<int64_t>(1, m.n_experts);
   if (static_cast<int64_t>(regions->size()) != m.n_layers * per_layer) {
     return Status::Corruption(source + ": " + std::to_string(regions->size()) + " regions, expected " +
@@ -242,16 +228,16 @@ Result<Manifest> ParseManifest(const std::string& text, const std::string& sourc
   }
   uint64_t end_prev = 0;
   for (size_t i = 0; i < regions->size(); ++i) {
-    const Json& rj = (*regions)[i];
+    NF_ASSIGN_OR_RETURN(const JsonFields rj, JsonFields::Of((*regions)[i], regions_at.Index(i)));
     const std::string where = source + " regions[" + std::to_string(i) + "]";
     RegionInfo r;
-    NF_RETURN_IF_ERROR(GetField(rj, "layer", where, &r.layer));
-    NF_RETURN_IF_ERROR(GetField(rj, "expert", where, &r.expert));
-    NF_RETURN_IF_ERROR(GetField(rj, "n_neurons", where, &r.n_neurons));
-    NF_RETURN_IF_ERROR(GetField(rj, "hot_count", where, &r.hot_count));
-    NF_RETURN_IF_ERROR(GetField(rj, "offset", where, &r.offset));
-    NF_RETURN_IF_ERROR(GetField(rj, "size", where, &r.size));
-    NF_RETURN_IF_ERROR(GetField(rj, "hot_bytes", where, &r.hot_bytes));
+    NF_RETURN_IF_ERROR(rj.Get("layer", &r.layer));
+    NF_RETURN_IF_ERROR(rj.Get("expert", &r.expert));
+    NF_RETURN_IF_ERROR(rj.Get("n_neurons", &r.n_neurons));
+    NF_RETURN_IF_ERROR(rj.Get("hot_count", &r.hot_count));
+    NF_RETURN_IF_ERROR(rj.Get("offset", &r.offset));
+    NF_RETURN_IF_ERROR(rj.Get("size", &r.size));
+    NF_RETURN_IF_ERROR(rj.Get("hot_bytes", &r.hot_bytes));
     const int64_t want_layer = static_cast<int64_t>(i) / per_layer;
     const int64_t want_expert = m.n_experts > 0 ? static_cast<int64_t>(i) % per_layer : -1;
     if (r.layer != want_layer || r.expert != want_expert) {

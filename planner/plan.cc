@@ -5,53 +5,11 @@
 
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
+#include "runtime/core/json_fields.h"
 
 namespace nflash::planner {
-namespace {
 
 using nlohmann::json;
-
-// Typed field access with errors naming the file, the field, the expected type and what was found.
-class Reader {
- public:
-  Reader(const json& j, std::string source) : j_(j), source_(std::move(source)) {}
-
-  template <typename T>
-  Status Get(const json& obj, const std::string& path, const char* key, T* out) const {
-    const std::string field = path.empty() ? key : path + "." + key;
-    if (!obj.is_object() || !obj.contains(key)) return Status::Corruption(source_ + ": missing field '" + field + "'");
-    const json& v = obj.at(key);
-    bool ok = false;
-    if constexpr (std::is_same_v<T, std::string>) {
-      ok = v.is_string();
-    } else if constexpr (std::is_floating_point_v<T>) {
-      ok = v.is_number();
-    } else {
-      ok = v.is_number_integer() && (std::is_signed_v<T> || v.is_number_unsigned() || v.get<int64_t>() >= 0);
-    }
-    if (!ok) {
-      return Status::Corruption(source_ + ": field '" + field + "' has the wrong type: expected " + TypeName<T>() +
-                                ", found " + v.dump());
-    }
-    *out = v.get<T>();
-    return Status::Ok();
-  }
-  const json& root() const { return j_; }
-  const std::string& source() const { return source_; }
-
- private:
-  template <typename T>
-  static const char* TypeName() {
-    if constexpr (std::is_same_v<T, std::string>) return "a string";
-    if constexpr (std::is_floating_point_v<T>) return "a number";
-    if constexpr (std::is_unsigned_v<T>) return "a non-negative integer";
-    return "an integer";
-  }
-  const json& j_;
-  std::string source_;
-};
-
-}  // namespace
 
 std::string PlanToJson(const Plan& p) {
   json j;
@@ -93,51 +51,48 @@ std::string PlanToJson(const Plan& p) {
 
 Result<Plan> ParsePlan(const std::string& text, const std::string& source) {
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return Status::Corruption(source + ": not a JSON object");
-  const Reader rd(j, source);
+  if (j.is_discarded()) return Status::Corruption(source + ": not valid JSON");
+  NF_ASSIGN_OR_RETURN(const JsonFields root, JsonFields::Of(j, JsonLocation(source)));
   Plan p;
-  NF_RETURN_IF_ERROR(rd.Get(j, "", "schema_version", &p.schema_version));
+  NF_RETURN_IF_ERROR(root.Get("schema_version", &p.schema_version));
   if (p.schema_version != kPlanSchemaVersion) {
     return Status::Unsupported(source + ": field 'schema_version': expected " + std::to_string(kPlanSchemaVersion) +
                                ", found " + std::to_string(p.schema_version));
   }
-  NF_RETURN_IF_ERROR(rd.Get(j, "", "deployment_hash", &p.deployment_hash));
-  NF_RETURN_IF_ERROR(rd.Get(j, "", "hardware_hash", &p.hardware_hash));
-  NF_RETURN_IF_ERROR(rd.Get(j, "", "model_name", &p.model_name));
-  if (!j.contains("limits") || !j.contains("settings") || !j.contains("regions") || !j.contains("predicted")) {
-    return Status::Corruption(source + ": expected objects 'limits', 'settings', 'regions', 'predicted'");
-  }
-  const json& lim = j["limits"];
-  NF_RETURN_IF_ERROR(rd.Get(lim, "limits", "memory_bytes", &p.memory_limit_bytes));
-  NF_RETURN_IF_ERROR(rd.Get(lim, "limits", "cores", &p.cores));
-  NF_RETURN_IF_ERROR(rd.Get(lim, "limits", "min_tokens_per_s", &p.min_tokens_per_s));
-  NF_RETURN_IF_ERROR(rd.Get(lim, "limits", "objective", &p.objective));
-  const json& set = j["settings"];
-  NF_RETURN_IF_ERROR(rd.Get(set, "settings", "fixed_bytes", &p.fixed_bytes));
-  NF_RETURN_IF_ERROR(rd.Get(set, "settings", "n_ctx", &p.n_ctx));
-  NF_RETURN_IF_ERROR(rd.Get(set, "settings", "compute_threads", &p.compute_threads));
-  NF_RETURN_IF_ERROR(rd.Get(set, "settings", "io_threads", &p.io_threads));
-  NF_RETURN_IF_ERROR(rd.Get(set, "settings", "queue_depth", &p.queue_depth));
-  NF_RETURN_IF_ERROR(rd.Get(set, "settings", "cluster_neurons", &p.cluster_neurons));
+  NF_RETURN_IF_ERROR(root.Get("deployment_hash", &p.deployment_hash));
+  NF_RETURN_IF_ERROR(root.Get("hardware_hash", &p.hardware_hash));
+  NF_RETURN_IF_ERROR(root.Get("model_name", &p.model_name));
+  NF_ASSIGN_OR_RETURN(const JsonFields lim, root.Object("limits"));
+  NF_RETURN_IF_ERROR(lim.Get("memory_bytes", &p.memory_limit_bytes));
+  NF_RETURN_IF_ERROR(lim.Get("cores", &p.cores));
+  NF_RETURN_IF_ERROR(lim.Get("min_tokens_per_s", &p.min_tokens_per_s));
+  NF_RETURN_IF_ERROR(lim.Get("objective", &p.objective));
+  NF_ASSIGN_OR_RETURN(const JsonFields set, root.Object("settings"));
+  NF_RETURN_IF_ERROR(set.Get("fixed_bytes", &p.fixed_bytes));
+  NF_RETURN_IF_ERROR(set.Get("n_ctx", &p.n_ctx));
+  NF_RETURN_IF_ERROR(set.Get("compute_threads", &p.compute_threads));
+  NF_RETURN_IF_ERROR(set.Get("io_threads", &p.io_threads));
+  NF_RETURN_IF_ERROR(set.Get("queue_depth", &p.queue_depth));
+  NF_RETURN_IF_ERROR(set.Get("cluster_neurons", &p.cluster_neurons));
   if (p.compute_threads < 1 || p.io_threads < 0 || p.queue_depth < 1 || p.cluster_neurons < 1) {
     return Status::Corruption(source + ": 'settings' needs compute_threads >= 1, io_threads >= 0, queue_depth >= 1, " +
                               "cluster_neurons >= 1");
   }
-  if (!j["regions"].is_array()) return Status::Corruption(source + ": field 'regions': expected an array");
-  for (size_t i = 0; i < j["regions"].size(); ++i) {
-    const json& r = j["regions"][i];
-    const std::string path = "regions[" + std::to_string(i) + "]";
+  NF_ASSIGN_OR_RETURN(const json* regions, root.Array("regions"));
+  const JsonLocation regions_at = root.where().Field("regions");
+  for (size_t i = 0; i < regions->size(); ++i) {
+    NF_ASSIGN_OR_RETURN(const JsonFields r, JsonFields::Of((*regions)[i], regions_at.Index(i)));
     RegionPlan rp;
-    NF_RETURN_IF_ERROR(rd.Get(r, path, "layer", &rp.layer));
-    NF_RETURN_IF_ERROR(rd.Get(r, path, "expert", &rp.expert));
-    NF_RETURN_IF_ERROR(rd.Get(r, path, "hot_neurons", &rp.hot_neurons));
-    NF_RETURN_IF_ERROR(rd.Get(r, path, "cold_slots", &rp.cold_slots));
+    NF_RETURN_IF_ERROR(r.Get("layer", &rp.layer));
+    NF_RETURN_IF_ERROR(r.Get("expert", &rp.expert));
+    NF_RETURN_IF_ERROR(r.Get("hot_neurons", &rp.hot_neurons));
+    NF_RETURN_IF_ERROR(r.Get("cold_slots", &rp.cold_slots));
     if (rp.hot_neurons < 0 || rp.cold_slots < 0) {
-      return Status::Corruption(source + ": " + path + ": hot_neurons and cold_slots must be >= 0");
+      return Status::Corruption(r.where().Describe() + ": hot_neurons and cold_slots must be >= 0");
     }
     p.regions.push_back(rp);
   }
-  const json& q = j["predicted"];
+  NF_ASSIGN_OR_RETURN(const JsonFields q, root.Object("predicted"));
   PlanPrediction& pr = p.predicted;
   for (auto [key, dst] : std::initializer_list<std::pair<const char*, double*>>{
            {"attention_s", &pr.attention_s},
@@ -153,10 +108,10 @@ Result<Plan> ParsePlan(const std::string& text, const std::string& source) {
            {"reads_per_token", &pr.reads_per_token},
            {"prefill128_tokens_per_s", &pr.prefill128_tokens_per_s},
            {"prefill512_tokens_per_s", &pr.prefill512_tokens_per_s}}) {
-    NF_RETURN_IF_ERROR(rd.Get(q, "predicted", key, dst));
+    NF_RETURN_IF_ERROR(q.Get(key, dst));
   }
-  NF_RETURN_IF_ERROR(rd.Get(q, "predicted", "memory_bytes", &pr.memory_bytes));
-  NF_RETURN_IF_ERROR(rd.Get(j, "", "solve_seconds", &p.solve_seconds));
+  NF_RETURN_IF_ERROR(q.Get("memory_bytes", &pr.memory_bytes));
+  NF_RETURN_IF_ERROR(root.Get("solve_seconds", &p.solve_seconds));
   return p;
 }
 

@@ -16,8 +16,10 @@ SparseFfn::SparseFfn(const Model& model, const Predictor* predictor, const Spars
 Result<std::unique_ptr<SparseFfn>> SparseFfn::Create(const Model& model, const Predictor* predictor,
                                                      const SparseFfnOptions& options, ThreadPool* pool) {
   const LlamaHparams& hp = model.hparams();
-  if (hp.n_experts > 0) {
-    return Status::Unsupported("the sparse FFN does not handle mixture-of-experts models yet (" + hp.name + ")");
+  // MoE: oracle mode works per (layer, expert) with the expert's rows; no predictor file format has experts yet.
+  if (hp.n_experts > 0 && options.mode == SparseMode::kPredictor) {
+    return Status::Unsupported("the sparse FFN has no predictor mode for mixture-of-experts models yet (" + hp.name +
+                               "); use the oracle");
   }
   if (options.mode == SparseMode::kPredictor) {
     if (predictor == nullptr) return Status::InvalidArgument("sparse FFN in predictor mode needs a predictor");
@@ -57,11 +59,16 @@ Result<std::unique_ptr<SparseFfn>> SparseFfn::Create(const Model& model, const P
 Status SparseFfn::BuildTransposedDown() {
   const LlamaHparams& hp = model_.hparams();
   const int64_t dim = hp.dim, n_ff = hp.n_ff;
-  down_t_bytes_.resize(static_cast<size_t>(hp.n_layers));
-  down_t_.resize(static_cast<size_t>(hp.n_layers));
+  // One transposed down per FFN: group = layer x max(1, n_experts) + expert.
+  const int64_t per_layer = std::max<int64_t>(1, hp.n_experts);
+  down_t_bytes_.resize(static_cast<size_t>(hp.n_layers * per_layer));
+  down_t_.resize(static_cast<size_t>(hp.n_layers * per_layer));
   std::vector<float> row(static_cast<size_t>(n_ff)), t(static_cast<size_t>(n_ff * dim));
-  for (int64_t l = 0; l < hp.n_layers; ++l) {
-    const MatrixView& down = model_.layers()[static_cast<size_t>(l)].down;  // (dim rows, n_ff cols)
+  for (int64_t g = 0; g < hp.n_layers * per_layer; ++g) {
+    const int64_t l = g / per_layer;
+    const LayerWeights& L = model_.layers()[static_cast<size_t>(l)];
+    const MatrixView down = hp.n_experts > 0 ? L.Expert(L.down, L.expert_stride_down, g % per_layer)
+                                             : L.down;  // (dim rows, n_ff cols)
     if (down.rows != dim || down.cols != n_ff) {
       return Status::Internal("layer " + std::to_string(l) + ": ffn_down is not dim x n_ff");
     }
@@ -77,13 +84,13 @@ Status SparseFfn::BuildTransposedDown() {
       for (int64_t c = 0; c < n_ff; ++c) t[static_cast<size_t>(c * dim + r)] = row[static_cast<size_t>(c)];
     }
     const size_t rb = static_cast<size_t>(*RowBytes(out_type, static_cast<uint64_t>(dim)));  // dim % 32 == 0 checked above
-    std::vector<uint8_t>& bytes = down_t_bytes_[static_cast<size_t>(l)];
+    std::vector<uint8_t>& bytes = down_t_bytes_[static_cast<size_t>(g)];
     bytes.resize(rb * static_cast<size_t>(n_ff));
     for (int64_t c = 0; c < n_ff; ++c) {
       NF_RETURN_IF_ERROR(QuantizeRow(out_type, t.data() + c * dim, bytes.data() + rb * static_cast<size_t>(c), dim));
     }
-    down_t_[static_cast<size_t>(l)] = DenseMatrix(out_type, bytes.data(), n_ff, dim);
-    NF_RETURN_IF_ERROR(ValidateMatrix(down_t_[static_cast<size_t>(l)], "transposed ffn_down"));
+    down_t_[static_cast<size_t>(g)] = DenseMatrix(out_type, bytes.data(), n_ff, dim);
+    NF_RETURN_IF_ERROR(ValidateMatrix(down_t_[static_cast<size_t>(g)], "transposed ffn_down"));
   }
   return Status::Ok();
 }
@@ -104,30 +111,33 @@ uint64_t SparseFfn::extra_bytes() const {
 }
 
 Result<bool> SparseFfn::Forward(int64_t layer, int64_t expert, const Activation& x, float* out) {
-  if (expert >= 0) return false;  // MoE: not handled (Create refuses MoE models)
   if (x.n() > 1 && !options_.sparse_prefill) return false;
   if (x.n() == 1) {
-    ForwardToken(layer, x, 0, out);
+    ForwardToken(layer, expert, x, 0, out);
   } else {
     const int64_t dim = x.cols();
     for (int64_t t = 0; t < x.n(); ++t) {
       token_act_.Set(x.f32() + t * dim, 1, dim);
-      ForwardToken(layer, token_act_, 0, out + t * dim);
+      ForwardToken(layer, expert, token_act_, 0, out + t * dim);
     }
   }
   return true;
 }
 
-void SparseFfn::ForwardToken(int64_t layer, const Activation& x, int64_t token, float* out) {
+void SparseFfn::ForwardToken(int64_t layer, int64_t expert, const Activation& x, int64_t token, float* out) {
   const LlamaHparams& hp = model_.hparams();
   const LayerWeights& L = model_.layers()[static_cast<size_t>(layer)];
+  // MoE: this expert's rows (stats stay per layer, summed over the experts' token-expert pairs).
+  const MatrixView gate = expert >= 0 ? L.Expert(L.gate, L.expert_stride_gate, expert) : L.gate;
+  const MatrixView up = expert >= 0 ? L.Expert(L.up, L.expert_stride_up, expert) : L.up;
+  const size_t group = static_cast<size_t>(layer * std::max<int64_t>(1, hp.n_experts) + std::max<int64_t>(0, expert));
   const int64_t n_ff = hp.n_ff, dim = hp.dim;
   const float thr = thresholds_[static_cast<size_t>(layer)];
   SparseFfnLayerStats& st = stats_[static_cast<size_t>(layer)];
   st.tokens += 1;
   float ga = 0.0f;
   const bool need_all_gates = predictor_ == nullptr || options_.measure_recall;
-  if (need_all_gates) Gemv(L.gate, x, gate_all_.data(), pool_);
+  if (need_all_gates) Gemv(gate, x, gate_all_.data(), pool_);
 
   rows_.clear();
   if (predictor_ == nullptr) {
@@ -143,7 +153,7 @@ void SparseFfn::ForwardToken(int64_t layer, const Activation& x, int64_t token, 
     st.true_positive += static_cast<int64_t>(rows_.size());
   } else {
     predictor_->Predict(layer, x, token, &pred_scratch_, &rows_, pool_);
-    GemvRows(L.gate, rows_, x, gate_.data(), pool_);
+    GemvRows(gate, rows_, x, gate_.data(), pool_);
     if (options_.measure_recall) {
       int64_t truth = 0, tp = 0;
       size_t k = 0;  // rows_ is ascending
@@ -160,7 +170,7 @@ void SparseFfn::ForwardToken(int64_t layer, const Activation& x, int64_t token, 
   }
   const size_t m = rows_.size();
   st.computed += static_cast<int64_t>(m);
-  GemvRows(L.up, rows_, x, up_.data(), pool_);
+  GemvRows(up, rows_, x, up_.data(), pool_);
   // Keep only the neurons that pass the active test; the down projection skips the rest.
   used_.clear();
   for (size_t k = 0; k < m; ++k) {
@@ -175,7 +185,7 @@ void SparseFfn::ForwardToken(int64_t layer, const Activation& x, int64_t token, 
   }
   st.active += static_cast<int64_t>(used_.size());
   std::fill(out, out + dim, 0.0f);
-  AccumulateRows(down_t_[static_cast<size_t>(layer)], used_, hidden_.data(), out, pool_);
+  AccumulateRows(down_t_[group], used_, hidden_.data(), out, pool_);
 }
 
 }  // namespace nflash

@@ -13,6 +13,7 @@
 // dequantized and requantized per column to Q8_0 (one extra rounding of each weight, |error| <= half a Q8_0 step of
 // the new block; Q4_0 -> Q4_0 would cost half a 4-bit step, visibly worse). The dense path instead quantizes the
 // hidden vector to Q8_0, so the two differ by rounding either way.
+// MoE (oracle mode only): the same per (layer, expert), with that expert's rows and its own transposed down.
 #pragma once
 
 #include <cstdint>
@@ -71,14 +72,15 @@ class SparseFfn : public FfnBackend {
  private:
   SparseFfn(const Model& model, const Predictor* predictor, const SparseFfnOptions& options, ThreadPool* pool);
   Status BuildTransposedDown();
-  void ForwardToken(int64_t layer, const Activation& x, int64_t token, float* out);
+  // expert: -1 for a dense FFN, else the MoE expert whose rows to use.
+  void ForwardToken(int64_t layer, int64_t expert, const Activation& x, int64_t token, float* out);
 
   const Model& model_;
   const Predictor* predictor_;
   SparseFfnOptions options_;
   ThreadPool* pool_;
   std::vector<float> thresholds_;
-  std::vector<std::vector<uint8_t>> down_t_bytes_;  // per layer: (n_ff, dim) in the model's down type
+  std::vector<std::vector<uint8_t>> down_t_bytes_;  // per layer x expert: (n_ff, dim) in the model's down type
   std::vector<MatrixView> down_t_;
   std::vector<SparseFfnLayerStats> stats_;
   // Scratch (sized at construction: no allocation per token).
