@@ -97,6 +97,7 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
   p.predictor_s = static_cast<double>(model.predictor_bytes) / gemv;
   // The I/O thread's submission work lands on the compute cores when they are all busy computing.
   const bool io_shares_cores = s.compute_threads + s.io_threads > hw.cores;
+  const int qd = EffectiveQueueDepth(s.queue_depth, s.cluster_neurons);
   p.memory_bytes = model.fixed_bytes;
   double active_total = 0, served_total = 0;
   for (size_t r = 0; r < model.ffns.size(); ++r) {
@@ -107,12 +108,12 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
     const double served = std::clamp(std::min(f.popularity.At(h + c), f.popularity.At(h) + f.lru_hit.At(c)), 0.0, 1.0);
     const double active = f.route_fraction * f.active_fraction * n;  // A
     const double missed = active * (1.0 - served);                    // M
-    const double bw = hw.ReadMbps(f.read_bytes, s.queue_depth) * 1e6;
-    const double compute = active * static_cast<double>(f.bundle_bytes) / sparse +
+    const double bw = hw.ReadMbps(f.read_bytes, qd) * 1e6;
+    const double compute = active * static_cast<double>(f.ComputeBytes()) / sparse +
                            (io_shares_cores ? missed * hw.submit_us_per_request * 1e-6 / s.compute_threads : 0.0);
     const double io = bw > 0 ? missed * static_cast<double>(f.read_bytes) / bw : (missed > 0 ? INFINITY : 0.0);
     const double k = static_cast<double>(s.cluster_neurons);
-    const double lat = hw.ReadLatencyUs(f.read_bytes, s.queue_depth) * 1e-6;
+    const double lat = hw.ReadLatencyUs(f.read_bytes, qd) * 1e-6;
     const double pipeline = (active / k) * kClusterSyncUs * 1e-6 / s.compute_threads +
                             (1.0 - served) * (lat + (bw > 0 ? k * static_cast<double>(f.read_bytes) / bw : 0.0));
     const double t = std::max(compute, io) + pipeline;

@@ -52,11 +52,14 @@ struct FfnParams {
   int64_t n_neurons = 0;
   double active_fraction = 0;     // mean share of neurons active per token (per routed token for experts)
   double route_fraction = 1;      // MoE: share of tokens routed to this expert; 1 for dense
-  uint64_t bundle_bytes = 0;      // gate + up + down bytes of one neuron (compute volume)
+  uint64_t bundle_bytes = 0;      // gate + up + down bytes of one neuron
+  uint64_t compute_bytes = 0;     // bytes computed per active neuron (0: bundle_bytes; up + down when the gate
+                                  // values come from elsewhere, e.g. the oracle's dense gate GEMV)
   uint64_t read_bytes = 0;        // bytes one missed neuron costs to read (bundle rounded to the flash alignment)
   uint64_t slot_bytes = 0;        // memory one cached neuron takes
   Curve popularity;               // share of activations covered by the hottest x of the neurons
   Curve lru_hit;                  // hit rate of an LRU cache holding x of the neurons
+  uint64_t ComputeBytes() const { return compute_bytes > 0 ? compute_bytes : bundle_bytes; }
 };
 
 struct ModelParams {
@@ -106,6 +109,11 @@ inline const std::vector<int> kQueueDepthChoices = {1, 2, 4, 8, 16, 32, 64};
 // Synchronisation cost of one cluster hand-off between the I/O thread and a compute thread (a futex wake and a cache
 // line transfer: measured at 3-8 us on this class of machine; 5 us used).
 inline constexpr double kClusterSyncUs = 5.0;
+// Reads in flight: the runtime submits one cluster (pipeline chunk) of reads at a time and drains the ring before the
+// next, so a queue depth above the cluster size is never reached.
+inline int EffectiveQueueDepth(int queue_depth, int cluster_neurons) {
+  return cluster_neurons > 0 && cluster_neurons < queue_depth ? cluster_neurons : queue_depth;
+}
 
 // Prefill of `n_tokens` (docs/planner.md, "Prefill"): GEMM time against streaming the FFN regions that are not held
 // in memory, overlapped by next-layer prefetch except for the first layer's read.

@@ -6,8 +6,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "planner/floors.h"
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
+#include "runtime/core/json_fields.h"
 #include "runtime/engine/model.h"
 #include "runtime/engine/predictor.h"
 
@@ -50,14 +52,9 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
   // Dense bytes per token: every resident matrix a decode token multiplies with (attention, router, output head). The
   // embedding table is a lookup (one row) unless it doubles as the output head; the deployment's index tables are
   // not read per token.
-  const bool tied = deployment.resident().FindTensor("output.weight") == nullptr;
-  for (const GgufTensorInfo& t : deployment.resident().tensors()) {
-    if (t.name.rfind("nflash.", 0) == 0) continue;
-    if (t.name == "token_embd.weight" && !tied) continue;
-    if (t.dims.size() < 2) continue;  // norms: negligible, and not a matrix product
-    m.dense_bytes_per_token += t.n_bytes;
-    m.matmul_params += t.n_elements;
-  }
+  const DenseWeights dense = ResidentDenseWeights(deployment.resident());  // the floors count the same bytes
+  m.dense_bytes_per_token = dense.bytes;
+  m.matmul_params = dense.params;
   const uint64_t per_region_params = 3ull * static_cast<uint64_t>(man.dim) * static_cast<uint64_t>(man.n_ff);
 
   // What the runtime will compute per token: with a predictor, the share it predicts active (held-out figure when the
@@ -96,6 +93,13 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
                            ? static_cast<double>(fp->tokens) / static_cast<double>(profile.tokens)
                            : 1.0;
     f.bundle_bytes = layout.bundle_bytes;
+    // Without a predictor the runtime's oracle already has every gate value (its dense GEMV over the gate rows,
+    // counted in predictor_bytes below): per active neuron it computes only up and down.
+    f.compute_bytes = predictor ? layout.bundle_bytes : layout.up_bytes + layout.down_bytes;
+    if (!predictor) {
+      // (an expert's gate rows only for the tokens routed to it)
+      m.predictor_bytes += static_cast<uint64_t>(static_cast<double>(r.n_neurons * layout.gate_bytes) * f.route_fraction);
+    }
     f.read_bytes = layout.group_bytes;  // a miss reads the (4 KiB-aligned) group holding the bundle
     f.slot_bytes = slot_bytes;
     f.popularity = CurveFrom(fp->popularity);
@@ -123,19 +127,17 @@ namespace {
 
 using nlohmann::json;
 
+// hw.json fields through the shared reader (runtime/core/json_fields.h); `where` names the file and the object.
 Result<double> Number(const json& obj, const char* key, const std::string& where) {
-  if (!obj.is_object() || !obj.contains(key) || !obj.at(key).is_number()) {
-    return Status::Corruption(where + ": expected a number in field '" + key + "'" +
-                              (obj.is_object() && obj.contains(key) ? ", found " + obj.at(key).dump() : ""));
-  }
-  return obj.at(key).get<double>();
+  NF_ASSIGN_OR_RETURN(const JsonFields f, JsonFields::Of(obj, JsonLocation(where)));
+  double v = 0;
+  NF_RETURN_IF_ERROR(f.Get(key, &v));
+  return v;
 }
 
 Result<const json*> Array(const json& obj, const char* key, const std::string& where) {
-  if (!obj.is_object() || !obj.contains(key) || !obj.at(key).is_array() || obj.at(key).empty()) {
-    return Status::Corruption(where + ": expected a non-empty array in field '" + key + "'");
-  }
-  return &obj.at(key);
+  NF_ASSIGN_OR_RETURN(const JsonFields f, JsonFields::Of(obj, JsonLocation(where)));
+  return f.Array(key, /*min_size=*/1);
 }
 
 }  // namespace
@@ -160,7 +162,7 @@ Result<HardwareParams> LoadHardwareParams(const std::string& path, const std::st
   hw.cores = static_cast<int>(threads);
 
   // Per thread count: the model type's GEMV and sparse-row throughput; the best GEMM.
-  std::map<int, double> gemv, rows, acc, mem;
+  std::map<int, double> gemv, rows, acc, neuron, mem;
   NF_ASSIGN_OR_RETURN(const json* results, Array(j["compute"], "results", path + " compute"));
   for (const json& r : *results) {
     if (r.value("type", std::string()) != type_name) continue;
@@ -171,6 +173,7 @@ Result<HardwareParams> LoadHardwareParams(const std::string& path, const std::st
     if (kernel == "gemv") gemv[ti] = gbs;
     if (kernel == "gemv_rows") rows[ti] = gbs;
     if (kernel == "accumulate_rows") acc[ti] = gbs;
+    if (kernel == "neuron_path") neuron[ti] = gbs;
     if (kernel == "gemm" && r.value("tokens", 0) >= 128) {
       NF_ASSIGN_OR_RETURN(double gf, Number(r, "gflop_per_s", path + " compute.results"));
       hw.gemm_gflops = std::max(hw.gemm_gflops, gf);
@@ -192,8 +195,9 @@ Result<HardwareParams> LoadHardwareParams(const std::string& path, const std::st
       break;  // fewer thread counts measured: the planner uses what there is
     }
     hw.dense_gemv_gbs.push_back(gemv[t]);
-    // A neuron's bytes are 2/3 gate and up rows (gemv_rows) and 1/3 down column (accumulate_rows).
-    hw.sparse_ffn_gbs.push_back(1.0 / (2.0 / 3.0 / rows[t] + 1.0 / 3.0 / acc[t]));
+    // The runtime's per-neuron path when the profile measured it (profile-hw from 2026-11-23 on); older profiles:
+    // a neuron's bytes are 2/3 gate and up rows (gemv_rows) and 1/3 down column (accumulate_rows), an upper bound.
+    hw.sparse_ffn_gbs.push_back(neuron.count(t) ? neuron[t] : 1.0 / (2.0 / 3.0 / rows[t] + 1.0 / 3.0 / acc[t]));
   }
 
   const json& flash = j["flash"];

@@ -83,7 +83,7 @@ Encoding Encode(z3::context& ctx, Sink& add, const HardwareParams& hw, const Mod
     const z3::expr miss_share = 1 - served;                           // M = A (1 - served)
     const double bw = hw.ReadMbps(f.read_bytes, knobs.queue_depth) * 1e6;
     const double us_per_miss = bw > 0 ? static_cast<double>(f.read_bytes) / bw * 1e6 : 1e9;
-    z3::expr compute = Real(ctx, active * static_cast<double>(f.bundle_bytes) / Gbs(hw.sparse_ffn_gbs, t) * 1e6);
+    z3::expr compute = Real(ctx, active * static_cast<double>(f.ComputeBytes()) / Gbs(hw.sparse_ffn_gbs, t) * 1e6);
     if (io_shares_cores) compute = compute + miss_share * Real(ctx, active * hw.submit_us_per_request / t);
     const z3::expr io = miss_share * Real(ctx, active * us_per_miss);
     // Cluster hand-offs, plus the first cluster's reads (one latency, then its bytes), which nothing hides.
@@ -123,10 +123,18 @@ std::vector<Knobs> Candidates(const HardwareParams& hw, const ModelParams& model
     }
     if (!dominated) depths.push_back(kQueueDepthChoices[i]);
   }
+  // The runtime submits a cluster's (a pipeline chunk's) reads as one batch and drains the ring between chunks, so at
+  // most k reads are in flight: a depth above k behaves as depth k (EffectiveQueueDepth).
   std::vector<Knobs> out;
   for (int t = 1; t <= max_threads; ++t) {
-    for (int q : depths) {
-      for (int k : kClusterChoices) out.push_back({t, q, k});
+    for (int k : kClusterChoices) {
+      for (int q : depths) {
+        const Knobs kn{t, EffectiveQueueDepth(q, k), k};
+        const bool seen = std::any_of(out.begin(), out.end(), [&](const Knobs& o) {
+          return o.threads == kn.threads && o.queue_depth == kn.queue_depth && o.cluster == kn.cluster;
+        });
+        if (!seen) out.push_back(kn);
+      }
     }
   }
   return out;

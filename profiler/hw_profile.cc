@@ -171,6 +171,9 @@ json MeasureCompute(const Mode& mode, const std::vector<int>& thread_counts) {
     const Weights w = MakeWeights(type, dim, values, mode.cold_weight_bytes, pools.back().get());
     size_t turn = 0;
     auto next = [&]() -> const MatrixView& { return w.views[turn++ % w.views.size()]; };
+    // neuron_path's row addresses and outputs (k neurons).
+    std::vector<const uint8_t*> gate_up_ptrs(2 * static_cast<size_t>(k)), down_ptrs(static_cast<size_t>(k));
+    std::vector<float> gate_up(2 * static_cast<size_t>(k)), neuron_h(static_cast<size_t>(k));
     for (size_t pi = 0; pi < pools.size(); ++pi) {
       ThreadPool& pool = *pools[pi];
       const int threads = thread_counts[pi];
@@ -201,6 +204,28 @@ json MeasureCompute(const Mode& mode, const std::vector<int>& thread_counts) {
       add("accumulate_rows", 1, frac, MedianSeconds(mode.cell_seconds, [&] {
             std::fill(y.begin(), y.begin() + dim, 0.0f);
             AccumulateRows(next(), next_rows(), x.data(), y.data(), &pool);
+          }));
+      // The offloaded decode's per-neuron path (runtime/sparse/offload_ffn.cc ComputeItems): the active neurons'
+      // gate and up rows, scattered over the cache (rows of two different matrices here), in one GemvRowPtrs call
+      // over their addresses, the activation, then one AccumulateRowPtrs over the down rows of the neurons in use.
+      // Row addresses defeat the hardware prefetchers that contiguous GemvRows rows enjoy, so this rate, not
+      // gemv_rows, is what the planner's FFN compute term needs. Weight bytes counted: 3 rows per neuron.
+      add("neuron_path", 1, 3.0 * frac, MedianSeconds(mode.cell_seconds, [&] {
+            const MatrixView& gate = next();
+            const MatrixView& up = next();
+            const MatrixView& down = next();
+            const std::span<const int32_t> rows = next_rows();
+            const size_t n = rows.size();
+            for (size_t j = 0; j < n; ++j) {
+              const size_t off = static_cast<size_t>(rows[j]) * gate.row_bytes;
+              gate_up_ptrs[2 * j] = static_cast<const uint8_t*>(gate.data) + off;
+              gate_up_ptrs[2 * j + 1] = static_cast<const uint8_t*>(up.data) + off;
+              down_ptrs[j] = static_cast<const uint8_t*>(down.data) + off;
+            }
+            GemvRowPtrs(gate, std::span(gate_up_ptrs.data(), 2 * n), act, gate_up.data(), &pool);
+            for (size_t j = 0; j < n; ++j) neuron_h[j] = std::max(0.0f, gate_up[2 * j]) * gate_up[2 * j + 1];
+            std::fill(y.begin(), y.begin() + dim, 0.0f);
+            AccumulateRowPtrs(down, std::span(down_ptrs.data(), n), neuron_h.data(), y.data(), &pool);
           }));
     }
   }

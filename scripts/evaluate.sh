@@ -107,8 +107,10 @@ echo "min_bytes=$MIN flash_bytes=$FLASH model_bytes=$MODEL_BYTES main_budget=$B_
   > "$OUT/budgets.txt"
 cat "$OUT/budgets.txt" >> "$LOG"
 
-step "bench: decode at budget $B_MAIN (Fig. 6, Table 4)"
-run "${BENCH[@]}" --modes full,llmflash,dense-mmap,in-memory --memory "$B_MAIN" --tests "$TG" -o "$OUT/decode_main.csv"
+step "bench: decode at budget $B_MAIN (Fig. 6, Table 4; ablation dense-mmap -> bundles -> llmflash -> full; floors)"
+# bundles = llmflash with caches of 0 slots (every active bundle read each token); --hw adds the compute / I/O floors.
+run "${BENCH[@]}" --modes full,llmflash,bundles,dense-mmap,in-memory --memory "$B_MAIN" --tests "$TG" --hw "$HW" \
+  -o "$OUT/decode_main.csv"
 step "bench: prefill at budget $B_MAIN (Fig. 7)"
 run "${BENCH[@]}" --modes full,llmflash,dense-mmap,in-memory --memory "$B_MAIN" --tests "$PP" -o "$OUT/prefill_main.csv"
 step "bench: decode vs memory budget $SWEEP (Fig. 9, Fig. 11)"
@@ -152,12 +154,17 @@ PPL=(-m "$RELU_GGUF" -f "$HELDOUT" --ctx 256 --max-windows "$PPL_WINDOWS" --json
   "$NF" -q perplexity "${SILU[@]}" --sparse oracle --target-sparsity 0.5 --calib-text "$CALIB" \
     > "$WORK/ppl_silu_oracle50.json"
 } >> "$LOG" 2>&1 || { echo "evaluate: perplexity failed (see $LOG)" >&2; exit 1; }
-# Offloaded: the sparse runtime has no perplexity path yet; greedy tokens from the deployment (oracle active sets,
-# the whole FFN on flash with a small cache) are compared with the dense engine's greedy tokens instead.
+# Offloaded: perplexity through the deployment (oracle active sets, the whole FFN on flash with a small cache), which
+# must equal the in-memory oracle figure; and greedy tokens from the deployment against the dense engine's.
 RELU_PROF="$WORK/stories260K-relu.prof"
 RELU_DEPLOY="$WORK/stories260K-relu.deploy"
 [ -f "$RELU_PROF" ] || run "$NF" -q profile -m "$RELU_GGUF" -f "$CALIB" --tokens 4096 -o "$RELU_PROF"
 [ -f "$RELU_DEPLOY/manifest.json" ] || run "$NF" -q pack -m "$RELU_GGUF" -p "$RELU_PROF" -o "$RELU_DEPLOY" --force
+OFFPPL=(--deploy "$RELU_DEPLOY" -f "$HELDOUT" --ctx 256 --max-windows "$PPL_WINDOWS" --json --active-set oracle
+        --hot-slots 1 --cold-slots 64)
+echo "\$ $NF perplexity ${OFFPPL[*]}" >> "$LOG"
+"$NF" -q perplexity "${OFFPPL[@]}" > "$WORK/ppl_offload_oracle.json" 2>> "$LOG" \
+  || echo "evaluate: offloaded perplexity failed (see $LOG)" >&2
 echo "\$ $NF offload -d $RELU_DEPLOY -n 100 --active-set oracle --hot-slots 1 --cold-slots 64 -t 1" >> "$LOG"
 "$NF" -q offload -d "$RELU_DEPLOY" -n 100 --active-set oracle --hot-slots 1 --cold-slots 64 -t 1 \
   > "$WORK/offload_text.txt" 2>> "$LOG" || echo "offload failed" > "$WORK/offload_text.txt"

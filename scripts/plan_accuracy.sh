@@ -2,19 +2,22 @@
 # Issue 7's acceptance benchmark: at several memory budgets, the plan's predicted decode speed against the measured one
 # (`nflash offload --plan`, median of R runs), and the plan's measured speed against the best configuration of a small
 # grid over the same knobs (hot/cold split, queue depth, chunk size) run with `nflash offload --memory`.
-# Usage: scripts/plan_accuracy.sh DEPLOY_DIR HW_JSON "BUDGET1 BUDGET2 ..." [RUNS] [TOKENS]
+# Usage: scripts/plan_accuracy.sh DEPLOY_DIR HW_JSON "BUDGET1 BUDGET2 ..." [RUNS] [TOKENS] [WARMUP]
+# Each run decodes WARMUP + TOKENS tokens and measures the last TOKENS (`nflash offload --warmup`): the planner
+# predicts warm caches. Extra `nflash offload` flags (e.g. --active-set oracle) come from $OFFLOAD_FLAGS.
 # Prints a markdown table. Needs build/runtime/cli/nflash (or $NFLASH) and python3 (JSON parsing, not the product).
 set -euo pipefail
-DEPLOY=$1 HW=$2 BUDGETS=$3 RUNS=${4:-3} TOKENS=${5:-64}
+DEPLOY=$1 HW=$2 BUDGETS=$3 RUNS=${4:-3} TOKENS=${5:-32} WARMUP=${6:-8}
 NF=${NFLASH:-build/runtime/cli/nflash}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-CTX=$((TOKENS + 16))
+CTX=$((TOKENS + WARMUP + 16))
+read -r -a EXTRA <<< "${OFFLOAD_FLAGS:-}"
 
 median_speed() {  # args: offload flags...; prints the median decode tok/s over RUNS runs
   local speeds=()
   for _ in $(seq "$RUNS"); do
-    speeds+=("$("$NF" -q offload -d "$DEPLOY" -n "$TOKENS" --json "$@" | python3 -c \
+    speeds+=("$("$NF" -q offload -d "$DEPLOY" -n "$((TOKENS + WARMUP))" --warmup "$WARMUP" --json "${EXTRA[@]}" "$@" | python3 -c \
       'import json,sys; print(json.load(sys.stdin)["decode_tok_s"])')")
   done
   printf '%s\n' "${speeds[@]}" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'
@@ -28,7 +31,7 @@ for B in $BUDGETS; do
   measured=$(median_speed --plan "$WORK/plan.json")
   best=0 best_cfg=""
   for hf in 0 0.5 1; do
-    for qd in 4 16 64; do
+    for qd in 8 32; do
       for chunk in 8 32; do
         s=$(median_speed --memory "$B" --ctx "$CTX" --hot-fraction "$hf" --queue-depth "$qd" --chunk-requests "$chunk")
         if python3 -c "import sys; sys.exit(0 if float('$s') > float('$best') else 1)"; then

@@ -40,6 +40,7 @@ struct BenchFlags {
   bool drop_caches = false;
   bool verbose_rows = false;
   double row_timeout = 0;
+  std::string hw;
 };
 
 Status RunBench(const BenchFlags& f) {
@@ -104,6 +105,7 @@ Status RunBench(const BenchFlags& f) {
     base.threads = f.threads;
     base.use_cgroup = !f.no_cgroup;
     base.drop_all_caches = f.drop_caches;
+    base.hw = f.hw;
     std::vector<std::pair<uint64_t, double>> model_budgets;  // (budget, offload fraction or -1)
     for (uint64_t b : budgets) model_budgets.emplace_back(b, -1.0);
     for (double fr : fractions) {
@@ -191,7 +193,8 @@ void RegisterBenchCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--tokenizer", f->tokenizer, "llama2.c only: tokenizer.bin (default: beside the checkpoint)");
   cmd->add_option("--activation", f->activation, "llama2.c only: FFN activation silu|relu|drelu");
   cmd->add_option("--modes", f->modes,
-                  "Comma-separated: full, llmflash, dense-mmap, in-memory (default: all with --deploy, else the dense two)");
+                  "Comma-separated: full, llmflash, dense-mmap, in-memory, bundles (llmflash with caches of 0 slots; "
+                  "default: the first four with --deploy, else the dense two)");
   cmd->add_option("--memory", f->memory, "Memory budgets, comma-separated (e.g. 1G,2G): sparse runtime budget, "
                                           "dense-mmap memory cgroup limit");
   cmd->add_option("--offload", f->offload, "Instead of --memory: FFN fractions left on flash (e.g. 0.5), each turned "
@@ -211,6 +214,9 @@ void RegisterBenchCommand(CLI::App& app, cli::CommandAction* action) {
                   "Seconds after which a row's process is killed and the row reported as timed out (0: none); "
                   "a thrashing dense-mmap baseline can take hours");
   cmd->add_flag("--row-logs", f->verbose_rows, "Show the row processes' info logs");
+  cmd->add_option("--hw", f->hw, "Hardware profile (nflash profile-hw): sparse tg rows also report the compute and I/O "
+                                 "floors per token and the measured time's ratio to them (docs/planner.md, Floors)")
+      ->check(CLI::ExistingFile);
   cmd->callback([f, action] { *action = [f] { return RunBench(*f); }; });
 
   auto spec = std::make_shared<std::string>();

@@ -57,16 +57,18 @@ const char* BenchModeName(BenchMode mode) {
     case BenchMode::kLlmFlash: return "llmflash";
     case BenchMode::kDenseMmap: return "dense-mmap";
     case BenchMode::kInMemory: return "in-memory";
+    case BenchMode::kBundles: return "bundles";
   }
   return "?";
 }
 
 Result<BenchMode> ParseBenchMode(std::string_view name) {
-  for (BenchMode m : {BenchMode::kFull, BenchMode::kLlmFlash, BenchMode::kDenseMmap, BenchMode::kInMemory}) {
+  for (BenchMode m :
+       {BenchMode::kFull, BenchMode::kLlmFlash, BenchMode::kDenseMmap, BenchMode::kInMemory, BenchMode::kBundles}) {
     if (name == BenchModeName(m)) return m;
   }
   return Status::InvalidArgument("--modes: unknown mode '" + std::string(name) +
-                                 "' (expected full, llmflash, dense-mmap or in-memory)");
+                                 "' (expected full, llmflash, dense-mmap, in-memory or bundles)");
 }
 
 Result<BenchTest> ParseBenchTest(std::string_view text) {
@@ -152,7 +154,8 @@ nlohmann::json RowSpec::ToJson() const {
           {"warmup", warmup},
           {"threads", threads},
           {"use_cgroup", use_cgroup},
-          {"drop_all_caches", drop_all_caches}};
+          {"drop_all_caches", drop_all_caches},
+          {"hw", hw}};
 }
 
 Result<RowSpec> RowSpec::FromJson(const nlohmann::json& j) {
@@ -172,6 +175,7 @@ Result<RowSpec> RowSpec::FromJson(const nlohmann::json& j) {
     s.threads = j.value("threads", 2);
     s.use_cgroup = j.value("use_cgroup", true);
     s.drop_all_caches = j.value("drop_all_caches", false);
+    s.hw = j.value("hw", "");
   } catch (const nlohmann::json::exception& e) {
     return Status::InvalidArgument(std::string("bench row spec: ") + e.what());
   }
@@ -198,6 +202,9 @@ nlohmann::json RowResult::ToJson() const {
   j["cgroup_peak_bytes"] = cgroup_peak_bytes;
   j["cpu_util"] = cpu_util;
   j["constraint"] = constraint;
+  j["floor_compute_ms"] = floor_compute_ms;
+  j["floor_io_ms"] = floor_io_ms;
+  j["floor_ratio"] = floor_ratio;
   return j;
 }
 
@@ -219,15 +226,26 @@ Result<RowResult> RowResult::FromJson(const nlohmann::json& j) {
     r.cgroup_peak_bytes = j.value("cgroup_peak_bytes", uint64_t{0});
     r.cpu_util = j.value("cpu_util", 0.0);
     r.constraint = j.value("constraint", "-");
+    r.floor_compute_ms = j.value("floor_compute_ms", -1.0);
+    r.floor_io_ms = j.value("floor_io_ms", -1.0);
+    r.floor_ratio = j.value("floor_ratio", -1.0);
   } catch (const nlohmann::json::exception& e) {
     return Status::InvalidArgument(std::string("bench row result: ") + e.what());
   }
   return r;
 }
 
+namespace {
+bool AnyFloors(const std::vector<RowResult>& rows) {
+  return std::any_of(rows.begin(), rows.end(), [](const RowResult& r) { return r.has_floors(); });
+}
+}  // namespace
+
 std::string FormatMarkdown(const std::vector<RowResult>& rows) {
-  const std::vector<std::string> header = {"model", "mode", "memory", "test", "t/s", "P50 ms", "P90 ms", "P99 ms",
-                                           "hit rate", "MB/tok", "reads/tok", "peak RSS", "CPU", "constraint"};
+  const bool floors = AnyFloors(rows);
+  std::vector<std::string> header = {"model", "mode", "memory", "test", "t/s", "P50 ms", "P90 ms", "P99 ms",
+                                     "hit rate", "MB/tok", "reads/tok", "peak RSS", "CPU", "constraint"};
+  if (floors) header.insert(header.end() - 1, {"compute floor ms", "I/O floor ms", "x floor"});
   std::vector<std::vector<std::string>> cells;
   for (const RowResult& r : rows) {
     const RowSpec& s = r.spec;
@@ -247,6 +265,11 @@ std::string FormatMarkdown(const std::vector<RowResult>& rows) {
       c.push_back(Fixed(r.reads_per_token, 1));
       c.push_back(sparse::FormatBytes(r.peak_rss_bytes));
       c.push_back(Fixed(r.cpu_util * 100.0, 0) + "%");
+      if (floors) {
+        c.push_back(r.has_floors() ? Fixed(r.floor_compute_ms, 3) : "-");
+        c.push_back(r.has_floors() ? Fixed(r.floor_io_ms, 3) : "-");
+        c.push_back(r.has_floors() ? Fixed(r.floor_ratio, 2) : "-");
+      }
       c.push_back(r.constraint);
     }
     cells.push_back(std::move(c));
@@ -274,7 +297,9 @@ std::string FormatCsv(const std::vector<RowResult>& rows) {
   std::string out =
       "model,mode,memory_budget_bytes,offload,test,n_tokens,prompt_tokens,repetitions,threads,tok_s_mean,tok_s_sd,"
       "token_ms_p50,token_ms_p90,token_ms_p99,hit_rate,mb_read_per_token,reads_per_token,peak_rss_bytes,"
-      "cgroup_peak_bytes,cpu_util,constraint,status\n";
+      "cgroup_peak_bytes,cpu_util,constraint,status";
+  const bool floors = AnyFloors(rows);
+  out += floors ? ",floor_compute_ms,floor_io_ms,floor_ratio\n" : "\n";
   for (const RowResult& r : rows) {
     const RowSpec& s = r.spec;
     const std::vector<std::string> f = {CsvField(Basename(s.model)), BenchModeName(s.mode),
@@ -287,6 +312,7 @@ std::string FormatCsv(const std::vector<RowResult>& rows) {
                                         std::to_string(r.peak_rss_bytes), std::to_string(r.cgroup_peak_bytes),
                                         Fixed(r.cpu_util, 4), CsvField(r.constraint), CsvField(r.status)};
     for (size_t i = 0; i < f.size(); ++i) out += (i ? "," : "") + f[i];
+    if (floors) out += "," + Fixed(r.floor_compute_ms, 6) + "," + Fixed(r.floor_io_ms, 6) + "," + Fixed(r.floor_ratio, 4);
     out += "\n";
   }
   return out;

@@ -21,6 +21,7 @@ enum class BenchMode {
   kLlmFlash,   // sparse runtime, blocking reads, no pipeline (OffloadMode::kLlmFlash)
   kDenseMmap,  // dense engine, GGUF mmapped (what llama.cpp does): in a memory cgroup of the budget when possible
   kInMemory,   // dense engine, the whole GGUF read into memory (the speed ceiling; ignores budgets)
+  kBundles,    // ablation: llmflash with hot and cold caches of 0 slots (every active bundle read, blocking, each token)
 };
 const char* BenchModeName(BenchMode mode);
 Result<BenchMode> ParseBenchMode(std::string_view name);
@@ -63,6 +64,7 @@ struct RowSpec {
   int threads = 2;
   bool use_cgroup = true;      // dense-mmap with a budget: try a memory cgroup
   bool drop_all_caches = false;  // also `echo 1 > drop_caches` before the row (root)
+  std::string hw;              // hw.json: sparse tg rows also report the speed floors (planner/floors.h)
 
   nlohmann::json ToJson() const;
   static Result<RowSpec> FromJson(const nlohmann::json& j);
@@ -81,13 +83,17 @@ struct RowResult {
   uint64_t cgroup_peak_bytes = 0;  // the cgroup's recorded peak (RSS + page cache), 0 without a cgroup
   double cpu_util = 0;             // (user + sys CPU time) / wall time over the measured runs: 2.0 = two cores busy
   std::string constraint = "-";    // "cgroup v1 memory.limit_in_bytes=1.00 GiB", "runtime budget", "unconstrained: ..."
+  // Sparse tg rows with --hw (docs/planner.md, Floors): compute and I/O floors per token and the measured mean token
+  // time over max(compute, io); < 0: not computed.
+  double floor_compute_ms = -1, floor_io_ms = -1, floor_ratio = -1;
+  bool has_floors() const { return floor_ratio >= 0; }
 
   bool ok() const { return status == "ok"; }
   nlohmann::json ToJson() const;
   static Result<RowResult> FromJson(const nlohmann::json& j);
 };
 
-// A llama-bench-like markdown table.
+// A llama-bench-like markdown table. Both tables get the floor columns (after CPU) only when a row has floors.
 std::string FormatMarkdown(const std::vector<RowResult>& rows);
 // An array of row objects (RowResult::ToJson), pretty-printed.
 std::string FormatJson(const std::vector<RowResult>& rows);

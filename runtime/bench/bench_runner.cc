@@ -23,6 +23,7 @@
 #include "runtime/core/log.h"
 #include "runtime/core/proc_stats.h"
 #include "runtime/engine/context.h"
+#include "runtime/sparse/decode_floors.h"
 #include "runtime/sparse/memory_budget.h"
 #include "runtime/sparse/sparse_runtime.h"
 #include "runtime/text/tokenizer.h"
@@ -77,6 +78,7 @@ struct Engine {
 // Flash traffic and cache lookups of the sparse runtime so far.
 struct SparseCounters {
   uint64_t bytes = 0, requests = 0, hits = 0, lookups = 0;
+  int64_t active = 0, used = 0;  // neurons computed, and those with h != 0 (the floors' FFN bytes)
 };
 SparseCounters ReadSparseCounters(const Engine& e) {
   SparseCounters c;
@@ -84,6 +86,8 @@ SparseCounters ReadSparseCounters(const Engine& e) {
   const sparse::OffloadGroupStats st = e.rt->ffn().TotalStats();
   c.bytes = st.bytes_read;
   c.requests = static_cast<uint64_t>(st.requests);
+  c.active = st.active;
+  c.used = st.used;
   sparse::CacheCounters cc = e.rt->ffn().cache().hot().TotalCounters();
   cc += e.rt->ffn().cache().cold().TotalCounters();
   c.hits = cc.hits;
@@ -136,6 +140,13 @@ Status OpenEngine(const RowSpec& s, int64_t n_ctx, Engine* e, std::string* unava
   o.mode = s.mode == BenchMode::kFull ? sparse::OffloadMode::kFull : sparse::OffloadMode::kLlmFlash;
   o.memory_budget = s.memory_budget;
   o.n_ctx = n_ctx;
+  if (s.mode == BenchMode::kBundles) {
+    // Bundles only: no hot clusters and 0 cold slots per region, given explicitly so that a budget is still checked
+    // against the fixed part but not split into caches.
+    NF_ASSIGN_OR_RETURN(auto d, packer::Deployment::Open(s.deploy));
+    o.hot_slots = 0;
+    o.cold_slots_per_group.assign(d->manifest().regions.size(), 0);
+  }
   NF_ASSIGN_OR_RETURN(e->rt, sparse::SparseRuntime::Open(s.deploy, o, e->pool.get()));
   const LlamaHparams& hp = e->rt->model().hparams();
   if (n_ctx > hp.context_length) {
@@ -193,6 +204,8 @@ Status Measure(const RowSpec& s, Engine& e, RowResult* r) {
     sparse_sum.requests += c1.requests - c0.requests;
     sparse_sum.hits += c1.hits - c0.hits;
     sparse_sum.lookups += c1.lookups - c0.lookups;
+    sparse_sum.active += c1.active - c0.active;
+    sparse_sum.used += c1.used - c0.used;
   }
   r->speed = ComputeMeanSd(r->tok_s);
   r->p50_ms = Percentile(latencies_ms, 0.50);
@@ -204,6 +217,21 @@ Status Measure(const RowSpec& s, Engine& e, RowResult* r) {
     r->hit_rate = sparse_sum.lookups ? static_cast<double>(sparse_sum.hits) / sparse_sum.lookups : 0.0;
     r->mb_read_per_token = static_cast<double>(sparse_sum.bytes) / 1e6 / n;
     r->reads_per_token = static_cast<double>(sparse_sum.requests) / n;
+    if (!s.hw.empty() && t.decode && !latencies_ms.empty()) {
+      double mean_ms = 0;
+      for (double l : latencies_ms) mean_ms += l / static_cast<double>(latencies_ms.size());
+      sparse::OffloadGroupStats st;
+      st.active = sparse_sum.active;
+      st.used = sparse_sum.used;
+      st.bytes_read = sparse_sum.bytes;
+      st.requests = static_cast<int64_t>(sparse_sum.requests);
+      NF_ASSIGN_OR_RETURN(planner::Floors fl,
+                          sparse::DecodeFloors(*e.rt, s.hw,
+                                               sparse::MeasuredDecodeWork(*e.rt, st, n, e.pool->NumThreads(), mean_ms)));
+      r->floor_compute_ms = fl.compute_ms;
+      r->floor_io_ms = fl.io_ms;
+      r->floor_ratio = fl.ratio;
+    }
   } else {
     r->mb_read_per_token = static_cast<double>(read_bytes) / 1e6 / n;
     r->reads_per_token = static_cast<double>(majflt) / n;
@@ -223,6 +251,8 @@ Result<RowResult> RunRow(const RowSpec& spec) {
   r.spec = spec;
   if (spec.mode == BenchMode::kFull || spec.mode == BenchMode::kLlmFlash) {
     r.constraint = spec.memory_budget ? "runtime budget (O_DIRECT)" : "no budget: cache empty, every neuron read";
+  } else if (spec.mode == BenchMode::kBundles) {
+    r.constraint = spec.memory_budget ? "runtime budget (O_DIRECT), caches of 0 slots" : "caches of 0 slots";
   }
   const int64_t n_ctx = spec.test.decode ? spec.prompt_tokens + spec.test.n_tokens : spec.test.n_tokens;
   Engine e;

@@ -1,4 +1,5 @@
-// `nflash run` (streamed generation with speed and memory report) and `nflash perplexity` (non-overlapping windows).
+// `nflash run` (streamed generation with speed and memory report) and `nflash perplexity` (non-overlapping windows,
+// through the dense engine, the in-memory sparse FFN or a deployment's offloaded sparse runtime).
 #include "runtime/cli/run_command.h"
 
 #include <CLI/CLI.hpp>
@@ -11,6 +12,7 @@
 #include <memory>
 #include <sstream>
 
+#include "packer/deployment.h"
 #include "profiler/predictor_train.h"
 #include "runtime/cli/model_loader.h"
 #include "runtime/core/checksum.h"
@@ -21,6 +23,7 @@
 #include "runtime/engine/context.h"
 #include "runtime/engine/predictor.h"
 #include "runtime/engine/sparse_ffn.h"
+#include "runtime/sparse/sparse_runtime.h"
 #include "runtime/text/sampler.h"
 
 namespace nflash::cli {
@@ -30,9 +33,9 @@ using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mmap) {
+void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mmap, bool model_required = true) {
   sub->add_option("-m,--model", src->path, "Model: GGUF, or llama2.c checkpoint (converted in memory)")
-      ->required()
+      ->required(model_required)
       ->check(CLI::ExistingFile);
   sub->add_option("--tokenizer", src->tokenizer, "llama2.c only: tokenizer.bin (default: beside the checkpoint)");
   sub->add_option("--activation", src->activation, "llama2.c only: FFN activation silu|relu|drelu (default silu)");
@@ -319,18 +322,96 @@ struct PplFlags {
   bool no_mmap = false;
   bool json = false;
   SparseFlags sparse;
+  // Instead of -m: a deployment through the offloaded sparse runtime (the FFN read from flash).
+  std::string deploy;
+  std::string offload_mode = "full";
+  std::string active_set = "auto";
+  std::string memory;
+  int64_t hot_slots = 0, cold_slots = 0;
 };
 
+struct PerplexityResult {
+  int64_t predictions = 0;
+  double perplexity = 0;
+  double seconds = 0;
+};
+
+// The method of ../shared/models/stories260K/README.md over `ids` (BOS + the whole text encoded as one string):
+// `n_windows` non-overlapping windows of `window` tokens, each from an empty context, scoring the next token at every
+// position. The one loop of every engine `nflash perplexity` runs (dense, in-memory sparse, offloaded), so their
+// figures differ only by what `ctx`'s FFN computes.
+Result<PerplexityResult> WindowPerplexity(InferenceContext& ctx, const std::vector<int32_t>& ids, int64_t window,
+                                          int64_t n_windows, int64_t n_vocab) {
+  double nll = 0;
+  PerplexityResult r;
+  ProgressBar bar("perplexity", static_cast<uint64_t>(n_windows * window), "tok");
+  const auto t0 = Clock::now();
+  for (int64_t w = 0; w < n_windows; ++w) {
+    ctx.Reset();
+    std::span<const int32_t> tokens(ids.data() + w * window, static_cast<size_t>(window));
+    NF_RETURN_IF_ERROR(ctx.Eval(tokens, true));
+    for (int64_t i = 0; i < window; ++i) {
+      const float* lg = ctx.logits(i);
+      const int32_t target = ids[static_cast<size_t>(w * window + i + 1)];
+      double mx = *std::max_element(lg, lg + n_vocab);
+      double sum = 0;
+      for (int64_t v = 0; v < n_vocab; ++v) sum += std::exp(static_cast<double>(lg[v]) - mx);
+      nll += -(static_cast<double>(lg[target]) - mx - std::log(sum));
+      ++r.predictions;
+    }
+    bar.Update(static_cast<uint64_t>((w + 1) * window));
+  }
+  bar.Finish();
+  r.seconds = Seconds(t0, Clock::now());
+  r.perplexity = std::exp(nll / static_cast<double>(r.predictions));
+  return r;
+}
+
+// The offloaded engine of `perplexity --deploy`: the deployment's sparse runtime with a context of `n_ctx`.
+Result<std::unique_ptr<sparse::SparseRuntime>> OpenDeployment(const PplFlags& f, int64_t n_ctx, ThreadPool* pool) {
+  sparse::SparseRuntimeOptions o;
+  o.mode = f.offload_mode == "llmflash" ? sparse::OffloadMode::kLlmFlash : sparse::OffloadMode::kFull;
+  o.active_set = f.active_set == "oracle"      ? sparse::ActiveSetSource::kOracle
+                 : f.active_set == "predictor" ? sparse::ActiveSetSource::kPredictor
+                                               : sparse::ActiveSetSource::kAuto;
+  if (!f.memory.empty()) {
+    auto budget = sparse::ParseMemorySize(f.memory);
+    if (!budget.ok()) return budget.status().WithContext("--memory");
+    o.memory_budget = *budget;
+  }
+  o.hot_slots = f.hot_slots;
+  o.cold_slots = f.cold_slots;
+  o.n_ctx = n_ctx;
+  // Windows go token by token through the decode path, as `--sparse` runs them in memory (SparseFfn with
+  // sparse_prefill): batched prefill computes every neuron of a layer, which is not the sparse computation.
+  o.batched_prefill = false;
+  return sparse::SparseRuntime::Open(f.deploy, o, pool);
+}
+
 Status RunPerplexity(const PplFlags& f) {
+  const bool deployed = !f.deploy.empty();
+  if (deployed == !f.source.path.empty()) return Status::InvalidArgument("give -m MODEL or --deploy DIR (one of them)");
+  if (deployed && !f.sparse.mode.empty()) {
+    return Status::InvalidArgument("--sparse applies to -m; a deployment's active set is --active-set");
+  }
   ModelSource src = f.source;
   src.use_mmap = !f.no_mmap;
-  NF_ASSIGN_OR_RETURN(LoadedModel lm, LoadModelForInference(src));
-  const LlamaHparams& hp = lm.model->hparams();
+  // The model's tokenizer and shape: the model itself, or the deployment's resident image.
+  LoadedModel lm;
+  std::unique_ptr<Tokenizer> deploy_tok;
+  LlamaHparams hp;
+  if (deployed) {
+    NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::OpenPath(f.deploy + "/" + packer::kResidentFileName));
+    NF_ASSIGN_OR_RETURN(deploy_tok, LoadTokenizer(resident));
+    NF_ASSIGN_OR_RETURN(hp, ReadLlamaHparams(resident));
+  } else {
+    NF_ASSIGN_OR_RETURN(lm, LoadModelForInference(src));
+    hp = lm.model->hparams();
+  }
+  const Tokenizer& tok = deployed ? *deploy_tok : *lm.tokenizer;
   NF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(f.text_file));
   std::string text(bytes.begin(), bytes.end());
-  // The method of ../shared/models/stories260K/README.md: BOS + the whole text encoded as one string, then
-  // non-overlapping windows of `ctx` tokens, each from an empty context, scoring the next token at every position.
-  std::vector<int32_t> ids = lm.tokenizer->Encode(text, true);
+  std::vector<int32_t> ids = tok.Encode(text, true);
   if (f.ctx < 2 || f.ctx > hp.context_length) {
     return Status::InvalidArgument("--ctx " + std::to_string(f.ctx) + " must be in [2, " +
                                    std::to_string(hp.context_length) + "]");
@@ -342,43 +423,57 @@ Status RunPerplexity(const PplFlags& f) {
                                    std::to_string(f.ctx) + " + 1");
   }
   ThreadPool pool(f.threads);
-  InferenceContext ctx(*lm.model, &pool, f.ctx);
-  // Every token goes through the sparse FFN (windows are prefilled token by token there).
-  NF_ASSIGN_OR_RETURN(SparseSetup sparse, SetupSparse(f.sparse, src, lm, &pool, /*sparse_prefill=*/true));
-  if (sparse.ffn) ctx.SetFfnBackend(sparse.ffn.get());
-  double nll = 0;
-  int64_t count = 0;
-  ProgressBar bar("perplexity", static_cast<uint64_t>(n_windows * f.ctx), "tok");
-  const auto t0 = Clock::now();
-  for (int64_t w = 0; w < n_windows; ++w) {
-    ctx.Reset();
-    std::span<const int32_t> window(ids.data() + w * f.ctx, static_cast<size_t>(f.ctx));
-    NF_RETURN_IF_ERROR(ctx.Eval(window, true));
-    for (int64_t i = 0; i < f.ctx; ++i) {
-      const float* lg = ctx.logits(i);
-      const int32_t target = ids[static_cast<size_t>(w * f.ctx + i + 1)];
-      double mx = *std::max_element(lg, lg + hp.n_vocab);
-      double sum = 0;
-      for (int64_t v = 0; v < hp.n_vocab; ++v) sum += std::exp(static_cast<double>(lg[v]) - mx);
-      nll += -(static_cast<double>(lg[target]) - mx - std::log(sum));
-      ++count;
-    }
-    bar.Update(static_cast<uint64_t>((w + 1) * f.ctx));
+  std::unique_ptr<sparse::SparseRuntime> offloaded;
+  std::unique_ptr<InferenceContext> own_ctx;
+  SparseSetup in_memory;
+  InferenceContext* ctx = nullptr;
+  if (deployed) {
+    NF_ASSIGN_OR_RETURN(offloaded, OpenDeployment(f, f.ctx, &pool));
+    ctx = &offloaded->context();
+  } else {
+    own_ctx = std::make_unique<InferenceContext>(*lm.model, &pool, f.ctx);
+    ctx = own_ctx.get();
+    // Every token goes through the sparse FFN (windows are prefilled token by token there).
+    NF_ASSIGN_OR_RETURN(in_memory, SetupSparse(f.sparse, src, lm, &pool, /*sparse_prefill=*/true));
+    if (in_memory.ffn) ctx->SetFfnBackend(in_memory.ffn.get());
   }
-  bar.Finish();
-  const double secs = Seconds(t0, Clock::now());
-  const double ppl = std::exp(nll / static_cast<double>(count));
+  NF_ASSIGN_OR_RETURN(PerplexityResult r, WindowPerplexity(*ctx, ids, f.ctx, n_windows, hp.n_vocab));
+  nlohmann::json offload;
+  if (offloaded) {
+    const sparse::OffloadGroupStats st = offloaded->ffn().TotalStats();
+    const double n = static_cast<double>(std::max<int64_t>(1, r.predictions));
+    offload = {{"deploy", f.deploy},
+               {"mode", f.offload_mode},
+               {"active_set", offloaded->predictor() ? "predictor" : "oracle"},
+               {"hot_slots", offloaded->split().hot_slots},
+               {"cold_slots", offloaded->split().cold_slots},
+               {"hot_hit_rate", offloaded->ffn().cache().hot().TotalCounters().HitRate()},
+               {"cold_hit_rate", offloaded->ffn().cache().cold().TotalCounters().HitRate()},
+               {"mb_read_per_token", static_cast<double>(st.bytes_read) / 1e6 / n}};
+  }
   if (f.json) {
-    nlohmann::json j = {{"model", f.source.path},       {"text", f.text_file}, {"ctx", f.ctx},
-                        {"windows", n_windows},         {"predictions", count}, {"perplexity", ppl},
-                        {"tokens_per_s", count / secs}, {"synthetic", hp.synthetic}};
-    if (sparse.ffn) j["sparse"] = SparseReport(*sparse.ffn, hp.n_ff, false);
+    nlohmann::json j = {{"model", deployed ? f.deploy : f.source.path},
+                        {"text", f.text_file},
+                        {"ctx", f.ctx},
+                        {"windows", n_windows},
+                        {"predictions", r.predictions},
+                        {"perplexity", r.perplexity},
+                        {"tokens_per_s", r.predictions / r.seconds},
+                        {"synthetic", hp.synthetic}};
+    if (in_memory.ffn) j["sparse"] = SparseReport(*in_memory.ffn, hp.n_ff, false);
+    if (offloaded) j["offload"] = offload;
     std::printf("%s\n", j.dump(2).c_str());
   } else {
-    if (sparse.ffn) SparseReport(*sparse.ffn, hp.n_ff, true);
-    std::printf("perplexity %.4f over %lld windows of %lld tokens (%lld predictions), %.1f tok/s%s\n", ppl,
-                static_cast<long long>(n_windows), static_cast<long long>(f.ctx), static_cast<long long>(count),
-                count / secs, hp.synthetic ? " [SYNTHETIC weights]" : "");
+    if (in_memory.ffn) SparseReport(*in_memory.ffn, hp.n_ff, true);
+    if (offloaded) {
+      std::fprintf(stderr, "offloaded (%s, %s): %lld hot cluster slots, %lld cold slots, %.3f MB read per token\n",
+                   f.offload_mode.c_str(), offload["active_set"].get<std::string>().c_str(),
+                   static_cast<long long>(offloaded->split().hot_slots),
+                   static_cast<long long>(offloaded->split().cold_slots), offload["mb_read_per_token"].get<double>());
+    }
+    std::printf("perplexity %.4f over %lld windows of %lld tokens (%lld predictions), %.1f tok/s%s\n", r.perplexity,
+                static_cast<long long>(n_windows), static_cast<long long>(f.ctx), static_cast<long long>(r.predictions),
+                r.predictions / r.seconds, hp.synthetic ? " [SYNTHETIC weights]" : "");
   }
   return Status::Ok();
 }
@@ -410,12 +505,23 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
 void RegisterPerplexityCommand(CLI::App& app, CommandAction* action) {
   auto f = std::make_shared<PplFlags>();
   CLI::App* sub = app.add_subcommand("perplexity", "Perplexity of a text over non-overlapping windows");
-  AddModelOptions(sub, &f->source, &f->threads, &f->no_mmap);
+  AddModelOptions(sub, &f->source, &f->threads, &f->no_mmap, /*model_required=*/false);
   sub->add_option("-f,--file", f->text_file, "Text file")->required()->check(CLI::ExistingFile);
   sub->add_option("--ctx", f->ctx, "Window size in tokens");
   sub->add_option("--max-windows", f->max_windows, "Evaluate only the first N windows (0: all)");
   sub->add_flag("--json", f->json, "Print a JSON summary");
   AddSparseOptions(sub, &f->sparse);
+  // The offloaded engine (docs/runtime.md): same windows, the FFN read from the deployment's flash image.
+  sub->add_option("--deploy", f->deploy, "Instead of -m: a deployment directory (nflash pack), run through the "
+                                         "offloaded sparse runtime")
+      ->check(CLI::ExistingDirectory);
+  sub->add_option("--mode", f->offload_mode, "--deploy: full (io_uring, pipelined) or llmflash (blocking reads)")
+      ->check(CLI::IsMember({"full", "llmflash"}));
+  sub->add_option("--active-set", f->active_set, "--deploy: auto, predictor or oracle")
+      ->check(CLI::IsMember({"auto", "predictor", "oracle"}));
+  sub->add_option("--memory", f->memory, "--deploy: memory budget for everything the process holds, e.g. 2M");
+  sub->add_option("--hot-slots", f->hot_slots, "--deploy without --memory: hot cluster slots");
+  sub->add_option("--cold-slots", f->cold_slots, "--deploy without --memory: cold neuron slots");
   sub->callback([f, action] { *action = [f] { return RunPerplexity(*f); }; });
 }
 

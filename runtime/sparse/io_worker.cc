@@ -19,33 +19,41 @@ IoWorker::~IoWorker() {
 void IoWorker::Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    requests_ = requests;
-    chunk_ends_.assign(chunk_ends.begin(), chunk_ends.end());
-    statuses_.assign(chunk_ends.size(), Status::Ok());
+    chunks_.clear();
+    statuses_.clear();
     done_ = 0;
-    ++job_id_;
+  }
+  Append(requests, chunk_ends);
+}
+
+void IoWorker::Append(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t begin = 0;
+    for (size_t end : chunk_ends) {
+      chunks_.push_back(requests.subspan(begin, end - begin));
+      statuses_.push_back(Status::Ok());
+      begin = end;
+    }
   }
   job_cv_.notify_one();
 }
 
 void IoWorker::Loop() {
-  uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    job_cv_.wait(lock, [&] { return stop_ || job_id_ != seen; });
+    // Chunks run in the order they were added; Start resets the list only once every chunk is done (its contract),
+    // so done_ always names the next chunk to read.
+    job_cv_.wait(lock, [&] { return stop_ || done_ < chunks_.size(); });
     if (stop_) return;
-    seen = job_id_;
-    size_t begin = 0;
-    for (size_t i = 0; i < chunk_ends_.size(); ++i) {
-      const std::span<const ReadRequest> chunk = requests_.subspan(begin, chunk_ends_[i] - begin);
-      begin = chunk_ends_[i];
-      lock.unlock();
-      Status s = file_->ReadBatch(chunk);
-      lock.lock();
-      statuses_[i] = std::move(s);
-      done_ = i + 1;
-      done_cv_.notify_all();
-    }
+    const size_t i = done_;
+    const std::span<const ReadRequest> chunk = chunks_[i];
+    lock.unlock();
+    Status s = file_->ReadBatch(chunk);
+    lock.lock();
+    statuses_[i] = std::move(s);
+    done_ = i + 1;
+    done_cv_.notify_all();
   }
 }
 
@@ -60,7 +68,7 @@ Status IoWorker::WaitChunk(size_t i) {
 
 void IoWorker::Drain() {
   std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return done_ >= chunk_ends_.size(); });
+  done_cv_.wait(lock, [&] { return done_ >= chunks_.size(); });
 }
 
 }  // namespace nflash::sparse

@@ -29,6 +29,10 @@ class IoWorker {
   // Starts reading requests[0, chunk_ends[0]), [chunk_ends[0], chunk_ends[1]), ... in order, each chunk with one
   // ReadBatch (one batched submission); returns at once. The previous job must be fully waited for (Drain).
   void Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
+  // Adds chunks to the current job (numbered after its existing ones), e.g. reads that depend on data an earlier
+  // chunk brought (two-phase loading: up+down parts after the gate page). `chunk_ends` index into `requests`, which
+  // must stay valid like Start's. Not after Drain.
+  void Append(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
   // Blocks until chunk `i` is read; its status.
   Status WaitChunk(size_t i);
   // Blocks until every chunk of the current job is done (used before reusing buffers after an error).
@@ -43,9 +47,7 @@ class IoWorker {
   std::condition_variable job_cv_, done_cv_;
   // Guarded by mu_.
   bool stop_ = false;
-  uint64_t job_id_ = 0;           // incremented by Start
-  std::span<const ReadRequest> requests_;
-  std::vector<size_t> chunk_ends_;
+  std::vector<std::span<const ReadRequest>> chunks_;
   size_t done_ = 0;               // chunks finished
   std::vector<Status> statuses_;  // per chunk
   uint64_t wait_ns_ = 0;          // caller thread only

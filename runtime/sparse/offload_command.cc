@@ -18,6 +18,7 @@
 #include "runtime/core/proc_stats.h"
 #include "runtime/core/stats.h"
 #include "runtime/sparse/commands.h"
+#include "runtime/sparse/decode_floors.h"
 #include "runtime/sparse/sparse_runtime.h"
 #include "runtime/text/tokenizer.h"
 
@@ -28,6 +29,7 @@ struct OffloadFlags {
   std::string deploy;
   std::string prompt = "Once upon a time";
   int64_t n_predict = 64;
+  int64_t warmup = 0;
   std::string mode = "full";
   std::string memory;
   std::string active_set = "auto";
@@ -41,7 +43,9 @@ struct OffloadFlags {
   bool json = false;
   bool buffered = false;
   bool token_prefill = false;
+  std::string two_phase = "off";
   std::string plan;
+  std::string hw;  // hw.json: report the speed floors
 };
 
 // plan.json (`nflash plan`) -> runtime options: the plan's memory limit, context, threads, queue depth, chunk size,
@@ -119,6 +123,10 @@ Status RunOffload(const OffloadFlags& f) {
   o.io.queue_depth = f.queue_depth;
   o.io.buffered = f.buffered;
   o.batched_prefill = !f.token_prefill;
+  if (f.two_phase != "on" && f.two_phase != "off" && f.two_phase != "auto") {
+    return Status::InvalidArgument("--two-phase " + f.two_phase + ": expected on, off or auto");
+  }
+  o.two_phase = f.two_phase != "off";
   int threads = f.threads;
   if (!f.plan.empty()) {
     if (!f.memory.empty() || f.hot_slots > 0 || f.cold_slots > 0 || f.ctx > 0) {
@@ -134,6 +142,9 @@ Status RunOffload(const OffloadFlags& f) {
   ThreadPool pool(threads);
   NF_ASSIGN_OR_RETURN(std::unique_ptr<SparseRuntime> opened, SparseRuntime::Open(f.deploy, o, &pool));
   SparseRuntime& rt = *opened;
+  if (f.two_phase == "on" && !rt.ffn().two_phase()) {
+    NF_LOG(Warning) << "--two-phase on: not applicable to this run (see the log line above); whole bundles are read";
+  }
   const LlamaHparams& hp = rt.model().hparams();
   InferenceContext& ctx = rt.context();
   const int64_t room = ctx.n_ctx() - static_cast<int64_t>(ids.size());
@@ -142,15 +153,26 @@ Status RunOffload(const OffloadFlags& f) {
 
   const auto t0 = Clock::now();
   NF_RETURN_IF_ERROR(ctx.Eval(ids, false));
-  const auto t1 = Clock::now();
+  auto t1 = Clock::now();
+  const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   rt.ffn().ResetStats();  // decode figures only
-  const uint64_t wait0 = rt.ffn().io_wait_ns();
+  uint64_t wait0 = rt.ffn().io_wait_ns();
+  uint64_t submit0 = rt.reader() ? rt.reader()->Counters().submit_cpu_ns : 0;
+  const int64_t warmup = std::min<int64_t>(f.warmup, n - 1);
   std::vector<int32_t> out;
   std::vector<double> lat_ms;
   Detokenizer detok(*tok);
   std::string text;
   for (int32_t t : ids) text += detok.Push(t);
   for (int64_t i = 0; i < n; ++i) {
+    if (i == warmup && warmup > 0) {
+      // The warm-up steps filled the caches: measure from here (steady state, what the planner predicts).
+      rt.ffn().ResetStats();
+      wait0 = rt.ffn().io_wait_ns();
+      submit0 = rt.reader() ? rt.reader()->Counters().submit_cpu_ns : 0;
+      lat_ms.clear();
+      t1 = Clock::now();
+    }
     const float* lg = ctx.logits();
     const int32_t next = static_cast<int32_t>(std::max_element(lg, lg + hp.n_vocab) - lg);
     out.push_back(next);
@@ -171,6 +193,13 @@ Status RunOffload(const OffloadFlags& f) {
   const double io_wait_ms = static_cast<double>(rt.ffn().io_wait_ns() - wait0) / 1e6;
   io::IoCounters ioc;
   if (rt.reader()) ioc = rt.reader()->Counters();
+  double token_ms_mean = 0;
+  for (double l : lat_ms) token_ms_mean += l / steps;
+  planner::Floors floors;
+  if (!f.hw.empty()) {
+    NF_ASSIGN_OR_RETURN(floors, DecodeFloors(rt, f.hw, MeasuredDecodeWork(rt, st, steps, pool.NumThreads(),
+                                                                          token_ms_mean)));
+  }
 
   nlohmann::json j = {
       {"deploy", f.deploy},
@@ -179,19 +208,27 @@ Status RunOffload(const OffloadFlags& f) {
       {"direct_io", rt.reader() ? rt.reader()->direct_io() : false},
       {"prompt_tokens", ids.size()},
       {"generated", out.size()},
-      {"prefill_s", std::chrono::duration<double>(t1 - t0).count()},
+      {"prefill_s", prefill_s},
+      {"warmup_tokens", warmup},
       {"decode_tok_s", lat_ms.empty() ? 0.0 : static_cast<double>(lat_ms.size()) / decode_s},
       {"token_ms_p50", Percentile(lat_ms, 0.5)},
       {"token_ms_p90", Percentile(lat_ms, 0.9)},
       {"token_ms_p99", Percentile(lat_ms, 0.99)},
+      {"token_ms_mean", token_ms_mean},
       {"hot_hit_rate", hot.HitRate()},
       {"cold_hit_rate", cold.HitRate()},
       {"active_neurons_per_token", static_cast<double>(st.active) / steps},
       {"mb_read_per_token", static_cast<double>(st.bytes_read) / 1e6 / steps},
       {"requests_per_token", static_cast<double>(st.requests) / steps},
       {"io_wait_ms_per_token", io_wait_ms / steps},
-      {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns) / 1e6},
+      {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns - submit0) / 1e6},
       {"retries", st.retries},
+      {"two_phase", rt.ffn().two_phase()},
+      {"gate_requests_per_token", static_cast<double>(st.gate_requests) / steps},
+      {"gate_mb_per_token", static_cast<double>(st.gate_bytes) / 1e6 / steps},
+      {"updown_requests_per_token", static_cast<double>(st.updown_requests) / steps},
+      {"updown_mb_per_token", static_cast<double>(st.updown_bytes) / 1e6 / steps},
+      {"updown_skipped_per_token", static_cast<double>(st.updown_skipped) / steps},
       {"memory_budget", rt.budget()},
       {"accounted_bytes", rt.fixed().Total() + rt.split().hot_bytes + rt.split().cold_bytes},
       {"hot_slots", rt.split().hot_slots},
@@ -200,6 +237,12 @@ Status RunOffload(const OffloadFlags& f) {
       {"tokens", out},
       {"text", text},
   };
+  if (!f.hw.empty()) {
+    j["floor_compute_ms"] = floors.compute_ms;
+    j["floor_io_ms"] = floors.io_ms;
+    j["floor_ratio"] = floors.ratio;
+    j["floor_parts_ms"] = {{"dense", floors.dense_ms}, {"predictor", floors.predictor_ms}, {"ffn", floors.ffn_ms}};
+  }
   if (f.json) {
     std::printf("%s\n", j.dump(2).c_str());
     return Status::Ok();
@@ -217,6 +260,19 @@ Status RunOffload(const OffloadFlags& f) {
               static_cast<double>(st.bytes_read) / 1e6 / steps, static_cast<double>(st.requests) / steps,
               io_wait_ms / steps, static_cast<long long>(st.retries),
               rt.reader() && !rt.reader()->direct_io() ? " (O_DIRECT refused: reads went through the page cache)" : "");
+  if (rt.ffn().two_phase()) {
+    std::printf("two-phase loading, per token: %.1f gate pages (%.3f MB), %.1f up+down reads (%.3f MB), %.1f up+down "
+                "parts skipped (gate inactive)\n",
+                static_cast<double>(st.gate_requests) / steps, static_cast<double>(st.gate_bytes) / 1e6 / steps,
+                static_cast<double>(st.updown_requests) / steps, static_cast<double>(st.updown_bytes) / 1e6 / steps,
+                static_cast<double>(st.updown_skipped) / steps);
+  }
+  if (!f.hw.empty()) {
+    std::printf("floors (%s): compute %.3f ms (dense %.3f + active set %.3f + FFN rows %.3f), I/O %.3f ms; measured "
+                "%.3f ms per token = %.2fx the floor\n",
+                f.hw.c_str(), floors.compute_ms, floors.dense_ms, floors.predictor_ms, floors.ffn_ms, floors.io_ms,
+                token_ms_mean, floors.ratio);
+  }
   return Status::Ok();
 }
 
@@ -228,6 +284,9 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("-d,--deploy", flags->deploy, "Deployment directory (nflash pack)")->required()->check(CLI::ExistingDirectory);
   cmd->add_option("-p,--prompt", flags->prompt, "Prompt text");
   cmd->add_option("-n,--max-tokens", flags->n_predict, "Tokens to generate at most")->check(CLI::PositiveNumber);
+  cmd->add_option("--warmup", flags->warmup,
+                  "Decode steps not measured (of the -n): the figures then describe warm caches")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--mode", flags->mode, "full (io_uring, pipelined) or llmflash (blocking reads, no overlap)");
   cmd->add_option("--memory", flags->memory, "Memory budget for everything the process holds, e.g. 1.5G, 800M");
   cmd->add_option("--active-set", flags->active_set, "auto, predictor or oracle (exact; gate rows held in memory)");
@@ -243,9 +302,15 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_flag("--token-prefill", flags->token_prefill,
                 "Prefill token by token through the decode path instead of whole layers (no prefill buffers): a "
                 "comparison only");
+  cmd->add_option("--two-phase", flags->two_phase,
+                  "on, off or auto: read a cold neuron's gate page first and its up+down part only when the gate "
+                  "passes (predictor mode, one bundle per flash group; auto/on fall back to whole bundles otherwise)");
   cmd->add_flag("--json", flags->json, "Print the result as JSON");
   cmd->add_option("--plan", flags->plan, "plan.json from `nflash plan` for this deployment: memory, cache sizes, "
                                          "context, threads, queue depth")->check(CLI::ExistingFile);
+  cmd->add_option("--hw", flags->hw, "Hardware profile (nflash profile-hw): also report the compute and I/O floors "
+                                     "per token and the measured time's ratio to them (docs/planner.md, Floors)")
+      ->check(CLI::ExistingFile);
   cmd->callback([flags, action] { *action = [flags] { return RunOffload(*flags); }; });
 }
 

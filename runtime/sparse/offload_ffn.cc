@@ -12,6 +12,7 @@
 
 #include "runtime/core/ffn_activation.h"
 #include "runtime/core/kernels.h"
+#include "runtime/core/log.h"
 #include "runtime/core/stats.h"
 
 namespace nflash::sparse {
@@ -51,8 +52,9 @@ int64_t OffloadFfn::HotClusterCount(const packer::Deployment& d, int64_t cluster
 uint64_t OffloadFfn::EstimateScratchBytes(const packer::Deployment& d) {
   const auto& m = d.manifest();
   const uint64_t n_ff = static_cast<uint64_t>(m.n_ff);
-  // Staging for misses without a slot, compact down rows, and ~16 small per-neuron arrays (4 bytes each).
-  return n_ff * ColdSlotBytes(d) + n_ff * d.layout().down_bytes + n_ff * 16 * 4;
+  // Staging for misses without a slot, the compact down rows of batched prefill, and the per-neuron arrays
+  // (kPerNeuronScratchBytes).
+  return n_ff * ColdSlotBytes(d) + n_ff * d.layout().down_bytes + n_ff * kPerNeuronScratchBytes;
 }
 
 uint64_t OffloadFfn::EstimateOracleBytes(const packer::Deployment& d, bool oracle) {
@@ -153,7 +155,8 @@ Status OffloadFfn::Init() {
   cluster_slot_.assign(static_cast<size_t>(max_clusters), -1);
   cluster_unit_.assign(static_cast<size_t>(max_clusters), -1);
   touched_clusters_.reserve(static_cast<size_t>(max_clusters));
-  units_.reserve(n_ff);
+  // Hot clusters, then one unit per neuron of A, plus (two-phase) one up+down unit per neuron.
+  units_.reserve(2 * n_ff + static_cast<size_t>(max_clusters));
   unit_order_.reserve(n_ff);
   requests_.reserve(n_ff);
   request_of_unit_.resize(n_ff);
@@ -165,9 +168,27 @@ Status OffloadFfn::Init() {
   acquired_cold_.reserve(n_ff);
   hidden_.resize(n_ff);
   used_flag_.resize(n_ff);
+  used_down_.reserve(n_ff);
   used_rows_.reserve(n_ff);
   used_hidden_.reserve(n_ff);
+  gate_ptrs_.reserve(n_ff);
+  up_ptrs_.reserve(n_ff);
+  gate_out_.resize(n_ff);
+  up_out_.resize(n_ff);
+  down_ptr_.resize(n_ff);
   down_compact_.resize(std::max<size_t>(1, n_ff * lay.down_bytes));
+  InitTwoPhase();
+  cold_complete_.assign(static_cast<size_t>(cache_->cold().SlotCount()), 0);
+  gate_item_.resize(n_ff);
+  gate_known_.assign(n_ff, 0);
+  item_slot_.resize(n_ff);
+  item_acq_.resize(n_ff);
+  gate_hit_items_.reserve(n_ff);
+  scratch_items_.reserve(n_ff);
+  phase2_items_.reserve(n_ff);
+  phase2_units_.reserve(n_ff);
+  requests2_.reserve(n_ff);
+  chunks2_end_.reserve(n_ff);
   stats_.assign(static_cast<size_t>(n_groups_), OffloadGroupStats());
   if (!oracle_) options_.predictor->PrepareScratch(&pred_scratch_);
   if (oracle_) NF_RETURN_IF_ERROR(LoadOracleGates());
@@ -234,16 +255,18 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
   acquired_cold_.clear();
   touched_clusters_.clear();
   ready_items_.clear();
+  gate_hit_items_.clear();
   int64_t staging_used = 0;
   auto add_unit = [&](bool is_hot, int64_t index, uint64_t offset, size_t size, uint8_t* dst, int32_t slot,
-                      int32_t acq) {
-    units_.push_back(Unit{offset, size, dst, slot, is_hot, index, acq});
+                      int32_t acq, Phase phase, int32_t item) {
+    units_.push_back(Unit{offset, size, dst, slot, is_hot, index, acq, phase, item});
     return static_cast<int32_t>(units_.size() - 1);
   };
   for (size_t k = 0; k < active_.size(); ++k) {
     const int32_t n = active_[k];
     const int32_t s = region.slot_of_neuron[n];
     item_unit_[k] = -1;
+    gate_known_[k] = 0;
     if (s < region.hot_count && hot.SlotCount() > 0) {
       const int64_t c = s / cluster_neurons_;
       if (cluster_slot_[c] == -1) {
@@ -259,7 +282,7 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
             const uint64_t start = lay.SlotOffset(c * cluster_neurons_);
             const size_t size = static_cast<size_t>(std::min<uint64_t>(cluster_bytes_, region.size - start));
             cluster_unit_[c] = add_unit(true, c, region.offset + start, size, hot.SlotData(l.slot), l.slot,
-                                        static_cast<int32_t>(acquired_hot_.size() - 1));
+                                        static_cast<int32_t>(acquired_hot_.size() - 1), Phase::kWhole, -1);
           }
         }
       }
@@ -283,10 +306,21 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
       dst = staging_ + static_cast<size_t>(staging_used++) * cold_stride_;
     }
     bundle_[k] = dst;
+    item_slot_[k] = l.slot;
+    item_acq_[k] = acq;
     if (l.hit) {
-      ready_items_.push_back(static_cast<int32_t>(k));
+      // Two-phase: a slot may hold only the gate part; its up+down part is read if the gate passes.
+      if (two_phase_ && !cold_complete_[static_cast<size_t>(l.slot)]) {
+        gate_hit_items_.push_back(static_cast<int32_t>(k));
+      } else {
+        ready_items_.push_back(static_cast<int32_t>(k));
+      }
     } else {
-      item_unit_[k] = add_unit(false, n, offset, static_cast<size_t>(ColdReadBytes(lay)), dst, l.slot, acq);
+      if (l.slot >= 0) cold_complete_[static_cast<size_t>(l.slot)] = 0;
+      item_unit_[k] = two_phase_ ? add_unit(false, n, offset, kTwoPhasePageBytes, dst, l.slot, acq, Phase::kGate,
+                                            static_cast<int32_t>(k))
+                                 : add_unit(false, n, offset, static_cast<size_t>(ColdReadBytes(lay)), dst, l.slot,
+                                            acq, Phase::kWhole, static_cast<int32_t>(k));
     }
   }
   // Requests in file order, merged when both the file ranges and the destinations are adjacent.
@@ -295,9 +329,13 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
   std::sort(unit_order_.begin(), unit_order_.end(),
             [&](int32_t a, int32_t b) { return units_[a].offset < units_[b].offset; });
   requests_.clear();
+  int32_t last_unit = -1;
   for (int32_t u : unit_order_) {
     const Unit& x = units_[u];
-    if (!requests_.empty()) {
+    // A gate page is never merged: its request must end where the page does (the rest comes only if needed).
+    const bool mergeable = x.phase == Phase::kWhole && last_unit >= 0 && units_[last_unit].phase == Phase::kWhole;
+    last_unit = u;
+    if (mergeable) {
       ReadRequest& last = requests_.back();
       if (last.offset + last.size == x.offset && static_cast<uint8_t*>(last.dst) + last.size == x.dst &&
           last.size + x.size <= options_.max_request_bytes) {
@@ -334,7 +372,17 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
 Status OffloadFfn::VerifyUnit(int64_t layer, int64_t expert, const packer::RegionInfo& region, const Unit& u) const {
   const packer::BundleLayout& lay = deploy_.layout();
   if (!u.hot) {
-    return deploy_.VerifyBundle(layer, expert, u.index, std::span<const uint8_t>(u.dst, lay.bundle_bytes));
+    switch (u.phase) {
+      case Phase::kWhole:
+        return deploy_.VerifyBundle(layer, expert, u.index, std::span<const uint8_t>(u.dst, lay.bundle_bytes));
+      case Phase::kGate:
+        return deploy_.VerifyGate(layer, expert, u.index,
+                                  std::span<const uint8_t>(u.dst + lay.gate_offset, lay.gate_bytes));
+      case Phase::kUpDown:  // dst is the bundle's second page; up starts in the first (read by phase 1)
+        return deploy_.VerifyUpDown(layer, expert, u.index,
+                                    std::span<const uint8_t>(u.dst - kTwoPhasePageBytes + lay.up_offset,
+                                                             lay.up_bytes + lay.down_bytes));
+    }
   }
   const int64_t first = u.index * cluster_neurons_;
   const int64_t end = std::min<int64_t>(first + cluster_neurons_, region.hot_count);
@@ -352,49 +400,77 @@ Status OffloadFfn::CheckArrival(int64_t layer, int64_t expert, const packer::Reg
   // A failed batch may have read this unit or not: its checksum decides (a per-neuron hash cannot pass on another
   // neuron's stale bytes), so only units whose bytes are wrong are read again.
   Status first = VerifyUnit(layer, expert, region, x);
-  if (first.ok()) return first;
+  if (first.ok()) {
+    MarkComplete(x);
+    return first;
+  }
   if (!read_status.ok()) first = read_status;
   // One synchronous retry: transient read errors and bits flipped in transit get a second chance; persistent
   // corruption on flash does not go away and is reported.
   ++stats_[static_cast<size_t>(layer * n_experts_ + std::max<int64_t>(0, expert))].retries;
+  const char* phase = x.phase == Phase::kGate     ? " phase 1 (gate page)"
+                      : x.phase == Phase::kUpDown ? " phase 2 (up+down part)"
+                                                  : "";
   const std::string what = std::string("layer ") + std::to_string(layer) +
                            (expert >= 0 ? " expert " + std::to_string(expert) : std::string()) +
-                           (x.hot ? " hot cluster " : " neuron ") + std::to_string(x.index) + ": ffn.bin offset " +
-                           std::to_string(x.offset) + " (" + std::to_string(x.size) + " bytes)";
-  Status again = flash_->ReadAt(x.offset, x.size, x.dst);
+                           (x.hot ? " hot cluster " : " neuron ") + std::to_string(x.index) + phase +
+                           ": ffn.bin offset " + std::to_string(x.offset) + " (" + std::to_string(x.size) + " bytes)";
+  // Phase 2 checks up bytes that phase 1 brought with the gate page (only the gate was verified then): its retry
+  // starts at the page holding the start of up, and then the whole bundle is verified.
+  uint64_t offset = x.offset;
+  size_t size = x.size;
+  uint8_t* dst = x.dst;
+  if (x.phase == Phase::kUpDown) {
+    const uint64_t back = kTwoPhasePageBytes - deploy_.layout().up_offset / kTwoPhasePageBytes * kTwoPhasePageBytes;
+    offset -= back;
+    size += back;
+    dst -= back;
+  }
+  Status again = flash_->ReadAt(offset, size, dst);
   if (!again.ok()) {
     return Status::IOError(what + ": read failed twice: " + again.message() + " (first: " + first.message() + ")");
   }
-  Status verified = VerifyUnit(layer, expert, region, x);
+  Status verified = x.phase == Phase::kUpDown
+                        ? deploy_.VerifyBundle(layer, expert, x.index,
+                                               std::span<const uint8_t>(x.dst - kTwoPhasePageBytes,
+                                                                        deploy_.layout().bundle_bytes))
+                        : VerifyUnit(layer, expert, region, x);
   if (!verified.ok()) return Status::Corruption(what + ": checksum mismatch after one retry: " + verified.message());
+  MarkComplete(x);
   return verified;
 }
 
 void OffloadFfn::ComputeItems(std::span<const int32_t> items, const Activation& x, float threshold) {
+  if (items.empty()) return;
   const packer::BundleLayout& lay = deploy_.layout();
   const FfnActivation act = model_.hparams().activation;
-  auto body = [&](int64_t begin, int64_t end, int) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int32_t k = items[j];
-      const uint8_t* b = bundle_[k];
-      const packer::BundleView v = packer::ViewBundle(lay, b, lay.bundle_bytes);
-      const float gate = oracle_ ? gate_all_[active_[k]] : RowDot(v.gate, 0, x, 0);
-      const float up = RowDot(v.up, 0, x, 0);
-      float ga = 0.0f;
-      const float h = ActivateNeuron(act, gate, up, &ga);
-      const bool use = std::fabs(ga) > threshold && h != 0.0f;
-      used_flag_[k] = use;
-      hidden_[k] = h;
-      if (use) std::memcpy(down_compact_.data() + static_cast<size_t>(k) * lay.down_bytes, b + lay.down_offset, lay.down_bytes);
-    }
-  };
-  // A neuron is two dot products of dim and a copy (~1 us at dim 4096): below a few hundred neurons, waking the
-  // pool's workers (and, on a loaded machine, waiting for them to be scheduled) costs more than it saves.
-  constexpr int64_t kParallelMin = 256, kGrain = 64;
-  if (items.size() < static_cast<size_t>(kParallelMin) || pool_ == nullptr) {
-    body(0, static_cast<int64_t>(items.size()), 0);
-  } else {
-    pool_->ParallelFor(static_cast<int64_t>(items.size()), kGrain, body);
+  // The rows every item still needs (its gate unless the oracle or phase 1 has it, and its up), by address: one
+  // GemvRowPtrs per part runs the multi-row tiles over bundles scattered across the cache and staging, the same
+  // arithmetic per row as RowDot / the in-memory GemvRows (bit for bit) at several times the speed of one RowDot
+  // per row.
+  gate_ptrs_.clear();
+  up_ptrs_.clear();
+  MatrixView gate_shape, up_shape;
+  for (int32_t k : items) {
+    const packer::BundleView v = packer::ViewBundle(lay, bundle_[k], lay.bundle_bytes);
+    if (!oracle_ && !gate_known_[k]) gate_ptrs_.push_back(static_cast<const uint8_t*>(v.gate.data));
+    up_ptrs_.push_back(static_cast<const uint8_t*>(v.up.data));
+    gate_shape = v.gate;
+    up_shape = v.up;
+  }
+  if (!gate_ptrs_.empty()) GemvRowPtrs(gate_shape, gate_ptrs_, x, gate_out_.data(), pool_);
+  GemvRowPtrs(up_shape, up_ptrs_, x, up_out_.data(), pool_);
+  size_t gi = 0;
+  for (size_t j = 0; j < items.size(); ++j) {
+    const int32_t k = items[j];
+    const float gate = oracle_ ? gate_all_[active_[k]] : gate_known_[k] ? gate_item_[k] : gate_out_[gi++];
+    float ga = 0.0f;
+    const float h = ActivateNeuron(act, gate, up_out_[j], &ga);
+    const bool use = std::fabs(ga) > threshold && h != 0.0f;
+    used_flag_[k] = use;
+    hidden_[k] = h;
+    // The down column stays where it is (its slot is pinned, staging is not reused) until the accumulation.
+    down_ptr_[k] = use ? bundle_[k] + lay.down_offset : nullptr;
   }
 }
 
@@ -413,12 +489,15 @@ void OffloadFfn::ReleaseAll() {
 
 void OffloadFfn::AbandonPending() {
   // Pending slots may hold partial data: drop them from the cache instead of releasing them.
+  // (Two-phase: a slot can have two units, gate page and up+down part; it is abandoned once.)
   for (const Unit& u : units_) {
     if (u.cache_slot < 0) continue;
     if (u.hot) {
+      if (acquired_hot_[u.acquired] < 0) continue;
       cache_->hot().Abandon(u.cache_slot);
       acquired_hot_[u.acquired] = -1;
     } else {
+      if (acquired_cold_[u.acquired] < 0) continue;
       cache_->cold().Abandon(u.cache_slot);
       acquired_cold_[u.acquired] = -1;
     }
@@ -461,7 +540,9 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
 
   // 3-4. Reads, checks and compute.
   Status status;
-  if (options_.mode == OffloadMode::kFull) {
+  if (two_phase_) {
+    status = ForwardTokenTwoPhase(group, layer, expert, *region, x, thr);
+  } else if (options_.mode == OffloadMode::kFull) {
     if (!requests_.empty()) io_->Start(requests_, chunk_ends_);
     ComputeItems(ready_items_, x, thr);  // cache hits: while the first reads are in flight
     size_t pos = 0;  // in unit_order_
@@ -496,21 +577,21 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     AbandonPending();
     return status;
   }
-  ReleaseAll();
 
-  // 5. out = sum over used neurons in ascending order of h * down column.
-  used_rows_.clear();
+  // 5. out = sum over used neurons in ascending order of h * down column, read in place from the pinned slots and
+  // staging (AccumulateRowPtrs: the same kernel, row order and chunking as AccumulateRows over a compact copy).
+  used_down_.clear();
   used_hidden_.clear();
   for (size_t k = 0; k < active_.size(); ++k) {
     if (!used_flag_[k]) continue;
-    used_rows_.push_back(static_cast<int32_t>(k));
+    used_down_.push_back(down_ptr_[k]);
     used_hidden_.push_back(hidden_[k]);
   }
-  st.used += static_cast<int64_t>(used_rows_.size());
+  st.used += static_cast<int64_t>(used_down_.size());
   std::fill(out, out + hp.dim, 0.0f);
-  const MatrixView down{lay.down_type, down_compact_.data(), static_cast<int64_t>(active_.size()), lay.dim,
-                        static_cast<size_t>(lay.down_bytes)};
-  AccumulateRows(down, used_rows_, used_hidden_.data(), out, pool_);
+  const MatrixView down{lay.down_type, nullptr, 0, lay.dim, static_cast<size_t>(lay.down_bytes)};
+  AccumulateRowPtrs(down, used_down_, used_hidden_.data(), out, pool_);
+  ReleaseAll();  // after the accumulation: the down columns were read from the pinned slots
   return Status::Ok();
 }
 
@@ -523,6 +604,11 @@ OffloadGroupStats OffloadFfn::TotalStats() const {
     t.requests += s.requests;
     t.bytes_read += s.bytes_read;
     t.retries += s.retries;
+    t.gate_requests += s.gate_requests;
+    t.gate_bytes += s.gate_bytes;
+    t.updown_requests += s.updown_requests;
+    t.updown_bytes += s.updown_bytes;
+    t.updown_skipped += s.updown_skipped;
   }
   return t;
 }
@@ -537,7 +623,7 @@ uint64_t OffloadFfn::io_wait_ns() const { return sync_wait_ns_ + (io_ ? io_->wai
 
 uint64_t OffloadFfn::scratch_bytes() const {
   return static_cast<uint64_t>(model_.hparams().n_ff) * cold_stride_ + down_compact_.size() +
-         static_cast<uint64_t>(model_.hparams().n_ff) * 16 * 4;
+         static_cast<uint64_t>(model_.hparams().n_ff) * kPerNeuronScratchBytes;
 }
 
 uint64_t OffloadFfn::oracle_bytes() const {

@@ -10,6 +10,8 @@
 //      no slot for them), sorted by file offset and coalesced;
 //   3. full mode: the misses are read by the I/O thread in chunks while this thread computes the hits, then each
 //      chunk as it completes; llmflash mode: every miss is read with a blocking pread, then everything is computed;
+//      with two-phase loading (predictor mode, large bundles) a cold miss reads its gate page first and the rest of
+//      its bundle only if the gate passes (offload_two_phase.cc);
 //   4. every bundle that arrives is checked against its xxHash64 (a mismatch or a failed read is retried once with a
 //      synchronous read, then is an error naming layer, neuron and ffn.bin offset);
 //   5. per neuron k of A: h_k = ActivateNeuron(gate_k, up_k) (0 unless |act(gate_k)| > threshold) and its down
@@ -70,7 +72,27 @@ struct OffloadOptions {
   // Batched prefill through two layer buffers (PrefillBufferBytes); false: prefill runs token by token (e.g. when the
   // memory budget has no room for the buffers).
   bool batched_prefill = false;
+  // Two-phase loading of cold misses (see "Two-phase loading" below): the gate page first, the up+down part only for
+  // neurons whose gate passes the activation test. Applies only with a predictor and a layout of one bundle per
+  // group whose gate part lies in the group's first page and whose group is longer than that page; otherwise Create
+  // logs why once and reads whole bundles. A no-op in oracle mode: the oracle's active set already holds only
+  // neurons whose exact gate passes, so every one of them needs its up+down part.
+  bool two_phase = false;
 };
+
+// Two-phase loading (predictor mode, OffloadOptions::two_phase). A predictor guesses A; ReLU then zeroes a large share
+// of the predicted neurons' gates (~40% at 7B), whose up and down parts are never used. With one bundle per flash
+// group and the gate at its start:
+//   phase 1: every cold miss of A reads the group's first page (kTwoPhasePageBytes, aligned) into its slot or staging,
+//            checked against gate_xxh64; gate = RowDot of the gate row (the same dot the whole-bundle path computes);
+//   phase 2: only neurons with |act(gate)| > threshold read the rest of the group (whole pages, straight after the
+//            first page in the slot), checked against updown_xxh64.
+// A cold slot may thus hold a gate-only bundle: a later hit whose gate passes needs only phase 2. Full mode: phase-1
+// chunks go through the I/O thread; as each one lands its gates are computed and its phase-2 reads appended to the
+// same job, so the I/O thread stays busy. llmflash: blocking phase-1 reads, then blocking phase-2 reads. Hot clusters
+// and hits on complete bundles are unchanged. The down sum still runs over A ascending, so results are bitwise those
+// of whole-bundle reads and of SparseFfn.
+inline constexpr uint64_t kTwoPhasePageBytes = 4096;  // kDeployAlignment: the O_DIRECT unit and the packer's page
 
 // Prefill reads: 1 MiB requests reach sequential flash bandwidth (UFS/NVMe saturate at 512 KiB-1 MiB) while the
 // queue keeps a few in flight; larger ones only add latency before the first bytes can be checked.
@@ -93,6 +115,10 @@ struct OffloadPrefillStats {
   int64_t retries = 0;
 };
 
+// Per-neuron scratch of OffloadFfn (~20 arrays of 1-8 bytes per neuron: item tables, row addresses, gate/up/h
+// values, two-phase state), rounded up; counted in the fixed part.
+inline constexpr uint64_t kPerNeuronScratchBytes = 128;
+
 // 64 KiB: large enough that a hot cluster read runs near sequential flash throughput (random-read bandwidth keeps
 // rising up to ~64 KiB requests on UFS/NVMe), small enough that LRU per cluster still tracks popularity.
 inline constexpr size_t kDefaultClusterBytes = size_t{64} << 10;
@@ -102,9 +128,16 @@ struct OffloadGroupStats {
   int64_t tokens = 0;
   int64_t active = 0;       // |A|
   int64_t used = 0;         // neurons whose h != 0 (rows of the down accumulation)
-  int64_t requests = 0;     // reads issued after coalescing (retries excluded)
+  int64_t requests = 0;     // reads issued after coalescing (retries excluded), both phases of two-phase loads
   uint64_t bytes_read = 0;  // bytes of those reads
   int64_t retries = 0;
+  // Two-phase loading (included in requests / bytes_read above): gate-page reads (phase 1), up+down reads (phase 2),
+  // and the cold neurons of A whose gate failed the test so their up+down part was never read.
+  int64_t gate_requests = 0;
+  uint64_t gate_bytes = 0;
+  int64_t updown_requests = 0;
+  uint64_t updown_bytes = 0;
+  int64_t updown_skipped = 0;
 };
 
 // Thread-safety: not thread-safe; one per InferenceContext. Owns one I/O thread in full mode. The deployment, model,
@@ -129,6 +162,8 @@ class OffloadFfn : public FfnBackend {
   uint64_t oracle_bytes() const;
   int64_t hot_cluster_neurons() const { return cluster_neurons_; }
   OffloadMode mode() const { return options_.mode; }
+  // Whether two-phase loading is in effect (requested, predictor mode and a layout that allows it).
+  bool two_phase() const { return two_phase_; }
 
   // What Create will allocate, for the memory budget before the cache is sized: staging + compact down + scratch
   // (per_token_bytes) and oracle gate rows (0 with a predictor).
@@ -146,15 +181,19 @@ class OffloadFfn : public FfnBackend {
   uint64_t prefill_bytes() const;
 
  private:
+  // What a read brings: a whole bundle (or hot cluster), or one phase of a two-phase load.
+  enum class Phase : uint8_t { kWhole, kGate, kUpDown };
   // A read of one unit (a cold neuron bundle or a hot cluster) into `dst`.
   struct Unit {
     uint64_t offset = 0;
     size_t size = 0;
-    uint8_t* dst = nullptr;
+    uint8_t* dst = nullptr;   // kUpDown: the bundle's second page (the bundle starts kTwoPhasePageBytes before)
     int32_t cache_slot = -1;  // -1: staging
     bool hot = false;
     int64_t index = 0;        // neuron (cold) or cluster (hot)
     int32_t acquired = -1;    // position in acquired_hot_ / acquired_cold_ (-1: staging)
+    Phase phase = Phase::kWhole;
+    int32_t item = -1;        // cold units: the item (position in A) it serves
   };
   OffloadFfn(const packer::Deployment& deployment, const Model& model, std::shared_ptr<const ReadableFile> flash,
              const OffloadOptions& options, ThreadPool* pool);
@@ -183,6 +222,20 @@ class OffloadFfn : public FfnBackend {
   Status CheckArrival(int64_t layer, int64_t expert, const packer::RegionInfo& region, size_t u,
                       const Status& read_status);
   void ComputeItems(std::span<const int32_t> items, const Activation& x, float threshold);
+  // Two-phase path of ForwardToken (offload_two_phase.cc); Resolve has run.
+  Status ForwardTokenTwoPhase(int64_t group, int64_t layer, int64_t expert, const packer::RegionInfo& region,
+                              const Activation& x, float threshold);
+  // Phase 1 done for `items` (gate bytes verified): computes their gates into gate_item_; the ones that pass get a
+  // phase-2 unit and request (appended to units_ / requests2_), the others are final (unused).
+  void ComputeGates(std::span<const int32_t> items, const Activation& x, float threshold, int64_t group,
+                    const packer::RegionInfo& region);
+  // A verified arrival: a cold slot that now holds its whole bundle is marked complete.
+  void MarkComplete(const Unit& u);
+  // Cuts the phase-2 requests not yet in a chunk into whole chunks of chunk_requests (recorded in chunks2_end_);
+  // `flush`: the remainder too.
+  void CutPhase2Chunks(bool flush);
+  // Decides whether two_phase applies (logs why not once).
+  void InitTwoPhase();
   // Releases this token's pins in acquisition order (so LRU order is access order).
   void ReleaseAll();
   // After an error: drops the slots whose reads were pending (their contents are unknown), releases the rest.
@@ -227,9 +280,26 @@ class OffloadFfn : public FfnBackend {
   std::vector<int32_t> acquired_hot_, acquired_cold_;  // slots pinned this token, in acquisition order
   std::vector<float> hidden_;            // per item
   std::vector<uint8_t> used_flag_;       // per item
-  std::vector<int32_t> used_rows_;
+  std::vector<const uint8_t*> down_ptr_; // per item: its down column in place (slot or staging), when used
+  std::vector<const uint8_t*> used_down_;
+  std::vector<int32_t> used_rows_;        // batched prefill: used neurons of a token
   std::vector<float> used_hidden_;
-  std::vector<uint8_t> down_compact_;    // per item: its down column (compact down matrix rows)
+  std::vector<const uint8_t*> gate_ptrs_, up_ptrs_;  // ComputeItems: rows to dot, by address
+  std::vector<float> gate_out_, up_out_;
+  std::vector<uint8_t> down_compact_;    // batched prefill: per neuron its down column (compact down matrix rows)
+  // Two-phase loading.
+  bool two_phase_ = false;
+  std::vector<uint8_t> cold_complete_;   // per cold slot: 1 when it holds the up+down part too (verified)
+  std::vector<float> gate_item_;         // per item: its gate from phase 1 (valid when gate_known_)
+  std::vector<uint8_t> gate_known_;      // per item
+  std::vector<int32_t> item_slot_;       // per cold-path item: its cold slot (-1: staging)
+  std::vector<int32_t> item_acq_;        // per cold-path item: position in acquired_cold_ (-1: staging)
+  std::vector<int32_t> gate_hit_items_;  // items whose cold slot holds only the gate part (hits)
+  std::vector<int32_t> scratch_items_;   // per chunk: items to compute in full / by gate
+  std::vector<int32_t> phase2_items_;    // per phase-2 request: its item
+  std::vector<int32_t> phase2_units_;    // per phase-2 request: its unit
+  std::vector<ReadRequest> requests2_;   // phase-2 reads (capacity n_ff: spans handed to the I/O thread stay valid)
+  std::vector<size_t> chunks2_end_;      // phase-2 chunk ends (indices into requests2_)
   uint8_t* staging_ = nullptr;           // n_ff cold slots, kSlotAlignment-aligned
   Activation token_act_;                 // one prefill token
   PredictorScratch pred_scratch_;

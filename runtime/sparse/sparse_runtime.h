@@ -46,6 +46,8 @@ struct SparseRuntimeOptions {
   // memory budget (the fixed part with them, or the plan's cache sizes plus them), prefill falls back to token by
   // token and Open logs it.
   bool batched_prefill = true;
+  // Two-phase loading of cold misses (OffloadOptions::two_phase): predictor mode with a layout that allows it.
+  bool two_phase = false;
   // Tests: wraps the flash file (fault injection through the File abstraction).
   std::function<std::shared_ptr<const ReadableFile>(std::shared_ptr<const ReadableFile>)> wrap_flash;
 };

@@ -104,6 +104,30 @@ def main():
     P("\nmiss rate = 1 − the runtime's neuron-cache hit rate over all tokens (hot and cold regions); a per-token P99 "
       "miss rate is not reported by `nflash bench` yet.\n")
 
+    # Ablation (issue 8): each step adds one technique to the one before, at the same budget.
+    by_mode = {r["mode"]: r for r in dec}
+    steps = [("dense-mmap", "dense engine, GGUF mmapped (baseline)"), ("bundles", "+ neuron bundles on flash (no cache)"),
+             ("llmflash", "+ neuron cache"), ("full", "+ I/O pipeline (io_uring, overlapped)")]
+    if any(m in by_mode for m, _ in steps[1:]):
+        P(f"### Ablation at {budgets['main_budget']}\n")
+        P("| step | mode | t/s | x previous | MB/tok | hit rate | compute floor ms | I/O floor ms | x floor | status |")
+        P("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        prev = float("nan")
+        for m, what in steps:
+            r = by_mode.get(m)
+            if r is None:
+                continue
+            t = num(r, "tok_s_mean") if r["status"] == "ok" else float("nan")
+            fl = [num(r, k) for k in ("floor_compute_ms", "floor_io_ms", "floor_ratio")]
+            cells = [f"{v:.3f}" if v == v and v >= 0 else "-" for v in fl[:2]] + [f"{fl[2]:.2f}" if fl[2] == fl[2] and fl[2] >= 0 else "-"]
+            hit = num(r, "hit_rate")
+            gain = f"{t / prev:.2f}" if prev == prev and prev > 0 and t == t else "-"
+            P(f"| {what} | {m} | {t:.2f} | {gain} | {num(r, 'mb_read_per_token'):.2f} | "
+              f"{f'{hit:.3f}' if hit >= 0 else '-'} | " + " | ".join(cells) + f" | {status(r)} |")
+            prev = t
+        P("\nFloors (docs/planner.md, \"Floors\"): the least time per token for the work each row did, from hw.json; "
+          "x floor = measured mean token time / max(compute, I/O floor).\n")
+
     # Fig. 7: prefill.
     pre = rows(os.path.join(a.out, "prefill_main.csv"))
     tests = sorted({r["test"] for r in pre}, key=lambda t: int(t[2:]))
@@ -173,7 +197,10 @@ def main():
     P("| FFN | perplexity | windows | tok/s | active / predicted neurons |")
     P("| --- | ---: | ---: | ---: | --- |")
     for name, fn in (("dense", "ppl_dense.json"), ("sparse, oracle active set", "ppl_oracle.json"),
-                     ("sparse, predictor", "ppl_predictor.json"), ("stories260K (SiLU): dense", "ppl_silu_dense.json"),
+                     ("sparse, predictor", "ppl_predictor.json"),
+                     ("offloaded: deployment, oracle, 1 hot + 64 cold slots (must equal the oracle row)",
+                      "ppl_offload_oracle.json"),
+                     ("stories260K (SiLU): dense", "ppl_silu_dense.json"),
                      ("stories260K (SiLU): sparse oracle, 50% below threshold", "ppl_silu_oracle50.json")):
         p = os.path.join(a.work, fn)
         try:
@@ -185,6 +212,13 @@ def main():
         extra = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in sp.items()
                           if isinstance(v, (int, float)))[:160]
         P(f"| {name} | {j['perplexity']:.4f} | {j['windows']} | {j['tokens_per_s']:.0f} | {extra or '-'} |")
+    try:
+        o = json.load(open(os.path.join(a.work, "ppl_oracle.json")))["perplexity"]
+        f = json.load(open(os.path.join(a.work, "ppl_offload_oracle.json")))["perplexity"]
+        P(f"\nOffloaded perplexity {f!r} is {'IDENTICAL to' if f == o else 'DIFFERENT from'} the in-memory oracle's "
+          f"{o!r} (every digit of the double).")
+    except (OSError, ValueError, KeyError):
+        pass
     P("\n" + greedy_comparison(a.work))
 
 if __name__ == "__main__":

@@ -41,9 +41,9 @@ TEST(ProfileHwTest, QuickWritesValidJsonAndRemovesItsTempFile) {
   EXPECT_FALSE(p["machine"]["isa"].get<std::string>().empty());
   EXPECT_GT(p["machine"]["ram_bytes"].get<double>(), 0);
 
-  // 4 types x (gemv, gemm 8, gemm 128, gemv_rows, accumulate_rows) for the one thread count asked.
+  // 4 types x (gemv, gemm 8, gemm 128, gemv_rows, accumulate_rows, neuron_path) for the one thread count asked.
   const auto& compute = p["compute"]["results"];
-  ASSERT_EQ(compute.size(), 20u);
+  ASSERT_EQ(compute.size(), 24u);
   for (const auto& c : compute) {
     EXPECT_EQ(c["threads"], 1);
     ExpectPositive(c, "weight_gb_per_s");
