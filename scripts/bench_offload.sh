@@ -4,7 +4,8 @@
 # `full`, `llmflash` and `bundles` modes, dense-mmap in a memory cgroup of the same budget, and the in-memory engines
 # (dense, and the sparse FFN with the deployment's predictor: `nflash run --sparse predictor`) side by side, with the
 # compute / I/O floors from the hardware profile.
-# Usage: scripts/bench_offload.sh MODEL.gguf DEPLOY_DIR HW_JSON [REPETITIONS=3] [TOKENS=32] [OUT_DIR=.]
+# Usage: [MODES=full,llmflash,bundles,dense-mmap] scripts/bench_offload.sh MODEL.gguf DEPLOY_DIR HW_JSON [REPETITIONS=3]
+#        [TOKENS=32] [OUT_DIR=.]
 # Needs build/runtime/cli/nflash (or $NFLASH) and python3 (to read JSON; not the product).
 set -euo pipefail
 MODEL=$1 DEPLOY=$2 HW=$3 REPS=${4:-3} TOKENS=${5:-32} OUT=${6:-.}
@@ -13,13 +14,10 @@ mkdir -p "$OUT"
 PROMPT_TOKENS=16
 
 echo "== nflash bench (offload 0.5), $REPS repetitions, tg$TOKENS after a $PROMPT_TOKENS-token prompt"
-"$NF" -q bench -m "$MODEL" --deploy "$DEPLOY" --modes full,llmflash,bundles,dense-mmap --offload 0.5 \
+"$NF" -q bench -m "$MODEL" --deploy "$DEPLOY" --modes "${MODES:-full,llmflash,bundles,dense-mmap}" --offload 0.5 \
   --tests "tg$TOKENS" --prompt-tokens "$PROMPT_TOKENS" -r "$REPS" --warmup 1 -t 2 --hw "$HW" \
   --row-timeout 900 --output csv -o "$OUT/offload_bench.csv" --force
-"$NF" -q bench -m "$MODEL" --deploy "$DEPLOY" --modes full,llmflash,bundles,dense-mmap --offload 0.5 \
-  --tests "tg$TOKENS" --prompt-tokens "$PROMPT_TOKENS" -r "$REPS" --warmup 1 -t 2 --hw "$HW" \
-  --row-timeout 900 --output md -o "$OUT/offload_bench.md" --force
-cat "$OUT/offload_bench.md"
+column -s, -t < "$OUT/offload_bench.csv"
 
 echo "== in memory (no budget): dense engine and sparse FFN with the deployment's predictor, $REPS runs each"
 run_speed() {  # args: run flags...; prints decode tok/s of one run
