@@ -450,16 +450,14 @@ void OffloadFfn::ComputeItems(std::span<const int32_t> items, const Activation& 
   // per row.
   gate_ptrs_.clear();
   up_ptrs_.clear();
-  MatrixView gate_shape, up_shape;
   for (int32_t k : items) {
-    const packer::BundleView v = packer::ViewBundle(lay, bundle_[k], lay.bundle_bytes);
-    if (!oracle_ && !gate_known_[k]) gate_ptrs_.push_back(static_cast<const uint8_t*>(v.gate.data));
-    up_ptrs_.push_back(static_cast<const uint8_t*>(v.up.data));
-    gate_shape = v.gate;
-    up_shape = v.up;
+    if (!oracle_ && !gate_known_[k]) gate_ptrs_.push_back(bundle_[k] + lay.gate_offset);
+    up_ptrs_.push_back(bundle_[k] + lay.up_offset);
   }
-  if (!gate_ptrs_.empty()) GemvRowPtrs(gate_shape, gate_ptrs_, x, gate_out_.data(), pool_);
-  GemvRowPtrs(up_shape, up_ptrs_, x, up_out_.data(), pool_);
+  if (!gate_ptrs_.empty()) {
+    GemvRowPtrs(PartShape(lay, lay.gate_type, lay.gate_bytes), gate_ptrs_, x, gate_out_.data(), pool_);
+  }
+  GemvRowPtrs(PartShape(lay, lay.up_type, lay.up_bytes), up_ptrs_, x, up_out_.data(), pool_);
   size_t gi = 0;
   for (size_t j = 0; j < items.size(); ++j) {
     const int32_t k = items[j];
@@ -589,8 +587,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   }
   st.used += static_cast<int64_t>(used_down_.size());
   std::fill(out, out + hp.dim, 0.0f);
-  const MatrixView down{lay.down_type, nullptr, 0, lay.dim, static_cast<size_t>(lay.down_bytes)};
-  AccumulateRowPtrs(down, used_down_, used_hidden_.data(), out, pool_);
+  AccumulateRowPtrs(PartShape(lay, lay.down_type, lay.down_bytes), used_down_, used_hidden_.data(), out, pool_);
   ReleaseAll();  // after the accumulation: the down columns were read from the pinned slots
   return Status::Ok();
 }

@@ -115,6 +115,12 @@ struct OffloadPrefillStats {
   int64_t retries = 0;
 };
 
+// The shape (type, cols, row bytes; no data) of one bundle part, e.g. PartShape(lay, lay.up_type, lay.up_bytes): what
+// GemvRowPtrs / AccumulateRowPtrs need besides the row addresses.
+inline MatrixView PartShape(const packer::BundleLayout& lay, GgmlType type, uint64_t bytes) {
+  return MatrixView{type, nullptr, 0, lay.dim, static_cast<size_t>(bytes)};
+}
+
 // Per-neuron scratch of OffloadFfn (~20 arrays of 1-8 bytes per neuron: item tables, row addresses, gate/up/h
 // values, two-phase state), rounded up; counted in the fixed part.
 inline constexpr uint64_t kPerNeuronScratchBytes = 128;

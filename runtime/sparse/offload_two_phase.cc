@@ -46,13 +46,8 @@ void OffloadFfn::ComputeGates(std::span<const int32_t> items, const Activation& 
   // The gate rows by address in one GemvRowPtrs call (the same per-row arithmetic as RowDot and as ComputeItems).
   if (items.empty()) return;
   gate_ptrs_.clear();
-  MatrixView gate_shape;
-  for (int32_t k : items) {
-    const packer::BundleView v = packer::ViewBundle(lay, bundle_[k], lay.gate_offset + lay.gate_bytes);
-    gate_ptrs_.push_back(static_cast<const uint8_t*>(v.gate.data));
-    gate_shape = v.gate;
-  }
-  GemvRowPtrs(gate_shape, gate_ptrs_, x, gate_out_.data(), pool_);
+  for (int32_t k : items) gate_ptrs_.push_back(bundle_[k] + lay.gate_offset);
+  GemvRowPtrs(PartShape(lay, lay.gate_type, lay.gate_bytes), gate_ptrs_, x, gate_out_.data(), pool_);
   for (size_t j = 0; j < items.size(); ++j) {
     gate_item_[items[j]] = gate_out_[j];
     gate_known_[items[j]] = 1;

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "runtime/core/gguf.h"
+#include "tests/integration/fake_hw_profile.h"
 #include "tests/test_util.h"
 
 namespace nflash {
@@ -19,29 +20,6 @@ using testing::SharedPath;
 using testing::TempDir;
 
 std::string Nflash() { return testing::NflashBinary(); }
-
-// GEMV and sparse rows 4 GB/s per thread (f32); random reads of 4 KiB: 20 MB/s at queue depth 1, 100 at 8, 300 at 64.
-// One request size only, so every read of 4 KiB or more is priced at the depth's figure.
-std::string HwJson() {
-  nlohmann::json j;
-  j["format"] = "nflash.hw_profile";
-  j["version"] = 1;
-  j["machine"] = {{"hardware_threads", 2}};
-  nlohmann::json results = nlohmann::json::array();
-  for (int t : {1, 2}) {
-    for (const char* k : {"gemv", "gemv_rows", "accumulate_rows"}) {
-      results.push_back({{"threads", t}, {"kernel", k}, {"type", "f32"}, {"tokens", 1}, {"weight_gb_per_s", 4.0 * t},
-                         {"gflop_per_s", 2.0 * t}});
-    }
-  }
-  j["compute"] = {{"results", results}, {"memory", {{{"threads", 2}, {"read_gb_per_s", 10.0}}}}};
-  nlohmann::json random = nlohmann::json::array();
-  for (auto [qd, mbs] : {std::pair{1, 20.0}, {8, 100.0}, {64, 300.0}}) {
-    random.push_back({{"block_bytes", 4096}, {"queue_depth", qd}, {"mb_per_s", mbs}, {"latency_mean_us", 100.0}});
-  }
-  j["flash"] = {{"random_read", random}, {"sequential_read", {{{"block_bytes", 4194304}, {"mb_per_s", 1000.0}}}}};
-  return j.dump(1);
-}
 
 class OffloadPplTest : public ::testing::Test {
  protected:
@@ -64,7 +42,7 @@ class OffloadPplTest : public ::testing::Test {
     auto kp = RunCommand(Nflash() + " -q pack -m " + model + " -p " + model + ".prof -o " + tmp_->File("deploy_pred") +
                          " --predictor " + Pred());
     ASSERT_EQ(kp.exit_code, 0) << kp.output;
-    testing::WriteText(tmp_->File("hw.json"), HwJson());
+    testing::WriteText(tmp_->File("hw.json"), testing::FakeHwProfileJson());
   }
   static void TearDownTestSuite() {
     delete tmp_;
@@ -144,7 +122,7 @@ uint64_t DenseBytes(const std::string& resident) {
   return n;
 }
 
-// The I/O floor of `row` under HwJson at queue depth 32 (the runtime's default; priced at the depth-8 figure,
+// The I/O floor of `row` under FakeHwProfileJson at queue depth 32 (the runtime's default; priced at the depth-8 figure,
 // 100 MB/s at 4 KiB): at or above 4 KiB per request the throughput is the 4 KiB one; below it, the 4 KiB IOPS.
 double ExpectedIoMs(const nlohmann::json& row) {
   const double bytes = row["mb_read_per_token"].get<double>() * 1e6;

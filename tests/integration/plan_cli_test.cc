@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "planner/plan.h"
+#include "tests/integration/fake_hw_profile.h"
 #include "tests/test_util.h"
 
 namespace nflash::planner {
@@ -19,31 +20,6 @@ using nflash::testing::SharedPath;
 using nflash::testing::TempDir;
 
 std::string Nflash() { return nflash::testing::NflashBinary(); }
-
-// A hardware profile in the schema of docs/hw-profile.md: compute for f32 at 1 and 2 threads, reads at 4 KiB.
-std::string HwJson() {
-  nlohmann::json j;
-  j["format"] = "nflash.hw_profile";
-  j["version"] = 1;
-  j["machine"] = {{"hardware_threads", 2}};
-  nlohmann::json results = nlohmann::json::array();
-  for (int t : {1, 2}) {
-    for (const char* k : {"gemv", "gemv_rows", "accumulate_rows"}) {
-      results.push_back({{"threads", t}, {"kernel", k}, {"type", "f32"}, {"tokens", 1}, {"weight_gb_per_s", 4.0 * t},
-                         {"gflop_per_s", 2.0 * t}});
-    }
-    results.push_back({{"threads", t}, {"kernel", "gemm"}, {"type", "f32"}, {"tokens", 128},
-                       {"weight_gb_per_s", 1.0}, {"gflop_per_s", 20.0 * t}});
-  }
-  j["compute"] = {{"results", results}, {"memory", {{{"threads", 2}, {"read_gb_per_s", 10.0}}}}};
-  nlohmann::json random = nlohmann::json::array();
-  for (auto [qd, mbs] : {std::pair{1, 20.0}, {8, 100.0}, {64, 300.0}}) {
-    random.push_back({{"block_bytes", 4096}, {"queue_depth", qd}, {"mb_per_s", mbs}, {"latency_mean_us", 100.0},
-                      {"submit_cpu_us_per_request", 3.0}});
-  }
-  j["flash"] = {{"random_read", random}, {"sequential_read", {{{"block_bytes", 4194304}, {"mb_per_s", 1000.0}}}}};
-  return j.dump(1);
-}
 
 class PlanCliTest : public ::testing::Test {
  protected:
@@ -59,7 +35,7 @@ class PlanCliTest : public ::testing::Test {
     ASSERT_EQ(p.exit_code, 0) << p.output;
     auto k = RunCommand(Nflash() + " -q pack -m " + model + " -p " + model + ".prof -o " + tmp_->File("deploy"));
     ASSERT_EQ(k.exit_code, 0) << k.output;
-    nflash::testing::WriteText(tmp_->File("hw.json"), HwJson());
+    nflash::testing::WriteText(tmp_->File("hw.json"), nflash::testing::FakeHwProfileJson());
   }
   static void TearDownTestSuite() {
     delete tmp_;

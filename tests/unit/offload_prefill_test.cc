@@ -221,43 +221,17 @@ TEST_F(OffloadPrefillTest, SyntheticQ8_0AndPredictorDeployment) {
   so.vocab = 260;
   so.context = 128;
   so.type = GgmlType::kQ8_0;
-  so.calib_sequences = 2;
-  so.calib_tokens = 8;
-  so.threads = 1;
-  auto synth = converter::BuildSyntheticModel(so, nullptr);
-  ASSERT_TRUE(synth.ok()) << synth.status().ToString();
-  converter::WriteOptions wo;
-  wo.path = dir_->File("q8.gguf");
-  wo.type = GgmlType::kQ8_0;
-  wo.progress = false;
-  wo.threads = 1;
-  ASSERT_TRUE(converter::WriteModelGguf(*synth, wo).ok());
-  auto model = Model::Load(wo.path, LoadOptions{});
+  const std::string model_path = dir_->File("q8.gguf");
+  auto model = WriteSyntheticModel(so, model_path);
   ASSERT_TRUE(model.ok()) << model.status().ToString();
   const LlamaHparams& hp = (*model)->hparams();
   const std::vector<int32_t> prompt = Prompt(hp.n_vocab, 70, 5);
 
   // A predictor from a seed (only that both runtimes use the same one matters).
-  PredictorData pd;
-  pd.model_hash = HashToHex(*HashFile(wo.path));
-  pd.model_name = hp.name;
-  pd.activation = "relu";
-  pd.dim = hp.dim;
-  pd.n_ff = hp.n_ff;
   std::mt19937 rng(3);
-  std::normal_distribution<float> normal(0.0f, 0.3f);
-  for (int64_t l = 0; l < hp.n_layers; ++l) {
-    PredictorLayerData ld;
-    ld.fc1.resize(static_cast<size_t>(8 * hp.dim));
-    ld.fc2.resize(static_cast<size_t>(hp.n_ff * 8));
-    for (float& w : ld.fc1) w = normal(rng);
-    for (float& w : ld.fc2) w = normal(rng);
-    ld.info.rank = 8;
-    pd.layers.push_back(std::move(ld));
-  }
-  ASSERT_TRUE(SavePredictor(pd, dir_->File("q8-pred.gguf"), false).ok());
-  PackFrom(wo.path, prompt, dir_->File("q8-deploy"), "", pool_);
-  PackFrom(wo.path, prompt, dir_->File("q8-deploy-pred"), dir_->File("q8-pred.gguf"), pool_);
+  ASSERT_TRUE(WriteRandomPredictor(model_path, hp, &rng, dir_->File("q8-pred.gguf")).ok());
+  PackFrom(model_path, prompt, dir_->File("q8-deploy"), "", pool_);
+  PackFrom(model_path, prompt, dir_->File("q8-deploy-pred"), dir_->File("q8-pred.gguf"), pool_);
 
   // Oracle: bitwise the in-memory sparse FFN (which requantizes the down columns to Q8_0 as the packer does).
   SparseFfnOptions sfo;

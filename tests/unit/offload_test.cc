@@ -85,27 +85,8 @@ class OffloadTest : public ::testing::Test {
 
     // A predictor (random low-rank weights from a seed: what it predicts does not matter here, only that both
     // runtimes use the same one) shipped in a second deployment.
-    PredictorData pd;
-    pd.model_hash = prof.model_hash;
-    pd.model_name = hp.name;
-    pd.activation = "relu";
-    pd.dim = hp.dim;
-    pd.n_ff = hp.n_ff;
     std::mt19937 rng(7);
-    std::normal_distribution<float> normal(0.0f, 0.3f);
-    constexpr int64_t kRank = 8;
-    for (int64_t l = 0; l < hp.n_layers; ++l) {
-      PredictorLayerData ld;
-      ld.fc1.resize(static_cast<size_t>(kRank * hp.dim));
-      ld.fc2.resize(static_cast<size_t>(hp.n_ff * kRank));
-      for (float& w : ld.fc1) w = normal(rng);
-      for (float& w : ld.fc2) w = normal(rng);
-      ld.info.rank = kRank;
-      ld.info.logit_threshold = 0.0f;
-      ld.info.activation_threshold = 0.0f;
-      pd.layers.push_back(std::move(ld));
-    }
-    ASSERT_TRUE(SavePredictor(pd, dir_->File("pred.gguf"), false).ok());
+    ASSERT_TRUE(WriteRandomPredictor(wo.path, hp, &rng, dir_->File("pred.gguf")).ok());
     po.predictor_path = dir_->File("pred.gguf");
     packed = packer::PackDeployment(wo.path, prof, "0000000000000000", dir_->File("deploy-pred"), po, pool_);
     ASSERT_TRUE(packed.ok()) << packed.status().ToString();

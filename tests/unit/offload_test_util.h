@@ -1,15 +1,64 @@
-// Shared by the offload test suites: a ReLU profile counted from a dense run, to pack test deployments from.
+// Shared by the offload test suites: small synthetic test models, and a ReLU profile counted from a dense run, to
+// pack test deployments from.
 #pragma once
 
+#include <memory>
+#include <random>
 #include <string>
 #include <utility>
 
+#include "converter/readers.h"
+#include "converter/synth.h"
 #include "profiler/profile.h"
 #include "runtime/core/checksum.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
+#include "runtime/engine/predictor.h"
 
 namespace nflash::sparse {
+
+// A synthetic model of the shape in `so` (shape "custom", dim, ffn, layers, heads, vocab, context, type), calibrated on
+// 2 short sequences on one thread (fast; the tests need its shape, not its statistics), written to `path` in
+// so.type and loaded from there.
+inline Result<std::unique_ptr<Model>> WriteSyntheticModel(converter::SynthOptions so, const std::string& path) {
+  so.calib_sequences = 2;
+  so.calib_tokens = 8;
+  so.threads = 1;
+  NF_ASSIGN_OR_RETURN(auto synth, converter::BuildSyntheticModel(so, nullptr));
+  converter::WriteOptions wo;
+  wo.path = path;
+  wo.type = so.type;
+  wo.progress = false;
+  wo.threads = 1;
+  NF_RETURN_IF_ERROR(converter::WriteModelGguf(synth, wo));
+  return Model::Load(path, LoadOptions{});
+}
+
+// A rank-8 predictor of N(0, 0.3) weights drawn from `rng` (what it predicts does not matter to these tests, only that
+// the runtimes compared use the same one; such weights guess about half the neurons), recorded for the model file
+// `model_path` of hyper-parameters `hp`, saved to `out_path`.
+inline Status WriteRandomPredictor(const std::string& model_path, const LlamaHparams& hp, std::mt19937* rng,
+                                   const std::string& out_path) {
+  PredictorData pd;
+  NF_ASSIGN_OR_RETURN(uint64_t hash, HashFile(model_path));
+  pd.model_hash = HashToHex(hash);
+  pd.model_name = hp.name;
+  pd.activation = "relu";
+  pd.dim = hp.dim;
+  pd.n_ff = hp.n_ff;
+  constexpr int64_t kRank = 8;
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  for (int64_t l = 0; l < hp.n_layers; ++l) {
+    PredictorLayerData ld;
+    ld.fc1.resize(static_cast<size_t>(kRank * hp.dim));
+    ld.fc2.resize(static_cast<size_t>(hp.n_ff * kRank));
+    for (float& w : ld.fc1) w = normal(*rng);
+    for (float& w : ld.fc2) w = normal(*rng);
+    ld.info.rank = kRank;
+    pd.layers.push_back(std::move(ld));
+  }
+  return SavePredictor(pd, out_path, false);
+}
 
 // A profile of `model_path` (hash, shape, zero counts) for CountActivations to fill.
 inline profiler::ModelProfile EmptyReluProfile(const std::string& model_path, const LlamaHparams& hp) {

@@ -87,18 +87,8 @@ class OffloadTwoPhaseTest : public ::testing::Test {
     so.vocab = 260;
     so.context = 64;
     so.type = GgmlType::kF32;
-    so.calib_sequences = 2;
-    so.calib_tokens = 8;
-    so.threads = 1;
-    auto synth = converter::BuildSyntheticModel(so, nullptr);
-    ASSERT_TRUE(synth.ok()) << synth.status().ToString();
-    converter::WriteOptions wo;
-    wo.path = dir_->File("m.gguf");
-    wo.type = GgmlType::kF32;
-    wo.progress = false;
-    wo.threads = 1;
-    ASSERT_TRUE(converter::WriteModelGguf(*synth, wo).ok());
-    auto model = Model::Load(wo.path, LoadOptions{});
+    const std::string model_path = dir_->File("m.gguf");
+    auto model = WriteSyntheticModel(so, model_path);
     ASSERT_TRUE(model.ok()) << model.status().ToString();
     model_ = model->release();
     const LlamaHparams& hp = model_->hparams();
@@ -110,29 +100,13 @@ class OffloadTwoPhaseTest : public ::testing::Test {
 
     // A predictor from a seed (random low-rank weights: it guesses about half the neurons, most of them with a zero
     // ReLU gate, which is what two-phase loading is for).
-    PredictorData pd;
-    pd.model_hash = HashToHex(*HashFile(wo.path));
-    pd.model_name = hp.name;
-    pd.activation = "relu";
-    pd.dim = hp.dim;
-    pd.n_ff = hp.n_ff;
-    std::normal_distribution<float> normal(0.0f, 0.3f);
-    for (int64_t l = 0; l < hp.n_layers; ++l) {
-      PredictorLayerData ld;
-      ld.fc1.resize(static_cast<size_t>(8 * hp.dim));
-      ld.fc2.resize(static_cast<size_t>(hp.n_ff * 8));
-      for (float& w : ld.fc1) w = normal(rng);
-      for (float& w : ld.fc2) w = normal(rng);
-      ld.info.rank = 8;
-      pd.layers.push_back(std::move(ld));
-    }
-    ASSERT_TRUE(SavePredictor(pd, dir_->File("pred.gguf"), false).ok());
+    ASSERT_TRUE(WriteRandomPredictor(model_path, hp, &rng, dir_->File("pred.gguf")).ok());
     auto predictor = Predictor::Load(dir_->File("pred.gguf"));
     ASSERT_TRUE(predictor.ok()) << predictor.status().ToString();
     predictor_ = predictor->release();
 
     // Profile from a dense run, pack with the predictor.
-    profiler::ModelProfile prof = EmptyReluProfile(wo.path, hp);
+    profiler::ModelProfile prof = EmptyReluProfile(model_path, hp);
     {
       InferenceContext ctx(*model_, pool_, 0);
       ctx.SetFfnObserver(CountActivations(&prof, hp.n_ff));
@@ -143,7 +117,7 @@ class OffloadTwoPhaseTest : public ::testing::Test {
     po.hot_fraction = 0.3;
     po.progress = false;
     po.predictor_path = dir_->File("pred.gguf");
-    auto packed = packer::PackDeployment(wo.path, prof, "0000000000000000", DeployDir(), po, pool_);
+    auto packed = packer::PackDeployment(model_path, prof, "0000000000000000", DeployDir(), po, pool_);
     ASSERT_TRUE(packed.ok()) << packed.status().ToString();
 
     // The reference: the in-memory sparse FFN with the same predictor, every token through the sparse path.
