@@ -44,13 +44,15 @@ struct OffloadFlags {
   bool buffered = false;
   bool token_prefill = false;
   std::string two_phase = "off";
+  std::string hot_policy = "pinned";
   std::string plan;
   std::string hw;  // hw.json: report the speed floors
 };
 
 // plan.json (`nflash plan`) -> runtime options: the plan's memory limit, context, threads, queue depth, chunk size,
-// hot clusters (the plan's hot neurons of each region, in clusters of the packer's hot region; hot neurons beyond
-// that region become cold slots) and cold slots per layer/expert. Refuses a plan made for another deployment.
+// hot clusters (the plan's hot neurons of each region, in clusters; with the LRU hot policy only the packer's hot part
+// can be hot and hot neurons beyond it become cold slots) and cold slots per layer/expert. Refuses a plan made for
+// another deployment.
 Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, SparseRuntimeOptions* o, int* threads) {
   NF_ASSIGN_OR_RETURN(planner::Plan plan, planner::LoadPlan(plan_path));
   NF_RETURN_IF_ERROR(planner::CheckPlanForDeployment(plan, deploy_dir));
@@ -65,6 +67,8 @@ Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, Sp
                           d->layout().slots_per_group;  // neurons per hot cluster
   o->hot_slots = 0;
   o->cold_slots_per_group.assign(regions.size(), 0);
+  const bool pinned = o->hot_policy == sparse::HotPolicy::kPinned;
+  if (pinned) o->hot_slots_per_group.assign(regions.size(), 0);
   for (size_t r = 0; r < regions.size(); ++r) {
     const planner::RegionPlan& rp = plan.regions[r];
     if (rp.layer != regions[r].layer || rp.expert != regions[r].expert) {
@@ -72,9 +76,12 @@ Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, Sp
                                      std::to_string(rp.layer) + ", the deployment's is layer " +
                                      std::to_string(regions[r].layer));
     }
-    const int64_t hot = std::min(rp.hot_neurons, regions[r].hot_count);
-    o->hot_slots += (hot + cluster - 1) / cluster;
-    o->cold_slots_per_group[r] = rp.cold_slots + (rp.hot_neurons - hot);
+    const int64_t hot = pinned ? rp.hot_neurons : std::min(rp.hot_neurons, regions[r].hot_count);
+    // Pinned: whole clusters only (rounding down keeps the plan's memory; the remainder becomes cold slots).
+    const int64_t clusters = pinned ? hot / cluster : (hot + cluster - 1) / cluster;
+    o->hot_slots += clusters;
+    if (pinned) o->hot_slots_per_group[r] = clusters;
+    o->cold_slots_per_group[r] = rp.cold_slots + (rp.hot_neurons - (pinned ? clusters * cluster : hot));
   }
   o->memory_budget = plan.memory_limit_bytes;
   o->n_ctx = plan.n_ctx;
@@ -127,6 +134,7 @@ Status RunOffload(const OffloadFlags& f) {
     return Status::InvalidArgument("--two-phase " + f.two_phase + ": expected on, off or auto");
   }
   o.two_phase = f.two_phase != "off";
+  NF_ASSIGN_OR_RETURN(o.hot_policy, ParseHotPolicy(f.hot_policy));
   int threads = f.threads;
   if (!f.plan.empty()) {
     if (!f.memory.empty() || f.hot_slots > 0 || f.cold_slots > 0 || f.ctx > 0) {
@@ -293,6 +301,10 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--hot-slots", flags->hot_slots, "Without --memory: hot cluster slots");
   cmd->add_option("--cold-slots", flags->cold_slots, "Without --memory: cold neuron slots");
   cmd->add_option("--hot-fraction", flags->hot_fraction, "With --memory: share of the cache budget for hot clusters");
+  cmd->add_option("--hot-policy", flags->hot_policy,
+                  "Hot region: pinned (each layer's hottest clusters loaded at start, never evicted) or lru (one "
+                  "pool, LRU per cluster, filled on demand)")
+      ->capture_default_str();
   cmd->add_option("-c,--ctx", flags->ctx, "Context size (0: prompt + max tokens, capped at the model's)");
   cmd->add_option("--cluster-groups", flags->cluster_groups, "Hot cluster size in flash groups (0: 64 KiB)");
   cmd->add_option("--chunk-requests", flags->chunk_requests, "Reads per pipeline chunk");

@@ -36,25 +36,43 @@ int64_t Groups(const packer::Manifest& m) { return m.n_layers * std::max<int64_t
 
 const char* OffloadModeName(OffloadMode mode) { return mode == OffloadMode::kFull ? "full" : "llmflash"; }
 
+const char* HotPolicyName(HotPolicy policy) { return policy == HotPolicy::kPinned ? "pinned" : "lru"; }
+
+Result<HotPolicy> ParseHotPolicy(const std::string& name) {
+  if (name == "pinned") return HotPolicy::kPinned;
+  if (name == "lru") return HotPolicy::kLru;
+  return Status::InvalidArgument("hot policy \"" + name + "\": expected pinned or lru");
+}
+
 uint64_t OffloadFfn::ColdSlotBytes(const packer::Deployment& d) { return AlignSlot(ColdReadBytes(d.layout())); }
 
 uint64_t OffloadFfn::HotSlotBytes(const packer::Deployment& d, int64_t cluster_groups) {
   return static_cast<uint64_t>(ClusterGroups(d.layout(), cluster_groups)) * d.layout().group_bytes;
 }
 
-int64_t OffloadFfn::HotClusterCount(const packer::Deployment& d, int64_t cluster_groups) {
+int64_t OffloadFfn::HotClusterCount(const packer::Deployment& d, int64_t cluster_groups, HotPolicy policy) {
   const int64_t c = ClusterGroups(d.layout(), cluster_groups) * d.layout().slots_per_group;
   int64_t n = 0;
-  for (const auto& r : d.manifest().regions) n += (r.hot_count + c - 1) / c;
+  for (const auto& r : d.manifest().regions) {
+    n += ((policy == HotPolicy::kPinned ? r.n_neurons : r.hot_count) + c - 1) / c;
+  }
   return n;
+}
+
+int64_t OffloadFfn::StagingSlots(int64_t n_ff, int64_t cold_slots, const std::vector<int64_t>& cold_slots_per_group) {
+  int64_t smallest = cold_slots;
+  if (!cold_slots_per_group.empty()) {
+    smallest = *std::min_element(cold_slots_per_group.begin(), cold_slots_per_group.end());
+  }
+  return std::max<int64_t>(0, n_ff - std::max<int64_t>(0, smallest));
 }
 
 uint64_t OffloadFfn::EstimateScratchBytes(const packer::Deployment& d) {
   const auto& m = d.manifest();
   const uint64_t n_ff = static_cast<uint64_t>(m.n_ff);
-  // Staging for misses without a slot, the compact down rows of batched prefill, and the per-neuron arrays
-  // (kPerNeuronScratchBytes).
-  return n_ff * ColdSlotBytes(d) + n_ff * d.layout().down_bytes + n_ff * kPerNeuronScratchBytes;
+  // Staging for a whole group of misses without a cold slot (the most StagingSlots can ask for; the runtime gives
+  // what a shared cold pool makes unnecessary back to that pool), and the per-neuron arrays (kPerNeuronScratchBytes).
+  return n_ff * ColdSlotBytes(d) + n_ff * kPerNeuronScratchBytes;
 }
 
 uint64_t OffloadFfn::EstimateOracleBytes(const packer::Deployment& d, bool oracle) {
@@ -124,8 +142,45 @@ Status OffloadFfn::Init() {
   cluster_neurons_ = k * lay.slots_per_group;
   cluster_bytes_ = static_cast<uint64_t>(k) * lay.group_bytes;
   cold_stride_ = ColdSlotBytes(deploy_);
+  const bool pinned = options_.hot_policy == HotPolicy::kPinned;
   int64_t max_clusters = 0;
-  for (const auto& r : m.regions) max_clusters = std::max(max_clusters, (r.hot_count + cluster_neurons_ - 1) / cluster_neurons_);
+  for (const auto& r : m.regions) {
+    max_clusters = std::max(max_clusters, ((pinned ? r.n_neurons : r.hot_count) + cluster_neurons_ - 1) / cluster_neurons_);
+  }
+  if (pinned) {
+    // Pinned clusters per group: as given (e.g. by a plan), or hot_slots split evenly, capped at the group's clusters
+    // (what a small group cannot take goes to the others).
+    if (!options_.hot_slots_per_group.empty() &&
+        static_cast<int64_t>(options_.hot_slots_per_group.size()) != n_groups_) {
+      return Status::InvalidArgument("hot_slots_per_group has " + std::to_string(options_.hot_slots_per_group.size()) +
+                                     " entries, expected one per layer/expert (" + std::to_string(n_groups_) + ")");
+    }
+    pinned_.assign(static_cast<size_t>(n_groups_), 0);
+    std::vector<int64_t> cap(static_cast<size_t>(n_groups_));
+    for (int64_t g = 0; g < n_groups_; ++g) {
+      const packer::RegionInfo& r = m.regions[static_cast<size_t>(g)];
+      cap[g] = (r.n_neurons + cluster_neurons_ - 1) / cluster_neurons_;
+    }
+    if (!options_.hot_slots_per_group.empty()) {
+      for (int64_t g = 0; g < n_groups_; ++g) pinned_[g] = std::clamp<int64_t>(options_.hot_slots_per_group[g], 0, cap[g]);
+    } else {
+      int64_t left = std::max<int64_t>(0, options_.hot_slots);
+      for (bool progress = true; left > 0 && progress;) {
+        progress = false;
+        int64_t open = 0;
+        for (int64_t g = 0; g < n_groups_; ++g) open += pinned_[g] < cap[g] ? 1 : 0;
+        if (open == 0) break;
+        const int64_t share = std::max<int64_t>(1, left / open);
+        for (int64_t g = 0; g < n_groups_ && left > 0; ++g) {
+          const int64_t add = std::min({share, cap[g] - pinned_[g], left});
+          if (add <= 0) continue;
+          pinned_[g] += add;
+          left -= add;
+          progress = true;
+        }
+      }
+    }
+  }
 
   NeuronCacheConfig cc;
   cc.hot_cluster_neurons = cluster_neurons_;
@@ -133,7 +188,11 @@ Status OffloadFfn::Init() {
   cc.hot.units_per_group = max_clusters;
   cc.hot.unit_bytes = cluster_bytes_;
   cc.hot.slot_stride = cluster_bytes_;
-  cc.hot.shared_slots = max_clusters > 0 ? options_.hot_slots : 0;
+  if (pinned) {
+    cc.hot.slots_per_group = pinned_;
+  } else {
+    cc.hot.shared_slots = max_clusters > 0 ? options_.hot_slots : 0;
+  }
   cc.cold.n_groups = n_groups_;
   cc.cold.units_per_group = hp.n_ff;
   cc.cold.unit_bytes = ColdReadBytes(lay);
@@ -146,7 +205,9 @@ Status OffloadFfn::Init() {
   NF_ASSIGN_OR_RETURN(cache_, NeuronCache::Create(cc, options_.arena, options_.arena_bytes));
 
   const size_t n_ff = static_cast<size_t>(hp.n_ff);
-  staging_ = static_cast<uint8_t*>(std::aligned_alloc(kSlotAlignment, std::max<size_t>(1, n_ff) * cold_stride_));
+  staging_slots_ = StagingSlots(hp.n_ff, options_.cold_slots, options_.cold_slots_per_group);
+  staging_ = static_cast<uint8_t*>(
+      std::aligned_alloc(kSlotAlignment, std::max<size_t>(1, static_cast<size_t>(staging_slots_)) * cold_stride_));
   if (staging_ == nullptr) return Status::ResourceExhausted("cannot allocate the miss staging buffer");
   active_.reserve(n_ff);
   gate_all_.resize(n_ff);
@@ -176,7 +237,6 @@ Status OffloadFfn::Init() {
   gate_out_.resize(n_ff);
   up_out_.resize(n_ff);
   down_ptr_.resize(n_ff);
-  down_compact_.resize(std::max<size_t>(1, n_ff * lay.down_bytes));
   InitTwoPhase();
   cold_complete_.assign(static_cast<size_t>(cache_->cold().SlotCount()), 0);
   gate_item_.resize(n_ff);
@@ -192,6 +252,7 @@ Status OffloadFfn::Init() {
   stats_.assign(static_cast<size_t>(n_groups_), OffloadGroupStats());
   if (!oracle_) options_.predictor->PrepareScratch(&pred_scratch_);
   if (oracle_) NF_RETURN_IF_ERROR(LoadOracleGates());
+  if (pinned) NF_RETURN_IF_ERROR(LoadPinnedClusters());
   if (options_.mode == OffloadMode::kFull) io_ = std::make_unique<IoWorker>(flash_.get());
   NF_RETURN_IF_ERROR(InitPrefill());
   return Status::Ok();
@@ -224,6 +285,49 @@ Status OffloadFfn::LoadOracleGates() {
     }
     oracle_gate_[g] = MatrixView{lay.gate_type, bytes.data(), n_ff, lay.dim, static_cast<size_t>(lay.gate_bytes)};
   }
+  return Status::Ok();
+}
+
+Status OffloadFfn::LoadPinnedClusters() {
+  const packer::BundleLayout& lay = deploy_.layout();
+  SlotRegion& hot = cache_->hot();
+  // One group at a time: its clusters are consecutive on flash, so they are read as large requests straight into
+  // their slots when the slots are consecutive too (a fresh partition hands them out in order), else one per cluster.
+  for (int64_t g = 0; g < n_groups_; ++g) {
+    if (pinned_[g] == 0) continue;
+    const packer::RegionInfo& region = deploy_.manifest().regions[static_cast<size_t>(g)];
+    const int64_t layer = g / n_experts_;
+    const int64_t expert = model_.hparams().n_experts > 0 ? g % n_experts_ : -1;
+    units_.clear();
+    requests_.clear();
+    for (int64_t c = 0; c < pinned_[g]; ++c) {
+      const SlotRegion::Lookup l = hot.Acquire(g, c);
+      if (l.slot < 0 || l.hit) {
+        return Status::Internal("hot region: no fresh slot for pinned cluster " + std::to_string(c) + " of group " +
+                                std::to_string(g));
+      }
+      const uint64_t start = lay.SlotOffset(c * cluster_neurons_);
+      const size_t size = static_cast<size_t>(std::min<uint64_t>(cluster_bytes_, region.size - start));
+      units_.push_back(Unit{region.offset + start, size, hot.SlotData(l.slot), l.slot, true, c, -1, Phase::kWhole, -1});
+      ReadRequest* last = requests_.empty() ? nullptr : &requests_.back();
+      if (last != nullptr && last->offset + last->size == region.offset + start &&
+          static_cast<uint8_t*>(last->dst) + last->size == hot.SlotData(l.slot) &&
+          last->size + size <= kPrefillRequestBytes) {
+        last->size += size;
+      } else {
+        requests_.push_back(ReadRequest{region.offset + start, size, hot.SlotData(l.slot)});
+      }
+    }
+    const Status batch = flash_->ReadBatch(requests_);
+    for (size_t u = 0; u < units_.size(); ++u) {
+      NF_RETURN_IF_ERROR(CheckArrival(layer, expert, region, u, batch).WithContext("loading the pinned hot region"));
+      hot.Release(units_[u].cache_slot);
+    }
+    stats_[static_cast<size_t>(g)].retries = 0;  // load-time retries are not decode statistics
+  }
+  units_.clear();
+  requests_.clear();
+  hot.ResetCounters();
   return Status::Ok();
 }
 
@@ -267,7 +371,9 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
     const int32_t s = region.slot_of_neuron[n];
     item_unit_[k] = -1;
     gate_known_[k] = 0;
-    if (s < region.hot_count && hot.SlotCount() > 0) {
+    const bool hot_path = pinned_.empty() ? s < region.hot_count && hot.SlotCount() > 0
+                                          : s / cluster_neurons_ < pinned_[static_cast<size_t>(group)];
+    if (hot_path) {
       const int64_t c = s / cluster_neurons_;
       if (cluster_slot_[c] == -1) {
         touched_clusters_.push_back(static_cast<int32_t>(c));
@@ -385,7 +491,7 @@ Status OffloadFfn::VerifyUnit(int64_t layer, int64_t expert, const packer::Regio
     }
   }
   const int64_t first = u.index * cluster_neurons_;
-  const int64_t end = std::min<int64_t>(first + cluster_neurons_, region.hot_count);
+  const int64_t end = std::min<int64_t>(first + cluster_neurons_, pinned_.empty() ? region.hot_count : region.n_neurons);
   for (int64_t s = first; s < end; ++s) {
     const uint8_t* b = u.dst + (lay.SlotOffset(s) - lay.SlotOffset(first));
     NF_RETURN_IF_ERROR(deploy_.VerifyBundle(layer, expert, region.neuron_of_slot[s],
@@ -619,7 +725,7 @@ void OffloadFfn::ResetStats() {
 uint64_t OffloadFfn::io_wait_ns() const { return sync_wait_ns_ + (io_ ? io_->wait_ns() : 0); }
 
 uint64_t OffloadFfn::scratch_bytes() const {
-  return static_cast<uint64_t>(model_.hparams().n_ff) * cold_stride_ + down_compact_.size() +
+  return static_cast<uint64_t>(staging_slots_) * cold_stride_ +
          static_cast<uint64_t>(model_.hparams().n_ff) * kPerNeuronScratchBytes;
 }
 

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "packer/deployment.h"
@@ -47,6 +48,20 @@ namespace nflash::sparse {
 enum class OffloadMode { kFull, kLlmFlash };
 const char* OffloadModeName(OffloadMode mode);
 
+// Hot region (the first slots of each region: neurons in decreasing profiled popularity, packed as clusters of
+// consecutive slots).
+//   kPinned: each group's hottest clusters are loaded once, at Create, with large batched reads and stay: a token
+//            finds a neuron there iff its slot is below the pinned count, so the hit rate is the profile's popularity
+//            coverage P(h) (the planner's model). When a token's active set is larger than the cache, which is the
+//            case whenever most of the FFN is on flash, LRU sees the layers as a cyclic scan and evicts every cluster
+//            before its next use (hit rate ~0, measured on the synthetic 7B: docs/runtime.md); under independent
+//            per-token activations, keeping the most probable units is the optimal static cache.
+//   kLru:    one pool shared by all groups, LRU per cluster, loaded on demand (PowerInfer-2's description; kept for
+//            comparison and for caches larger than a token's working set, where it adapts to the prompt).
+enum class HotPolicy { kPinned, kLru };
+const char* HotPolicyName(HotPolicy policy);
+Result<HotPolicy> ParseHotPolicy(const std::string& name);
+
 struct OffloadOptions {
   OffloadMode mode = OffloadMode::kFull;
   // nullptr: oracle (exact active set from every gate row).
@@ -58,6 +73,11 @@ struct OffloadOptions {
   int64_t hot_slots = 0;
   int64_t cold_slots = 0;
   std::vector<int64_t> cold_slots_per_group;
+  // Hot region policy (see "Hot region" below). kPinned: hot_slots_per_group[g] clusters of group g (empty: hot_slots
+  // split evenly over the groups) are read at Create and never evicted; kLru: one pool of hot_slots clusters shared
+  // by every group, LRU per cluster, filled on demand (and from batched prefill).
+  HotPolicy hot_policy = HotPolicy::kPinned;
+  std::vector<int64_t> hot_slots_per_group;
   // Hot cluster size in flash groups (0: kDefaultClusterBytes worth). A cluster is read with one request.
   int64_t cluster_groups = 0;
   // Coalesced requests per pipeline chunk (one batched submission each; the compute thread can start on a chunk as
@@ -179,7 +199,13 @@ class OffloadFfn : public FfnBackend {
   static uint64_t HotSlotBytes(const packer::Deployment& deployment, int64_t cluster_groups);
   static uint64_t ColdSlotBytes(const packer::Deployment& deployment);
   // Hot clusters of all groups and cold-eligible neurons of all groups (the most each region could use).
-  static int64_t HotClusterCount(const packer::Deployment& deployment, int64_t cluster_groups);
+  // kLru: clusters of the packer's hot part of each region; kPinned: clusters covering whole regions (any slot may be
+  // pinned: slots are in popularity order).
+  static int64_t HotClusterCount(const packer::Deployment& deployment, int64_t cluster_groups,
+                                 HotPolicy policy = HotPolicy::kLru);
+  // Cold slot memory that doubles as staging: misses with no cold slot are read into staging (n_ff slots minus the
+  // smallest cold partition, since one group's misses are pinned at a time).
+  static int64_t StagingSlots(int64_t n_ff, int64_t cold_slots, const std::vector<int64_t>& cold_slots_per_group);
   // What batched prefill allocates: two buffers of the largest region plus the gate/up outputs of a token tile.
   static uint64_t PrefillBufferBytes(const packer::Deployment& deployment);
   bool batched_prefill() const { return !prefill_buf_[0].empty(); }
@@ -205,6 +231,9 @@ class OffloadFfn : public FfnBackend {
              const OffloadOptions& options, ThreadPool* pool);
   Status Init();
   Status LoadOracleGates();
+  // kPinned: sizes pinned_ from the options and reads every pinned cluster into its slot (batched, verified, each bad
+  // cluster read again once, then an error naming it).
+  Status LoadPinnedClusters();
   // Batched dense prefill of a dense FFN layer (offload_prefill.cc).
   Status ForwardBatch(int64_t layer, const Activation& x, float* out);
   // kPrefillRequestBytes rounded down to whole flash groups (at least one).
@@ -256,6 +285,8 @@ class OffloadFfn : public FfnBackend {
   int64_t cluster_neurons_ = 0;   // neurons (slots) per hot cluster
   uint64_t cluster_bytes_ = 0;    // bytes per hot cluster read
   uint64_t cold_stride_ = 0;
+  std::vector<int64_t> pinned_;     // kPinned: clusters of each group held in the hot region (slots < pinned * cluster)
+  int64_t staging_slots_ = 0;       // misses that can go without a cold slot in one group (StagingSlots)
   std::unique_ptr<NeuronCache> cache_;
   std::unique_ptr<IoWorker> io_;
   std::vector<float> thresholds_;

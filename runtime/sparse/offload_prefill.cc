@@ -28,7 +28,9 @@ uint64_t MaxRegionBytes(const packer::Manifest& m) {
 uint64_t OffloadFfn::PrefillBufferBytes(const packer::Deployment& d) {
   const packer::Manifest& m = d.manifest();
   if (m.n_experts > 0) return 0;  // MoE prefill stays token by token (each expert sees a subset of the batch)
-  return 2 * MaxRegionBytes(m) + 2 * static_cast<uint64_t>(kPrefillTokenTile) * static_cast<uint64_t>(m.n_ff) * 4;
+  // Two layer buffers, the gate/up outputs of a token tile, and the compact down rows of one layer.
+  return 2 * MaxRegionBytes(m) + 2 * static_cast<uint64_t>(kPrefillTokenTile) * static_cast<uint64_t>(m.n_ff) * 4 +
+         static_cast<uint64_t>(m.n_ff) * d.layout().down_bytes;
 }
 
 uint64_t OffloadFfn::PrefillRequestBytes() const {
@@ -38,7 +40,8 @@ uint64_t OffloadFfn::PrefillRequestBytes() const {
 }
 
 uint64_t OffloadFfn::prefill_bytes() const {
-  return prefill_buf_[0].bytes + prefill_buf_[1].bytes + (pf_gate_.size() + pf_up_.size()) * sizeof(float);
+  return prefill_buf_[0].bytes + prefill_buf_[1].bytes + (pf_gate_.size() + pf_up_.size()) * sizeof(float) +
+         down_compact_.size();
 }
 
 Status OffloadFfn::InitPrefill() {
@@ -55,6 +58,7 @@ Status OffloadFfn::InitPrefill() {
     b.bytes = bytes;
   }
   pf_gate_.resize(static_cast<size_t>(kPrefillTokenTile * m.n_ff));
+  down_compact_.resize(static_cast<size_t>(m.n_ff) * static_cast<size_t>(deploy_.layout().down_bytes));
   pf_up_.resize(static_cast<size_t>(kPrefillTokenTile * m.n_ff));
   return Status::Ok();
 }
@@ -170,7 +174,8 @@ Status OffloadFfn::FinishRegionRead(int64_t layer, int buf) {
 
 void OffloadFfn::WarmHotRegion(int64_t group, const packer::RegionInfo& region, const uint8_t* buf) {
   SlotRegion& hot = cache_->hot();
-  if (hot.SlotCount() == 0 || cluster_neurons_ == 0) return;
+  // Pinned clusters were loaded at Create and are never replaced.
+  if (hot.SlotCount() == 0 || cluster_neurons_ == 0 || !pinned_.empty()) return;
   const int64_t n_clusters = (region.hot_count + cluster_neurons_ - 1) / cluster_neurons_;
   // An equal share of the hot region per layer (the first layers get the remainder), most popular clusters first:
   // warming layer l never evicts what warming layer l-1 put in (the hot region is one LRU pool shared by all layers).

@@ -63,8 +63,14 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
     if (!options.cold_slots_per_group.empty()) {
       uint64_t cold = 0;
       for (int64_t c : options.cold_slots_per_group) cold += static_cast<uint64_t>(c);
+      int64_t hot = options.hot_slots;
+      if (!options.hot_slots_per_group.empty()) {
+        hot = 0;
+        for (int64_t c : options.hot_slots_per_group) hot += c;
+      }
       need += cold * OffloadFfn::ColdSlotBytes(d) +
-              static_cast<uint64_t>(std::min(options.hot_slots, OffloadFfn::HotClusterCount(d, options.cluster_groups))) *
+              static_cast<uint64_t>(std::min(hot, OffloadFfn::HotClusterCount(d, options.cluster_groups,
+                                                                              options.hot_policy))) *
                   OffloadFfn::HotSlotBytes(d, options.cluster_groups);
     }
     if (need > options.memory_budget) {
@@ -78,7 +84,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   CacheShape shape;
   shape.n_groups = static_cast<int64_t>(d.manifest().regions.size());
   shape.hot_slot_bytes = OffloadFfn::HotSlotBytes(d, options.cluster_groups);
-  shape.hot_clusters = OffloadFfn::HotClusterCount(d, options.cluster_groups);
+  shape.hot_clusters = OffloadFfn::HotClusterCount(d, options.cluster_groups, options.hot_policy);
   shape.cold_slot_bytes = OffloadFfn::ColdSlotBytes(d);
   shape.cold_neurons = shape.n_groups * hp.n_ff;
   const bool explicit_split = !options.cold_slots_per_group.empty();
@@ -86,11 +92,28 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
     return Status::InvalidArgument("cold slots given for " + std::to_string(options.cold_slots_per_group.size()) +
                                    " layers/experts, " + deploy_dir + " has " + std::to_string(shape.n_groups));
   }
+  const uint64_t full_staging = static_cast<uint64_t>(hp.n_ff) * shape.cold_slot_bytes;  // counted in f.scratch
   if (options.memory_budget > 0 && !explicit_split) {
     NF_ASSIGN_OR_RETURN(rt->split_, SplitBudget(options.memory_budget, f, shape, options.hot_fraction));
     rt->budget_ = options.memory_budget;
+    // The staging a whole layer of misses could need was reserved in the fixed part; with one cold pool shared by
+    // every layer, that memory serves better as cold slots (a layer's misses then always find a slot: staging 0).
+    const int64_t extra = std::min<int64_t>(hp.n_ff, shape.cold_neurons - rt->split_.cold_slots);
+    if (extra > 0) {
+      rt->split_.cold_slots += extra;
+      rt->split_.cold_bytes += static_cast<uint64_t>(extra) * shape.cold_slot_bytes;
+    }
   } else {
-    rt->split_.hot_slots = std::min(options.hot_slots, shape.hot_clusters);
+    int64_t hot = options.hot_slots;
+    if (!options.hot_slots_per_group.empty()) {
+      if (static_cast<int64_t>(options.hot_slots_per_group.size()) != shape.n_groups) {
+        return Status::InvalidArgument("hot slots given for " + std::to_string(options.hot_slots_per_group.size()) +
+                                       " layers/experts, " + deploy_dir + " has " + std::to_string(shape.n_groups));
+      }
+      hot = 0;
+      for (int64_t c : options.hot_slots_per_group) hot += c;
+    }
+    rt->split_.hot_slots = std::min(hot, shape.hot_clusters);
     rt->split_.cold_slots = options.cold_slots;
     if (explicit_split) {
       rt->split_.cold_slots = 0;
@@ -112,8 +135,17 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
     }
   }
 
+  // The staging the caches leave necessary (StagingSlots) replaces the worst case reserved in the fixed part.
+  const int64_t staging = OffloadFfn::StagingSlots(hp.n_ff, rt->split_.cold_slots, options.cold_slots_per_group);
+  f.scratch = f.scratch - full_staging + static_cast<uint64_t>(staging) * shape.cold_slot_bytes;
+  if (rt->budget_ > 0) {
+    rt->split_.unused_bytes = rt->budget_ - (f.Total() + rt->split_.hot_bytes + rt->split_.cold_bytes);
+  }
+
   OffloadOptions oo;
   oo.mode = options.mode;
+  oo.hot_policy = options.hot_policy;
+  oo.hot_slots_per_group = options.hot_slots_per_group;
   oo.predictor = rt->predictor_.get();
   oo.activation_threshold = options.activation_threshold;
   oo.hot_slots = rt->split_.hot_slots;

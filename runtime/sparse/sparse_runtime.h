@@ -38,6 +38,10 @@ struct SparseRuntimeOptions {
   // Cold slots per layer/expert (manifest region order), e.g. from a plan: replaces cold_slots. With a memory budget
   // as well, these sizes are used as given and checked against the budget (no SplitBudget).
   std::vector<int64_t> cold_slots_per_group;
+  // Hot region policy (offload_ffn.h HotPolicy); with kPinned, pinned clusters per layer/expert (e.g. from a plan;
+  // empty: hot_slots, or the budget's hot share, split evenly).
+  HotPolicy hot_policy = HotPolicy::kPinned;
+  std::vector<int64_t> hot_slots_per_group;
   int64_t n_ctx = 0;  // <= 0: the model's context length
   int64_t cluster_groups = 0;
   int64_t chunk_requests = 16;

@@ -154,6 +154,7 @@ TEST_F(OffloadTest, OracleEqualsInMemorySparseForEveryCacheSize) {
   struct Config {
     OffloadMode mode;
     int64_t hot, cold, chunk;
+    HotPolicy policy = HotPolicy::kLru;
   };
   const Config configs[] = {
       {OffloadMode::kFull, 0, 0, 16},        // no cache: every neuron read into staging, every token
@@ -161,16 +162,21 @@ TEST_F(OffloadTest, OracleEqualsInMemorySparseForEveryCacheSize) {
       {OffloadMode::kFull, 1000, 100000, 64},  // everything fits
       {OffloadMode::kLlmFlash, 0, 40, 16},
       {OffloadMode::kLlmFlash, 1000, 100000, 16},
+      // Pinned hot region: a few clusters per layer, the rest through a small cold LRU; and everything pinned.
+      {OffloadMode::kFull, 7, 30, 4, HotPolicy::kPinned},
+      {OffloadMode::kLlmFlash, 7, 30, 16, HotPolicy::kPinned},
+      {OffloadMode::kFull, 1000, 0, 16, HotPolicy::kPinned},
   };
   for (const Config& c : configs) {
     SCOPED_TRACE(std::string(OffloadModeName(c.mode)) + " hot " + std::to_string(c.hot) + " cold " +
-                 std::to_string(c.cold) + " chunk " + std::to_string(c.chunk));
+                 std::to_string(c.cold) + " chunk " + std::to_string(c.chunk) + " " + HotPolicyName(c.policy));
     SparseRuntimeOptions o;
     o.mode = c.mode;
     o.active_set = ActiveSetSource::kOracle;
     o.hot_slots = c.hot;
     o.cold_slots = c.cold;
     o.chunk_requests = c.chunk;
+    o.hot_policy = c.policy;
     auto rt = Open(o);
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
     auto run = Greedy((*rt)->context(), n_vocab_, kGolden.size());
@@ -195,6 +201,20 @@ TEST_F(OffloadTest, OracleEqualsInMemorySparseForEveryCacheSize) {
       EXPECT_LE(cold.misses, static_cast<uint64_t>(5 * 172));
       EXPECT_GT(cold.hits, cold.misses);
       EXPECT_EQ(cold.evictions + hot.evictions, 0u);
+    }
+    if (c.policy == HotPolicy::kPinned) {
+      // Loaded before the first token and never replaced: decode only ever hits the hot region.
+      EXPECT_EQ(hot.misses, 0u);
+      EXPECT_EQ(hot.evictions, 0u);
+      EXPECT_GT(hot.hits, 0u);
+      const int64_t clusters = OffloadFfn::HotClusterCount((*rt)->deployment(), 0, HotPolicy::kPinned);
+      EXPECT_EQ((*rt)->ffn().cache().hot().SlotCount(), std::min(c.hot, clusters));
+      if (c.hot >= clusters) {
+        EXPECT_EQ(st.requests, 0) << "the whole FFN is pinned: no read during decode";
+        EXPECT_EQ(cold.hits + cold.misses, 0u);
+      } else {
+        EXPECT_GT(st.requests, 0);
+      }
     }
   }
 }

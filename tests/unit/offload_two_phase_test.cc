@@ -182,6 +182,8 @@ class OffloadTwoPhaseTest : public ::testing::Test {
     o.hot_slots = hot;
     o.cold_slots = cold;
     o.chunk_requests = chunk;
+    // LRU hot region: clusters come and go, so cold neurons keep being read (two-phase applies to cold misses).
+    o.hot_policy = HotPolicy::kLru;
     return o;
   }
 
