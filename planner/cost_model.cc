@@ -16,7 +16,7 @@ double Curve::At(double v) const {
   return y[i - 1] + t * (y[i] - y[i - 1]);
 }
 
-std::vector<std::pair<double, double>> Curve::ConcaveSegments() const {
+std::vector<std::pair<double, double>> Curve::ConcaveSegments(size_t max_segments) const {
   // Upper hull of the points (Andrew's monotone chain, upper half), then one segment per hull edge.
   std::vector<size_t> hull;
   for (size_t i = 0; i < x.size(); ++i) {
@@ -39,6 +39,15 @@ std::vector<std::pair<double, double>> Curve::ConcaveSegments() const {
     segments.push_back({slope, y[a] - slope * x[a]});
   }
   if (segments.empty() && !y.empty()) segments.push_back({0.0, *std::max_element(y.begin(), y.end())});
+  if (max_segments > 0 && segments.size() > max_segments) {
+    std::vector<std::pair<double, double>> kept;
+    const size_t n = segments.size();
+    for (size_t j = 0; j < max_segments; ++j) {
+      const size_t at = max_segments == 1 ? 0 : (j * (n - 1) + (max_segments - 1) / 2) / (max_segments - 1);
+      if (kept.empty() || kept.back() != segments[at]) kept.push_back(segments[at]);
+    }
+    return kept;
+  }
   return segments;
 }
 

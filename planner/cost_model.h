@@ -18,7 +18,9 @@ struct Curve {
   double At(double v) const;
   // The least concave majorant's segments (slope, intercept): y <= min_k (slope_k x + intercept_k) is the tightest
   // linear description of "y is at most the curve" when the curve is concave, and an upper bound otherwise.
-  std::vector<std::pair<double, double>> ConcaveSegments() const;
+  // `max_segments` > 0: at most that many of them, evenly spaced along the hull (always the first and the last): each
+  // line is still an upper bound, so fewer of them bound the curve more loosely (optimistically) but never cut it.
+  std::vector<std::pair<double, double>> ConcaveSegments(size_t max_segments = 0) const;
 };
 
 // Random-read performance at one (request size, queue depth), from profile-hw.

@@ -140,7 +140,7 @@ Status RunPlan(const PlanFlags& f) {
   NF_RETURN_IF_ERROR(SavePlan(plan, f.output, f.force));
   if (f.explain) PrintExplain(plan, p, model);
   NF_LOG(Info) << "wrote " << f.output << ": predicted " << p.tokens_per_s << " tok/s in "
-               << sparse::FormatBytes(p.memory_bytes) << " (solved " << solved.candidates << " knob combinations in "
+               << sparse::FormatBytes(p.memory_bytes) << " (ranked " << solved.candidates << " knob combinations, solved " << solved.solved << " in "
                << solved.solve_seconds << " s)";
   return Status::Ok();
 }

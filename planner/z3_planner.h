@@ -20,7 +20,8 @@ struct SolveResult {
   Prediction prediction;            // Evaluate() of the settings (the rounded plan, real curves)
   double solver_token_s = 0;        // the solver's own objective value (concave-hull curves, unrounded)
   double solve_seconds = 0;
-  int candidates = 0;               // knob combinations solved (threads x queue depths x cluster sizes, pruned)
+  int candidates = 0;               // knob combinations considered (threads x queue depths x cluster sizes, pruned)
+  int solved = 0;                   // of which solved exactly by Z3 (the best-ranked; see OptimiseAll)
   // Infeasible: the names of the conflicting constraints (memory_limit, fixed_part, min_speed) and the nearest
   // feasible limits.
   std::vector<std::string> conflict;

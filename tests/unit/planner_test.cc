@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <fstream>
 
 #include "runtime/core/checksum.h"
@@ -268,8 +269,17 @@ TEST(PlannerTest, NoGridPointBeatsTheSolver) {
 TEST(PlannerTest, ThirtyTwoLayersSolveQuickly) {
   const HardwareParams hw = Hw();
   ModelParams m;
-  const ModelParams one = OneRegion(Curve{{0.0, 0.1, 0.3, 1.0}, {0.0, 0.5, 0.8, 1.0}},
-                                    Curve{{0.0, 0.2, 1.0}, {0.0, 0.4, 1.0}});
+  // Curves as dense as the profiler's (33 points; a power-law popularity x^0.2 as the synthetic 7B's, an LRU curve
+  // below it): the hull has a segment per point, which is what makes real solves slow.
+  Curve pop, lru;
+  for (int i = 0; i <= 32; ++i) {
+    const double x = i / 32.0;
+    pop.x.push_back(x);
+    pop.y.push_back(std::pow(x, 0.2));
+    lru.x.push_back(x);
+    lru.y.push_back(0.8 * std::pow(x, 0.5));
+  }
+  const ModelParams one = OneRegion(pop, lru);
   m.fixed_bytes = one.fixed_bytes;
   m.dense_bytes_per_token = one.dense_bytes_per_token;
   for (int l = 0; l < 32; ++l) {
