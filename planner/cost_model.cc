@@ -123,7 +123,7 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
     const double io = bw > 0 ? missed * static_cast<double>(f.read_bytes) / bw : (missed > 0 ? INFINITY : 0.0);
     const double k = static_cast<double>(s.cluster_neurons);
     const double lat = hw.ReadLatencyUs(f.read_bytes, qd) * 1e-6;
-    const double pipeline = (active / k) * kClusterSyncUs * 1e-6 / s.compute_threads +
+    const double pipeline = (active / k) * hw.cluster_sync_us * 1e-6 / s.compute_threads +
                             (1.0 - served) * (lat + (bw > 0 ? k * static_cast<double>(f.read_bytes) / bw : 0.0));
     const double t = std::max(compute, io) + pipeline;
     p.ffn_compute_s += compute;

@@ -31,6 +31,10 @@ struct IoPoint {
   double mean_latency_us = 0;
 };
 
+// Synchronisation cost of one cluster hand-off between the I/O thread and a compute thread (a futex wake and a cache
+// line transfer: measured at 3-8 us on this class of machine; 5 us used).
+inline constexpr double kClusterSyncUs = 5.0;
+
 struct HardwareParams {
   int cores = 1;
   double mem_bw_gbs = 0;                       // streaming read, all cores (1e9 bytes/s)
@@ -41,6 +45,7 @@ struct HardwareParams {
   double seq_read_mbs = 0;                     // sequential reads (prefill streaming)
   double gemm_gflops = 0;                      // prefill GEMM, all cores
   double submit_us_per_request = 2.0;          // CPU time to issue one read (io_uring SQE + completion)
+  double cluster_sync_us = kClusterSyncUs;     // one cluster hand-off (scaled by a calibration like the kernels)
   // Throughput at `request_bytes` and `queue_depth`: interpolated over request size in log space at the nearest
   // measured queue depth not above it.
   double ReadMbps(uint64_t request_bytes, int queue_depth) const;
@@ -108,9 +113,6 @@ struct Prediction {
 // Cluster sizes and queue depths the planner chooses from (the runtime's supported values).
 inline const std::vector<int> kClusterChoices = {8, 16, 32, 64, 128};
 inline const std::vector<int> kQueueDepthChoices = {1, 2, 4, 8, 16, 32, 64};
-// Synchronisation cost of one cluster hand-off between the I/O thread and a compute thread (a futex wake and a cache
-// line transfer: measured at 3-8 us on this class of machine; 5 us used).
-inline constexpr double kClusterSyncUs = 5.0;
 // Reads in flight: the runtime submits one cluster (pipeline chunk) of reads at a time and drains the ring before the
 // next, so a queue depth above the cluster size is never reached.
 inline int EffectiveQueueDepth(int queue_depth, int cluster_neurons) {

@@ -45,6 +45,16 @@ std::string PlanToJson(const Plan& p) {
                     {"prefill128_tokens_per_s", q.prefill128_tokens_per_s},
                     {"prefill512_tokens_per_s", q.prefill512_tokens_per_s},
                     {"memory_bytes", q.memory_bytes}};
+  if (p.calibration.present()) {
+    const Calibration& c = p.calibration;
+    j["calibration"] = {{"compute_scale", c.compute_scale},
+                        {"io_scale", c.io_scale},
+                        {"measured_token_s", c.measured_token_s},
+                        {"measured_io_wait_s", c.measured_io_wait_s},
+                        {"uncalibrated_token_s", c.uncalibrated_token_s},
+                        {"tokens", c.tokens},
+                        {"memory_bytes", c.memory_bytes}};
+  }
   j["solve_seconds"] = p.solve_seconds;
   return j.dump(2) + "\n";
 }
@@ -112,6 +122,20 @@ Result<Plan> ParsePlan(const std::string& text, const std::string& source) {
   }
   NF_RETURN_IF_ERROR(q.Get("memory_bytes", &pr.memory_bytes));
   NF_RETURN_IF_ERROR(root.Get("solve_seconds", &p.solve_seconds));
+  if (root.Has("calibration")) {
+    NF_ASSIGN_OR_RETURN(const JsonFields c, root.Object("calibration"));
+    Calibration& k = p.calibration;
+    NF_RETURN_IF_ERROR(c.Get("compute_scale", &k.compute_scale));
+    NF_RETURN_IF_ERROR(c.Get("io_scale", &k.io_scale));
+    NF_RETURN_IF_ERROR(c.Get("measured_token_s", &k.measured_token_s));
+    NF_RETURN_IF_ERROR(c.Get("measured_io_wait_s", &k.measured_io_wait_s));
+    NF_RETURN_IF_ERROR(c.Get("uncalibrated_token_s", &k.uncalibrated_token_s));
+    NF_RETURN_IF_ERROR(c.Get("tokens", &k.tokens));
+    NF_RETURN_IF_ERROR(c.Get("memory_bytes", &k.memory_bytes));
+    if (!(k.compute_scale > 0) || !(k.io_scale > 0) || k.tokens <= 0) {
+      return Status::Corruption(c.where().Describe() + ": compute_scale and io_scale must be > 0 and tokens > 0");
+    }
+  }
   return p;
 }
 

@@ -29,6 +29,19 @@ struct PlanPrediction {
   uint64_t memory_bytes = 0;
 };
 
+// The cost model's calibration from a measured decode (planner/calibration.h; absent: tokens == 0).
+struct Calibration {
+  double compute_scale = 1.0;
+  double io_scale = 1.0;
+  // What it was fitted to (reported in plan.json).
+  double measured_token_s = 0;     // mean time per decode token of the measured run
+  double measured_io_wait_s = 0;   // mean I/O wait per token of that run
+  double uncalibrated_token_s = 0; // the model's prediction for that run's plan with the raw figures
+  int tokens = 0;                  // measured tokens (after warm-up)
+  uint64_t memory_bytes = 0;       // the memory limit of the measured plan
+  bool present() const { return tokens > 0; }
+};
+
 struct Plan {
   int schema_version = kPlanSchemaVersion;
   std::string deployment_hash;  // HashToHex(HashFile(DEPLOY_DIR/manifest.json)): the deployment it was made for
@@ -48,6 +61,7 @@ struct Plan {
   int cluster_neurons = 32;
   std::vector<RegionPlan> regions;  // layer-major, experts in order (the manifest's order)
   PlanPrediction predicted;
+  Calibration calibration;  // optional in plan.json ("calibration")
   double solve_seconds = 0;
 };
 

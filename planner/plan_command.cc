@@ -1,11 +1,14 @@
 // `nflash plan`: the execution plan for a deployment on this machine (docs/planner.md).
 #include <CLI/CLI.hpp>
 
+#include <nlohmann/json.hpp>
+
 #include <cstdio>
 #include <memory>
 #include <string>
 
 #include "packer/deployment.h"
+#include "planner/calibration.h"
 #include "planner/commands.h"
 #include "planner/model_params.h"
 #include "planner/plan.h"
@@ -14,7 +17,9 @@
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
 #include "runtime/core/ggml_type.h"
+#include "runtime/core/json_fields.h"
 #include "runtime/core/log.h"
+#include "runtime/core/subprocess.h"
 #include "runtime/core/thread_pool.h"
 #include "runtime/sparse/memory_budget.h"
 #include "runtime/sparse/sparse_runtime.h"
@@ -34,7 +39,64 @@ struct PlanFlags {
   std::string output;
   bool explain = false;
   bool force = false;
+  // Calibration (docs/planner.md): measure a decode of the uncalibrated plan and re-plan with the fitted factors, or
+  // reuse the factors of an earlier calibrated plan.json (same deployment and hw.json).
+  bool calibrate = false;
+  int calibrate_tokens = 16;
+  int calibrate_warmup = 8;
+  std::string calibration;
 };
+
+// The solver's settings and predicted breakdown into `plan`.
+void FillSolution(const SolveResult& solved, const HardwareParams& hw, const ModelParams& model, Plan* plan) {
+  plan->compute_threads = solved.settings.compute_threads;
+  plan->io_threads = solved.settings.io_threads;
+  plan->queue_depth = solved.settings.queue_depth;
+  plan->cluster_neurons = solved.settings.cluster_neurons;
+  plan->regions.clear();
+  for (size_t r = 0; r < model.ffns.size(); ++r) {
+    plan->regions.push_back({model.ffns[r].layer, model.ffns[r].expert, solved.settings.hot_neurons[r],
+                             solved.settings.cold_slots[r]});
+  }
+  const Prediction& p = solved.prediction;
+  plan->predicted = {p.attention_s,     p.predictor_s,       p.ffn_compute_s,   p.io_s,
+                     p.io_exposed_s,    p.pipeline_s,        p.token_s,         p.tokens_per_s,
+                     p.served_fraction, p.read_mb_per_token, p.reads_per_token,
+                     EvaluatePrefill(hw, model, solved.settings, 128).tokens_per_s,
+                     EvaluatePrefill(hw, model, solved.settings, 512).tokens_per_s, p.memory_bytes};
+  plan->solve_seconds = solved.solve_seconds;
+}
+
+// Runs `nflash offload --plan plan_path --json` in a child process (its own memory budget and peak RSS; the planner's
+// process holds the profile and Z3) for warmup + tokens decode tokens, and fits the calibration to the measured
+// steady-state tokens.
+Result<Calibration> MeasureAndFit(const PlanFlags& f, const std::string& plan_path, const HardwareParams& hw,
+                                  const ModelParams& model, const PlanSettings& settings) {
+  NF_ASSIGN_OR_RETURN(const std::string self, SelfExecutable());
+  const std::vector<std::string> argv = {self, "-q", "offload", "-d", f.deploy, "--plan", plan_path, "--json",
+                                         "-n", std::to_string(f.calibrate_warmup + f.calibrate_tokens),
+                                         "--warmup", std::to_string(f.calibrate_warmup)};
+  NF_LOG(Info) << "calibrating: " << f.calibrate_warmup << " + " << f.calibrate_tokens
+               << " decode tokens with the uncalibrated plan";
+  NF_ASSIGN_OR_RETURN(const std::string out, RunCapture(argv));
+  const nlohmann::json j = nlohmann::json::parse(out, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Status::Internal("calibration run: `nflash offload --json` printed no JSON object");
+  }
+  NF_ASSIGN_OR_RETURN(const JsonFields r, JsonFields::Of(j, JsonLocation("calibration run output")));
+  double token_ms = 0, wait_ms = 0;
+  int64_t generated = 0, warmup = 0;
+  NF_RETURN_IF_ERROR(r.Get("token_ms_mean", &token_ms));
+  NF_RETURN_IF_ERROR(r.Get("io_wait_ms_per_token", &wait_ms));
+  NF_RETURN_IF_ERROR(r.Get("generated", &generated));
+  NF_RETURN_IF_ERROR(r.Get("warmup_tokens", &warmup));
+  const int measured = static_cast<int>(generated - warmup);
+  if (measured < 2) {
+    return Status::InvalidArgument("calibration run measured " + std::to_string(measured) +
+                                   " tokens (context too small, or the model stopped early): raise --ctx");
+  }
+  return FitCalibration(hw, model, settings, token_ms * 1e-3, wait_ms * 1e-3, measured);
+}
 
 void PrintExplain(const Plan& plan, const Prediction& p, const ModelParams& model) {
   std::printf("plan for %s: %d compute thread(s) + %d I/O thread, queue depth %d, clusters of %d neurons\n",
@@ -103,7 +165,24 @@ Status RunPlan(const PlanFlags& f) {
   NF_ASSIGN_OR_RETURN(ModelParams model,
                       ModelParamsFromDeployment(*deployment, profile, profile_path, fixed.Total(), slot_bytes));
   const std::string type_name(GgmlTypeName(deployment->layout().gate_type));
-  NF_ASSIGN_OR_RETURN(HardwareParams hw, LoadHardwareParams(f.hw, type_name));
+  NF_ASSIGN_OR_RETURN(const HardwareParams raw_hw, LoadHardwareParams(f.hw, type_name));
+  NF_ASSIGN_OR_RETURN(uint64_t deploy_hash, HashFile(f.deploy + "/" + packer::kManifestFileName));
+  NF_ASSIGN_OR_RETURN(uint64_t hw_hash, HashFile(f.hw));
+  Calibration calibration;
+  if (!f.calibration.empty()) {
+    NF_ASSIGN_OR_RETURN(const Plan other, LoadPlan(f.calibration));
+    if (!other.calibration.present()) {
+      return Status::InvalidArgument("--calibration " + f.calibration + ": the plan has no 'calibration' (make it with "
+                                     "--calibrate)");
+    }
+    if (other.deployment_hash != HashToHex(deploy_hash) || other.hardware_hash != HashToHex(hw_hash)) {
+      return Status::InvalidArgument("--calibration " + f.calibration + " was measured for deployment " +
+                                     other.deployment_hash + " / hw.json " + other.hardware_hash + ", these are " +
+                                     HashToHex(deploy_hash) + " / " + HashToHex(hw_hash));
+    }
+    calibration = other.calibration;
+  }
+  HardwareParams hw = calibration.present() ? Calibrated(raw_hw, calibration) : raw_hw;
 
   NF_ASSIGN_OR_RETURN(SolveResult solved, SolvePlan(hw, model, limits));
   if (!solved.feasible) {
@@ -111,8 +190,6 @@ Status RunPlan(const PlanFlags& f) {
     return Status::InvalidArgument(solved.message + " (fixed part: " + fixed.Describe() + ")");
   }
   Plan plan;
-  NF_ASSIGN_OR_RETURN(uint64_t deploy_hash, HashFile(f.deploy + "/" + packer::kManifestFileName));
-  NF_ASSIGN_OR_RETURN(uint64_t hw_hash, HashFile(f.hw));
   plan.deployment_hash = HashToHex(deploy_hash);
   plan.hardware_hash = HashToHex(hw_hash);
   plan.model_name = man.model_name;
@@ -122,22 +199,33 @@ Status RunPlan(const PlanFlags& f) {
   plan.objective = f.objective;
   plan.fixed_bytes = fixed.Total();
   plan.n_ctx = static_cast<int>(n_ctx);
-  plan.compute_threads = solved.settings.compute_threads;
-  plan.io_threads = solved.settings.io_threads;
-  plan.queue_depth = solved.settings.queue_depth;
-  plan.cluster_neurons = solved.settings.cluster_neurons;
-  for (size_t r = 0; r < model.ffns.size(); ++r) {
-    plan.regions.push_back({model.ffns[r].layer, model.ffns[r].expert, solved.settings.hot_neurons[r],
-                            solved.settings.cold_slots[r]});
+  FillSolution(solved, hw, model, &plan);
+  plan.calibration = calibration;
+  if (f.calibrate) {
+    // Measure the plan just made, fit, and plan again with the calibrated figures.
+    const std::string probe = f.output + ".calibrate.tmp";
+    NF_RETURN_IF_ERROR(SavePlan(plan, probe, /*overwrite=*/true));
+    Result<Calibration> fitted = MeasureAndFit(f, probe, raw_hw, model, solved.settings);
+    std::remove(probe.c_str());
+    NF_RETURN_IF_ERROR(fitted.status());
+    calibration = *fitted;
+    calibration.memory_bytes = limits.memory_bytes;
+    NF_LOG(Info) << "calibration: measured " << calibration.measured_token_s * 1e3 << " ms/token ("
+                 << calibration.measured_io_wait_s * 1e3 << " ms waiting for I/O) against "
+                 << calibration.uncalibrated_token_s * 1e3 << " ms predicted: compute x" << calibration.compute_scale
+                 << ", I/O x" << calibration.io_scale;
+    hw = Calibrated(raw_hw, calibration);
+    const double first_solve = solved.solve_seconds;
+    NF_ASSIGN_OR_RETURN(solved, SolvePlan(hw, model, limits));
+    if (!solved.feasible) {
+      return Status::InvalidArgument("after calibration: " + solved.message + " (fixed part: " + fixed.Describe() + ")");
+    }
+    FillSolution(solved, hw, model, &plan);
+    plan.solve_seconds += first_solve;
+    plan.calibration = calibration;
   }
-  const Prediction& p = solved.prediction;
-  plan.predicted = {p.attention_s,   p.predictor_s,     p.ffn_compute_s,     p.io_s,
-                    p.io_exposed_s,  p.pipeline_s,      p.token_s,           p.tokens_per_s,
-                    p.served_fraction, p.read_mb_per_token, p.reads_per_token,
-                    EvaluatePrefill(hw, model, solved.settings, 128).tokens_per_s,
-                    EvaluatePrefill(hw, model, solved.settings, 512).tokens_per_s, p.memory_bytes};
-  plan.solve_seconds = solved.solve_seconds;
   NF_RETURN_IF_ERROR(SavePlan(plan, f.output, f.force));
+  const Prediction& p = solved.prediction;
   if (f.explain) PrintExplain(plan, p, model);
   NF_LOG(Info) << "wrote " << f.output << ": predicted " << p.tokens_per_s << " tok/s in "
                << sparse::FormatBytes(p.memory_bytes) << " (ranked " << solved.candidates << " knob combinations, solved " << solved.solved << " in "
@@ -163,6 +251,20 @@ void RegisterPlanCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("-o,--output", flags->output, "plan.json to write")->required();
   cmd->add_flag("--explain", flags->explain, "Print the per-token time breakdown as a table");
   cmd->add_flag("--force", flags->force, "Overwrite the output if it exists");
+  cmd->add_flag("--calibrate", flags->calibrate,
+                "Run the plan (`nflash offload`, a few seconds), fit the cost model's compute and I/O factors to the "
+                "measured decode and plan again with them (recorded in plan.json)");
+  cmd->add_option("--calibrate-tokens", flags->calibrate_tokens, "Measured decode tokens of --calibrate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--calibrate-warmup", flags->calibrate_warmup, "Warm-up tokens of --calibrate (not measured)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--calibration", flags->calibration,
+                  "Reuse the calibration recorded in this plan.json (made with --calibrate for the same deployment "
+                  "and hw.json, e.g. at another memory limit)")
+      ->check(CLI::ExistingFile)
+      ->excludes("--calibrate");
   cmd->callback([flags, action] { *action = [flags] { return RunPlan(*flags); }; });
 }
 

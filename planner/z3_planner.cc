@@ -95,7 +95,7 @@ Encoding Encode(z3::context& ctx, Sink& add, const HardwareParams& hw, const Mod
     const z3::expr io = miss_share * Real(ctx, active * us_per_miss);
     // Cluster hand-offs, plus the first cluster's reads (one latency, then its bytes), which nothing hides.
     const double latency_us = hw.ReadLatencyUs(f.read_bytes, knobs.queue_depth);
-    const z3::expr pipeline = Real(ctx, active / knobs.cluster * kClusterSyncUs / t) +
+    const z3::expr pipeline = Real(ctx, active / knobs.cluster * hw.cluster_sync_us / t) +
                               miss_share * Real(ctx, latency_us + knobs.cluster * us_per_miss);
     z3::expr layer = ctx.real_const(("layer_us_" + id).c_str());
     add.add(layer >= compute + pipeline);

@@ -271,13 +271,6 @@ Result<RowResult> RunRow(const RowSpec& spec) {
   return r;
 }
 
-Result<std::string> SelfExecutable() {
-  std::vector<char> buf(4096);
-  const ssize_t n = ::readlink("/proc/self/exe", buf.data(), buf.size() - 1);
-  if (n <= 0) return Status::IOError(std::string("readlink /proc/self/exe: ") + std::strerror(errno));
-  return std::string(buf.data(), static_cast<size_t>(n));
-}
-
 RowResult RunRowInChild(const std::string& binary, const RowSpec& spec, const CgroupSupport& cgroups, bool quiet,
                         double timeout_s) {
   static std::atomic<int> row_counter{0};

@@ -9,6 +9,7 @@
 #include "runtime/bench/bench_report.h"
 #include "runtime/bench/cgroup.h"
 #include "runtime/core/status.h"
+#include "runtime/core/subprocess.h"  // SelfExecutable: rows re-run this binary
 
 namespace nflash::bench {
 
@@ -33,8 +34,5 @@ Result<uint64_t> OffloadBudget(const RowSpec& model_spec, double fraction, int64
 // ~10 MiB measured for stories260K on x86-64 Linux, rounded up so a budget derived from --offload is not dominated by
 // it for small models yet is not below what the process needs.
 inline constexpr uint64_t kOffloadOverheadBytes = uint64_t{16} << 20;
-
-// The path of the running executable (/proc/self/exe), for re-executing it.
-Result<std::string> SelfExecutable();
 
 }  // namespace nflash::bench

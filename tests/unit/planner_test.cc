@@ -9,6 +9,7 @@
 #include "runtime/core/checksum.h"
 #include "tests/test_util.h"
 
+#include "planner/calibration.h"
 #include "planner/cost_model.h"
 #include "planner/plan.h"
 #include "planner/z3_planner.h"
@@ -302,6 +303,53 @@ TEST(PlannerTest, ThirtyTwoLayersSolveQuickly) {
   std::printf("32-layer solve: %.2f s\n", secs);
 }
 
+TEST(CalibrationTest, ScalesTheFiguresAndReproducesTheMeasuredRun) {
+  const HardwareParams hw = Hw();
+  Calibration k;
+  k.compute_scale = 2;
+  k.io_scale = 4;
+  const HardwareParams c = Calibrated(hw, k);
+  EXPECT_DOUBLE_EQ(c.dense_gemv_gbs[1], 1.0);    // 2.0 / 2
+  EXPECT_DOUBLE_EQ(c.sparse_ffn_gbs[0], 0.5);    // 1.0 / 2
+  EXPECT_DOUBLE_EQ(c.random_reads[0].mb_per_s, 25.0);         // 100 / 4
+  EXPECT_DOUBLE_EQ(c.random_reads[0].mean_latency_us, 160.0);  // 40 * 4
+  EXPECT_DOUBLE_EQ(c.submit_us_per_request, 4.0);              // 2 * 2
+  EXPECT_DOUBLE_EQ(c.seq_read_mbs, hw.seq_read_mbs);           // prefill figures untouched
+
+  // A plan that reads: half the active neurons from flash.
+  const ModelParams m = OneRegion(Linear(), Zero());
+  PlanSettings s;
+  s.compute_threads = 1;
+  s.queue_depth = 1;
+  s.cluster_neurons = 8;
+  s.hot_neurons = {500};
+  s.cold_slots = {0};
+  const Prediction raw = Evaluate(hw, m, s);
+  ASSERT_GT(raw.io_s, 0);
+  // "Measured": 3x the predicted time, a third of it waiting for reads.
+  const double t = 3 * raw.token_s, w = t / 3;
+  auto fit = FitCalibration(hw, m, s, t, w, 16);
+  ASSERT_TRUE(fit.ok()) << fit.status().ToString();
+  const double compute_side = raw.attention_s + raw.predictor_s + raw.ffn_compute_s + raw.pipeline_s;
+  EXPECT_NEAR(fit->compute_scale, (t - w) / compute_side, 1e-12);
+  EXPECT_GT(fit->io_scale, 1.0);
+  EXPECT_NEAR(Evaluate(Calibrated(hw, *fit), m, s).token_s, t, t * 1e-6) << "the fit reproduces the measured run";
+  EXPECT_DOUBLE_EQ(fit->uncalibrated_token_s, raw.token_s);
+
+  // Everything in memory: no reads, so the disk factor stays 1.
+  s.hot_neurons = {1000};
+  const Prediction mem = Evaluate(hw, m, s);
+  ASSERT_EQ(mem.io_s, 0);
+  auto fit_mem = FitCalibration(hw, m, s, 2 * mem.token_s, 0, 8);
+  ASSERT_TRUE(fit_mem.ok());
+  EXPECT_DOUBLE_EQ(fit_mem->io_scale, 1.0);
+  EXPECT_NEAR(Evaluate(Calibrated(hw, *fit_mem), m, s).token_s, 2 * mem.token_s, mem.token_s * 1e-9);
+
+  // A run that cannot be fitted.
+  EXPECT_FALSE(FitCalibration(hw, m, s, 0.1, 0.2, 8).ok());  // wait longer than the token
+  EXPECT_FALSE(FitCalibration(hw, m, s, 1e3, 0, 8).ok());    // 1000 s per token: not this plan
+}
+
 TEST(PlanFileTest, RoundTripsAndRejectsBadFilesAndOtherDeployments) {
   nflash::testing::TempDir dir;
   const std::string deploy = dir.path();
@@ -320,6 +368,10 @@ TEST(PlanFileTest, RoundTripsAndRejectsBadFilesAndOtherDeployments) {
   p.regions = {{0, -1, 10, 20}, {1, 3, 5, 0}};
   p.predicted.token_s = 0.25;
   p.predicted.memory_bytes = 123;
+  p.calibration.compute_scale = 1.5;
+  p.calibration.io_scale = 2.5;
+  p.calibration.tokens = 16;
+  p.calibration.memory_bytes = 5ull << 30;
   const std::string path = deploy + "/plan.json";
   ASSERT_TRUE(SavePlan(p, path, false).ok());
   EXPECT_FALSE(SavePlan(p, path, false).ok());  // no silent overwrite
@@ -331,6 +383,9 @@ TEST(PlanFileTest, RoundTripsAndRejectsBadFilesAndOtherDeployments) {
   EXPECT_EQ(q->regions[1].expert, 3);
   EXPECT_EQ(q->regions[1].hot_neurons, 5);
   EXPECT_DOUBLE_EQ(q->predicted.token_s, 0.25);
+  ASSERT_TRUE(q->calibration.present());
+  EXPECT_DOUBLE_EQ(q->calibration.io_scale, 2.5);
+  EXPECT_EQ(q->calibration.memory_bytes, 5ull << 30);
   EXPECT_TRUE(CheckPlanForDeployment(*q, deploy).ok());
 
   {
