@@ -36,6 +36,26 @@ Result<GgmlType> ParseType(const std::string& name, const std::string& where) {
 
 }  // namespace
 
+const char* BundleHashName(BundleHash hash) { return hash == BundleHash::kXxh3 ? "xxh3" : "xxh64"; }
+
+Result<BundleHash> ParseBundleHash(const std::string& name) {
+  if (name == "xxh3") return BundleHash::kXxh3;
+  if (name == "xxh64") return BundleHash::kXxh64;
+  return Status::InvalidArgument("bundle hash \"" + name + "\": expected \"xxh3\" or \"xxh64\"");
+}
+
+uint64_t HashBundlePart(BundleHash hash, const void* data, size_t size) {
+  return hash == BundleHash::kXxh3 ? Xxh3(data, size) : Xxh64(data, size);
+}
+
+std::string GateHashTensorName(const std::string& prefix, BundleHash hash) {
+  return prefix + ".gate_" + BundleHashName(hash);
+}
+
+std::string UpDownHashTensorName(const std::string& prefix, BundleHash hash) {
+  return prefix + ".updown_" + BundleHashName(hash);
+}
+
 std::string IndexTensorPrefix(int64_t layer, int64_t expert) {
   std::string p = "nflash.deploy.blk." + std::to_string(layer);
   if (expert >= 0) p += ".exp." + std::to_string(expert);
@@ -124,6 +144,7 @@ std::string ManifestToJson(const Manifest& m) {
   j["n_layers"] = m.n_layers;
   j["n_experts"] = m.n_experts;
   j["alignment"] = m.alignment;
+  j["bundle_hash"] = BundleHashName(m.bundle_hash);
   const BundleLayout& l = m.layout;
   j["bundle"] = {{"gate_type", std::string(GgmlTypeName(l.gate_type))},
                  {"up_type", std::string(GgmlTypeName(l.up_type))},
@@ -183,6 +204,19 @@ Result<Manifest> ParseManifest(const std::string& text, const std::string& sourc
   NF_RETURN_IF_ERROR(root.Get("mean_active_fraction", &m.mean_active_fraction));
   NF_RETURN_IF_ERROR(root.Get("expected_bytes_per_token", &m.expected_bytes_per_token));
   NF_RETURN_IF_ERROR(root.Get("read_amplification", &m.read_amplification));
+  // Optional: manifests written before the field existed hash with xxHash64 (and name their tensors *_xxh64).
+  m.bundle_hash = kLegacyBundleHash;
+  if (root.Has("bundle_hash")) {
+    std::string name;
+    NF_RETURN_IF_ERROR(root.Get("bundle_hash", &name));
+    auto hash = ParseBundleHash(name);
+    if (!hash.ok()) {
+      return Status::Unsupported(root.where().Field("bundle_hash").Describe() + ": expected \"xxh3\" or \"xxh64\" " +
+                                 "(or no field: xxh64), found \"" + name +
+                                 "\" (packed by a newer nflash? re-run nflash pack)");
+    }
+    m.bundle_hash = *hash;
+  }
   if (m.alignment != kDeployAlignment) {
     return Status::Corruption(source + ": alignment " + std::to_string(m.alignment) + ", expected " +
                               std::to_string(kDeployAlignment));
@@ -351,8 +385,10 @@ Result<std::unique_ptr<Deployment>> Deployment::Open(const std::string& dir, con
     r.gate_hash.resize(n);
     r.updown_hash.resize(n);
     NF_RETURN_IF_ERROR(ReadIndexTensor(rf, prefix + ".slot_of_neuron", GgmlType::kI32, r.n_neurons, r.slot_of_neuron.data()));
-    NF_RETURN_IF_ERROR(ReadIndexTensor(rf, prefix + ".gate_xxh64", GgmlType::kI64, r.n_neurons, r.gate_hash.data()));
-    NF_RETURN_IF_ERROR(ReadIndexTensor(rf, prefix + ".updown_xxh64", GgmlType::kI64, r.n_neurons, r.updown_hash.data()));
+    NF_RETURN_IF_ERROR(ReadIndexTensor(rf, GateHashTensorName(prefix, m.bundle_hash), GgmlType::kI64, r.n_neurons,
+                                       r.gate_hash.data()));
+    NF_RETURN_IF_ERROR(ReadIndexTensor(rf, UpDownHashTensorName(prefix, m.bundle_hash), GgmlType::kI64, r.n_neurons,
+                                       r.updown_hash.data()));
     r.neuron_of_slot.assign(n, -1);
     for (size_t k = 0; k < n; ++k) {
       const int32_t s = r.slot_of_neuron[k];
@@ -407,11 +443,11 @@ ByteRange Deployment::UpDownRange(int64_t layer, int64_t expert, int64_t neuron)
 
 namespace {
 Status HashMismatch(const std::string& flash, const char* part, int64_t layer, int64_t expert, int64_t neuron,
-                    int32_t slot, const ByteRange& range, uint64_t found, uint64_t want) {
+                    int32_t slot, const ByteRange& range, BundleHash hash, uint64_t found, uint64_t want) {
   return Status::Corruption(flash + ": checksum mismatch in the " + part + " of " + RegionName(layer, expert) +
                             " neuron " + std::to_string(neuron) + " (slot " + std::to_string(slot) + ", offset " +
-                            std::to_string(range.offset) + ", " + std::to_string(range.size) + " bytes): xxHash64 " +
-                            HashToHex(found) + ", expected " + HashToHex(want));
+                            std::to_string(range.offset) + ", " + std::to_string(range.size) + " bytes): " +
+                            BundleHashName(hash) + " " + HashToHex(found) + ", expected " + HashToHex(want));
 }
 Status SizeMismatch(const std::string& flash, const char* part, int64_t layer, int64_t expert, int64_t neuron,
                     size_t found, uint64_t want) {
@@ -426,11 +462,11 @@ Status Deployment::VerifyGate(int64_t layer, int64_t expert, int64_t neuron, std
   if (bytes.size() != layout().gate_bytes) {
     return SizeMismatch(flash_path(), "gate part", layer, expert, neuron, bytes.size(), layout().gate_bytes);
   }
-  const uint64_t h = Xxh64(bytes.data(), bytes.size());
+  const uint64_t h = HashBundlePart(manifest_.bundle_hash, bytes.data(), bytes.size());
   const uint64_t want = r.gate_hash[static_cast<size_t>(neuron)];
   if (h != want) {
     return HashMismatch(flash_path(), "gate part", layer, expert, neuron, r.slot_of_neuron[static_cast<size_t>(neuron)],
-                        GateRange(layer, expert, neuron), h, want);
+                        GateRange(layer, expert, neuron), manifest_.bundle_hash, h, want);
   }
   return Status::Ok();
 }
@@ -441,11 +477,12 @@ Status Deployment::VerifyUpDown(int64_t layer, int64_t expert, int64_t neuron, s
   if (bytes.size() != want_size) {
     return SizeMismatch(flash_path(), "up+down parts", layer, expert, neuron, bytes.size(), want_size);
   }
-  const uint64_t h = Xxh64(bytes.data(), bytes.size());
+  const uint64_t h = HashBundlePart(manifest_.bundle_hash, bytes.data(), bytes.size());
   const uint64_t want = r.updown_hash[static_cast<size_t>(neuron)];
   if (h != want) {
     return HashMismatch(flash_path(), "up+down parts", layer, expert, neuron,
-                        r.slot_of_neuron[static_cast<size_t>(neuron)], UpDownRange(layer, expert, neuron), h, want);
+                        r.slot_of_neuron[static_cast<size_t>(neuron)], UpDownRange(layer, expert, neuron),
+                        manifest_.bundle_hash, h, want);
   }
   return Status::Ok();
 }

@@ -5,7 +5,8 @@
 // DEPLOY_DIR/
 //   manifest.json   schema version, source model/profile hashes, shapes, bundle layout, regions, sizes (JSON)
 //   resident.gguf   every tensor of the model except the FFN gate/up/down (llama.* metadata kept), plus per region the
-//                   index tables: slot_of_neuron (I32), gate / up+down xxHash64 per neuron (I64 bit patterns)
+//                   index tables: slot_of_neuron (I32), gate / up+down checksum per neuron (I64 bit patterns; XXH3-64,
+//                   or xxHash64 in deployments packed before manifest field bundle_hash existed)
 //   ffn.bin         the flash image: one region per (layer, expert), each starting at a multiple of kDeployAlignment;
 //                   a region holds n_neurons bundles in slot order, hot neurons (most popular first) in the first slots
 //   predictor.gguf  optional: the --predictor file, copied verbatim (Predictor::Load reads it as is)
@@ -43,12 +44,35 @@ inline constexpr char kPredictorFileName[] = "predictor.gguf";
 // The profile the deployment was packed from (optional copy, hash = manifest profile_hash): the planner's input.
 inline constexpr char kProfileFileName[] = "profile.gguf";
 
-// Names of the index tensors in resident.gguf for region (layer, expert); expert -1 is a dense FFN.
+// The checksum function of the per-neuron part hashes (manifest field "bundle_hash"). It lives here, not in
+// runtime/core/checksum.h, because it is a fact of this format: its names are manifest values and index tensor name
+// suffixes that writer and reader must agree on; checksum.h only provides the hash primitives.
+//   kXxh3  "xxh3"   XXH3_64bits, seed 0: what nflash pack writes (on 8 KiB: 4x xxHash64's speed in cache, 1.5x from
+//                   DRAM; the runtime checks every bundle it reads on the scheduling thread)
+//   kXxh64 "xxh64"  XXH64, seed 0: deployments whose manifest has no bundle_hash (packed before it existed)
+// The enum values are not stored anywhere; only the names are.
+enum class BundleHash { kXxh64, kXxh3 };
+// What a manifest without "bundle_hash" means.
+inline constexpr BundleHash kLegacyBundleHash = BundleHash::kXxh64;
+// What PackDeployment writes.
+inline constexpr BundleHash kDefaultBundleHash = BundleHash::kXxh3;
+// "xxh64" / "xxh3": the manifest value and the index tensor name suffix.
+const char* BundleHashName(BundleHash hash);
+// Inverse of BundleHashName; InvalidArgument naming the expected values and what was found.
+Result<BundleHash> ParseBundleHash(const std::string& name);
+// The function itself (Xxh64 seed 0 or Xxh3) of `size` bytes.
+uint64_t HashBundlePart(BundleHash hash, const void* data, size_t size);
+
+// Names of the index tensors in resident.gguf for region (layer, expert); expert -1 is a dense FFN. H is
+// BundleHashName(manifest bundle_hash): the name says which function made the values.
 //   <prefix>.slot_of_neuron  I32 [n_neurons]   slot of each neuron (a permutation of 0..n-1)
-//   <prefix>.gate_xxh64      I64 [n_neurons]   xxHash64 (seed 0) of the neuron's gate part, per neuron
-//   <prefix>.updown_xxh64    I64 [n_neurons]   xxHash64 (seed 0) of its up part and down part (contiguous), per neuron
-// prefix = "nflash.deploy.blk.<layer>" or "nflash.deploy.blk.<layer>.exp.<expert>".
+//   <prefix>.gate_<H>        I64 [n_neurons]   hash (seed 0) of the neuron's gate part, per neuron
+//   <prefix>.updown_<H>      I64 [n_neurons]   hash (seed 0) of its up part and down part (contiguous), per neuron
+// prefix = "nflash.deploy.blk.<layer>" or "nflash.deploy.blk.<layer>.exp.<expert>"; e.g. "nflash.deploy.blk.3.gate_xxh3"
+// (new packs) or "nflash.deploy.blk.3.gate_xxh64" (old ones).
 std::string IndexTensorPrefix(int64_t layer, int64_t expert);
+std::string GateHashTensorName(const std::string& prefix, BundleHash hash);
+std::string UpDownHashTensorName(const std::string& prefix, BundleHash hash);
 
 // The placement of one neuron's bundle. Identical for all regions of a deployment.
 struct BundleLayout {
@@ -91,8 +115,8 @@ struct RegionInfo {
   // Index tables (from resident.gguf), n_neurons each.
   std::vector<int32_t> slot_of_neuron;
   std::vector<int32_t> neuron_of_slot;
-  std::vector<uint64_t> gate_hash;    // per neuron
-  std::vector<uint64_t> updown_hash;  // per neuron
+  std::vector<uint64_t> gate_hash;    // per neuron, of Manifest::bundle_hash
+  std::vector<uint64_t> updown_hash;  // per neuron, of Manifest::bundle_hash
 };
 
 struct Manifest {
@@ -107,6 +131,9 @@ struct Manifest {
   int64_t dim = 0, n_ff = 0, n_layers = 0, n_experts = 0;  // n_experts 0: dense
   uint64_t alignment = kDeployAlignment;
   BundleLayout layout;
+  // Function of the per-neuron part hashes. JSON "bundle_hash"; absent in old manifests = kLegacyBundleHash (the
+  // field is additive, so schema_version stays 1; an old reader ignores it and fails on the renamed index tensors).
+  BundleHash bundle_hash = kDefaultBundleHash;
   std::string order;           // "hotness" or "coactivation"
   double hot_fraction = 0.0;   // requested share of hot neurons per region (-1: 50%-of-activations rule)
   uint64_t padding_bytes = 0;  // ffn.bin bytes that belong to no bundle
@@ -165,9 +192,9 @@ class Deployment {
   ByteRange BundleRange(int64_t layer, int64_t expert, int64_t neuron) const;
   ByteRange GateRange(int64_t layer, int64_t expert, int64_t neuron) const;
   ByteRange UpDownRange(int64_t layer, int64_t expert, int64_t neuron) const;
-  // Checks bytes read from flash against the stored xxHash64: the whole bundle (bundle_bytes), the gate part
-  // (gate_bytes) or the up+down parts (up_bytes + down_bytes). Corruption naming layer, expert, neuron, slot and the
-  // ffn.bin offset on mismatch or wrong size.
+  // Checks bytes read from flash against the stored hash (function: manifest().bundle_hash): the whole bundle
+  // (bundle_bytes), the gate part (gate_bytes) or the up+down parts (up_bytes + down_bytes). Corruption naming layer,
+  // expert, neuron, slot, the ffn.bin offset and the hash function on mismatch; InvalidArgument on a wrong size.
   Status VerifyBundle(int64_t layer, int64_t expert, int64_t neuron, std::span<const uint8_t> bytes) const;
   Status VerifyGate(int64_t layer, int64_t expert, int64_t neuron, std::span<const uint8_t> bytes) const;
   Status VerifyUpDown(int64_t layer, int64_t expert, int64_t neuron, std::span<const uint8_t> bytes) const;

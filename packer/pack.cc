@@ -167,11 +167,11 @@ Result<RegionSource> FindRegionSource(const GgufFile& f, int64_t layer, int64_t 
 size_t ElementBytes(GgmlType t) { return t == GgmlType::kF32 ? 4 : 2; }  // F32 / F16 / BF16 only
 
 // Fills `region` (layout.RegionBytes(n) zeroed bytes) with the bundles of `src` in slot order and computes the
-// per-neuron hashes. Down columns: raw element copies for F32/F16/BF16 (exact); for Q8_0/Q4_0 the rows are
+// per-neuron hashes with `hash`. Down columns: raw element copies for F32/F16/BF16 (exact); for Q8_0/Q4_0 the rows are
 // dequantized and each column requantized with QuantizeRow (ggml's reference quantizer) or stored as F32.
 Status FillRegion(const RegionSource& src, const BundleLayout& layout, int64_t n_ff,
-                  const std::vector<int32_t>& neuron_of_slot, ThreadPool* pool, std::vector<uint8_t>* region,
-                  std::vector<uint64_t>* gate_hash, std::vector<uint64_t>* updown_hash) {
+                  const std::vector<int32_t>& neuron_of_slot, BundleHash hash, ThreadPool* pool,
+                  std::vector<uint8_t>* region, std::vector<uint64_t>* gate_hash, std::vector<uint64_t>* updown_hash) {
   const int64_t dim = layout.dim;
   const bool raw_down = src.down_type == layout.down_type &&
                         (src.down_type == GgmlType::kF32 || src.down_type == GgmlType::kF16 ||
@@ -222,8 +222,8 @@ Status FillRegion(const RegionSource& src, const BundleLayout& layout, int64_t n
       std::memcpy(bundle + layout.gate_offset, src.gate + neuron * src.gate_row, layout.gate_bytes);
       std::memcpy(bundle + layout.up_offset, src.up + neuron * src.up_row, layout.up_bytes);
       std::memcpy(bundle + layout.down_offset, down_cols.data() + neuron * layout.down_bytes, layout.down_bytes);
-      (*gate_hash)[neuron] = Xxh64(bundle + layout.gate_offset, layout.gate_bytes);
-      (*updown_hash)[neuron] = Xxh64(bundle + layout.up_offset, layout.up_bytes + layout.down_bytes);
+      (*gate_hash)[neuron] = HashBundlePart(hash, bundle + layout.gate_offset, layout.gate_bytes);
+      (*updown_hash)[neuron] = HashBundlePart(hash, bundle + layout.up_offset, layout.up_bytes + layout.down_bytes);
     }
   });
   for (const Status& s : errors) NF_RETURN_IF_ERROR(s);
@@ -325,6 +325,7 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
   m.n_layers = hp.n_layers;
   m.n_experts = hp.n_experts;
   m.layout = layout;
+  m.bundle_hash = kDefaultBundleHash;
   m.order = NeuronOrderName(options.order);
   m.hot_fraction = options.hot_fraction;
 
@@ -357,8 +358,8 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
     const std::string prefix = IndexTensorPrefix(layer, expert);
     const std::vector<uint64_t> dims = {static_cast<uint64_t>(hp.n_ff)};
     NF_RETURN_IF_ERROR(resident.AddTensor(prefix + ".slot_of_neuron", GgmlType::kI32, dims));
-    NF_RETURN_IF_ERROR(resident.AddTensor(prefix + ".gate_xxh64", GgmlType::kI64, dims));
-    NF_RETURN_IF_ERROR(resident.AddTensor(prefix + ".updown_xxh64", GgmlType::kI64, dims));
+    NF_RETURN_IF_ERROR(resident.AddTensor(GateHashTensorName(prefix, m.bundle_hash), GgmlType::kI64, dims));
+    NF_RETURN_IF_ERROR(resident.AddTensor(UpDownHashTensorName(prefix, m.bundle_hash), GgmlType::kI64, dims));
   }
   const std::string resident_path = tmp + "/" + kResidentFileName;
   NF_RETURN_IF_ERROR(resident.Begin(resident_path, false));
@@ -409,7 +410,8 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
     tb.gate_hash.assign(static_cast<size_t>(hp.n_ff), 0);
     tb.updown_hash.assign(static_cast<size_t>(hp.n_ff), 0);
     region_buf.assign(region_bytes, 0);
-    NF_RETURN_IF_ERROR(FillRegion(src, layout, hp.n_ff, neuron_of_slot, pool, &region_buf, &tb.gate_hash, &tb.updown_hash));
+    NF_RETURN_IF_ERROR(FillRegion(src, layout, hp.n_ff, neuron_of_slot, m.bundle_hash, pool, &region_buf,
+                                  &tb.gate_hash, &tb.updown_hash));
     NF_RETURN_IF_ERROR(flash->Append(region_buf.data(), region_buf.size()));
     active_weighted += fp.mean_active_fraction * static_cast<double>(hp.n_ff);
     stats.hot_neurons += r.hot_count;
@@ -427,8 +429,8 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
       return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(v[0]));
     };
     NF_RETURN_IF_ERROR(resident.WriteTensorData(prefix + ".slot_of_neuron", bytes(tb.slot_of_neuron)));
-    NF_RETURN_IF_ERROR(resident.WriteTensorData(prefix + ".gate_xxh64", bytes(tb.gate_hash)));
-    NF_RETURN_IF_ERROR(resident.WriteTensorData(prefix + ".updown_xxh64", bytes(tb.updown_hash)));
+    NF_RETURN_IF_ERROR(resident.WriteTensorData(GateHashTensorName(prefix, m.bundle_hash), bytes(tb.gate_hash)));
+    NF_RETURN_IF_ERROR(resident.WriteTensorData(UpDownHashTensorName(prefix, m.bundle_hash), bytes(tb.updown_hash)));
   }
   NF_RETURN_IF_ERROR(resident.Finish());
 

@@ -1,10 +1,12 @@
 // Kernel microbenchmarks: STREAM-like memory bandwidth measured in the same run, then GEMV / sparse GEMV /
 // AccumulateRows per weight type as GB/s of weights and as a fraction of that bandwidth (bw_ratio), and GEMM GFLOP/s.
 //
-// Also measures one core's int8 dot-product peak (vpdpbusd), the ceiling for the quantized GEMM's GFLOP/s.
+// Also measures one core's int8 dot-product peak (vpdpbusd), the ceiling for the quantized GEMM's GFLOP/s, and the
+// per-bundle checksums (Checksum/*: xxHash64 vs XXH3-64 on 8 KiB buffers, one thread).
 //
 // Usage: nflash_kernel_bench [--isa=scalar|avx2|avx512] [google benchmark flags]
 #include <benchmark/benchmark.h>
+#include <xxhash.h>
 // GCC 12's AVX-512 intrinsics warn about their own _mm512_undefined_*() values (GCC bug 105593).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -25,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/core/checksum.h"
 #include "runtime/core/kernels.h"
 #include "runtime/core/quant.h"
 #include "runtime/core/thread_pool.h"
@@ -315,6 +318,28 @@ void BM_Gemm(benchmark::State& state, GgmlType type) {
                                                  benchmark::Counter::kIsRate);
 }
 
+// Per-bundle checksums as the offloaded runtime computes them: one hash per buffer of kChecksumBytes (a llama-7b Q4_0
+// bundle is 6912 B, its up+down part 4608 B; 8 KiB is one padded group), on one thread. Arg 0: the same buffer
+// every time (L1-resident: the hash's own speed); arg 1: consecutive buffers of the 1 GiB stream buffer (from DRAM,
+// like bundles that just arrived from flash and are not in cache).
+constexpr size_t kChecksumBytes = 8192;
+template <uint64_t (*Hash)(const void*, size_t)>
+void BM_Checksum(benchmark::State& state) {
+  const bool from_dram = state.range(0) != 0;
+  const uint8_t* base = StreamBuffer();
+  const size_t chunks = from_dram ? kStreamBytes / kChecksumBytes : 1;
+  size_t i = 0;
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(Hash(base + (i % chunks) * kChecksumBytes, kChecksumBytes));
+    ++i;
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * kChecksumBytes));
+}
+uint64_t HashXxh64(const void* p, size_t n) { return Xxh64(p, n); }
+// libxxhash's plain XXH3_64bits entry, for comparison with Xxh3's dispatched one: Debian's 0.8.1 build of it is much
+// slower than the dispatched AVX2/AVX-512 loop (and than XXH64) on this machine, which is why Xxh3 never calls it.
+uint64_t HashXxh3Plain(const void* p, size_t n) { return XXH3_64bits(p, n); }
+
 void Register() {
   auto common = [](benchmark::internal::Benchmark* b) {
     b->UseRealTime()->Repetitions(kRepetitions)->ReportAggregatesOnly(true)->MinTime(kMinTimeSeconds);
@@ -322,6 +347,14 @@ void Register() {
   };
   common(benchmark::RegisterBenchmark("MemRead", BM_MemRead)->Arg(1)->Arg(2)->ArgName("threads"));
   common(benchmark::RegisterBenchmark("MemTriad", BM_MemTriad)->Arg(1)->Arg(2)->ArgName("threads"));
+  auto checksum = [&](const char* name, void (*fn)(benchmark::State&)) {
+    auto* b = benchmark::RegisterBenchmark(name, fn)->Arg(0)->Arg(1)->ArgName("dram");
+    common(b);
+    b->Unit(benchmark::kNanosecond);
+  };
+  checksum("Checksum/xxh64", BM_Checksum<HashXxh64>);
+  checksum("Checksum/xxh3", BM_Checksum<Xxh3>);
+  checksum("Checksum/xxh3_plain", BM_Checksum<HashXxh3Plain>);
   const GgmlType types[] = {GgmlType::kQ4_0, GgmlType::kQ8_0, GgmlType::kF16, GgmlType::kBF16, GgmlType::kF32};
   for (GgmlType t : types) {
     const std::string name(GgmlTypeName(t));

@@ -1,10 +1,13 @@
-// Packer: neuron ordering, bit-exact bundles for every quant type (dense and MoE), the reader API, and the corrupt /
-// truncated / mismatched deployment suite.
+// Packer: neuron ordering, bit-exact bundles for every quant type (dense and MoE), the reader API, the per-neuron
+// checksums (XXH3 in new packs, xxHash64 in old ones), and the corrupt / truncated / mismatched deployment suite.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <xxhash.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 
 #include "converter/readers.h"
@@ -258,6 +261,7 @@ TEST(PackerCorruptionTest, FlippedBundleByteNamesLayerNeuronOffset) {
   const std::string msg = v.status().message();
   EXPECT_NE(msg.find("layer 1 neuron 17"), std::string::npos) << msg;
   EXPECT_NE(msg.find("offset " + std::to_string(br.offset)), std::string::npos) << msg;
+  EXPECT_NE(msg.find(": xxh3 "), std::string::npos) << msg;  // names the function it checked with
 }
 
 TEST(PackerCorruptionTest, NonZeroPaddingIsDetected) {
@@ -332,6 +336,248 @@ TEST(PackerCorruptionTest, ProfileOfAnotherModelAndOverwriteRefused) {
   auto d = Deployment::Open(a.dir);
   ASSERT_TRUE(d.ok());
   EXPECT_EQ((*d)->Region(0, -1)->hot_count, 24);
+}
+
+// --- per-neuron checksums: XXH3 (new packs) and xxHash64 (packs made before manifest field bundle_hash) ---------
+
+TEST(ChecksumTest, Xxh3IsLibxxhashXxh3) {
+  // Published values for empty input (xxHash's test vectors): XXH64 seed 0 and XXH3_64bits.
+  EXPECT_EQ(Xxh64(nullptr, 0), 0xEF46DB3751D8E999ull);
+  EXPECT_EQ(Xxh3(nullptr, 0), 0x2D06800538D394C2ull);
+  // Xxh3 goes through libxxhash's run-time dispatch (AVX-512/AVX2 here); XXH3_64bits is its baseline SSE2 build: the
+  // two must agree on every length class (0-16, 17-128, 129-240, long) and alignment.
+  std::vector<uint8_t> buf(10000 + 64);
+  std::mt19937_64 rng(3);
+  for (auto& b : buf) b = static_cast<uint8_t>(rng());
+  for (size_t n : {size_t{1}, size_t{3}, size_t{16}, size_t{17}, size_t{128}, size_t{129}, size_t{240}, size_t{241},
+                   size_t{1024}, size_t{2304}, size_t{4608}, size_t{6912}, size_t{8192}, size_t{10000}}) {
+    for (size_t misalign : {size_t{0}, size_t{1}, size_t{7}, size_t{32}}) {
+      const uint8_t* p = buf.data() + misalign;
+      ASSERT_EQ(Xxh3(p, n), XXH3_64bits(p, n)) << n << " bytes at +" << misalign;
+      ASSERT_NE(Xxh3(p, n), Xxh64(p, n));
+    }
+  }
+  EXPECT_EQ(*ParseBundleHash("xxh3"), BundleHash::kXxh3);
+  EXPECT_EQ(*ParseBundleHash("xxh64"), BundleHash::kXxh64);
+  EXPECT_STREQ(BundleHashName(BundleHash::kXxh3), "xxh3");
+  EXPECT_STREQ(BundleHashName(BundleHash::kXxh64), "xxh64");
+  EXPECT_FALSE(ParseBundleHash("XXH3").ok());
+}
+
+nlohmann::json ReadJson(const std::string& path) {
+  auto text = ReadWholeFile(path);
+  EXPECT_TRUE(text.ok()) << path;
+  return nlohmann::json::parse(std::string(text->begin(), text->end()));
+}
+
+// Hashes of every neuron's gate part and up+down part, computed here from ffn.bin and resident.gguf's slot table
+// with `hash_fn` (libxxhash called directly, not the code under test). Indexed [region][neuron].
+struct PartHashes {
+  std::vector<std::vector<uint64_t>> gate, updown;
+};
+PartHashes HashParts(const std::string& dir, uint64_t (*hash_fn)(const void*, size_t)) {
+  PartHashes h;
+  const nlohmann::json m = ReadJson(dir + "/manifest.json");
+  auto flash = ReadWholeFile(dir + "/ffn.bin");
+  EXPECT_TRUE(flash.ok());
+  auto resident = GgufFile::OpenPath(dir + "/resident.gguf");
+  EXPECT_TRUE(resident.ok());
+  const auto& b = m["bundle"];
+  const uint64_t spg = b["slots_per_group"], group = b["group_bytes"], bundle = b["bundle_bytes"];
+  const uint64_t gate_bytes = b["gate_bytes"], up_offset = b["up_offset"];
+  for (const auto& r : m["regions"]) {
+    const std::string prefix = IndexTensorPrefix(r["layer"], r["expert"]);
+    const GgufTensorInfo* t = resident->FindTensor(prefix + ".slot_of_neuron");
+    EXPECT_NE(t, nullptr) << prefix;
+    if (!t) return h;
+    std::vector<uint8_t> scratch;
+    const auto* slots = reinterpret_cast<const int32_t*>(resident->TensorData(*t, &scratch)->data());
+    std::vector<uint64_t> g, ud;
+    for (int64_t n = 0; n < r["n_neurons"].get<int64_t>(); ++n) {
+      const auto slot = static_cast<uint64_t>(slots[n]);
+      const uint8_t* at = flash->data() + r["offset"].get<uint64_t>() + slot / spg * group + slot % spg * bundle;
+      g.push_back(hash_fn(at, gate_bytes));
+      ud.push_back(hash_fn(at + up_offset, bundle - up_offset));
+    }
+    h.gate.push_back(std::move(g));
+    h.updown.push_back(std::move(ud));
+  }
+  return h;
+}
+uint64_t LibXxh3(const void* p, size_t n) { return XXH3_64bits(p, n); }
+uint64_t LibXxh64(const void* p, size_t n) { return XXH64(p, n, 0); }
+
+// The I64 table `name` of resident.gguf as uint64 bit patterns (empty when missing).
+std::vector<uint64_t> ReadTable(const GgufFile& f, const std::string& name) {
+  const GgufTensorInfo* t = f.FindTensor(name);
+  if (!t || t->type != GgmlType::kI64) return {};
+  std::vector<uint8_t> scratch;
+  auto bytes = f.TensorData(*t, &scratch);
+  std::vector<uint64_t> v(bytes->size() / 8);
+  std::memcpy(v.data(), bytes->data(), bytes->size());
+  return v;
+}
+
+// Rewrites a deployment packed by this nflash into what `nflash pack` wrote before bundle_hash existed: index tables
+// <prefix>.gate_xxh64 / .updown_xxh64 holding xxHash64 values (computed here with libxxhash), a manifest without
+// bundle_hash, resident_hash and resident_bytes updated.
+void MakeLegacy(const std::string& dir) {
+  const PartHashes old = HashParts(dir, LibXxh64);
+  nlohmann::json m = ReadJson(dir + "/manifest.json");
+  const std::string resident_path = dir + "/resident.gguf";
+  {
+    auto src = GgufFile::OpenPath(resident_path, /*use_mmap=*/false);
+    ASSERT_TRUE(src.ok());
+    std::map<std::string, std::pair<std::string, const std::vector<uint64_t>*>> renamed;
+    for (size_t i = 0; i < m["regions"].size(); ++i) {
+      const auto& r = m["regions"][i];
+      const std::string prefix = IndexTensorPrefix(r["layer"], r["expert"]);
+      renamed[prefix + ".gate_xxh3"] = {prefix + ".gate_xxh64", &old.gate[i]};
+      renamed[prefix + ".updown_xxh3"] = {prefix + ".updown_xxh64", &old.updown[i]};
+    }
+    GgufWriter w;
+    for (const auto& [key, value] : src->metadata()) w.Set(key, value);
+    for (const GgufTensorInfo& t : src->tensors()) {
+      auto it = renamed.find(t.name);
+      ASSERT_TRUE(w.AddTensor(it == renamed.end() ? t.name : it->second.first, t.type, t.dims).ok()) << t.name;
+    }
+    ASSERT_EQ(renamed.size(), 2 * m["regions"].size());
+    ASSERT_TRUE(w.Begin(resident_path, /*overwrite=*/true).ok());
+    std::vector<uint8_t> scratch;
+    for (const GgufTensorInfo& t : src->tensors()) {
+      auto it = renamed.find(t.name);
+      if (it == renamed.end()) {
+        ASSERT_TRUE(w.WriteTensorData(t.name, *src->TensorData(t, &scratch)).ok());
+      } else {
+        const std::vector<uint64_t>& v = *it->second.second;
+        ASSERT_TRUE(w.WriteTensorData(it->second.first, {reinterpret_cast<const uint8_t*>(v.data()), v.size() * 8}).ok());
+      }
+    }
+    ASSERT_TRUE(w.Finish().ok());
+  }
+  m.erase("bundle_hash");
+  m["resident_hash"] = HashToHex(*HashFile(resident_path));
+  m["resident_bytes"] = fs::file_size(resident_path);
+  WriteText(dir + "/manifest.json", m.dump(1) + "\n");
+}
+
+// Flips single bytes in an in-memory copy of one bundle: the gate part, the up part and the down part are each
+// caught by the deployment's own hash function, named in the message.
+void ExpectFlipsDetected(const Deployment& d, const std::string& hash_name) {
+  auto flash = ReadWholeFile(d.flash_path());
+  ASSERT_TRUE(flash.ok());
+  const BundleLayout& l = d.layout();
+  const ByteRange br = d.BundleRange(1, -1, 17);
+  std::vector<uint8_t> bundle(flash->begin() + br.offset, flash->begin() + br.offset + br.size);
+  ASSERT_TRUE(d.VerifyBundle(1, -1, 17, bundle).ok());
+  for (uint64_t at : {l.gate_offset + 3, l.up_offset + 1, l.down_offset + l.down_bytes - 1}) {
+    std::vector<uint8_t> bad = bundle;
+    bad[at] ^= 0x01;
+    const Status s = d.VerifyBundle(1, -1, 17, bad);
+    ASSERT_FALSE(s.ok()) << "byte " << at;
+    EXPECT_EQ(s.code(), StatusCode::kCorruption);
+    EXPECT_NE(s.message().find(": " + hash_name + " "), std::string::npos) << s.message();
+    const bool in_gate = at < l.gate_bytes;
+    const std::span<const uint8_t> all(bad);
+    EXPECT_EQ(d.VerifyGate(1, -1, 17, all.subspan(0, l.gate_bytes)).ok(), !in_gate);
+    EXPECT_EQ(d.VerifyUpDown(1, -1, 17, all.subspan(l.up_offset)).ok(), in_gate);
+  }
+}
+
+TEST(PackerHashTest, NewPackRecordsXxh3AndItsTablesAreXxh3) {
+  TempDir tmp;
+  Packed p = PackSmall(tmp, GgmlType::kQ8_0, 0, NeuronOrder::kCoactivation, "x3");
+  const nlohmann::json m = ReadJson(p.dir + "/manifest.json");
+  EXPECT_EQ(m["bundle_hash"], "xxh3");
+  EXPECT_EQ(m["schema_version"], 1);
+  const PartHashes want = HashParts(p.dir, LibXxh3);
+  ASSERT_EQ(want.gate.size(), 2u);
+  auto resident = GgufFile::OpenPath(p.dir + "/resident.gguf");
+  ASSERT_TRUE(resident.ok());
+  for (int64_t layer = 0; layer < 2; ++layer) {
+    const std::string prefix = IndexTensorPrefix(layer, -1);
+    EXPECT_EQ(ReadTable(*resident, prefix + ".gate_xxh3"), want.gate[layer]) << prefix;
+    EXPECT_EQ(ReadTable(*resident, prefix + ".updown_xxh3"), want.updown[layer]) << prefix;
+    // The names must not lie: no *_xxh64 tables in an XXH3 pack.
+    EXPECT_EQ(resident->FindTensor(prefix + ".gate_xxh64"), nullptr);
+    EXPECT_EQ(resident->FindTensor(prefix + ".updown_xxh64"), nullptr);
+  }
+  // And the values really are XXH3, not xxHash64.
+  EXPECT_NE(HashParts(p.dir, LibXxh64).gate[0], want.gate[0]);
+  auto d = Deployment::Open(p.dir);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ((*d)->manifest().bundle_hash, BundleHash::kXxh3);
+  ExpectFlipsDetected(**d, "xxh3");
+}
+
+TEST(PackerHashTest, OldDeploymentWithoutBundleHashStillVerifies) {
+  TempDir tmp;
+  Packed p = PackSmall(tmp, GgmlType::kF16, 0, NeuronOrder::kHotness, "old");
+  MakeLegacy(p.dir);
+  ASSERT_FALSE(ReadJson(p.dir + "/manifest.json").contains("bundle_hash"));
+  {
+    auto d = Deployment::Open(p.dir);
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    EXPECT_EQ((*d)->manifest().bundle_hash, BundleHash::kXxh64);
+    ExpectFlipsDetected(**d, "xxh64");
+  }
+  ExpectBundlesMatchSource(p);  // VerifyBundle on every neuron
+  auto v = VerifyDeployment(p.dir, false);
+  ASSERT_TRUE(v.ok()) << v.status().ToString();
+  // A flipped byte on disk under xxHash64.
+  const ByteRange br = (*Deployment::Open(p.dir))->GateRange(0, -1, 40);
+  FlipByte(p.dir + "/ffn.bin", br.offset + 2);
+  auto bad = VerifyDeployment(p.dir, false);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(bad.status().message().find("layer 0 neuron 40"), std::string::npos) << bad.status().message();
+  EXPECT_NE(bad.status().message().find(": xxh64 "), std::string::npos) << bad.status().message();
+}
+
+TEST(PackerHashTest, ManifestAndTableNamesMustAgree) {
+  TempDir tmp;
+  Packed p = PackSmall(tmp, GgmlType::kF32, 0, NeuronOrder::kHotness, "mix");
+  const std::string manifest = p.dir + "/manifest.json";
+  const nlohmann::json good = ReadJson(manifest);
+  // XXH3 tables under a manifest without the field (= xxh64): refused, never checked with the wrong function.
+  nlohmann::json m = good;
+  m.erase("bundle_hash");
+  WriteText(manifest, m.dump(1));
+  auto d = Deployment::Open(p.dir);
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.status().message().find("missing index tensor \"nflash.deploy.blk.0.gate_xxh64\""), std::string::npos)
+      << d.status().message();
+  // An old deployment whose manifest claims xxh3.
+  WriteText(manifest, good.dump(1));
+  MakeLegacy(p.dir);
+  m = ReadJson(manifest);
+  m["bundle_hash"] = "xxh3";
+  WriteText(manifest, m.dump(1));
+  d = Deployment::Open(p.dir);
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.status().message().find("gate_xxh3"), std::string::npos) << d.status().message();
+}
+
+TEST(PackerHashTest, UnknownBundleHashIsAClearError) {
+  TempDir tmp;
+  Packed p = PackSmall(tmp, GgmlType::kF32, 0, NeuronOrder::kHotness, "unk");
+  const std::string manifest = p.dir + "/manifest.json";
+  nlohmann::json m = ReadJson(manifest);
+  m["bundle_hash"] = "sha256";
+  WriteText(manifest, m.dump(1));
+  auto d = Deployment::Open(p.dir);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), StatusCode::kUnsupported);
+  const std::string msg = d.status().message();
+  for (const char* want : {"manifest.json", "bundle_hash", "\"xxh3\"", "\"xxh64\"", "found \"sha256\""}) {
+    EXPECT_NE(msg.find(want), std::string::npos) << want << " in: " << msg;
+  }
+  m["bundle_hash"] = 3;  // wrong JSON type
+  WriteText(manifest, m.dump(1));
+  d = Deployment::Open(p.dir);
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(d.status().message().find("bundle_hash"), std::string::npos) << d.status().message();
 }
 
 }  // namespace
