@@ -198,6 +198,8 @@ nlohmann::json RowResult::ToJson() const {
   j["hit_rate"] = hit_rate;
   j["mb_read_per_token"] = mb_read_per_token;
   j["reads_per_token"] = reads_per_token;
+  j["miss_rate_mean"] = miss_rate_mean;
+  j["miss_rate_p99"] = miss_rate_p99;
   j["peak_rss_bytes"] = peak_rss_bytes;
   j["cgroup_peak_bytes"] = cgroup_peak_bytes;
   j["cpu_util"] = cpu_util;
@@ -222,6 +224,8 @@ Result<RowResult> RowResult::FromJson(const nlohmann::json& j) {
     r.hit_rate = j.value("hit_rate", -1.0);
     r.mb_read_per_token = j.value("mb_read_per_token", 0.0);
     r.reads_per_token = j.value("reads_per_token", 0.0);
+    r.miss_rate_mean = j.value("miss_rate_mean", -1.0);
+    r.miss_rate_p99 = j.value("miss_rate_p99", -1.0);
     r.peak_rss_bytes = j.value("peak_rss_bytes", uint64_t{0});
     r.cgroup_peak_bytes = j.value("cgroup_peak_bytes", uint64_t{0});
     r.cpu_util = j.value("cpu_util", 0.0);
@@ -244,7 +248,8 @@ bool AnyFloors(const std::vector<RowResult>& rows) {
 std::string FormatMarkdown(const std::vector<RowResult>& rows) {
   const bool floors = AnyFloors(rows);
   std::vector<std::string> header = {"model", "mode", "memory", "test", "t/s", "P50 ms", "P90 ms", "P99 ms",
-                                     "hit rate", "MB/tok", "reads/tok", "peak RSS", "CPU", "constraint"};
+                                     "hit rate", "miss/tok mean", "miss/tok P99", "MB/tok", "reads/tok",
+                                     "peak RSS", "CPU", "constraint"};
   if (floors) header.insert(header.end() - 1, {"compute floor ms", "I/O floor ms", "x floor"});
   std::vector<std::vector<std::string>> cells;
   for (const RowResult& r : rows) {
@@ -261,6 +266,8 @@ std::string FormatMarkdown(const std::vector<RowResult>& rows) {
       c.push_back(tg ? Fixed(r.p90_ms, 2) : "-");
       c.push_back(tg ? Fixed(r.p99_ms, 2) : "-");
       c.push_back(r.hit_rate < 0 ? "-" : Fixed(r.hit_rate, 3));
+      c.push_back(r.miss_rate_mean < 0 ? "-" : Fixed(r.miss_rate_mean, 3));
+      c.push_back(r.miss_rate_p99 < 0 ? "-" : Fixed(r.miss_rate_p99, 3));
       c.push_back(Fixed(r.mb_read_per_token, 3));
       c.push_back(Fixed(r.reads_per_token, 1));
       c.push_back(sparse::FormatBytes(r.peak_rss_bytes));
@@ -296,7 +303,8 @@ std::string FormatJson(const std::vector<RowResult>& rows) {
 std::string FormatCsv(const std::vector<RowResult>& rows) {
   std::string out =
       "model,mode,memory_budget_bytes,offload,test,n_tokens,prompt_tokens,repetitions,threads,tok_s_mean,tok_s_sd,"
-      "token_ms_p50,token_ms_p90,token_ms_p99,hit_rate,mb_read_per_token,reads_per_token,peak_rss_bytes,"
+      "token_ms_p50,token_ms_p90,token_ms_p99,hit_rate,miss_rate_mean,miss_rate_p99,mb_read_per_token,reads_per_token,"
+      "peak_rss_bytes,"
       "cgroup_peak_bytes,cpu_util,constraint,status";
   const bool floors = AnyFloors(rows);
   out += floors ? ",floor_compute_ms,floor_io_ms,floor_ratio\n" : "\n";
@@ -308,6 +316,7 @@ std::string FormatCsv(const std::vector<RowResult>& rows) {
                                         std::to_string(s.repetitions), std::to_string(s.threads),
                                         Fixed(r.speed.mean, 4), Fixed(r.speed.sd, 4), Fixed(r.p50_ms, 4),
                                         Fixed(r.p90_ms, 4), Fixed(r.p99_ms, 4), Fixed(r.hit_rate, 4),
+                                        Fixed(r.miss_rate_mean, 4), Fixed(r.miss_rate_p99, 4),
                                         Fixed(r.mb_read_per_token, 6), Fixed(r.reads_per_token, 3),
                                         std::to_string(r.peak_rss_bytes), std::to_string(r.cgroup_peak_bytes),
                                         Fixed(r.cpu_util, 4), CsvField(r.constraint), CsvField(r.status)};

@@ -79,6 +79,9 @@ struct RowResult {
   double hit_rate = -1;            // sparse: neuron cache hits / lookups (hot and cold together); < 0: not applicable
   double mb_read_per_token = 0;    // sparse: flash bytes read; dense: bytes the kernel read from storage (/proc/self/io)
   double reads_per_token = 0;      // sparse: read requests after coalescing; dense: major page faults
+  // Sparse tg rows: per token, the share of its active neurons that had to be read from flash (paper Table 4's cache
+  // miss rate): the mean over tokens and the 99th percentile; < 0: not applicable.
+  double miss_rate_mean = -1, miss_rate_p99 = -1;
   uint64_t peak_rss_bytes = 0;     // the row's process, from wait4 (VmHWM in-process)
   uint64_t cgroup_peak_bytes = 0;  // the cgroup's recorded peak (RSS + page cache), 0 without a cgroup
   double cpu_util = 0;             // (user + sys CPU time) / wall time over the measured runs: 2.0 = two cores busy

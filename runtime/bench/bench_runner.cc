@@ -79,6 +79,7 @@ struct Engine {
 struct SparseCounters {
   uint64_t bytes = 0, requests = 0, hits = 0, lookups = 0;
   int64_t active = 0, used = 0;  // neurons computed, and those with h != 0 (the floors' FFN bytes)
+  int64_t missed = 0;            // active neurons read from flash
 };
 SparseCounters ReadSparseCounters(const Engine& e) {
   SparseCounters c;
@@ -87,6 +88,7 @@ SparseCounters ReadSparseCounters(const Engine& e) {
   c.bytes = st.bytes_read;
   c.requests = static_cast<uint64_t>(st.requests);
   c.active = st.active;
+  c.missed = st.missed;
   c.used = st.used;
   sparse::CacheCounters cc = e.rt->ffn().cache().hot().TotalCounters();
   cc += e.rt->ffn().cache().cold().TotalCounters();
@@ -165,6 +167,7 @@ Status Measure(const RowSpec& s, Engine& e, RowResult* r) {
   const BenchTest& t = s.test;
   const std::vector<int32_t> ids = PromptTokens(e.tokenizer, e.n_vocab, t.decode ? s.prompt_tokens : t.n_tokens);
   std::vector<double> latencies_ms;
+  std::vector<double> miss_rates;  // per decode token, sparse rows
   double wall_s = 0, cpu_s = 0;
   uint64_t tokens = 0, majflt = 0, read_bytes = 0;
   SparseCounters sparse_sum;
@@ -185,9 +188,15 @@ Status Measure(const RowSpec& s, Engine& e, RowResult* r) {
           const float* lg = e.ctx->logits();
           next = static_cast<int32_t>(std::max_element(lg, lg + e.n_vocab) - lg);
         }
+        const SparseCounters m0 = e.rt && rep >= 0 ? ReadSparseCounters(e) : SparseCounters();
         const auto s0 = Clock::now();
         NF_RETURN_IF_ERROR(e.ctx->Eval(std::span<const int32_t>(&next, 1), false));
         if (rep >= 0) latencies_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - s0).count());
+        if (e.rt && rep >= 0) {
+          const SparseCounters m1 = ReadSparseCounters(e);
+          const int64_t active = m1.active - m0.active;
+          if (active > 0) miss_rates.push_back(static_cast<double>(m1.missed - m0.missed) / static_cast<double>(active));
+        }
       }
     }
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -217,6 +226,12 @@ Status Measure(const RowSpec& s, Engine& e, RowResult* r) {
     r->hit_rate = sparse_sum.lookups ? static_cast<double>(sparse_sum.hits) / sparse_sum.lookups : 0.0;
     r->mb_read_per_token = static_cast<double>(sparse_sum.bytes) / 1e6 / n;
     r->reads_per_token = static_cast<double>(sparse_sum.requests) / n;
+    if (!miss_rates.empty()) {
+      double sum = 0;
+      for (double m : miss_rates) sum += m;
+      r->miss_rate_mean = sum / static_cast<double>(miss_rates.size());
+      r->miss_rate_p99 = Percentile(miss_rates, 0.99);
+    }
     if (!s.hw.empty() && t.decode && !latencies_ms.empty()) {
       double mean_ms = 0;
       for (double l : latencies_ms) mean_ms += l / static_cast<double>(latencies_ms.size());

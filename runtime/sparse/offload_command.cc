@@ -169,6 +169,7 @@ Status RunOffload(const OffloadFlags& f) {
   const int64_t warmup = std::min<int64_t>(f.warmup, n - 1);
   std::vector<int32_t> out;
   std::vector<double> lat_ms;
+  std::vector<double> miss_rate;  // per measured token: share of its active neurons read from flash
   Detokenizer detok(*tok);
   std::string text;
   for (int32_t t : ids) text += detok.Push(t);
@@ -179,6 +180,7 @@ Status RunOffload(const OffloadFlags& f) {
       wait0 = rt.ffn().io_wait_ns();
       submit0 = rt.reader() ? rt.reader()->Counters().submit_cpu_ns : 0;
       lat_ms.clear();
+      miss_rate.clear();
       t1 = Clock::now();
     }
     const float* lg = ctx.logits();
@@ -186,9 +188,15 @@ Status RunOffload(const OffloadFlags& f) {
     out.push_back(next);
     text += detok.Push(next);
     if (next == tok->eos_id()) break;
+    const OffloadGroupStats before = rt.ffn().TotalStats();
     const auto s = Clock::now();
     NF_RETURN_IF_ERROR(ctx.Eval(std::vector<int32_t>{next}, false));
     lat_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - s).count());
+    const OffloadGroupStats after = rt.ffn().TotalStats();
+    if (after.active > before.active) {
+      miss_rate.push_back(static_cast<double>(after.missed - before.missed) /
+                          static_cast<double>(after.active - before.active));
+    }
   }
   text += detok.Finish();
   const auto t2 = Clock::now();
@@ -203,6 +211,9 @@ Status RunOffload(const OffloadFlags& f) {
   if (rt.reader()) ioc = rt.reader()->Counters();
   double token_ms_mean = 0;
   for (double l : lat_ms) token_ms_mean += l / steps;
+  double miss_mean = 0;
+  for (double m : miss_rate) miss_mean += m / static_cast<double>(std::max<size_t>(1, miss_rate.size()));
+  const double miss_p99 = Percentile(miss_rate, 0.99);
   planner::Floors floors;
   if (!f.hw.empty()) {
     NF_ASSIGN_OR_RETURN(floors, DecodeFloors(rt, f.hw, MeasuredDecodeWork(rt, st, steps, pool.NumThreads(),
@@ -225,6 +236,8 @@ Status RunOffload(const OffloadFlags& f) {
       {"token_ms_mean", token_ms_mean},
       {"hot_hit_rate", hot.HitRate()},
       {"cold_hit_rate", cold.HitRate()},
+      {"miss_rate_mean", miss_mean},
+      {"miss_rate_p99", miss_p99},
       {"active_neurons_per_token", static_cast<double>(st.active) / steps},
       {"mb_read_per_token", static_cast<double>(st.bytes_read) / 1e6 / steps},
       {"requests_per_token", static_cast<double>(st.requests) / steps},
@@ -261,10 +274,11 @@ Status RunOffload(const OffloadFlags& f) {
   std::printf("decode (%s, %s): %zu tokens, %.2f tok/s; per token P50 %.2f ms, P90 %.2f ms, P99 %.2f ms\n",
               f.mode.c_str(), rt.predictor() ? "predictor" : "oracle", lat_ms.size(),
               j["decode_tok_s"].get<double>(), Percentile(lat_ms, 0.5), Percentile(lat_ms, 0.9), Percentile(lat_ms, 0.99));
-  std::printf("cache: hot hit rate %.3f (%d slots), cold hit rate %.3f (%d slots); per token: %.1f active neurons, "
-              "%.3f MB read in %.1f requests, %.3f ms waiting for I/O; %lld retries%s\n",
+  std::printf("cache: hot hit rate %.3f (%d slots), cold hit rate %.3f (%d slots); per token: %.1f active neurons "
+              "(miss rate mean %.3f, P99 %.3f), %.3f MB read in %.1f requests, %.3f ms waiting for I/O; %lld "
+              "retries%s\n",
               hot.HitRate(), static_cast<int>(rt.split().hot_slots), cold.HitRate(),
-              static_cast<int>(rt.split().cold_slots), static_cast<double>(st.active) / steps,
+              static_cast<int>(rt.split().cold_slots), static_cast<double>(st.active) / steps, miss_mean, miss_p99,
               static_cast<double>(st.bytes_read) / 1e6 / steps, static_cast<double>(st.requests) / steps,
               io_wait_ms / steps, static_cast<long long>(st.retries),
               rt.reader() && !rt.reader()->direct_io() ? " (O_DIRECT refused: reads went through the page cache)" : "");

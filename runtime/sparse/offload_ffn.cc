@@ -639,6 +639,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   NF_RETURN_IF_ERROR(Resolve(group, *region));
   st.tokens += 1;
   st.active += static_cast<int64_t>(active_.size());
+  st.missed += static_cast<int64_t>(active_.size() - ready_items_.size());
   st.requests += static_cast<int64_t>(requests_.size());
   for (const ReadRequest& r : requests_) st.bytes_read += r.size;
 
@@ -703,6 +704,7 @@ OffloadGroupStats OffloadFfn::TotalStats() const {
   for (const auto& s : stats_) {
     t.tokens += s.tokens;
     t.active += s.active;
+    t.missed += s.missed;
     t.used += s.used;
     t.requests += s.requests;
     t.bytes_read += s.bytes_read;

@@ -12,8 +12,9 @@
 //      chunk as it completes; llmflash mode: every miss is read with a blocking pread, then everything is computed;
 //      with two-phase loading (predictor mode, large bundles) a cold miss reads its gate page first and the rest of
 //      its bundle only if the gate passes (offload_two_phase.cc);
-//   4. every bundle that arrives is checked against its xxHash64 (a mismatch or a failed read is retried once with a
-//      synchronous read, then is an error naming layer, neuron and ffn.bin offset);
+//   4. every bundle that arrives is checked against its per-neuron hash (XXH3-64; xxHash64 in older deployments): a
+//      mismatch or a failed read is retried once with a synchronous read, then is an error naming layer, neuron and
+//      ffn.bin offset;
 //   5. per neuron k of A: h_k = ActivateNeuron(gate_k, up_k) (0 unless |act(gate_k)| > threshold) and its down
 //      column copied to row k of a compact matrix; then out = sum over k ascending with h_k != 0 of h_k * down_k
 //      (AccumulateRows): the summation order is that of A, never the order reads completed in, so results do not
@@ -104,9 +105,9 @@ struct OffloadOptions {
 // of the predicted neurons' gates (~40% at 7B), whose up and down parts are never used. With one bundle per flash
 // group and the gate at its start:
 //   phase 1: every cold miss of A reads the group's first page (kTwoPhasePageBytes, aligned) into its slot or staging,
-//            checked against gate_xxh64; gate = RowDot of the gate row (the same dot the whole-bundle path computes);
+//            checked against the gate hash; gate = RowDot of the gate row (the same dot the whole-bundle path computes);
 //   phase 2: only neurons with |act(gate)| > threshold read the rest of the group (whole pages, straight after the
-//            first page in the slot), checked against updown_xxh64.
+//            first page in the slot), checked against the up+down hash.
 // A cold slot may thus hold a gate-only bundle: a later hit whose gate passes needs only phase 2. Full mode: phase-1
 // chunks go through the I/O thread; as each one lands its gates are computed and its phase-2 reads appended to the
 // same job, so the I/O thread stays busy. llmflash: blocking phase-1 reads, then blocking phase-2 reads. Hot clusters
@@ -128,7 +129,7 @@ struct OffloadPrefillStats {
   uint64_t bytes_read = 0;
   int64_t prefetch_hits = 0;   // layers whose region had been prefetched during the previous layer
   uint64_t io_wait_ns = 0;     // compute thread blocked on the region read (exposed I/O)
-  uint64_t verify_ns = 0;      // xxHash64 of every bundle read
+  uint64_t verify_ns = 0;      // per-neuron hashes of every bundle read
   uint64_t compute_ns = 0;     // gate/up GEMM, activation, down accumulation
   uint64_t gate_up_ns = 0;     // of which the gate/up GEMM
   int64_t warmed_clusters = 0; // hot clusters copied into the hot region
@@ -153,6 +154,7 @@ inline constexpr size_t kDefaultClusterBytes = size_t{64} << 10;
 struct OffloadGroupStats {
   int64_t tokens = 0;
   int64_t active = 0;       // |A|
+  int64_t missed = 0;       // neurons of A not (wholly) in memory when the token needed them: read from flash
   int64_t used = 0;         // neurons whose h != 0 (rows of the down accumulation)
   int64_t requests = 0;     // reads issued after coalescing (retries excluded), both phases of two-phase loads
   uint64_t bytes_read = 0;  // bytes of those reads

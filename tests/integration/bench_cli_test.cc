@@ -130,10 +130,17 @@ TEST_F(BenchCliTest, SparseModesWithDeployment) {
     // A 2 MiB budget cannot hold the whole FFN of every layer after the fixed part: some neurons come from flash.
     EXPECT_GT(row["reads_per_token"].get<double>(), 0.0) << row.dump();
     EXPECT_GT(row["mb_read_per_token"].get<double>(), 0.0) << row.dump();
+    // Per-token miss rate (Table 4): some neurons missed, never more than all, the P99 at least the mean.
+    const double miss = row["miss_rate_mean"], miss99 = row["miss_rate_p99"];
+    EXPECT_GT(miss, 0.0) << row.dump();
+    EXPECT_LE(miss, 1.0);
+    EXPECT_GE(miss99, miss);
+    EXPECT_LE(miss99, 1.0);
     EXPECT_EQ(row["constraint"].get<std::string>().rfind("runtime budget", 0), 0u) << row.dump();
   }
   // Same deployment, budget, tokens and predictor: the two modes read the same bytes.
   EXPECT_DOUBLE_EQ(j[0]["mb_read_per_token"].get<double>(), j[1]["mb_read_per_token"].get<double>());
+  EXPECT_DOUBLE_EQ(j[0]["miss_rate_mean"].get<double>(), j[1]["miss_rate_mean"].get<double>());
 }
 
 TEST_F(BenchCliTest, RowTimeoutKillsTheRow) {

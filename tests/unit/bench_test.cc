@@ -105,11 +105,11 @@ TEST(BenchFormat, Markdown) {
   for (std::string l; std::getline(in, l);) lines.push_back(l);
   ASSERT_EQ(lines.size(), 4u) << md;
   EXPECT_EQ(lines[0].rfind("| model | mode | memory | test | t/s |", 0), 0u) << lines[0];
-  // Every line has the same number of cells (14 columns -> 15 bars not escaped as "\|").
+  // Every line has the same number of cells (16 columns -> 17 bars not escaped as "\|").
   for (const std::string& l : lines) {
     int bars = 0;
     for (size_t i = 0; i < l.size(); ++i) bars += l[i] == '|' && (i == 0 || l[i - 1] != '\\');
-    EXPECT_EQ(bars, 15) << l;
+    EXPECT_EQ(bars, 17) << l;
   }
   EXPECT_NE(lines[2].find("| dense-mmap | 1.00 GiB (offload 0.50) | tg16 | 15.00 ± 7.07 | 1.25 | 2.50 | 3.75 | 0.875 |"),
             std::string::npos)
@@ -126,7 +126,7 @@ TEST(BenchFormat, CsvQuotesAndColumns) {
   std::getline(in, row);
   EXPECT_EQ(header.rfind("model,mode,memory_budget_bytes,", 0), 0u);
   const size_t n_header = static_cast<size_t>(std::count(header.begin(), header.end(), ',')) + 1;
-  EXPECT_EQ(n_header, 22u);
+  EXPECT_EQ(n_header, 24u);
   // The model basename has a comma and quotes: one quoted field, quotes doubled.
   EXPECT_EQ(row.rfind("\"x, \"\"odd\"\".gguf\",in-memory,1073741824,0.500,pp16,16,", 0), 0u) << row;
   EXPECT_NE(row.find(",15.0000,7.0711,"), std::string::npos) << row;
