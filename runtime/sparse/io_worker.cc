@@ -21,6 +21,7 @@ void IoWorker::Start(std::span<const ReadRequest> requests, std::span<const size
     std::lock_guard<std::mutex> lock(mu_);
     chunks_.clear();
     statuses_.clear();
+    read_ns_.clear();
     done_ = 0;
   }
   Append(requests, chunk_ends);
@@ -33,6 +34,7 @@ void IoWorker::Append(std::span<const ReadRequest> requests, std::span<const siz
     for (size_t end : chunk_ends) {
       chunks_.push_back(requests.subspan(begin, end - begin));
       statuses_.push_back(Status::Ok());
+      read_ns_.push_back(0);
       begin = end;
     }
   }
@@ -49,9 +51,12 @@ void IoWorker::Loop() {
     const size_t i = done_;
     const std::span<const ReadRequest> chunk = chunks_[i];
     lock.unlock();
+    const auto t0 = std::chrono::steady_clock::now();
     Status s = file_->ReadBatch(chunk);
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     lock.lock();
     statuses_[i] = std::move(s);
+    read_ns_[i] = static_cast<uint64_t>(ns);
     done_ = i + 1;
     done_cv_.notify_all();
   }
@@ -64,6 +69,11 @@ Status IoWorker::WaitChunk(size_t i) {
   wait_ns_ += static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
   return statuses_[i];
+}
+
+uint64_t IoWorker::ChunkReadNs(size_t i) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return i < read_ns_.size() ? read_ns_[i] : 0;
 }
 
 void IoWorker::Drain() {

@@ -39,6 +39,9 @@ class IoWorker {
   void Drain();
   // Nanoseconds the caller spent blocked in WaitChunk/Drain since construction.
   uint64_t wait_ns() const { return wait_ns_; }
+  // Nanoseconds the worker spent reading chunk `i` of the current job (its ReadBatch, start to completion); call after
+  // WaitChunk(i).
+  uint64_t ChunkReadNs(size_t i);
 
  private:
   void Loop();
@@ -50,6 +53,7 @@ class IoWorker {
   std::vector<std::span<const ReadRequest>> chunks_;
   size_t done_ = 0;               // chunks finished
   std::vector<Status> statuses_;  // per chunk
+  std::vector<uint64_t> read_ns_; // per chunk: time inside ReadBatch
   uint64_t wait_ns_ = 0;          // caller thread only
   std::thread thread_;
 };

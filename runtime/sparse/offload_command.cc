@@ -258,6 +258,16 @@ Status RunOffload(const OffloadFlags& f) {
       {"tokens", out},
       {"text", text},
   };
+  nlohmann::json layers = nlohmann::json::array();
+  for (const PrefillLayerTiming& l : rt.ffn().prefill_layers()) {
+    layers.push_back({{"layer", l.layer},
+                      {"mb", static_cast<double>(l.bytes) / 1e6},
+                      {"read_ms", static_cast<double>(l.read_ns) / 1e6},
+                      {"wait_ms", static_cast<double>(l.wait_ns) / 1e6},
+                      {"verify_ms", static_cast<double>(l.verify_ns) / 1e6},
+                      {"compute_ms", static_cast<double>(l.compute_ns) / 1e6}});
+  }
+  j["prefill_layers"] = layers;  // batched prefill of the prompt, per layer (Fig. 8); empty: token by token
   if (!f.hw.empty()) {
     j["floor_compute_ms"] = floors.compute_ms;
     j["floor_io_ms"] = floors.io_ms;

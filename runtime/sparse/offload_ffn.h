@@ -136,6 +136,16 @@ struct OffloadPrefillStats {
   int64_t retries = 0;
 };
 
+// Batched prefill of one layer (the last prompt's): Fig. 8 of the paper, compute against sequential I/O per layer.
+struct PrefillLayerTiming {
+  int64_t layer = 0;
+  uint64_t bytes = 0;       // the layer's region
+  uint64_t read_ns = 0;     // reading the region (the I/O thread's time in its batch, or the blocking read)
+  uint64_t wait_ns = 0;     // of which the compute thread waited (not hidden by the previous layer's compute)
+  uint64_t verify_ns = 0;   // checksums of its bundles
+  uint64_t compute_ns = 0;  // gate/up GEMM, activation, down accumulation
+};
+
 // The shape (type, cols, row bytes; no data) of one bundle part, e.g. PartShape(lay, lay.up_type, lay.up_bytes): what
 // GemvRowPtrs / AccumulateRowPtrs need besides the row addresses.
 inline MatrixView PartShape(const packer::BundleLayout& lay, GgmlType type, uint64_t bytes) {
@@ -212,6 +222,8 @@ class OffloadFfn : public FfnBackend {
   static uint64_t PrefillBufferBytes(const packer::Deployment& deployment);
   bool batched_prefill() const { return !prefill_buf_[0].empty(); }
   const OffloadPrefillStats& prefill_stats() const { return prefill_stats_; }
+  // Per layer, the last batched prefill (empty when prefill ran token by token).
+  const std::vector<PrefillLayerTiming>& prefill_layers() const { return prefill_layers_; }
   uint64_t prefill_bytes() const;
 
  private:
@@ -361,6 +373,8 @@ class OffloadFfn : public FfnBackend {
   std::vector<float> pf_gate_, pf_up_;    // kPrefillTokenTile x n_ff, slot-view order (see ForwardBatch)
   OffloadPrefillStats prefill_stats_;
   OffloadPrefillStats prefill_batch_start_;  // at layer 0 of the current prompt (for the per-prompt log line)
+  std::vector<PrefillLayerTiming> prefill_layers_;  // the current prompt's layers
+  uint64_t last_region_read_ns_ = 0;                // set by FinishRegionRead
 };
 
 }  // namespace nflash::sparse

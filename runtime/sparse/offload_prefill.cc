@@ -102,8 +102,10 @@ Status OffloadFfn::FinishRegionRead(int64_t layer, int buf) {
   if (pending_buf_ == buf) {
     read = io_->WaitChunk(0);
     pending_buf_ = -1;
+    last_region_read_ns_ = io_->ChunkReadNs(0);
   } else {
     read = flash_->ReadBatch(prefill_reqs_[buf]);
+    last_region_read_ns_ = SteadyNowNs() - t0;
   }
   const uint64_t t1 = SteadyNowNs();
   prefill_stats_.io_wait_ns += t1 - t0;
@@ -203,7 +205,11 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   const packer::RegionInfo* region = deploy_.Region(layer, -1);
   if (region == nullptr) return Status::Internal("deployment has no region for layer " + std::to_string(layer));
   const int64_t group = layer * n_experts_;
-  if (layer == 0) prefill_batch_start_ = prefill_stats_;
+  if (layer == 0) {
+    prefill_batch_start_ = prefill_stats_;
+    prefill_layers_.clear();
+  }
+  const OffloadPrefillStats layer_start = prefill_stats_;
 
   // 1. The region in a layer buffer: prefetched during the previous layer, still there, or read now.
   int b = -1;
@@ -298,6 +304,10 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   prefill_stats_.compute_ns += SteadyNowNs() - t0;
   prefill_stats_.layers += 1;
   prefill_stats_.tokens += x.n();
+  prefill_layers_.push_back(PrefillLayerTiming{layer, region->size, last_region_read_ns_,
+                                               prefill_stats_.io_wait_ns - layer_start.io_wait_ns,
+                                               prefill_stats_.verify_ns - layer_start.verify_ns,
+                                               prefill_stats_.compute_ns - layer_start.compute_ns});
 
   // 4. Decode starts warm: the hot clusters just read go into the hot region.
   WarmHotRegion(group, *region, data);

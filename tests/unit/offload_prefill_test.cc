@@ -104,7 +104,8 @@ class OffloadPrefillTest : public ::testing::Test {
   // Offloaded logits for `prompt` (+ decode) with batched prefill on or off.
   static std::vector<std::vector<float>> Offloaded(const std::string& deploy, SparseRuntimeOptions o, bool batched,
                                                    const std::vector<int32_t>& prompt, int decode,
-                                                   OffloadPrefillStats* stats = nullptr) {
+                                                   OffloadPrefillStats* stats = nullptr,
+                                                   std::vector<PrefillLayerTiming>* layers = nullptr) {
     o.batched_prefill = batched;
     auto rt = SparseRuntime::Open(deploy, o, pool_);
     EXPECT_TRUE(rt.ok()) << rt.status().ToString();
@@ -113,6 +114,7 @@ class OffloadPrefillTest : public ::testing::Test {
     auto l = Logits((*rt)->context(), (*rt)->model().hparams().n_vocab, prompt, decode);
     EXPECT_TRUE(l.ok()) << l.status().ToString();
     if (stats) *stats = (*rt)->ffn().prefill_stats();
+    if (layers) *layers = (*rt)->ffn().prefill_layers();
     return l.ok() ? *l : std::vector<std::vector<float>>{};
   }
 
@@ -159,7 +161,8 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
       o.hot_policy = HotPolicy::kLru;  // warmed from prefill (a pinned region is loaded at start instead)
       o.cold_slots = 40;
       OffloadPrefillStats st;
-      auto batched = Offloaded(dir_->File("s-deploy"), o, true, prompt, 5, &st);
+      std::vector<PrefillLayerTiming> per_layer;
+      auto batched = Offloaded(dir_->File("s-deploy"), o, true, prompt, 5, &st, &per_layer);
       auto token = Offloaded(dir_->File("s-deploy"), o, false, prompt, 5);
       ExpectBitwise(batched, token);
       ExpectBitwise(batched, *ref);
@@ -174,6 +177,22 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
       ASSERT_TRUE(d.ok());
       EXPECT_EQ(st.bytes_read, (*d)->manifest().flash_bytes);
       EXPECT_EQ(st.prefetch_hits, mode == OffloadMode::kFull ? n_layers - 1 : 0);
+      // Fig. 8's per-layer breakdown: one entry per layer, in order, each layer's whole region read and computed;
+      // a blocking read is waited for in full, and what the compute thread waited adds up to the stats' total.
+      ASSERT_EQ(static_cast<int64_t>(per_layer.size()), n_layers);
+      uint64_t bytes = 0, wait = 0;
+      for (int64_t l = 0; l < n_layers; ++l) {
+        const PrefillLayerTiming& t = per_layer[static_cast<size_t>(l)];
+        EXPECT_EQ(t.layer, l);
+        EXPECT_EQ(t.bytes, (*d)->Region(l, -1)->size);
+        EXPECT_GT(t.read_ns, 0u);
+        EXPECT_GT(t.compute_ns, 0u);
+        if (mode == OffloadMode::kLlmFlash) EXPECT_GE(t.wait_ns, t.read_ns);
+        bytes += t.bytes;
+        wait += t.wait_ns;
+      }
+      EXPECT_EQ(bytes, st.bytes_read);
+      EXPECT_EQ(wait, st.io_wait_ns);
       if (hot > 0) {
         EXPECT_GT(st.warmed_clusters, 0) << "the hot region is warmed from what prefill read";
       } else {
