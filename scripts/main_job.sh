@@ -2,7 +2,7 @@
 # The main job on a fresh machine: install dependencies, build, then run nflash's whole pipeline on the default model
 # (../shared/models/stories260K) and on its ReLU fine-tune (stories260K-relu, 86% of FFN activations exactly zero):
 #   convert -> profile (calibration text) -> pack (FFN neurons on flash) -> profile-hw (this machine) -> plan (Z3,
-#   memory limit) -> offload (FFN read from flash with O_DIRECT + io_uring under the plan's memory budget),
+#   memory limit, calibrated by one measured run) -> offload (FFN read from flash with O_DIRECT + io_uring under the plan's memory budget),
 # printing the story, the speed and the memory used next to the in-memory dense engine's speed; then perplexity on
 # the held-out text and a small synthetic sparse model.
 # Usage: scripts/main_job.sh [SHARED_DIR] (default ../shared). Outputs go to out/.
@@ -38,8 +38,9 @@ pipeline() {
   $NF -q profile -m "$gguf" -f "$CALIB" --tokens 20000 -o "out/$name.prof" --force
   $NF -q pack -m "$gguf" -p "out/$name.prof" -o "out/$name.deploy" --force
   $NF inspect "out/$name.deploy"
-  $NF -q plan --hw out/hw.json --deploy "out/$name.deploy" --memory "$memory" --ctx 256 -o "out/$name.plan.json" \
-    --force --explain
+  # --calibrate: the plan is run once (a few dozen tokens) and the cost model fitted to what was measured.
+  $NF plan --hw out/hw.json --deploy "out/$name.deploy" --memory "$memory" --ctx 256 -o "out/$name.plan.json" \
+    --force --explain --calibrate
   $NF offload -d "out/$name.deploy" --plan "out/$name.plan.json" -n 200
   echo "-- in-memory dense engine, same model, for comparison"
   $NF run -m "$gguf" -n 200 --temp 0 -c 256
