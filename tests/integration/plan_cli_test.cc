@@ -5,9 +5,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
+#include "planner/calibration.h"
 #include "planner/plan.h"
 #include "tests/integration/fake_hw_profile.h"
 #include "tests/test_util.h"
@@ -137,6 +139,45 @@ TEST_F(PlanCliTest, TheRuntimeFollowsThePlanAndRefusesOneForAnotherDeployment) {
   EXPECT_NE(other.output.find("another deployment"), std::string::npos) << other.output;
   // --plan with --memory: conflicting settings.
   auto both = RunCommand(Nflash() + " offload -d " + tmp_->File("deploy") + " --plan " + plan + " --memory 3M -n 4");
+  EXPECT_EQ(both.exit_code, 2) << both.output;
+}
+
+// --calibrate runs the plan once, fits the cost model to it and records the fit; --calibration reuses it.
+TEST_F(PlanCliTest, CalibrateFitsAMeasuredRunAndIsReusable) {
+  auto raw = Plan("--memory 3M --ctx 128", "cal_raw.json");
+  ASSERT_EQ(raw.exit_code, 0) << raw.output;
+  auto r = Plan("--memory 3M --ctx 128 --calibrate --calibrate-tokens 8 --calibrate-warmup 4", "cal.json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("calibration: measured"), std::string::npos) << r.output;
+  auto plain = LoadPlan(tmp_->File("cal_raw.json"));
+  auto cal = LoadPlan(tmp_->File("cal.json"));
+  ASSERT_TRUE(plain.ok() && cal.ok());
+  EXPECT_FALSE(plain->calibration.present());
+  const Calibration& c = cal->calibration;
+  ASSERT_TRUE(c.present());
+  EXPECT_EQ(c.tokens, 8);
+  EXPECT_EQ(c.memory_bytes, 3u << 20);
+  EXPECT_GT(c.compute_scale, 0);
+  EXPECT_GT(c.io_scale, 0);
+  EXPECT_GT(c.measured_token_s, c.measured_io_wait_s);
+  std::printf("calibration (fake hw.json): compute x%.3f, I/O x%.3f\n", c.compute_scale, c.io_scale);
+  // The fit starts from the uncalibrated plan: the same prediction a plan without --calibrate makes.
+  EXPECT_NEAR(c.uncalibrated_token_s, plain->predicted.token_s, plain->predicted.token_s * 1e-9);
+
+  // Reused at another memory limit: the same factors, nothing measured again.
+  auto reuse = Plan("--memory 4M --ctx 128 --calibration " + tmp_->File("cal.json"), "cal_reuse.json");
+  ASSERT_EQ(reuse.exit_code, 0) << reuse.output;
+  EXPECT_EQ(reuse.output.find("calibrating"), std::string::npos) << reuse.output;
+  auto again = LoadPlan(tmp_->File("cal_reuse.json"));
+  ASSERT_TRUE(again.ok());
+  EXPECT_DOUBLE_EQ(again->calibration.compute_scale, c.compute_scale);
+  EXPECT_DOUBLE_EQ(again->calibration.io_scale, c.io_scale);
+
+  // A plan without a calibration cannot lend one; both flags at once are a usage error.
+  auto none = Plan("--memory 3M --ctx 128 --calibration " + tmp_->File("cal_raw.json"), "cal_none.json");
+  EXPECT_EQ(none.exit_code, 2) << none.output;
+  EXPECT_NE(none.output.find("no 'calibration'"), std::string::npos) << none.output;
+  auto both = Plan("--memory 3M --calibrate --calibration " + tmp_->File("cal.json"), "cal_both.json");
   EXPECT_EQ(both.exit_code, 2) << both.output;
 }
 
