@@ -1,6 +1,7 @@
 // Compute kernels of the runtime: dense and row-sparse matrix-vector / matrix-matrix products over F32, F16, BF16,
-// Q8_0 and Q4_0 weights, with a scalar path, an AVX2 path and an AVX-512 path (Q4_0/Q8_0 dots; the rest as AVX2)
-// chosen at run time.
+// Q8_0 and Q4_0 weights, with a scalar path, an AVX2 path and an AVX-512 path (Q4_0/Q8_0 dots and the row
+// accumulation of every type; the other dots as AVX2) chosen at run time. AccumulateRows gives bit-identical results
+// under AVX2 and AVX-512 (the same fma per element, rows in order); the scalar path rounds differently (mul then add).
 //
 // Numerics (as llama.cpp): Q8_0/Q4_0 weights are multiplied with the activation quantized to Q8_0 by
 // QuantizeRowQ8_0 (integer dot per block of 32, scaled by d_w * d_x in float); F32/F16/BF16 weights with the float

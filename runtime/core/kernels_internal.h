@@ -43,7 +43,8 @@ struct IsaKernels {
 
 extern const IsaKernels kScalarKernels;
 extern const IsaKernels kAvx2Kernels;
-// Q4_0/Q8_0 dots in AVX-512; everything else forwards to kAvx2Kernels (a CPU with the one has the other).
+// Q4_0/Q8_0 dots and every type's row accumulation in AVX-512; the other dots forward to kAvx2Kernels (a CPU with
+// the one has the other).
 extern const IsaKernels kAvx512Kernels;
 
 }  // namespace nflash::internal

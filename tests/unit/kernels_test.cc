@@ -1,7 +1,8 @@
 // Tests of the compute kernels: every kernel x weight type x ISA against a double-precision reference built from the
 // dequantized weights (and the Q8_0-quantized activation where the kernel quantizes it), AVX2 / AVX-512 vs scalar
 // agreement,
-// odd shapes, thread-count independence (bit-exact) and sparse = dense restricted to the chosen rows.
+// odd shapes, thread-count independence (bit-exact), sparse = dense restricted to the chosen rows, and the vector
+// AccumulateRows kernels bit for bit against the per-element FMA sequence they implement.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 
 #include "runtime/core/float16.h"
 #include "runtime/core/kernels.h"
+#include "runtime/core/kernels_internal.h"
 #include "runtime/core/quant.h"
 #include "runtime/core/thread_pool.h"
 
@@ -395,6 +397,126 @@ TEST_P(KernelAgreementTest, VectorIsaAndScalarAgreeWithinRounding) {
 
 INSTANTIATE_TEST_SUITE_P(Isa, KernelAgreementTest, ::testing::Values(KernelIsa::kAvx2, KernelIsa::kAvx512),
                          [](const auto& info) { return std::string(KernelIsaName(info.param)); });
+
+// AccumulateRows in the vector ISAs is one fused multiply-add per row and element, rows in the given order:
+// y = fma(w, s, y) with s = a_k (float rows) or s = a_k * d rounded to float (Q8_0/Q4_0 blocks), w the exact weight.
+// This is that sequence written out element by element (std::fma), independent of the kernels; the AVX2 and AVX-512
+// kernels must equal it bit for bit, which also makes them equal to each other (the offloaded runtime compares
+// runs bitwise). The scalar kernel rounds the product separately (no FMA), so it only agrees within rounding.
+void FmaModel(GgmlType type, const std::vector<const uint8_t*>& rows, const float* a, int64_t c0, int64_t c1,
+              float* y) {
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const uint8_t* row = rows[k];
+    for (int64_t c = c0; c < c1; ++c) {
+      float w, s = a[k];
+      if (IsQuant(type)) {
+        const int64_t b = c / 32, j = c % 32;
+        const uint8_t* blk = row + b * (type == GgmlType::kQ8_0 ? sizeof(BlockQ8_0) : sizeof(BlockQ4_0));
+        uint16_t d;
+        std::memcpy(&d, blk, 2);
+        s = a[k] * Fp16ToFp32(d);
+        if (type == GgmlType::kQ8_0) {
+          w = static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+        } else {
+          const uint8_t byte = blk[2 + j % 16];
+          w = static_cast<float>((j < 16 ? byte & 0x0f : byte >> 4) - 8);
+        }
+      } else if (type == GgmlType::kF32) {
+        std::memcpy(&w, row + 4 * c, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, row + 2 * c, 2);
+        w = type == GgmlType::kF16 ? Fp16ToFp32(h) : Bf16ToFp32(h);
+      }
+      y[c] = std::fma(w, s, y[c]);
+    }
+  }
+}
+
+// Each vector ISA's accumulate kernel, called directly so that column ranges [c0, c1) other than the splits the
+// front end makes are covered: starts at any multiple of 32, ends at a multiple of 32 or the row end, neither a
+// multiple of the kernels' 64-column steps; row counts around the 4- and 8-row groups; duplicate rows, zero
+// coefficients (+0 and -0), padded rows (row starts not 4-byte aligned); rows by index and by address.
+TEST(AccumulateKernelTest, VectorIsasEqualTheFmaSequenceBitForBit) {
+  std::vector<std::pair<const char*, const internal::IsaKernels*>> isas;
+  if (CpuHasAvx2()) isas.push_back({"avx2", &internal::kAvx2Kernels});
+  if (CpuHasAvx512()) isas.push_back({"avx512", &internal::kAvx512Kernels});
+  if (isas.empty()) GTEST_SKIP() << "CPU lacks AVX2";
+  for (GgmlType type : kTypes) {
+    const int64_t rows = 40, cols = IsQuant(type) ? 416 : 413;  // 13 blocks / 25 vectors and a 13-column tail
+    const TestMatrix m = MakeMatrix(type, rows, cols, 61, /*pad=*/6);
+    // Scattered copies of every row, in reverse order, for the by-address form.
+    std::vector<uint8_t> scattered(rows * (m.row_bytes + 10));
+    std::vector<const uint8_t*> row_ptr(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      uint8_t* dst = scattered.data() + (rows - 1 - r) * (m.row_bytes + 10) + 3;
+      std::memcpy(dst, m.data.data() + r * m.row_bytes, m.row_bytes);
+      row_ptr[r] = dst;
+    }
+    const std::pair<int64_t, int64_t> ranges[] = {{0, cols}, {32, cols}, {64, 96},  {96, 224},
+                                                  {0, 32},   {384, cols}, {32, 288}, {160, 192}};
+    std::mt19937 rng(62);
+    for (int64_t count : {0, 1, 3, 4, 7, 8, 9, 12, 15, 16, 17, 25}) {
+      std::vector<int32_t> idx(count);
+      for (auto& i : idx) i = static_cast<int32_t>(rng() % rows);  // duplicates likely
+      std::vector<float> a = RandomFloats(count, static_cast<uint32_t>(63 + count));
+      for (int64_t k = 0; k < count; k += 3) a[k] = k % 2 ? -0.0f : 0.0f;
+      std::vector<const uint8_t*> ptrs(count);
+      for (int64_t k = 0; k < count; ++k) ptrs[k] = row_ptr[idx[k]];
+      const internal::RowSet by_index{m.data.data(), m.row_bytes, idx.data()};
+      const internal::RowSet by_ptr{nullptr, m.row_bytes, nullptr, ptrs.data()};
+      for (auto [c0, c1] : ranges) {
+        const auto y0 = RandomFloats(cols, static_cast<uint32_t>(64 + c0));
+        std::vector<float> want = y0;
+        FmaModel(type, ptrs, a.data(), c0, c1, want.data());
+        for (const auto& [name, kernels] : isas) {
+          for (const internal::RowSet* rs : {&by_index, &by_ptr}) {
+            std::vector<float> got = y0;
+            kernels->accumulate(type, *rs, count, a.data(), c0, c1, got.data());
+            const std::string what = std::string(GgmlTypeName(type)) + " " + name + " count " +
+                                     std::to_string(count) + " cols [" + std::to_string(c0) + ", " +
+                                     std::to_string(c1) + ") " + (rs == &by_ptr ? "ptrs" : "index");
+            for (int64_t c = 0; c < cols; ++c) {
+              uint32_t gb, wb;
+              std::memcpy(&gb, &got[c], 4);
+              std::memcpy(&wb, &want[c], 4);
+              ASSERT_EQ(gb, wb) << what << " col " << c << ": " << got[c] << " vs " << want[c];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Through the public entry points, with the thread split: AVX-512 and AVX2 give the same bits for AccumulateRows and
+// AccumulateRowPtrs at 1 and 2 threads on model-sized rows (4096 columns: two 2048-column thread ranges).
+TEST(AccumulateKernelTest, Avx512EqualsAvx2ThroughThePublicApi) {
+  if (!CpuHasAvx512()) GTEST_SKIP() << "CPU lacks AVX-512";
+  for (GgmlType type : kTypes) {
+    const int64_t rows = 300, cols = 4096;
+    const TestMatrix m = MakeMatrix(type, rows, cols, 71);
+    const auto idx = RandomRows(rows, 0.33, 72);  // 99 rows: 12 groups of 8, then 3
+    std::vector<const uint8_t*> ptrs(idx.size());
+    for (size_t k = 0; k < idx.size(); ++k) ptrs[k] = m.data.data() + static_cast<size_t>(idx[k]) * m.row_bytes;
+    const auto a = RandomFloats(idx.size(), 73);
+    for (int threads : {1, 2}) {
+      ThreadPool pool(threads);
+      std::vector<float> want(cols, 0.125f), got(cols, 0.125f), got_ptrs(cols, 0.125f);
+      ASSERT_TRUE(SetKernelIsa(KernelIsa::kAvx2));
+      AccumulateRows(m.view(), idx, a.data(), want.data(), &pool);
+      ASSERT_TRUE(SetKernelIsa(KernelIsa::kAvx512));
+      AccumulateRows(m.view(), idx, a.data(), got.data(), &pool);
+      AccumulateRowPtrs(m.view(), ptrs, a.data(), got_ptrs.data(), &pool);
+      SetKernelIsa(BestKernelIsa());
+      const std::string what = std::string(GgmlTypeName(type)) + " threads " + std::to_string(threads);
+      EXPECT_EQ(std::memcmp(want.data(), got.data(), cols * 4), 0) << what;
+      EXPECT_EQ(std::memcmp(want.data(), got_ptrs.data(), cols * 4), 0) << what;
+      // Not vacuous: the rows changed y.
+      EXPECT_NE(want[0], 0.125f) << what;
+    }
+  }
+}
 
 TEST(KernelIsaSelectionTest, DefaultIsTheBestTheCpuHas) {
   const KernelIsa best = CpuHasAvx512() ? KernelIsa::kAvx512 : CpuHasAvx2() ? KernelIsa::kAvx2 : KernelIsa::kScalar;
