@@ -106,7 +106,7 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
   p.predictor_s = static_cast<double>(model.predictor_bytes) / gemv;
   // The I/O thread's submission work lands on the compute cores when they are all busy computing.
   const bool io_shares_cores = s.compute_threads + s.io_threads > hw.cores;
-  const int qd = EffectiveQueueDepth(s.queue_depth, s.cluster_neurons);
+  const int qd = s.queue_depth;
   p.memory_bytes = model.fixed_bytes;
   double active_total = 0, served_total = 0;
   for (size_t r = 0; r < model.ffns.size(); ++r) {

@@ -113,11 +113,8 @@ struct Prediction {
 // Cluster sizes and queue depths the planner chooses from (the runtime's supported values).
 inline const std::vector<int> kClusterChoices = {8, 16, 32, 64, 128};
 inline const std::vector<int> kQueueDepthChoices = {1, 2, 4, 8, 16, 32, 64};
-// Reads in flight: the runtime submits one cluster (pipeline chunk) of reads at a time and drains the ring before the
-// next, so a queue depth above the cluster size is never reached.
-inline int EffectiveQueueDepth(int queue_depth, int cluster_neurons) {
-  return cluster_neurons > 0 && cluster_neurons < queue_depth ? cluster_neurons : queue_depth;
-}
+// Reads in flight: the runtime's I/O thread streams a layer's reads through one queue kept at the queue depth, and
+// hands them to compute cluster by cluster (IoWorker), so the cluster size no longer caps the depth.
 
 // Prefill of `n_tokens` (docs/planner.md, "Prefill"): GEMM time against streaming the FFN regions that are not held
 // in memory, overlapped by next-layer prefetch except for the first layer's read.

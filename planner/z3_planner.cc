@@ -130,18 +130,10 @@ std::vector<Knobs> Candidates(const HardwareParams& hw, const ModelParams& model
     }
     if (!dominated) depths.push_back(kQueueDepthChoices[i]);
   }
-  // The runtime submits a cluster's (a pipeline chunk's) reads as one batch and drains the ring between chunks, so at
-  // most k reads are in flight: a depth above k behaves as depth k (EffectiveQueueDepth).
   std::vector<Knobs> out;
   for (int t = 1; t <= max_threads; ++t) {
     for (int k : kClusterChoices) {
-      for (int q : depths) {
-        const Knobs kn{t, EffectiveQueueDepth(q, k), k};
-        const bool seen = std::any_of(out.begin(), out.end(), [&](const Knobs& o) {
-          return o.threads == kn.threads && o.queue_depth == kn.queue_depth && o.cluster == kn.cluster;
-        });
-        if (!seen) out.push_back(kn);
-      }
+      for (int q : depths) out.push_back(Knobs{t, q, k});
     }
   }
   return out;

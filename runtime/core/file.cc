@@ -100,6 +100,20 @@ Status ReadableFile::ReadBatch(std::span<const ReadRequest> requests) const {
   return Status::Ok();
 }
 
+Status ReadableFile::ReadBatchProgress(std::span<const ReadRequest> requests,
+                                       const std::function<void(size_t)>& done) const {
+  Status first;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    Status s = ReadAt(requests[i].offset, requests[i].size, requests[i].dst);
+    if (s.ok()) {
+      done(i);
+    } else if (first.ok()) {
+      first = std::move(s);
+    }
+  }
+  return first;
+}
+
 Result<std::unique_ptr<ReadableFile>> OpenPreadFile(const std::string& path) {
   NF_ASSIGN_OR_RETURN(auto fd_size, OpenForRead(path));
   return std::unique_ptr<ReadableFile>(new PreadFile(path, fd_size.first, fd_size.second));

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -30,6 +31,12 @@ class ReadableFile {
   virtual Status ReadAt(uint64_t offset, size_t size, void* dst) const = 0;
   // Reads every request; the default issues them one by one. Stops at the first error.
   virtual Status ReadBatch(std::span<const ReadRequest> requests) const;
+  // As ReadBatch, calling done(i) on the calling thread as soon as request i has arrived (in any order), so that a
+  // caller can use early arrivals while later ones are in flight; an implementation with a queue keeps it full across
+  // the whole span. A failed request is not reported and does not stop the others; the first error is returned. The
+  // default reads them one by one.
+  virtual Status ReadBatchProgress(std::span<const ReadRequest> requests,
+                                   const std::function<void(size_t)>& done) const;
   virtual uint64_t Size() const = 0;
   virtual const std::string& Path() const = 0;
   // The whole file as memory when it is mapped or in memory, else nullptr. Valid while the object lives.

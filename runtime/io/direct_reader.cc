@@ -213,7 +213,15 @@ Status DirectReader::ReadBatch(std::span<const ReadRequest> requests) const {
   return RunBatchLocked(requests);
 }
 
-Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests) const {
+Status DirectReader::ReadBatchProgress(std::span<const ReadRequest> requests,
+                                       const std::function<void(size_t)>& done) const {
+  for (const ReadRequest& r : requests) NF_RETURN_IF_ERROR(CheckRange(path_, size_, r.offset, r.size));
+  std::lock_guard<std::mutex> lock(mu_);
+  return RunBatchLocked(requests, &done);
+}
+
+Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests,
+                                    const std::function<void(size_t)>* done) const {
   io_uring* ring = ring_.get();
   std::vector<Op> ops(queue_depth_);
   std::vector<int> free_slots;
@@ -273,8 +281,10 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests) const
       prep(slot);
     }
     resubmit.clear();
-    while (first_error.ok() && next < requests.size() && !free_slots.empty()) {
+    // Plain batches stop at the first error; a progress batch goes on (its caller learns which requests arrived).
+    while ((first_error.ok() || done != nullptr) && next < requests.size() && !free_slots.empty()) {
       if (requests[next].size == 0) {
+        if (done != nullptr) (*done)(next);
         ++next;
         continue;
       }
@@ -328,7 +338,7 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests) const
       };
       if (res == -EAGAIN || res == -EINTR) {
         resubmit.push_back(slot);
-      } else if (res == -EIO && op.eio_retries == 0 && first_error.ok()) {
+      } else if (res == -EIO && op.eio_retries == 0 && (first_error.ok() || done != nullptr)) {
         ++op.eio_retries;
         ++counters_.retries;
         NF_LOG(Warning) << ReadError(path_, r.offset, r.size, "EIO") << "; retrying once";
@@ -341,7 +351,7 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests) const
                                        "unexpected end of file at offset " + std::to_string(op.read_offset + op.done))));
       } else {
         op.done += static_cast<size_t>(res);
-        if (op.done < op.needed && first_error.ok()) {
+        if (op.done < op.needed && (first_error.ok() || done != nullptr)) {
           ++counters_.short_reads;
           resubmit.push_back(slot);
         } else {
@@ -353,6 +363,7 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests) const
             latency_ns_[latency_next_] = static_cast<uint32_t>(std::min<uint64_t>(lat, UINT32_MAX));
             latency_next_ = (latency_next_ + 1) % latency_ns_.size();
             ++latency_count_;
+            if (done != nullptr) (*done)(op.request);
           }
           op.bounce.reset();
           free_slots.push_back(slot);

@@ -108,6 +108,9 @@ class DirectReader final : public ReadableFile {
   // a batch may hold any number of requests. Stops at the first failed request (the others may or may not be done).
   Status ReadAt(uint64_t offset, size_t size, void* dst) const override;
   Status ReadBatch(std::span<const ReadRequest> requests) const override;
+  // The whole span in one queue (kept at queue_depth), done(i) as each request completes.
+  Status ReadBatchProgress(std::span<const ReadRequest> requests,
+                           const std::function<void(size_t)>& done) const override;
   uint64_t Size() const override { return size_; }
   const std::string& Path() const override { return path_; }
 
@@ -131,7 +134,8 @@ class DirectReader final : public ReadableFile {
   DirectReader(int fd, std::string path, uint64_t size, bool direct, size_t alignment, const DirectReaderOptions& opts);
   Status InitRing();
   bool IsAligned(uint64_t offset, size_t size, const void* dst) const;
-  Status RunBatchLocked(std::span<const ReadRequest> requests) const;
+  Status RunBatchLocked(std::span<const ReadRequest> requests,
+                        const std::function<void(size_t)>* done = nullptr) const;
 
   int fd_;
   std::string path_;

@@ -1,9 +1,17 @@
-// The pipeline's I/O thread: chunked batched reads with per-chunk completion.
+// The pipeline's I/O thread: one stream of reads per Start/Append call with per-chunk completion.
 #include "runtime/sparse/io_worker.h"
 
+#include <algorithm>
 #include <chrono>
 
 namespace nflash::sparse {
+
+namespace {
+uint64_t NowNs() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+}  // namespace
 
 IoWorker::IoWorker(const ReadableFile* file) : file_(file), thread_([this] { Loop(); }) {}
 
@@ -18,11 +26,16 @@ IoWorker::~IoWorker() {
 
 void IoWorker::Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    chunks_.clear();
+    // A chunk is reported done as its last read lands, a moment before the worker finishes its segment's
+    // bookkeeping: wait for that, so the worker never counts the old segment against the new job.
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return next_segment_ >= segments_.size(); });
+    segments_.clear();
+    next_segment_ = 0;
+    chunk_end_.clear();
+    chunk_done_.clear();
     statuses_.clear();
     read_ns_.clear();
-    done_ = 0;
   }
   Append(requests, chunk_ends);
 }
@@ -30,12 +43,12 @@ void IoWorker::Start(std::span<const ReadRequest> requests, std::span<const size
 void IoWorker::Append(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    size_t begin = 0;
+    segments_.push_back(Segment{requests, chunk_end_.size(), chunk_ends.size()});
     for (size_t end : chunk_ends) {
-      chunks_.push_back(requests.subspan(begin, end - begin));
+      chunk_end_.push_back(end);
+      chunk_done_.push_back(0);
       statuses_.push_back(Status::Ok());
       read_ns_.push_back(0);
-      begin = end;
     }
   }
   job_cv_.notify_one();
@@ -44,20 +57,50 @@ void IoWorker::Append(std::span<const ReadRequest> requests, std::span<const siz
 void IoWorker::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    // Chunks run in the order they were added; Start resets the list only once every chunk is done (its contract),
-    // so done_ always names the next chunk to read.
-    job_cv_.wait(lock, [&] { return stop_ || done_ < chunks_.size(); });
+    // Segments run in the order they were added; Start resets the list only once every chunk is done (its
+    // contract), so next_segment_ always names the next one to read.
+    job_cv_.wait(lock, [&] { return stop_ || next_segment_ < segments_.size(); });
     if (stop_) return;
-    const size_t i = done_;
-    const std::span<const ReadRequest> chunk = chunks_[i];
+    const Segment seg = segments_[next_segment_];
+    // The segment's chunk ends (relative to its requests), copied so that Append may grow the shared vectors.
+    ends_.assign(chunk_end_.begin() + static_cast<std::ptrdiff_t>(seg.first_chunk),
+                 chunk_end_.begin() + static_cast<std::ptrdiff_t>(seg.first_chunk + seg.n_chunks));
     lock.unlock();
-    const auto t0 = std::chrono::steady_clock::now();
-    Status s = file_->ReadBatch(chunk);
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    remaining_.resize(seg.n_chunks);
+    size_t begin = 0;
+    for (size_t c = 0; c < seg.n_chunks; ++c) {
+      remaining_[c] = ends_[c] - begin;
+      begin = ends_[c];
+    }
+    const uint64_t t0 = NowNs();
+    auto finish_chunk = [&](size_t c) {
+      const uint64_t t = NowNs() - t0;
+      std::lock_guard<std::mutex> g(mu_);
+      chunk_done_[seg.first_chunk + c] = 1;
+      read_ns_[seg.first_chunk + c] = t;
+      done_cv_.notify_all();
+    };
+    for (size_t c = 0; c < seg.n_chunks; ++c) {
+      if (remaining_[c] == 0) finish_chunk(c);
+    }
+    // The whole segment as one stream: the reader keeps its queue full across chunk boundaries, and a chunk is
+    // released to the compute thread as soon as its last request lands.
+    const Status s = file_->ReadBatchProgress(seg.requests, [&](size_t i) {
+      const size_t c = static_cast<size_t>(std::upper_bound(ends_.begin(), ends_.end(), i) - ends_.begin());
+      if (c < seg.n_chunks && --remaining_[c] == 0) finish_chunk(c);
+    });
     lock.lock();
-    statuses_[i] = std::move(s);
-    read_ns_[i] = static_cast<uint64_t>(ns);
-    done_ = i + 1;
+    // A failed read is not reported (the stream goes on with the others): its chunk carries the error, and the caller
+    // verifies that chunk's units and re-reads the ones whose bytes are wrong (its counted, single retry).
+    const uint64_t t = NowNs() - t0;
+    for (size_t c = 0; c < seg.n_chunks; ++c) {
+      if (!chunk_done_[seg.first_chunk + c]) {
+        chunk_done_[seg.first_chunk + c] = 1;
+        statuses_[seg.first_chunk + c] = s.ok() ? Status::Internal("I/O worker: a read was never reported") : s;
+        read_ns_[seg.first_chunk + c] = t;
+      }
+    }
+    ++next_segment_;
     done_cv_.notify_all();
   }
 }
@@ -65,7 +108,7 @@ void IoWorker::Loop() {
 Status IoWorker::WaitChunk(size_t i) {
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return done_ > i; });
+  done_cv_.wait(lock, [&] { return i < chunk_done_.size() && chunk_done_[i]; });
   wait_ns_ += static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
   return statuses_[i];
@@ -78,7 +121,7 @@ uint64_t IoWorker::ChunkReadNs(size_t i) {
 
 void IoWorker::Drain() {
   std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return done_ >= chunks_.size(); });
+  done_cv_.wait(lock, [&] { return next_segment_ >= segments_.size(); });
 }
 
 }  // namespace nflash::sparse

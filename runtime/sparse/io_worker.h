@@ -1,6 +1,6 @@
-// The I/O thread of the neuron-cluster pipeline: reads a list of requests chunk by chunk on its own thread and lets
-// the compute thread wait for each chunk separately, so compute on chunk i (and on cache hits) overlaps the reads of
-// chunks i+1, i+2, ...
+// The I/O thread of the neuron-cluster pipeline: reads a list of requests on its own thread as one stream (the
+// reader keeps its queue full across chunk boundaries) and lets the compute thread wait for each chunk separately, so
+// compute on chunk i (and on cache hits) overlaps the reads of chunks i+1, i+2, ...
 #pragma once
 
 #include <condition_variable>
@@ -26,8 +26,9 @@ class IoWorker {
   IoWorker(const IoWorker&) = delete;
   IoWorker& operator=(const IoWorker&) = delete;
 
-  // Starts reading requests[0, chunk_ends[0]), [chunk_ends[0], chunk_ends[1]), ... in order, each chunk with one
-  // ReadBatch (one batched submission); returns at once. The previous job must be fully waited for (Drain).
+  // Starts reading requests[0, chunk_ends[0]), [chunk_ends[0], chunk_ends[1]), ... as one ReadBatchProgress stream;
+  // chunk i is done when its last request has arrived (chunks may complete out of order). Returns at once. The
+  // previous job must be fully waited for (Drain).
   void Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
   // Adds chunks to the current job (numbered after its existing ones), e.g. reads that depend on data an earlier
   // chunk brought (two-phase loading: up+down parts after the gate page). `chunk_ends` index into `requests`, which
@@ -39,7 +40,7 @@ class IoWorker {
   void Drain();
   // Nanoseconds the caller spent blocked in WaitChunk/Drain since construction.
   uint64_t wait_ns() const { return wait_ns_; }
-  // Nanoseconds the worker spent reading chunk `i` of the current job (its ReadBatch, start to completion); call after
+  // Nanoseconds from the start of chunk `i`'s stream (its Start/Append call's reads) to its last arrival; call after
   // WaitChunk(i).
   uint64_t ChunkReadNs(size_t i);
 
@@ -48,12 +49,21 @@ class IoWorker {
   const ReadableFile* file_;
   std::mutex mu_;
   std::condition_variable job_cv_, done_cv_;
+  // One Start or Append call: its requests are read as one stream.
+  struct Segment {
+    std::span<const ReadRequest> requests;
+    size_t first_chunk = 0, n_chunks = 0;
+  };
   // Guarded by mu_.
   bool stop_ = false;
-  std::vector<std::span<const ReadRequest>> chunks_;
-  size_t done_ = 0;               // chunks finished
-  std::vector<Status> statuses_;  // per chunk
-  std::vector<uint64_t> read_ns_; // per chunk: time inside ReadBatch
+  std::vector<Segment> segments_;
+  size_t next_segment_ = 0;         // segments fully read
+  std::vector<size_t> chunk_end_;   // per chunk: end index into its segment's requests
+  std::vector<uint8_t> chunk_done_; // per chunk: every request arrived (or the segment failed)
+  std::vector<Status> statuses_;    // per chunk
+  std::vector<uint64_t> read_ns_;   // per chunk: from the start of its segment's stream to its last arrival
+  // Worker thread only.
+  std::vector<size_t> ends_, remaining_;
   uint64_t wait_ns_ = 0;          // caller thread only
   std::thread thread_;
 };

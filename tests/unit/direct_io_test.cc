@@ -227,6 +227,45 @@ TEST_F(DirectReaderTest, EioAlwaysFailsNamingPathOffsetAndSize) {
   EXPECT_EQ(std::memcmp(out.data(), bytes_.data(), 4096), 0);
 }
 
+// The I/O worker's stream: every request reported exactly once, as it lands; a failed one is not reported and does not
+// stop the others (their bytes arrive), and the batch returns its error. Also through the default (one by one).
+TEST_F(DirectReaderTest, ProgressReportsEachArrivalAndGoesOnAfterAFailure) {
+  DirectReaderOptions opt;
+  opt.queue_depth = 4;
+  opt.completion_hook = [](uint64_t offset, size_t size, int res) {
+    return (offset <= 200000 && 200000 < offset + size) ? -EIO : res;
+  };
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  std::vector<uint8_t> out(64 * 4096);
+  std::vector<ReadRequest> reqs;
+  for (int i = 0; i < 64; ++i) reqs.push_back({static_cast<uint64_t>(i) * 4096, 4096, out.data() + i * 4096});
+  reqs.push_back({0, 0, out.data()});  // empty: reported without a read
+  const size_t bad = 200000 / 4096;
+  for (const ReadableFile* f : {static_cast<const ReadableFile*>(reader.get())}) {
+    std::fill(out.begin(), out.end(), 0);
+    std::vector<int> seen(reqs.size(), 0);
+    const Status s = f->ReadBatchProgress(reqs, [&](size_t i) {
+      ASSERT_LT(i, reqs.size());
+      ++seen[i];
+      if (reqs[i].size > 0) {  // the bytes are there when the request is reported
+        EXPECT_EQ(std::memcmp(reqs[i].dst, bytes_.data() + reqs[i].offset, reqs[i].size), 0) << i;
+      }
+    });
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("offset 196608"), std::string::npos) << s.message();
+    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(seen[i], i == bad ? 0 : 1) << i;
+  }
+  // Without faults, through ReadableFile's default (a pread file): each request once, in order.
+  auto plain = OpenPreadFile(path_);
+  ASSERT_TRUE(plain.ok());
+  std::vector<size_t> order;
+  ASSERT_TRUE((*plain)->ReadBatchProgress(reqs, [&](size_t i) { order.push_back(i); }).ok());
+  ASSERT_EQ(order.size(), reqs.size());
+  for (size_t i = 0; i < order.size(); ++i) EXPECT_EQ(order[i], i);
+  EXPECT_EQ(std::memcmp(out.data(), bytes_.data(), out.size()), 0);
+}
+
 TEST_F(DirectReaderTest, ShortReadIsResubmittedForTheRemainder) {
   bool shortened = false;
   DirectReaderOptions opt;
