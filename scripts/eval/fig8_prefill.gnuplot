@@ -1,6 +1,6 @@
 # Fig. 8 analogue: per layer of a batched prefill, compute time against the time to read the layer's FFN region
 # sequentially, and the part of that read the compute did not hide, from fig8.dat (scripts/eval/tables.py).
-if (!system("test -f fig8.dat && echo 1")) exit
+if (system("test -f fig8.dat && echo 1") ne "1") exit
 set terminal svg size 820,420 dynamic font "sans,11"
 set output "fig8_prefill.svg"
 set title "Prefill per layer: compute vs sequential flash reads (SYNTHETIC weights)\n".machine noenhanced
