@@ -227,14 +227,11 @@ Status Measure(const RowSpec& s, Engine& e, RowResult* r) {
     r->mb_read_per_token = static_cast<double>(sparse_sum.bytes) / 1e6 / n;
     r->reads_per_token = static_cast<double>(sparse_sum.requests) / n;
     if (!miss_rates.empty()) {
-      double sum = 0;
-      for (double m : miss_rates) sum += m;
-      r->miss_rate_mean = sum / static_cast<double>(miss_rates.size());
+      r->miss_rate_mean = Mean(miss_rates);
       r->miss_rate_p99 = Percentile(miss_rates, 0.99);
     }
     if (!s.hw.empty() && t.decode && !latencies_ms.empty()) {
-      double mean_ms = 0;
-      for (double l : latencies_ms) mean_ms += l / static_cast<double>(latencies_ms.size());
+      const double mean_ms = Mean(latencies_ms);
       sparse::OffloadGroupStats st;
       st.active = sparse_sum.active;
       st.used = sparse_sum.used;

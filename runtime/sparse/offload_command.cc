@@ -209,10 +209,8 @@ Status RunOffload(const OffloadFlags& f) {
   const double io_wait_ms = static_cast<double>(rt.ffn().io_wait_ns() - wait0) / 1e6;
   io::IoCounters ioc;
   if (rt.reader()) ioc = rt.reader()->Counters();
-  double token_ms_mean = 0;
-  for (double l : lat_ms) token_ms_mean += l / steps;
-  double miss_mean = 0;
-  for (double m : miss_rate) miss_mean += m / static_cast<double>(std::max<size_t>(1, miss_rate.size()));
+  const double token_ms_mean = Mean(lat_ms);
+  const double miss_mean = Mean(miss_rate);
   const double miss_p99 = Percentile(miss_rate, 0.99);
   planner::Floors floors;
   if (!f.hw.empty()) {

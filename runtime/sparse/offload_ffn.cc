@@ -14,6 +14,7 @@
 #include "runtime/core/kernels.h"
 #include "runtime/core/log.h"
 #include "runtime/core/stats.h"
+#include "runtime/io/direct_reader.h"  // CoalesceRequests
 
 namespace nflash::sparse {
 
@@ -293,13 +294,13 @@ Status OffloadFfn::LoadPinnedClusters() {
   SlotRegion& hot = cache_->hot();
   // One group at a time: its clusters are consecutive on flash, so they are read as large requests straight into
   // their slots when the slots are consecutive too (a fresh partition hands them out in order), else one per cluster.
+  std::vector<ReadRequest> reads;
   for (int64_t g = 0; g < n_groups_; ++g) {
     if (pinned_[g] == 0) continue;
     const packer::RegionInfo& region = deploy_.manifest().regions[static_cast<size_t>(g)];
     const int64_t layer = g / n_experts_;
     const int64_t expert = model_.hparams().n_experts > 0 ? g % n_experts_ : -1;
     units_.clear();
-    requests_.clear();
     for (int64_t c = 0; c < pinned_[g]; ++c) {
       const SlotRegion::Lookup l = hot.Acquire(g, c);
       if (l.slot < 0 || l.hit) {
@@ -309,16 +310,10 @@ Status OffloadFfn::LoadPinnedClusters() {
       const uint64_t start = lay.SlotOffset(c * cluster_neurons_);
       const size_t size = static_cast<size_t>(std::min<uint64_t>(cluster_bytes_, region.size - start));
       units_.push_back(Unit{region.offset + start, size, hot.SlotData(l.slot), l.slot, true, c, -1, Phase::kWhole, -1});
-      ReadRequest* last = requests_.empty() ? nullptr : &requests_.back();
-      if (last != nullptr && last->offset + last->size == region.offset + start &&
-          static_cast<uint8_t*>(last->dst) + last->size == hot.SlotData(l.slot) &&
-          last->size + size <= kPrefillRequestBytes) {
-        last->size += size;
-      } else {
-        requests_.push_back(ReadRequest{region.offset + start, size, hot.SlotData(l.slot)});
-      }
+      reads.push_back(ReadRequest{region.offset + start, size, hot.SlotData(l.slot)});
     }
-    const Status batch = flash_->ReadBatch(requests_);
+    const Status batch = flash_->ReadBatch(io::CoalesceRequests(reads, kPrefillRequestBytes));
+    reads.clear();
     for (size_t u = 0; u < units_.size(); ++u) {
       NF_RETURN_IF_ERROR(CheckArrival(layer, expert, region, u, batch).WithContext("loading the pinned hot region"));
       hot.Release(units_[u].cache_slot);
@@ -326,7 +321,6 @@ Status OffloadFfn::LoadPinnedClusters() {
     stats_[static_cast<size_t>(g)].retries = 0;  // load-time retries are not decode statistics
   }
   units_.clear();
-  requests_.clear();
   hot.ResetCounters();
   return Status::Ok();
 }

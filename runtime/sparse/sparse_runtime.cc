@@ -2,6 +2,9 @@
 #include "runtime/sparse/sparse_runtime.h"
 
 #include <algorithm>
+#include <numeric>
+#include <string>
+#include <utility>
 
 #include "runtime/core/log.h"
 
@@ -53,6 +56,29 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   // Index tables of every region: slot_of_neuron, neuron_of_slot (4 bytes each), two hashes (8 bytes each).
   f.scratch += static_cast<uint64_t>(d.manifest().regions.size()) * static_cast<uint64_t>(hp.n_ff) * 24;
   f.predictor = oracle ? OffloadFfn::EstimateOracleBytes(d, true) : rt->predictor_->PredictorBytes();
+  CacheShape shape;
+  shape.n_groups = static_cast<int64_t>(d.manifest().regions.size());
+  shape.hot_slot_bytes = OffloadFfn::HotSlotBytes(d, options.cluster_groups);
+  shape.hot_clusters = OffloadFfn::HotClusterCount(d, options.cluster_groups, options.hot_policy);
+  shape.cold_slot_bytes = OffloadFfn::ColdSlotBytes(d);
+  shape.cold_neurons = shape.n_groups * hp.n_ff;
+  for (const auto& [per_group, what] : {std::pair{&options.cold_slots_per_group, "cold"},
+                                        std::pair{&options.hot_slots_per_group, "hot"}}) {
+    if (!per_group->empty() && static_cast<int64_t>(per_group->size()) != shape.n_groups) {
+      return Status::InvalidArgument(std::string(what) + " slots given for " + std::to_string(per_group->size()) +
+                                     " layers/experts, " + deploy_dir + " has " + std::to_string(shape.n_groups));
+    }
+  }
+  // The cache sizes asked for (per group when given, e.g. by a plan); a budget without them is split below.
+  const bool explicit_split = !options.cold_slots_per_group.empty();
+  const int64_t asked_hot = std::min(
+      shape.hot_clusters, options.hot_slots_per_group.empty()
+                              ? options.hot_slots
+                              : std::accumulate(options.hot_slots_per_group.begin(), options.hot_slots_per_group.end(),
+                                                int64_t{0}));
+  const int64_t asked_cold = explicit_split ? std::accumulate(options.cold_slots_per_group.begin(),
+                                                              options.cold_slots_per_group.end(), int64_t{0})
+                                            : options.cold_slots;
   // Batched prefill's layer buffers, if the budget has room for them beside the rest of the fixed part (and the
   // caches the plan asks for).
   bool batched_prefill = options.batched_prefill && OffloadFfn::PrefillBufferBytes(d) > 0;
@@ -60,18 +86,9 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
     FixedMemory with = f;
     with.scratch += OffloadFfn::PrefillBufferBytes(d);
     uint64_t need = with.Total();
-    if (!options.cold_slots_per_group.empty()) {
-      uint64_t cold = 0;
-      for (int64_t c : options.cold_slots_per_group) cold += static_cast<uint64_t>(c);
-      int64_t hot = options.hot_slots;
-      if (!options.hot_slots_per_group.empty()) {
-        hot = 0;
-        for (int64_t c : options.hot_slots_per_group) hot += c;
-      }
-      need += cold * OffloadFfn::ColdSlotBytes(d) +
-              static_cast<uint64_t>(std::min(hot, OffloadFfn::HotClusterCount(d, options.cluster_groups,
-                                                                              options.hot_policy))) *
-                  OffloadFfn::HotSlotBytes(d, options.cluster_groups);
+    if (explicit_split) {
+      need += static_cast<uint64_t>(asked_cold) * shape.cold_slot_bytes +
+              static_cast<uint64_t>(asked_hot) * shape.hot_slot_bytes;
     }
     if (need > options.memory_budget) {
       batched_prefill = false;
@@ -81,17 +98,6 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
     }
   }
   if (batched_prefill) f.scratch += OffloadFfn::PrefillBufferBytes(d);
-  CacheShape shape;
-  shape.n_groups = static_cast<int64_t>(d.manifest().regions.size());
-  shape.hot_slot_bytes = OffloadFfn::HotSlotBytes(d, options.cluster_groups);
-  shape.hot_clusters = OffloadFfn::HotClusterCount(d, options.cluster_groups, options.hot_policy);
-  shape.cold_slot_bytes = OffloadFfn::ColdSlotBytes(d);
-  shape.cold_neurons = shape.n_groups * hp.n_ff;
-  const bool explicit_split = !options.cold_slots_per_group.empty();
-  if (explicit_split && static_cast<int64_t>(options.cold_slots_per_group.size()) != shape.n_groups) {
-    return Status::InvalidArgument("cold slots given for " + std::to_string(options.cold_slots_per_group.size()) +
-                                   " layers/experts, " + deploy_dir + " has " + std::to_string(shape.n_groups));
-  }
   const uint64_t full_staging = static_cast<uint64_t>(hp.n_ff) * shape.cold_slot_bytes;  // counted in f.scratch
   if (options.memory_budget > 0 && !explicit_split) {
     NF_ASSIGN_OR_RETURN(rt->split_, SplitBudget(options.memory_budget, f, shape, options.hot_fraction));
@@ -104,21 +110,8 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
       rt->split_.cold_bytes += static_cast<uint64_t>(extra) * shape.cold_slot_bytes;
     }
   } else {
-    int64_t hot = options.hot_slots;
-    if (!options.hot_slots_per_group.empty()) {
-      if (static_cast<int64_t>(options.hot_slots_per_group.size()) != shape.n_groups) {
-        return Status::InvalidArgument("hot slots given for " + std::to_string(options.hot_slots_per_group.size()) +
-                                       " layers/experts, " + deploy_dir + " has " + std::to_string(shape.n_groups));
-      }
-      hot = 0;
-      for (int64_t c : options.hot_slots_per_group) hot += c;
-    }
-    rt->split_.hot_slots = std::min(hot, shape.hot_clusters);
-    rt->split_.cold_slots = options.cold_slots;
-    if (explicit_split) {
-      rt->split_.cold_slots = 0;
-      for (int64_t c : options.cold_slots_per_group) rt->split_.cold_slots += c;
-    }
+    rt->split_.hot_slots = asked_hot;
+    rt->split_.cold_slots = asked_cold;
     rt->split_.hot_bytes = static_cast<uint64_t>(rt->split_.hot_slots) * shape.hot_slot_bytes;
     rt->split_.cold_bytes = static_cast<uint64_t>(rt->split_.cold_slots) * shape.cold_slot_bytes;
     if (options.memory_budget > 0) {

@@ -41,6 +41,21 @@ class DirectReaderTest : public ::testing::Test {
     EXPECT_TRUE(r.ok()) << r.status().ToString();
     return r.ok() ? std::move(r).value() : nullptr;
   }
+  // Queue depth 4; every read covering byte `bad_offset` fails with EIO (the reader's own retry fails too).
+  std::unique_ptr<DirectReader> OpenFailingAt(uint64_t bad_offset) {
+    DirectReaderOptions opt;
+    opt.queue_depth = 4;
+    opt.completion_hook = [bad_offset](uint64_t offset, size_t size, int res) {
+      return (offset <= bad_offset && bad_offset < offset + size) ? -EIO : res;
+    };
+    return Open(opt);
+  }
+  // One 4 KiB request per page of the first n pages, into consecutive pages of `out`.
+  static std::vector<ReadRequest> PageRequests(std::vector<uint8_t>& out, int n) {
+    std::vector<ReadRequest> reqs;
+    for (int i = 0; i < n; ++i) reqs.push_back({static_cast<uint64_t>(i) * 4096, 4096, out.data() + i * 4096});
+    return reqs;
+  }
   TempDir dir_;
   std::string path_;
   std::vector<uint8_t> bytes_;
@@ -205,16 +220,10 @@ TEST_F(DirectReaderTest, EioOnceIsRetriedAndSucceeds) {
 }
 
 TEST_F(DirectReaderTest, EioAlwaysFailsNamingPathOffsetAndSize) {
-  DirectReaderOptions opt;
-  opt.queue_depth = 4;
-  opt.completion_hook = [](uint64_t offset, size_t size, int res) {
-    return (offset <= 200000 && 200000 < offset + size) ? -EIO : res;
-  };
-  auto reader = Open(opt);
+  auto reader = OpenFailingAt(200000);
   ASSERT_NE(reader, nullptr);
   std::vector<uint8_t> out(64 * 4096);
-  std::vector<ReadRequest> reqs;
-  for (int i = 0; i < 64; ++i) reqs.push_back({static_cast<uint64_t>(i) * 4096, 4096, out.data() + i * 4096});
+  const std::vector<ReadRequest> reqs = PageRequests(out, 64);
   const Status s = reader->ReadBatch(reqs);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), StatusCode::kIOError);
@@ -230,32 +239,24 @@ TEST_F(DirectReaderTest, EioAlwaysFailsNamingPathOffsetAndSize) {
 // The I/O worker's stream: every request reported exactly once, as it lands; a failed one is not reported and does not
 // stop the others (their bytes arrive), and the batch returns its error. Also through the default (one by one).
 TEST_F(DirectReaderTest, ProgressReportsEachArrivalAndGoesOnAfterAFailure) {
-  DirectReaderOptions opt;
-  opt.queue_depth = 4;
-  opt.completion_hook = [](uint64_t offset, size_t size, int res) {
-    return (offset <= 200000 && 200000 < offset + size) ? -EIO : res;
-  };
-  auto reader = Open(opt);
+  auto reader = OpenFailingAt(200000);
   ASSERT_NE(reader, nullptr);
   std::vector<uint8_t> out(64 * 4096);
-  std::vector<ReadRequest> reqs;
-  for (int i = 0; i < 64; ++i) reqs.push_back({static_cast<uint64_t>(i) * 4096, 4096, out.data() + i * 4096});
+  std::vector<ReadRequest> reqs = PageRequests(out, 64);
   reqs.push_back({0, 0, out.data()});  // empty: reported without a read
   const size_t bad = 200000 / 4096;
-  for (const ReadableFile* f : {static_cast<const ReadableFile*>(reader.get())}) {
-    std::fill(out.begin(), out.end(), 0);
-    std::vector<int> seen(reqs.size(), 0);
-    const Status s = f->ReadBatchProgress(reqs, [&](size_t i) {
-      ASSERT_LT(i, reqs.size());
-      ++seen[i];
-      if (reqs[i].size > 0) {  // the bytes are there when the request is reported
-        EXPECT_EQ(std::memcmp(reqs[i].dst, bytes_.data() + reqs[i].offset, reqs[i].size), 0) << i;
-      }
-    });
-    ASSERT_FALSE(s.ok());
-    EXPECT_NE(s.message().find("offset 196608"), std::string::npos) << s.message();
-    for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(seen[i], i == bad ? 0 : 1) << i;
-  }
+  std::vector<int> seen(reqs.size(), 0);
+  const Status s = reader->ReadBatchProgress(reqs, [&](size_t i) {
+    ASSERT_LT(i, reqs.size());
+    ++seen[i];
+    if (reqs[i].size > 0) {  // the bytes are there when the request is reported
+      EXPECT_EQ(std::memcmp(reqs[i].dst, bytes_.data() + reqs[i].offset, reqs[i].size), 0) << i;
+    }
+  });
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("offset 196608"), std::string::npos) << s.message();
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(seen[i], i == bad ? 0 : 1) << i;
+  std::fill(out.begin(), out.end(), 0);
   // Without faults, through ReadableFile's default (a pread file): each request once, in order.
   auto plain = OpenPreadFile(path_);
   ASSERT_TRUE(plain.ok());
