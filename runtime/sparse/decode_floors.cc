@@ -22,8 +22,13 @@ planner::DecodeWork MeasuredDecodeWork(const SparseRuntime& rt, const OffloadGro
   const double gate = rt.predictor() ? static_cast<double>(lay.gate_bytes) : 0.0;
   w.ffn_bytes = (static_cast<double>(stats.active) * gate +
                  static_cast<double>(stats.used) * static_cast<double>(lay.up_bytes + lay.down_bytes)) / n;
-  w.read_bytes = static_cast<double>(stats.bytes_read) / n;
-  w.read_requests = static_cast<double>(stats.requests) / n;
+  // The reads the tokens needed: bundles read ahead that no active set used are this runtime's waste, not work the
+  // model asks for, so the I/O floor leaves them out (their share of the lookahead's bytes and requests).
+  const double wasted = stats.prefetched > 0 ? static_cast<double>(stats.prefetched - stats.prefetch_used) /
+                                                   static_cast<double>(stats.prefetched)
+                                             : 0.0;
+  w.read_bytes = (static_cast<double>(stats.bytes_read) - wasted * static_cast<double>(stats.prefetch_bytes)) / n;
+  w.read_requests = (static_cast<double>(stats.requests) - wasted * static_cast<double>(stats.prefetch_requests)) / n;
   w.queue_depth = rt.reader() ? static_cast<int>(rt.reader()->queue_depth()) : 1;
   w.token_ms = token_ms;
   return w;

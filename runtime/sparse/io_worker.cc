@@ -24,7 +24,7 @@ IoWorker::~IoWorker() {
   thread_.join();
 }
 
-void IoWorker::Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends) {
+size_t IoWorker::Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends) {
   {
     // A chunk is reported done as its last read lands, a moment before the worker finishes its segment's
     // bookkeeping: wait for that, so the worker never counts the old segment against the new job.
@@ -37,12 +37,14 @@ void IoWorker::Start(std::span<const ReadRequest> requests, std::span<const size
     statuses_.clear();
     read_ns_.clear();
   }
-  Append(requests, chunk_ends);
+  return Append(requests, chunk_ends);
 }
 
-void IoWorker::Append(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends) {
+size_t IoWorker::Append(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends) {
+  size_t first = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    first = chunk_end_.size();
     segments_.push_back(Segment{requests, chunk_end_.size(), chunk_ends.size()});
     for (size_t end : chunk_ends) {
       chunk_end_.push_back(end);
@@ -52,6 +54,7 @@ void IoWorker::Append(std::span<const ReadRequest> requests, std::span<const siz
     }
   }
   job_cv_.notify_one();
+  return first;
 }
 
 void IoWorker::Loop() {

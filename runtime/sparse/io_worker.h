@@ -28,12 +28,12 @@ class IoWorker {
 
   // Starts reading requests[0, chunk_ends[0]), [chunk_ends[0], chunk_ends[1]), ... as one ReadBatchProgress stream;
   // chunk i is done when its last request has arrived (chunks may complete out of order). Returns at once. The
-  // previous job must be fully waited for (Drain).
-  void Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
+  // previous job must be fully waited for (Drain). Returns 0 (the first chunk's index).
+  size_t Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
   // Adds chunks to the current job (numbered after its existing ones), e.g. reads that depend on data an earlier
   // chunk brought (two-phase loading: up+down parts after the gate page). `chunk_ends` index into `requests`, which
-  // must stay valid like Start's. Not after Drain.
-  void Append(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
+  // must stay valid like Start's. Not after Drain. Returns the index of its first chunk.
+  size_t Append(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
   // Blocks until chunk `i` is read; its status.
   Status WaitChunk(size_t i);
   // Blocks until every chunk of the current job is done (used before reusing buffers after an error).

@@ -171,6 +171,17 @@ void SlotRegion::Release(int32_t s) {
   if (--x.pins == 0) PushMru(s);
 }
 
+void SlotRegion::ReleaseAsLru(int32_t s) {
+  Slot& x = slots_[s];
+  if (x.pins <= 0) std::abort();
+  if (--x.pins != 0) return;
+  Partition& p = partitions_[x.partition];
+  x.prev = -1;
+  x.next = p.head;
+  if (p.head >= 0) slots_[p.head].prev = s; else p.tail = s;
+  p.head = s;
+}
+
 void SlotRegion::Abandon(int32_t s) {
   Slot& x = slots_[s];
   if (x.pins != 1) std::abort();  // only the filler (sole pin holder) may abandon a slot

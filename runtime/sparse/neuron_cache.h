@@ -71,10 +71,18 @@ class SlotRegion {
   Lookup Acquire(int64_t group, int64_t unit);
   // Drops one pin; at zero the slot becomes the most recently used of its partition.
   void Release(int32_t slot);
+  // Drops one pin; at zero the slot becomes the least recently used (the next to evict): for data loaded on a guess
+  // that no one used, so it does not push out units that were.
+  void ReleaseAsLru(int32_t slot);
   // The slot's data could not be loaded: unmaps the unit, frees the slot (which must be pinned exactly once).
   void Abandon(int32_t slot);
   // The slot holding (group, unit), or -1; no side effects (no counting, no recency change).
   int32_t Find(int64_t group, int64_t unit) const;
+  // Whether Acquire of a unit of `group` that is not held would get a slot (a free one, or an unpinned one to evict).
+  bool CanPlace(int64_t group) const {
+    const Partition& p = partitions_[static_cast<size_t>(PartitionOf(group))];
+    return p.free_top >= 0 || p.head >= 0;
+  }
   // Drops every unit (e.g. after the deployment changed); pinned slots are a caller bug (aborts).
   void Clear();
 

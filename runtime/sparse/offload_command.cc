@@ -44,6 +44,7 @@ struct OffloadFlags {
   bool buffered = false;
   bool token_prefill = false;
   std::string two_phase = "off";
+  int64_t lookahead = -1;
   std::string hot_policy = "pinned";
   std::string plan;
   std::string hw;  // hw.json: report the speed floors
@@ -134,6 +135,7 @@ Status RunOffload(const OffloadFlags& f) {
     return Status::InvalidArgument("--two-phase " + f.two_phase + ": expected on, off or auto");
   }
   o.two_phase = f.two_phase != "off";
+  o.lookahead_slots = f.lookahead;
   NF_ASSIGN_OR_RETURN(o.hot_policy, ParseHotPolicy(f.hot_policy));
   int threads = f.threads;
   if (!f.plan.empty()) {
@@ -243,6 +245,9 @@ Status RunOffload(const OffloadFlags& f) {
       {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns - submit0) / 1e6},
       {"retries", st.retries},
       {"two_phase", rt.ffn().two_phase()},
+      {"lookahead_slots", rt.ffn().lookahead_slots()},
+      {"prefetched_per_token", static_cast<double>(st.prefetched) / steps},
+      {"prefetch_used_per_token", static_cast<double>(st.prefetch_used) / steps},
       {"gate_requests_per_token", static_cast<double>(st.gate_requests) / steps},
       {"gate_mb_per_token", static_cast<double>(st.gate_bytes) / 1e6 / steps},
       {"updown_requests_per_token", static_cast<double>(st.updown_requests) / steps},
@@ -290,6 +295,14 @@ Status RunOffload(const OffloadFlags& f) {
               static_cast<double>(st.bytes_read) / 1e6 / steps, static_cast<double>(st.requests) / steps,
               io_wait_ms / steps, static_cast<long long>(st.retries),
               rt.reader() && !rt.reader()->direct_io() ? " (O_DIRECT refused: reads went through the page cache)" : "");
+  if (rt.ffn().lookahead_slots() > 0) {
+    std::printf("lookahead (%lld bundles per layer at most), per token: %.1f bundles read ahead, %.1f of them used "
+                "(%.1f%% of the misses); %.3f ms choosing them, %.3f ms verifying and copying\n",
+                static_cast<long long>(rt.ffn().lookahead_slots()), static_cast<double>(st.prefetched) / steps,
+                static_cast<double>(st.prefetch_used) / steps,
+                st.missed > 0 ? 100.0 * static_cast<double>(st.prefetch_used) / static_cast<double>(st.missed) : 0.0,
+                static_cast<double>(st.lookahead_ns) / 1e6 / steps, static_cast<double>(st.copy_ns) / 1e6 / steps);
+  }
   if (rt.ffn().two_phase()) {
     std::printf("two-phase loading, per token: %.1f gate pages (%.3f MB), %.1f up+down reads (%.3f MB), %.1f up+down "
                 "parts skipped (gate inactive)\n",
@@ -339,6 +352,10 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--two-phase", flags->two_phase,
                   "on, off or auto: read a cold neuron's gate page first and its up+down part only when the gate "
                   "passes (predictor mode, one bundle per flash group; auto/on fall back to whole bundles otherwise)");
+  cmd->add_option("--lookahead", flags->lookahead,
+                  "Bundles read ahead for the next layer while one runs (full mode, dense models, whole bundles): "
+                  "-1 auto (n_ff/8), 0 off")
+      ->capture_default_str();
   cmd->add_flag("--json", flags->json, "Print the result as JSON");
   cmd->add_option("--plan", flags->plan, "plan.json from `nflash plan` for this deployment: memory, cache sizes, "
                                          "context, threads, queue depth")->check(CLI::ExistingFile);

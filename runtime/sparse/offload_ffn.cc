@@ -255,6 +255,7 @@ Status OffloadFfn::Init() {
   if (oracle_) NF_RETURN_IF_ERROR(LoadOracleGates());
   if (pinned) NF_RETURN_IF_ERROR(LoadPinnedClusters());
   if (options_.mode == OffloadMode::kFull) io_ = std::make_unique<IoWorker>(flash_.get());
+  NF_RETURN_IF_ERROR(InitLookahead());
   NF_RETURN_IF_ERROR(InitPrefill());
   return Status::Ok();
 }
@@ -329,17 +330,18 @@ Result<bool> OffloadFfn::Forward(int64_t layer, int64_t expert, const Activation
   const int64_t dim = model_.hparams().dim;
   const int64_t group = layer * n_experts_ + std::max<int64_t>(0, expert);
   if (x.n() == 1) {
-    NF_RETURN_IF_ERROR(ForwardToken(group, layer, expert, x, out));
+    NF_RETURN_IF_ERROR(ForwardToken(group, layer, expert, x, out, /*lookahead=*/true));
     return true;
   }
   if (batched_prefill() && expert < 0) {
     NF_RETURN_IF_ERROR(ForwardBatch(layer, x, out));
     return true;
   }
-  // Without prefill buffers (or for an expert), prefill runs token by token through the decode path.
+  // Without prefill buffers (or for an expert), prefill runs token by token through the decode path (the next
+  // layer's lookahead only from the last token: the next token comes back to this layer).
   for (int64_t t = 0; t < x.n(); ++t) {
     token_act_.Set(x.f32() + t * dim, 1, dim);
-    NF_RETURN_IF_ERROR(ForwardToken(group, layer, expert, token_act_, out + t * dim));
+    NF_RETURN_IF_ERROR(ForwardToken(group, layer, expert, token_act_, out + t * dim, t + 1 == x.n()));
   }
   return true;
 }
@@ -354,6 +356,7 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
   touched_clusters_.clear();
   ready_items_.clear();
   gate_hit_items_.clear();
+  la_items_.clear();
   int64_t staging_used = 0;
   auto add_unit = [&](bool is_hot, int64_t index, uint64_t offset, size_t size, uint8_t* dst, int32_t slot,
                       int32_t acq, Phase phase, int32_t item) {
@@ -395,19 +398,33 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
       // No hot slot for this cluster (every one pinned): serve the neuron through the cold path.
     }
     const uint64_t offset = region.offset + lay.SlotOffset(s);
+    const int32_t ahead = la_current_ >= 0 ? la_index_of_neuron_[la_current_][static_cast<size_t>(n)] : -1;
+    if (ahead >= 0) {
+      // Read ahead during the previous layer into a slot pinned since: the item takes that pin (the read is waited
+      // for and verified by ConsumeLookahead).
+      const int32_t slot = la_slot_[la_current_][static_cast<size_t>(ahead)];
+      acquired_cold_.push_back(slot);
+      item_slot_[k] = slot;
+      item_acq_[k] = static_cast<int32_t>(acquired_cold_.size() - 1);
+      bundle_[k] = cold.SlotData(slot);
+      la_item_[la_current_][static_cast<size_t>(ahead)] = static_cast<int32_t>(k);
+      la_items_.push_back(static_cast<int32_t>(k));
+      continue;
+    }
+    if (la_current_ >= 0 && !cold.CanPlace(group) && cold.Find(group, n) < 0) {
+      // The lookahead's pins leave this miss no slot: settle it (its unused bundles become evictable) first.
+      NF_RETURN_IF_ERROR(SettleLookahead(la_current_));
+    }
     SlotRegion::Lookup l = cold.Acquire(group, n);
-    uint8_t* dst;
     int32_t acq = -1;
     if (l.slot >= 0) {
-      dst = cold.SlotData(l.slot);
       acquired_cold_.push_back(l.slot);
       acq = static_cast<int32_t>(acquired_cold_.size() - 1);
-    } else {
-      dst = staging_ + static_cast<size_t>(staging_used++) * cold_stride_;
     }
-    bundle_[k] = dst;
     item_slot_[k] = l.slot;
     item_acq_[k] = acq;
+    uint8_t* dst = l.slot >= 0 ? cold.SlotData(l.slot) : staging_ + static_cast<size_t>(staging_used++) * cold_stride_;
+    bundle_[k] = dst;
     if (l.hit) {
       // Two-phase: a slot may hold only the gate part; its up+down part is read if the gate passes.
       if (two_phase_ && !cold_complete_[static_cast<size_t>(l.slot)]) {
@@ -600,10 +617,19 @@ void OffloadFfn::AbandonPending() {
       acquired_cold_[u.acquired] = -1;
     }
   }
+  // Slots waiting for a lookahead bundle (whether or not it was copied in: dropping a good one is harmless).
+  for (int32_t k : la_items_) {
+    const int32_t acq = item_acq_[static_cast<size_t>(k)];
+    if (acq < 0 || acquired_cold_[static_cast<size_t>(acq)] < 0) continue;
+    cache_->cold().Abandon(acquired_cold_[static_cast<size_t>(acq)]);
+    acquired_cold_[static_cast<size_t>(acq)] = -1;
+  }
+  la_items_.clear();
   ReleaseAll();
 }
 
-Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, const Activation& x, float* out) {
+Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, const Activation& x, float* out,
+                                bool lookahead) {
   const LlamaHparams& hp = model_.hparams();
   const packer::BundleLayout& lay = deploy_.layout();
   const packer::RegionInfo* region = deploy_.Region(layer, expert);
@@ -615,6 +641,11 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   OffloadGroupStats& st = stats_[static_cast<size_t>(group)];
   // A prefetched region nobody will use (e.g. a failed prefill) must not race with this token's reads.
   if (pending_buf_ >= 0) CancelPrefetch();
+  // This layer's lookahead (read during the previous layer) serves its misses; any other is stale.
+  if (la_slots_ > 0) {
+    DropLookahead(layer);
+    la_current_ = la_layer_[layer % 2] == layer ? static_cast<int>(layer % 2) : -1;
+  }
 
   // 1. The active set, ascending.
   active_.clear();
@@ -630,7 +661,10 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   }
 
   // 2. Cache lookups and the reads the misses need.
-  NF_RETURN_IF_ERROR(Resolve(group, *region));
+  if (Status resolved = Resolve(group, *region); !resolved.ok()) {
+    AbandonPending();  // nothing was submitted for this layer; drop what it pinned
+    return resolved;
+  }
   st.tokens += 1;
   st.active += static_cast<int64_t>(active_.size());
   st.missed += static_cast<int64_t>(active_.size() - ready_items_.size());
@@ -642,11 +676,17 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   if (two_phase_) {
     status = ForwardTokenTwoPhase(group, layer, expert, *region, x, thr);
   } else if (options_.mode == OffloadMode::kFull) {
-    if (!requests_.empty()) io_->Start(requests_, chunk_ends_);
+    const size_t base = requests_.empty() ? 0 : SubmitReads(requests_, chunk_ends_);
+    if (!requests_.empty()) io_open_ = true;
+    // The next layer's probable misses, queued behind this layer's (the I/O thread reads them while this layer and
+    // the next one's attention compute).
+    if (lookahead && expert < 0) IssueLookahead(layer, x);
     ComputeItems(ready_items_, x, thr);  // cache hits: while the first reads are in flight
+    status = ConsumeLookahead();
+    if (status.ok()) ComputeItems(la_items_, x, thr);
     size_t pos = 0;  // in unit_order_
     for (size_t c = 0; c < chunk_ends_.size() && status.ok(); ++c) {
-      Status read = io_->WaitChunk(c);
+      Status read = io_->WaitChunk(base + c);
       for (; pos < unit_order_.size() && static_cast<size_t>(request_of_unit_[unit_order_[pos]]) < chunk_ends_[c];
            ++pos) {
         status = CheckArrival(layer, expert, *region, static_cast<size_t>(unit_order_[pos]), read);
@@ -657,7 +697,11 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
                                                                      chunk_item_begin_[c + 1] - chunk_item_begin_[c]),
                    x, thr);
     }
-    if (!status.ok()) io_->Drain();
+    if (!status.ok()) {
+      io_->Drain();
+      ForgetLookahead();
+    }
+    if (la_layer_[0] < 0 && la_layer_[1] < 0) io_open_ = false;  // every chunk of the job was waited for
   } else {
     const uint64_t t0 = SteadyNowNs();
     for (int32_t u : unit_order_) {
@@ -708,6 +752,12 @@ OffloadGroupStats OffloadFfn::TotalStats() const {
     t.updown_requests += s.updown_requests;
     t.updown_bytes += s.updown_bytes;
     t.updown_skipped += s.updown_skipped;
+    t.prefetched += s.prefetched;
+    t.prefetch_used += s.prefetch_used;
+    t.prefetch_requests += s.prefetch_requests;
+    t.prefetch_bytes += s.prefetch_bytes;
+    t.lookahead_ns += s.lookahead_ns;
+    t.copy_ns += s.copy_ns;
   }
   return t;
 }

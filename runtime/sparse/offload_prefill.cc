@@ -205,6 +205,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   const packer::RegionInfo* region = deploy_.Region(layer, -1);
   if (region == nullptr) return Status::Internal("deployment has no region for layer " + std::to_string(layer));
   const int64_t group = layer * n_experts_;
+  if (la_slots_ > 0) DropLookahead(-1);  // the I/O thread is this prefill's now
   if (layer == 0) {
     prefill_batch_start_ = prefill_stats_;
     prefill_layers_.clear();

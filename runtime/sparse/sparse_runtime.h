@@ -52,6 +52,8 @@ struct SparseRuntimeOptions {
   bool batched_prefill = true;
   // Two-phase loading of cold misses (OffloadOptions::two_phase): predictor mode with a layout that allows it.
   bool two_phase = false;
+  // Cross-layer lookahead bundles per buffer (OffloadOptions::lookahead_slots; -1: n_ff / 8, 0: off).
+  int64_t lookahead_slots = -1;
   // Tests: wraps the flash file (fault injection through the File abstraction).
   std::function<std::shared_ptr<const ReadableFile>(std::shared_ptr<const ReadableFile>)> wrap_flash;
 };

@@ -1,0 +1,266 @@
+// OffloadFfn's cross-layer lookahead (see "Lookahead" in offload_ffn.h): layer l+1's probable cold misses are read
+// into their cache slots while layer l computes.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "runtime/core/ffn_activation.h"
+#include "runtime/core/kernels.h"
+#include "runtime/core/log.h"
+#include "runtime/core/stats.h"
+#include "runtime/sparse/offload_ffn.h"
+
+namespace nflash::sparse {
+
+namespace {
+// Default cap per layer, as a share of n_ff: above a layer's cold misses at 7B with 10% active neurons and half the
+// FFN cached (~5% of n_ff), so a good guess is not cut short.
+constexpr int64_t kLookaheadShare = 8;
+}  // namespace
+
+int64_t OffloadFfn::LookaheadSlots(const packer::Deployment& d, const OffloadOptions& options) {
+  const packer::Manifest& m = d.manifest();
+  if (options.mode != OffloadMode::kFull || m.n_experts > 0 || options.two_phase || m.n_layers < 2) return 0;
+  if (options.lookahead_slots < 0) return std::max<int64_t>(1, m.n_ff / kLookaheadShare);
+  return std::min<int64_t>(options.lookahead_slots, m.n_ff);
+}
+
+Status OffloadFfn::InitLookahead() {
+  la_slots_ = LookaheadSlots(deploy_, options_);
+  if (la_slots_ == 0 || cache_->cold().SlotCount() == 0) {
+    la_slots_ = 0;
+    return Status::Ok();
+  }
+  const LlamaHparams& hp = model_.hparams();
+  const size_t dim = static_cast<size_t>(hp.dim);
+  const size_t n = static_cast<size_t>(la_slots_);
+  for (int b = 0; b < 2; ++b) {
+    la_neurons_[b].reserve(n);
+    la_slot_[b].reserve(n);
+    la_item_[b].reserve(n);
+    la_index_of_neuron_[b].assign(static_cast<size_t>(hp.n_ff), -1);
+    la_requests_[b].reserve(n);
+    la_chunk_ends_[b].reserve(n);
+  }
+  la_items_.reserve(n);
+  la_rows_.reserve(static_cast<size_t>(hp.n_ff));
+  la_score_.resize(static_cast<size_t>(hp.n_ff));
+  la_pick_.reserve(static_cast<size_t>(hp.n_ff));
+  la_x_.resize(dim);
+  la_scale_.assign(static_cast<size_t>(hp.n_layers - 1) * dim, 0.0f);
+  const auto& layers = model_.layers();
+  for (int64_t l = 0; l + 1 < hp.n_layers; ++l) {
+    const float* w = layers[static_cast<size_t>(l)].ffn_norm;
+    const float* w1 = layers[static_cast<size_t>(l + 1)].ffn_norm;
+    for (size_t i = 0; i < dim; ++i) {
+      // rmsnorm(h) * w1 = (rmsnorm(h) * w) * (w1 / w); a zero weight loses that coordinate (it stays 0).
+      la_scale_[static_cast<size_t>(l) * dim + i] = w[i] != 0.0f ? w1[i] / w[i] : 0.0f;
+    }
+  }
+  return Status::Ok();
+}
+
+size_t OffloadFfn::SubmitReads(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends) {
+  return io_open_ ? io_->Append(requests, chunk_ends) : io_->Start(requests, chunk_ends);
+}
+
+void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
+  const int64_t next = layer + 1;
+  const LlamaHparams& hp = model_.hparams();
+  if (la_slots_ == 0 || next >= hp.n_layers) return;
+  const uint64_t t0 = SteadyNowNs();
+  const int b = static_cast<int>(next % 2);
+  if (la_layer_[b] >= 0) DropLookahead(layer);  // a stale one (not expected: each layer settles its own)
+  const packer::RegionInfo& region = *deploy_.Region(next, -1);
+  const packer::BundleLayout& lay = deploy_.layout();
+  const size_t dim = static_cast<size_t>(hp.dim);
+  const float* scale = la_scale_.data() + static_cast<size_t>(layer) * dim;
+  for (size_t i = 0; i < dim; ++i) la_x_[i] = x.f32()[i] * scale[i];
+  la_act_.Set(la_x_.data(), 1, hp.dim);
+
+  // Candidates: neurons the next layer would have to read if active (Resolve's cold path, not cached now).
+  const SlotRegion& hot = cache_->hot();
+  SlotRegion& cold = cache_->cold();
+  const int64_t g = next;
+  auto cold_candidate = [&](int32_t n) {
+    const int32_t s = region.slot_of_neuron[n];
+    if (pinned_.empty() ? s < region.hot_count && hot.SlotCount() > 0
+                        : s / cluster_neurons_ < pinned_[static_cast<size_t>(g)]) {
+      return false;
+    }
+    return cold.Find(g, n) < 0;
+  };
+  la_pick_.clear();
+  const float thr = thresholds_[static_cast<size_t>(next)];
+  if (oracle_) {
+    la_rows_.clear();
+    for (int32_t n = 0; n < hp.n_ff; ++n) {
+      if (cold_candidate(n)) la_rows_.push_back(n);
+    }
+    GemvRows(oracle_gate_[static_cast<size_t>(g)], la_rows_, la_act_, la_score_.data(), pool_);
+    for (size_t j = 0; j < la_rows_.size(); ++j) {
+      float ga = 0.0f;
+      ActivateNeuron(hp.activation, la_score_[j], 0.0f, &ga);
+      la_score_[j] = std::fabs(ga);
+      if (la_score_[j] > thr) la_pick_.push_back(static_cast<int32_t>(j));
+    }
+    if (static_cast<int64_t>(la_pick_.size()) > la_slots_) {
+      // The most confident guesses: the largest activations are the least likely to fall below the threshold.
+      std::nth_element(la_pick_.begin(), la_pick_.begin() + la_slots_, la_pick_.end(),
+                       [&](int32_t a, int32_t c) { return la_score_[a] > la_score_[c]; });
+      la_pick_.resize(static_cast<size_t>(la_slots_));
+    }
+    for (int32_t& j : la_pick_) j = la_rows_[static_cast<size_t>(j)];
+  } else {
+    options_.predictor->Predict(next, la_act_, 0, &pred_scratch_, &la_rows_, pool_);
+    for (int32_t n : la_rows_) {
+      if (static_cast<int64_t>(la_pick_.size()) >= la_slots_) break;
+      if (cold_candidate(n)) la_pick_.push_back(n);
+    }
+  }
+  // File order; each bundle gets a cold slot now (pinned until the next layer settles it); neighbours on flash whose
+  // slots are neighbours too merge into one request.
+  std::sort(la_pick_.begin(), la_pick_.end(),
+            [&](int32_t a, int32_t c) { return region.slot_of_neuron[a] < region.slot_of_neuron[c]; });
+  std::vector<int32_t>& neurons = la_neurons_[b];
+  std::vector<ReadRequest>& reqs = la_requests_[b];
+  std::vector<size_t>& ends = la_chunk_ends_[b];
+  neurons.clear();
+  la_slot_[b].clear();
+  la_item_[b].clear();
+  reqs.clear();
+  ends.clear();
+  const size_t size = static_cast<size_t>(lay.slots_per_group == 1 ? lay.group_bytes : lay.bundle_bytes);
+  for (int32_t n : la_pick_) {
+    if (!cold.CanPlace(g)) break;  // every slot pinned: the rest is read on demand
+    const SlotRegion::Lookup l = cold.Acquire(g, n);
+    if (l.slot < 0) break;
+    cold_complete_[static_cast<size_t>(l.slot)] = 0;
+    la_index_of_neuron_[b][static_cast<size_t>(n)] = static_cast<int32_t>(neurons.size());
+    neurons.push_back(n);
+    la_slot_[b].push_back(l.slot);
+    la_item_[b].push_back(-1);
+    const uint64_t offset = region.offset + lay.SlotOffset(region.slot_of_neuron[n]);
+    uint8_t* dst = cold.SlotData(l.slot);
+    if (!reqs.empty()) {
+      ReadRequest& last = reqs.back();
+      if (last.offset + last.size == offset && static_cast<uint8_t*>(last.dst) + last.size == dst &&
+          last.size + size <= options_.max_request_bytes) {
+        last.size += size;
+        continue;
+      }
+    }
+    reqs.push_back(ReadRequest{offset, size, dst});
+  }
+  OffloadGroupStats& st = stats_[static_cast<size_t>(g)];
+  st.lookahead_ns += SteadyNowNs() - t0;
+  if (neurons.empty()) return;
+  for (size_t r = 0; r < reqs.size(); r += static_cast<size_t>(options_.chunk_requests)) {
+    ends.push_back(std::min(reqs.size(), r + static_cast<size_t>(options_.chunk_requests)));
+  }
+  st.prefetched += static_cast<int64_t>(neurons.size());
+  st.requests += static_cast<int64_t>(reqs.size());
+  st.prefetch_requests += static_cast<int64_t>(reqs.size());
+  for (const ReadRequest& r : reqs) {
+    st.bytes_read += r.size;
+    st.prefetch_bytes += r.size;
+  }
+  la_first_chunk_[b] = SubmitReads(reqs, ends);
+  la_layer_[b] = next;
+  io_open_ = true;
+}
+
+Status OffloadFfn::SettleLookahead(int b) {
+  const int64_t layer = la_layer_[b];
+  if (layer < 0) return Status::Ok();
+  const packer::RegionInfo& region = *deploy_.Region(layer, -1);
+  const packer::BundleLayout& lay = deploy_.layout();
+  SlotRegion& cold = cache_->cold();
+  const size_t size = static_cast<size_t>(lay.slots_per_group == 1 ? lay.group_bytes : lay.bundle_bytes);
+  const std::vector<int32_t>& neurons = la_neurons_[b];
+  OffloadGroupStats& st = stats_[static_cast<size_t>(layer)];
+  Status first_error;
+  size_t i = 0;  // bundles are in request order: those of chunk c end where its last request does
+  for (size_t c = 0; c < la_chunk_ends_[b].size(); ++c) {
+    const Status read = io_->WaitChunk(la_first_chunk_[b] + c);
+    const uint64_t t0 = SteadyNowNs();
+    const ReadRequest& last = la_requests_[b][la_chunk_ends_[b][c] - 1];
+    const uint64_t chunk_end = last.offset + last.size;
+    for (; i < neurons.size(); ++i) {
+      const int32_t n = neurons[i];
+      const uint64_t offset = region.offset + lay.SlotOffset(region.slot_of_neuron[n]);
+      if (offset >= chunk_end) break;
+      const int32_t slot = la_slot_[b][i];
+      la_slot_[b][i] = -1;
+      la_index_of_neuron_[b][static_cast<size_t>(n)] = -1;
+      uint8_t* data = cold.SlotData(slot);
+      const std::span<const uint8_t> bundle(data, lay.bundle_bytes);
+      const bool good = read.ok() && deploy_.VerifyBundle(layer, -1, n, bundle).ok();
+      if (la_item_[b][i] < 0) {
+        // Not used by this token: a good bundle stays cached, but first in line for eviction (a wrong guess must
+        // not push out bundles that were used); a bad one is dropped (never retried: nothing needs it now).
+        if (good) {
+          cold_complete_[static_cast<size_t>(slot)] = 1;
+          cold.ReleaseAsLru(slot);
+        } else {
+          cold.Abandon(slot);
+        }
+        continue;
+      }
+      ++st.prefetch_used;  // the item holds the pin now (released with the token's)
+      if (!good && first_error.ok()) {
+        ++st.retries;  // one synchronous retry, as for every other read
+        const std::string what = "layer " + std::to_string(layer) + " neuron " + std::to_string(n) +
+                                 " (read ahead): ffn.bin offset " + std::to_string(offset) + " (" +
+                                 std::to_string(size) + " bytes)";
+        const Status again = flash_->ReadAt(offset, size, data);
+        if (!again.ok()) {
+          first_error = Status::IOError(what + ": read failed twice: " + again.message());
+          continue;
+        }
+        const Status verified = deploy_.VerifyBundle(layer, -1, n, bundle);
+        if (!verified.ok()) {
+          first_error = Status::Corruption(what + ": checksum mismatch after one retry: " + verified.message());
+          continue;
+        }
+      }
+      cold_complete_[static_cast<size_t>(slot)] = 1;
+    }
+    st.copy_ns += SteadyNowNs() - t0;
+  }
+  la_layer_[b] = -1;
+  if (la_current_ == b) la_current_ = -1;
+  return first_error;
+}
+
+Status OffloadFfn::ConsumeLookahead() {
+  if (la_current_ < 0) return Status::Ok();
+  return SettleLookahead(la_current_);
+}
+
+void OffloadFfn::DropLookahead(int64_t keep_layer) {
+  for (int b = 0; b < 2; ++b) {
+    if (la_layer_[b] < 0 || la_layer_[b] == keep_layer) continue;
+    // No item holds these (a stale set), so SettleLookahead only releases or drops them: it cannot fail.
+    (void)SettleLookahead(b);
+  }
+  if (la_layer_[0] < 0 && la_layer_[1] < 0) io_open_ = false;
+}
+
+void OffloadFfn::ForgetLookahead() {
+  for (int b = 0; b < 2; ++b) {
+    if (la_layer_[b] >= 0) {
+      for (size_t i = 0; i < la_neurons_[b].size(); ++i) {
+        la_index_of_neuron_[b][static_cast<size_t>(la_neurons_[b][i])] = -1;
+        // Items own the pins they took (AbandonPending drops them); the rest are dropped here.
+        if (la_slot_[b][i] >= 0 && la_item_[b][i] < 0) cache_->cold().Abandon(la_slot_[b][i]);
+        la_slot_[b][i] = -1;
+      }
+    }
+    la_layer_[b] = -1;
+  }
+  la_current_ = -1;
+  io_open_ = false;
+}
+
+}  // namespace nflash::sparse
