@@ -30,6 +30,7 @@ struct BenchFlags {
   std::string offload;
   std::string tests = "pp128,pp512,tg128";
   int64_t prompt_tokens = 32;
+  int64_t lookahead = -1;
   int repetitions = 3;
   int warmup = 1;
   int threads = 2;
@@ -106,6 +107,7 @@ Status RunBench(const BenchFlags& f) {
     base.use_cgroup = !f.no_cgroup;
     base.drop_all_caches = f.drop_caches;
     base.hw = f.hw;
+    base.lookahead = f.lookahead;
     std::vector<std::pair<uint64_t, double>> model_budgets;  // (budget, offload fraction or -1)
     for (uint64_t b : budgets) model_budgets.emplace_back(b, -1.0);
     for (double fr : fractions) {
@@ -201,6 +203,9 @@ void RegisterBenchCommand(CLI::App& app, cli::CommandAction* action) {
                                             "into a budget per model");
   cmd->add_option("--tests", f->tests, "Tests: ppN (prefill N tokens in one batch), tgN (N decode steps)");
   cmd->add_option("--prompt-tokens", f->prompt_tokens, "tg tests: prompt tokens prefilled (not timed) first");
+  cmd->add_option("--lookahead", f->lookahead,
+                  "full mode: bundles read ahead for the next layer (-1 auto, 0 off: the pipeline without lookahead)")
+      ->capture_default_str();
   cmd->add_option("-r,--repetitions", f->repetitions, "Runs of each test per row (mean and sd over them)");
   cmd->add_option("--warmup", f->warmup, "Untimed runs of each test before the repetitions (0: measure the cold start)");
   cmd->add_option("-t,--threads", f->threads, "Compute threads (0: all cores)");

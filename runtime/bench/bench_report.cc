@@ -155,7 +155,8 @@ nlohmann::json RowSpec::ToJson() const {
           {"threads", threads},
           {"use_cgroup", use_cgroup},
           {"drop_all_caches", drop_all_caches},
-          {"hw", hw}};
+          {"hw", hw},
+          {"lookahead", lookahead}};
 }
 
 Result<RowSpec> RowSpec::FromJson(const nlohmann::json& j) {
@@ -176,6 +177,7 @@ Result<RowSpec> RowSpec::FromJson(const nlohmann::json& j) {
     s.use_cgroup = j.value("use_cgroup", true);
     s.drop_all_caches = j.value("drop_all_caches", false);
     s.hw = j.value("hw", "");
+    s.lookahead = j.value("lookahead", int64_t{-1});
   } catch (const nlohmann::json::exception& e) {
     return Status::InvalidArgument(std::string("bench row spec: ") + e.what());
   }

@@ -65,6 +65,7 @@ struct RowSpec {
   bool use_cgroup = true;      // dense-mmap with a budget: try a memory cgroup
   bool drop_all_caches = false;  // also `echo 1 > drop_caches` before the row (root)
   std::string hw;              // hw.json: sparse tg rows also report the speed floors (planner/floors.h)
+  int64_t lookahead = -1;      // full mode: SparseRuntimeOptions::lookahead_slots (-1 auto, 0 off)
 
   nlohmann::json ToJson() const;
   static Result<RowSpec> FromJson(const nlohmann::json& j);

@@ -134,8 +134,9 @@ double ExpectedIoMs(const nlohmann::json& row) {
 }
 
 TEST_F(OffloadPplTest, OffloadReportsFloors) {
+  // Without lookahead: every byte read was needed, so the I/O floor is that of the bytes and requests reported.
   auto r = RunCommand(Nflash() + " -q offload -d " + tmp_->File("deploy") + " --active-set oracle --hot-slots 1 " +
-                          "--cold-slots 64 -n 24 -t 1 --hw " + tmp_->File("hw.json") + " --json",
+                          "--cold-slots 64 -n 24 -t 1 --lookahead 0 --hw " + tmp_->File("hw.json") + " --json",
                       /*capture_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto j = nlohmann::json::parse(r.output, nullptr, false);
@@ -155,6 +156,16 @@ TEST_F(OffloadPplTest, OffloadReportsFloors) {
   const double floor = std::max(j["floor_compute_ms"].get<double>(), j["floor_io_ms"].get<double>());
   EXPECT_NEAR(j["floor_ratio"].get<double>(), j["token_ms_mean"].get<double>() / floor, 1e-9);
   EXPECT_GT(j["floor_ratio"].get<double>(), 0.0);
+
+  // With lookahead, bundles read ahead and not used are left out of the floor: it is at most that of all bytes read.
+  auto la = RunCommand(Nflash() + " -q offload -d " + tmp_->File("deploy") + " --active-set oracle --hot-slots 1 " +
+                           "--cold-slots 64 -n 24 -t 1 --hw " + tmp_->File("hw.json") + " --json",
+                       /*capture_stderr=*/false);
+  ASSERT_EQ(la.exit_code, 0) << la.output;
+  auto jl = nlohmann::json::parse(la.output, nullptr, false);
+  ASSERT_TRUE(jl.is_object()) << la.output;
+  ASSERT_GT(jl["prefetched_per_token"].get<double>(), jl["prefetch_used_per_token"].get<double>()) << la.output;
+  EXPECT_LT(jl["floor_io_ms"].get<double>(), ExpectedIoMs(jl)) << la.output;
 
   // Text mode prints the same figures.
   auto text = RunCommand(Nflash() + " -q offload -d " + tmp_->File("deploy") + " --active-set oracle -n 4 -t 1 --hw " +

@@ -251,6 +251,64 @@ TEST_F(OffloadTest, PredictorModeEqualsInMemorySparseWithTheSamePredictor) {
   EXPECT_NE(rt.status().message().find("no predictor.gguf"), std::string::npos) << rt.status().message();
 }
 
+// Lookahead (offload_ffn.h, "Lookahead") changes what is read and when, never the result: bitwise the in-memory
+// sparse FFN with it off, on (default cap) and on with a cap of 3 bundles, for the oracle and the predictor, with
+// batched and token-by-token prefill, a shared cold pool and per-layer partitions; every pin is released.
+TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
+  ASSERT_TRUE(sparse_ && predicted_);
+  struct Config {
+    bool predictor;
+    int64_t lookahead;
+    bool per_layer;
+    bool batched_prefill;
+  };
+  const Config configs[] = {
+      {false, 0, false, true}, {false, -1, false, true}, {false, 3, false, false},
+      {false, -1, true, true}, {true, -1, false, false}, {true, 0, false, false},
+  };
+  for (const Config& c : configs) {
+    SCOPED_TRACE(std::string(c.predictor ? "predictor" : "oracle") + " lookahead " + std::to_string(c.lookahead) +
+                 (c.per_layer ? " per-layer cold slots" : " shared cold pool") +
+                 (c.batched_prefill ? "" : " token prefill"));
+    SparseRuntimeOptions o;
+    o.active_set = c.predictor ? ActiveSetSource::kAuto : ActiveSetSource::kOracle;
+    o.lookahead_slots = c.lookahead;
+    o.hot_slots = 1;
+    o.batched_prefill = c.batched_prefill;
+    if (c.per_layer) {
+      o.cold_slots_per_group.assign(5, 40);
+    } else {
+      o.cold_slots = 150;
+    }
+    auto rt = SparseRuntime::Open(c.predictor ? dir_->File("deploy-pred") : DeployDir(), o, pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    const GreedyRun& ref = c.predictor ? *predicted_ : *sparse_;
+    auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(20, ref.tokens.size()));
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    for (size_t i = 0; i < run->logits.size(); ++i) {
+      ASSERT_EQ(0, std::memcmp(run->logits[i].data(), ref.logits[i].data(), n_vocab_ * sizeof(float)))
+          << "logits of token " << i << " differ from the in-memory sparse FFN";
+    }
+    const OffloadGroupStats st = (*rt)->ffn().TotalStats();
+    const int64_t cap = c.lookahead < 0 ? (*rt)->model().hparams().n_ff / 8 : c.lookahead;
+    EXPECT_EQ((*rt)->ffn().lookahead_slots(), cap);
+    if (c.lookahead == 0) {
+      EXPECT_EQ(st.prefetched, 0);
+    } else {
+      EXPECT_GT(st.prefetched, 0);
+      EXPECT_GT(st.prefetch_used, 0) << "the next layer's input is close enough to guess some of its neurons";
+      EXPECT_LE(st.prefetch_used, st.prefetched);
+      EXPECT_LE(st.prefetch_used, st.missed) << "a neuron read ahead and used is a miss served early";
+      EXPECT_LE(st.prefetch_bytes, st.bytes_read);
+      // At most `cap` bundles per layer and token (4 layers read ahead of per token: layers 1..4).
+      EXPECT_LE(st.prefetched, cap * st.tokens);
+    }
+    EXPECT_EQ(st.retries, 0);
+    const SlotRegion& cold = (*rt)->ffn().cache().cold();
+    for (int32_t s = 0; s < cold.SlotCount(); ++s) ASSERT_EQ(cold.PinCount(s), 0) << "slot " << s << " still pinned";
+  }
+}
+
 TEST_F(OffloadTest, MemoryBudgetRefusesBelowTheFixedPart) {
   SparseRuntimeOptions o;
   o.active_set = ActiveSetSource::kOracle;
@@ -339,6 +397,48 @@ TEST_F(OffloadTest, PersistentFaultsAreReportedWithLayerNeuronAndOffset) {
                   s.message().find("hot cluster") != std::string::npos) << s.message();
       EXPECT_EQ((*rt)->ffn().TotalStats().retries, 1) << "retried once, then reported";
     }
+  }
+}
+
+// Faults in layer 1's bundles after the prompt, with lookahead on: they hit reads issued ahead (during layer 0) as
+// well as layer 1's own. A transient one leaves the result exact; a persistent one is reported for layer 1 after
+// one retry, and nothing stays pinned.
+TEST_F(OffloadTest, LookaheadReadFaultsAreRetriedOrReported) {
+  for (int count : {1, -1}) {
+    SCOPED_TRACE(count == 1 ? "transient" : "persistent");
+    FaultInjectingFile* fi = nullptr;
+    auto rt = OpenWithFaults(DeployDir(), OffloadMode::kFull, pool_, &fi);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    ASSERT_GT((*rt)->ffn().lookahead_slots(), 0);
+    InferenceContext& ctx = (*rt)->context();
+    ASSERT_TRUE(ctx.Eval(kPrompt, false).ok());
+    const packer::RegionInfo* layer1 = (*rt)->deployment().Region(1, -1);
+    ASSERT_NE(layer1, nullptr);
+    fi->AddRule({FaultInjectingFile::Fault::kBitFlip, layer1->offset, layer1->size, count});
+    Status s;
+    std::vector<int32_t> tokens;
+    for (size_t i = 0; i < 10 && s.ok(); ++i) {
+      const float* l = ctx.logits();
+      if (count == 1) {
+        ASSERT_EQ(0, std::memcmp(l, sparse_->logits[i].data(), n_vocab_ * sizeof(float))) << "token " << i;
+      }
+      const int32_t next = static_cast<int32_t>(std::max_element(l, l + n_vocab_) - l);
+      tokens.push_back(next);
+      s = ctx.Eval(std::vector<int32_t>{next}, false);
+    }
+    EXPECT_GE(fi->InjectedCount(), 1);
+    if (count == 1) {
+      EXPECT_TRUE(s.ok()) << s.ToString();
+      EXPECT_LE((*rt)->ffn().TotalStats().retries, 16);
+    } else {
+      ASSERT_FALSE(s.ok());
+      EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+      EXPECT_NE(s.message().find("layer 1 "), std::string::npos) << s.message();
+      EXPECT_NE(s.message().find("ffn.bin offset"), std::string::npos) << s.message();
+      EXPECT_NE(s.message().find("after one retry"), std::string::npos) << s.message();
+    }
+    const SlotRegion& cold = (*rt)->ffn().cache().cold();
+    for (int32_t slot = 0; slot < cold.SlotCount(); ++slot) ASSERT_EQ(cold.PinCount(slot), 0) << "slot " << slot;
   }
 }
 
