@@ -53,6 +53,7 @@ std::string PlanToJson(const Plan& p) {
                         {"measured_io_wait_s", c.measured_io_wait_s},
                         {"uncalibrated_token_s", c.uncalibrated_token_s},
                         {"tokens", c.tokens},
+                        {"runs", c.runs},
                         {"memory_bytes", c.memory_bytes}};
   }
   j["solve_seconds"] = p.solve_seconds;
@@ -132,8 +133,10 @@ Result<Plan> ParsePlan(const std::string& text, const std::string& source) {
     NF_RETURN_IF_ERROR(c.Get("uncalibrated_token_s", &k.uncalibrated_token_s));
     NF_RETURN_IF_ERROR(c.Get("tokens", &k.tokens));
     NF_RETURN_IF_ERROR(c.Get("memory_bytes", &k.memory_bytes));
-    if (!(k.compute_scale > 0) || !(k.io_scale > 0) || k.tokens <= 0) {
-      return Status::Corruption(c.where().Describe() + ": compute_scale and io_scale must be > 0 and tokens > 0");
+    if (c.Has("runs")) NF_RETURN_IF_ERROR(c.Get("runs", &k.runs));  // absent in plans made before it existed: 1
+    if (!(k.compute_scale > 0) || !(k.io_scale > 0) || k.tokens <= 0 || k.runs <= 0) {
+      return Status::Corruption(c.where().Describe() +
+                                ": compute_scale and io_scale must be > 0, tokens and runs > 0");
     }
   }
   return p;

@@ -38,6 +38,7 @@ struct Calibration {
   double measured_io_wait_s = 0;   // mean I/O wait per token of that run
   double uncalibrated_token_s = 0; // the model's prediction for that run's plan with the raw figures
   int tokens = 0;                  // measured tokens (after warm-up)
+  int runs = 1;                    // runs made; the fit uses the one with the median time per token
   uint64_t memory_bytes = 0;       // the memory limit of the measured plan
   bool present() const { return tokens > 0; }
 };

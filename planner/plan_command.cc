@@ -3,9 +3,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "packer/deployment.h"
 #include "planner/calibration.h"
@@ -44,6 +46,7 @@ struct PlanFlags {
   bool calibrate = false;
   int calibrate_tokens = 16;
   int calibrate_warmup = 8;
+  int calibrate_runs = 3;
   std::string calibration;
 };
 
@@ -68,34 +71,50 @@ void FillSolution(const SolveResult& solved, const HardwareParams& hw, const Mod
 }
 
 // Runs `nflash offload --plan plan_path --json` in a child process (its own memory budget and peak RSS; the planner's
-// process holds the profile and Z3) for warmup + tokens decode tokens, and fits the calibration to the measured
-// steady-state tokens.
+// process holds the profile and Z3) for warmup + tokens decode tokens, --calibrate-runs times, and fits the
+// calibration to the run with the median time per token (its own I/O wait with it: time and wait of one run belong
+// together). One short run on a shared machine can be far off (1.6x measured); the median of 3 is much steadier.
 Result<Calibration> MeasureAndFit(const PlanFlags& f, const std::string& plan_path, const HardwareParams& hw,
                                   const ModelParams& model, const PlanSettings& settings) {
   NF_ASSIGN_OR_RETURN(const std::string self, SelfExecutable());
   const std::vector<std::string> argv = {self, "-q", "offload", "-d", f.deploy, "--plan", plan_path, "--json",
                                          "-n", std::to_string(f.calibrate_warmup + f.calibrate_tokens),
                                          "--warmup", std::to_string(f.calibrate_warmup)};
-  NF_LOG(Info) << "calibrating: " << f.calibrate_warmup << " + " << f.calibrate_tokens
-               << " decode tokens with the uncalibrated plan";
-  NF_ASSIGN_OR_RETURN(const std::string out, RunCapture(argv));
-  const nlohmann::json j = nlohmann::json::parse(out, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
-    return Status::Internal("calibration run: `nflash offload --json` printed no JSON object");
+  struct Run {
+    double token_ms = 0, wait_ms = 0;
+    int measured = 0;
+  };
+  std::vector<Run> runs;
+  for (int i = 0; i < f.calibrate_runs; ++i) {
+    NF_LOG(Info) << "calibrating: run " << i + 1 << " of " << f.calibrate_runs << ", " << f.calibrate_warmup << " + "
+                 << f.calibrate_tokens << " decode tokens with the uncalibrated plan";
+    NF_ASSIGN_OR_RETURN(const std::string out, RunCapture(argv));
+    const nlohmann::json j = nlohmann::json::parse(out, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) {
+      return Status::Internal("calibration run: `nflash offload --json` printed no JSON object");
+    }
+    NF_ASSIGN_OR_RETURN(const JsonFields r, JsonFields::Of(j, JsonLocation("calibration run output")));
+    Run run;
+    int64_t generated = 0, warmup = 0;
+    NF_RETURN_IF_ERROR(r.Get("token_ms_mean", &run.token_ms));
+    NF_RETURN_IF_ERROR(r.Get("io_wait_ms_per_token", &run.wait_ms));
+    NF_RETURN_IF_ERROR(r.Get("generated", &generated));
+    NF_RETURN_IF_ERROR(r.Get("warmup_tokens", &warmup));
+    run.measured = static_cast<int>(generated - warmup);
+    if (run.measured < 2) {
+      return Status::InvalidArgument("calibration run measured " + std::to_string(run.measured) +
+                                     " tokens (context too small, or the model stopped early): raise --ctx");
+    }
+    NF_LOG(Info) << "calibration run " << i + 1 << ": " << std::to_string(run.token_ms) << " ms/token, "
+                 << std::to_string(run.wait_ms) << " ms waiting for I/O";
+    runs.push_back(run);
   }
-  NF_ASSIGN_OR_RETURN(const JsonFields r, JsonFields::Of(j, JsonLocation("calibration run output")));
-  double token_ms = 0, wait_ms = 0;
-  int64_t generated = 0, warmup = 0;
-  NF_RETURN_IF_ERROR(r.Get("token_ms_mean", &token_ms));
-  NF_RETURN_IF_ERROR(r.Get("io_wait_ms_per_token", &wait_ms));
-  NF_RETURN_IF_ERROR(r.Get("generated", &generated));
-  NF_RETURN_IF_ERROR(r.Get("warmup_tokens", &warmup));
-  const int measured = static_cast<int>(generated - warmup);
-  if (measured < 2) {
-    return Status::InvalidArgument("calibration run measured " + std::to_string(measured) +
-                                   " tokens (context too small, or the model stopped early): raise --ctx");
-  }
-  return FitCalibration(hw, model, settings, token_ms * 1e-3, wait_ms * 1e-3, measured);
+  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.token_ms < b.token_ms; });
+  const Run& median = runs[(runs.size() - 1) / 2];  // the lower middle of an even count
+  NF_ASSIGN_OR_RETURN(Calibration c, FitCalibration(hw, model, settings, median.token_ms * 1e-3,
+                                                    median.wait_ms * 1e-3, median.measured));
+  c.runs = static_cast<int>(runs.size());
+  return c;
 }
 
 void PrintExplain(const Plan& plan, const Prediction& p, const ModelParams& model) {
@@ -263,6 +282,10 @@ void RegisterPlanCommand(CLI::App& app, cli::CommandAction* action) {
       ->capture_default_str();
   cmd->add_option("--calibrate-warmup", flags->calibrate_warmup, "Warm-up tokens of --calibrate (not measured)")
       ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--calibrate-runs", flags->calibrate_runs,
+                  "Runs of --calibrate; the fit uses the one with the median time per token")
+      ->check(CLI::PositiveNumber)
       ->capture_default_str();
   cmd->add_option("--calibration", flags->calibration,
                   "Reuse the calibration recorded in this plan.json (made with --calibrate for the same deployment "

@@ -2,7 +2,7 @@
 # The main job on a fresh machine: install dependencies, build, then run nflash's whole pipeline on the default model
 # (../shared/models/stories260K) and on its ReLU fine-tune (stories260K-relu, 86% of FFN activations exactly zero):
 #   convert -> profile (calibration text) -> pack (FFN neurons on flash) -> profile-hw (this machine) -> plan (Z3,
-#   memory limit, calibrated by one measured run) -> offload (FFN read from flash with O_DIRECT + io_uring under the plan's memory budget),
+#   memory limit, calibrated by measured runs: the median of 3) -> offload (FFN read from flash with O_DIRECT + io_uring under the plan's memory budget),
 # printing the story, the speed and the memory used next to the in-memory dense engine's speed; then perplexity on
 # the held-out text and a small synthetic sparse model.
 # Usage: scripts/main_job.sh [SHARED_DIR] (default ../shared). Outputs go to out/.

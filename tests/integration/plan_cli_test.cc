@@ -5,9 +5,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "planner/calibration.h"
 #include "planner/plan.h"
@@ -142,13 +145,25 @@ TEST_F(PlanCliTest, TheRuntimeFollowsThePlanAndRefusesOneForAnotherDeployment) {
   EXPECT_EQ(both.exit_code, 2) << both.output;
 }
 
-// --calibrate runs the plan once, fits the cost model to it and records the fit; --calibration reuses it.
+// --calibrate runs the plan 3 times, fits the cost model to the median run and records the fit; --calibration reuses
+// it.
 TEST_F(PlanCliTest, CalibrateFitsAMeasuredRunAndIsReusable) {
   auto raw = Plan("--memory 3M --ctx 128", "cal_raw.json");
   ASSERT_EQ(raw.exit_code, 0) << raw.output;
-  auto r = Plan("--memory 3M --ctx 128 --calibrate --calibrate-tokens 8 --calibrate-warmup 4", "cal.json");
+  auto r = Plan("--memory 3M --ctx 128 --calibrate --calibrate-tokens 8 --calibrate-warmup 4 --calibrate-runs 3",
+                "cal.json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("calibration: measured"), std::string::npos) << r.output;
+  // The three runs as logged ("calibration run N: T ms/token, ..."): the fit must use the median one.
+  std::vector<double> run_ms;
+  for (size_t at = r.output.find("calibration run "); at != std::string::npos;
+       at = r.output.find("calibration run ", at + 1)) {
+    const size_t colon = r.output.find(": ", at);
+    ASSERT_NE(colon, std::string::npos);
+    run_ms.push_back(std::stod(r.output.substr(colon + 2)));
+  }
+  ASSERT_EQ(run_ms.size(), 3u) << r.output;
+  std::sort(run_ms.begin(), run_ms.end());
   auto plain = LoadPlan(tmp_->File("cal_raw.json"));
   auto cal = LoadPlan(tmp_->File("cal.json"));
   ASSERT_TRUE(plain.ok() && cal.ok());
@@ -156,6 +171,8 @@ TEST_F(PlanCliTest, CalibrateFitsAMeasuredRunAndIsReusable) {
   const Calibration& c = cal->calibration;
   ASSERT_TRUE(c.present());
   EXPECT_EQ(c.tokens, 8);
+  EXPECT_EQ(c.runs, 3);
+  EXPECT_NEAR(c.measured_token_s * 1e3, run_ms[1], 1e-5 + run_ms[1] * 1e-6) << "not the median run";
   EXPECT_EQ(c.memory_bytes, 3u << 20);
   EXPECT_GT(c.compute_scale, 0);
   EXPECT_GT(c.io_scale, 0);
