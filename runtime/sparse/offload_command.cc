@@ -45,6 +45,7 @@ struct OffloadFlags {
   bool token_prefill = false;
   std::string two_phase = "off";
   int64_t lookahead = -1;
+  std::string cold_pool = "per-layer";
   std::string hot_policy = "pinned";
   std::string plan;
   std::string hw;  // hw.json: report the speed floors
@@ -136,6 +137,10 @@ Status RunOffload(const OffloadFlags& f) {
   }
   o.two_phase = f.two_phase != "off";
   o.lookahead_slots = f.lookahead;
+  if (f.cold_pool != "per-layer" && f.cold_pool != "shared") {
+    return Status::InvalidArgument("--cold-pool " + f.cold_pool + ": expected per-layer or shared");
+  }
+  o.shared_cold_pool = f.cold_pool == "shared";
   NF_ASSIGN_OR_RETURN(o.hot_policy, ParseHotPolicy(f.hot_policy));
   int threads = f.threads;
   if (!f.plan.empty()) {
@@ -355,6 +360,10 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--lookahead", flags->lookahead,
                   "Bundles read ahead for the next layer while one runs (full mode, dense models, whole bundles): "
                   "-1 auto (n_ff/8), 0 off")
+      ->capture_default_str();
+  cmd->add_option("--cold-pool", flags->cold_pool,
+                  "With --plan: per-layer (each layer's cold slots its own LRU, as planned) or shared (the plan's cold "
+                  "slots as one LRU pool over all layers)")
       ->capture_default_str();
   cmd->add_flag("--json", flags->json, "Print the result as JSON");
   cmd->add_option("--plan", flags->plan, "plan.json from `nflash plan` for this deployment: memory, cache sizes, "

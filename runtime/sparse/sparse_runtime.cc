@@ -129,7 +129,9 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   }
 
   // The staging the caches leave necessary (StagingSlots) replaces the worst case reserved in the fixed part.
-  const int64_t staging = OffloadFfn::StagingSlots(hp.n_ff, rt->split_.cold_slots, options.cold_slots_per_group);
+  const std::vector<int64_t> no_partitions;
+  const std::vector<int64_t>& partitions = options.shared_cold_pool ? no_partitions : options.cold_slots_per_group;
+  const int64_t staging = OffloadFfn::StagingSlots(hp.n_ff, rt->split_.cold_slots, partitions);
   f.scratch = f.scratch - full_staging + static_cast<uint64_t>(staging) * shape.cold_slot_bytes;
   if (rt->budget_ > 0) {
     rt->split_.unused_bytes = rt->budget_ - (f.Total() + rt->split_.hot_bytes + rt->split_.cold_bytes);
@@ -143,7 +145,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.activation_threshold = options.activation_threshold;
   oo.hot_slots = rt->split_.hot_slots;
   oo.cold_slots = rt->split_.cold_slots;
-  oo.cold_slots_per_group = options.cold_slots_per_group;
+  oo.cold_slots_per_group = partitions;
   oo.cluster_groups = options.cluster_groups;
   oo.chunk_requests = options.chunk_requests;
   oo.batched_prefill = batched_prefill;

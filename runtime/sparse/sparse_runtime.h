@@ -38,6 +38,10 @@ struct SparseRuntimeOptions {
   // Cold slots per layer/expert (manifest region order), e.g. from a plan: replaces cold_slots. With a memory budget
   // as well, these sizes are used as given and checked against the budget (no SplitBudget).
   std::vector<int64_t> cold_slots_per_group;
+  // With cold_slots_per_group: their sum becomes one pool that every layer/expert competes for (LRU over all of them)
+  // instead of one partition each; the memory is the same, the staging smaller (a layer's misses always find a slot
+  // when the pool holds n_ff).
+  bool shared_cold_pool = false;
   // Hot region policy (offload_ffn.h HotPolicy); with kPinned, pinned clusters per layer/expert (e.g. from a plan;
   // empty: hot_slots, or the budget's hot share, split evenly).
   HotPolicy hot_policy = HotPolicy::kPinned;

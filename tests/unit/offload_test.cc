@@ -261,20 +261,23 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     int64_t lookahead;
     bool per_layer;
     bool batched_prefill;
+    bool shared_from_per_layer = false;  // per-layer sizes given, run as one shared pool (--cold-pool shared)
   };
   const Config configs[] = {
       {false, 0, false, true}, {false, -1, false, true}, {false, 3, false, false},
       {false, -1, true, true}, {true, -1, false, false}, {true, 0, false, false},
+      {false, -1, true, true, true},
   };
   for (const Config& c : configs) {
     SCOPED_TRACE(std::string(c.predictor ? "predictor" : "oracle") + " lookahead " + std::to_string(c.lookahead) +
                  (c.per_layer ? " per-layer cold slots" : " shared cold pool") +
-                 (c.batched_prefill ? "" : " token prefill"));
+                 (c.batched_prefill ? "" : " token prefill") + (c.shared_from_per_layer ? " (shared)" : ""));
     SparseRuntimeOptions o;
     o.active_set = c.predictor ? ActiveSetSource::kAuto : ActiveSetSource::kOracle;
     o.lookahead_slots = c.lookahead;
     o.hot_slots = 1;
     o.batched_prefill = c.batched_prefill;
+    o.shared_cold_pool = c.shared_from_per_layer;
     if (c.per_layer) {
       o.cold_slots_per_group.assign(5, 40);
     } else {
@@ -305,6 +308,8 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     }
     EXPECT_EQ(st.retries, 0);
     const SlotRegion& cold = (*rt)->ffn().cache().cold();
+    EXPECT_EQ(cold.SlotCount(), c.per_layer ? 5 * 40 : 150);
+    EXPECT_EQ(cold.config().slots_per_group.empty(), !c.per_layer || c.shared_from_per_layer);
     for (int32_t s = 0; s < cold.SlotCount(); ++s) ASSERT_EQ(cold.PinCount(s), 0) << "slot " << s << " still pinned";
   }
 }
