@@ -363,11 +363,30 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
     units_.push_back(Unit{offset, size, dst, slot, is_hot, index, acq, phase, item});
     return static_cast<int32_t>(units_.size() - 1);
   };
+  // Neurons read ahead during the previous layer first: each item takes over its bundle's pin (its read is waited for
+  // and verified by ConsumeLookahead), before any miss below can make the set settle early and release them.
+  if (la_current_ >= 0) {
+    const int b = la_current_;
+    for (size_t k = 0; k < active_.size(); ++k) {
+      la_taken_[k] = 0;
+      const int32_t ahead = la_index_of_neuron_[b][static_cast<size_t>(active_[k])];
+      if (ahead < 0 || la_slot_[b][static_cast<size_t>(ahead)] < 0) continue;
+      const int32_t slot = la_slot_[b][static_cast<size_t>(ahead)];
+      acquired_cold_.push_back(slot);
+      item_slot_[k] = slot;
+      item_acq_[k] = static_cast<int32_t>(acquired_cold_.size() - 1);
+      bundle_[k] = cold.SlotData(slot);
+      la_item_[b][static_cast<size_t>(ahead)] = static_cast<int32_t>(k);
+      la_items_.push_back(static_cast<int32_t>(k));
+      la_taken_[k] = 1;
+    }
+  }
   for (size_t k = 0; k < active_.size(); ++k) {
     const int32_t n = active_[k];
     const int32_t s = region.slot_of_neuron[n];
     item_unit_[k] = -1;
     gate_known_[k] = 0;
+    if (la_current_ >= 0 && la_taken_[k]) continue;
     const bool hot_path = pinned_.empty() ? s < region.hot_count && hot.SlotCount() > 0
                                           : s / cluster_neurons_ < pinned_[static_cast<size_t>(group)];
     if (hot_path) {
@@ -398,19 +417,6 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
       // No hot slot for this cluster (every one pinned): serve the neuron through the cold path.
     }
     const uint64_t offset = region.offset + lay.SlotOffset(s);
-    const int32_t ahead = la_current_ >= 0 ? la_index_of_neuron_[la_current_][static_cast<size_t>(n)] : -1;
-    if (ahead >= 0) {
-      // Read ahead during the previous layer into a slot pinned since: the item takes that pin (the read is waited
-      // for and verified by ConsumeLookahead).
-      const int32_t slot = la_slot_[la_current_][static_cast<size_t>(ahead)];
-      acquired_cold_.push_back(slot);
-      item_slot_[k] = slot;
-      item_acq_[k] = static_cast<int32_t>(acquired_cold_.size() - 1);
-      bundle_[k] = cold.SlotData(slot);
-      la_item_[la_current_][static_cast<size_t>(ahead)] = static_cast<int32_t>(k);
-      la_items_.push_back(static_cast<int32_t>(k));
-      continue;
-    }
     if (la_current_ >= 0 && !cold.CanPlace(group) && cold.Find(group, n) < 0) {
       // The lookahead's pins leave this miss no slot: settle it (its unused bundles become evictable) first.
       NF_RETURN_IF_ERROR(SettleLookahead(la_current_));

@@ -43,6 +43,7 @@ Status OffloadFfn::InitLookahead() {
     la_chunk_ends_[b].reserve(n);
   }
   la_items_.reserve(n);
+  la_taken_.assign(static_cast<size_t>(hp.n_ff), 0);
   la_rows_.reserve(static_cast<size_t>(hp.n_ff));
   la_score_.resize(static_cast<size_t>(hp.n_ff));
   la_pick_.reserve(static_cast<size_t>(hp.n_ff));
@@ -92,6 +93,11 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   };
   la_pick_.clear();
   const float thr = thresholds_[static_cast<size_t>(next)];
+  // At most half of the next layer's cold partition (or of the shared pool): the rest stays for its other misses and
+  // for the bundles it will hit, which a wrong guess would otherwise evict.
+  const RegionConfig& cc = cold.config();
+  const int64_t partition = cc.slots_per_group.empty() ? cc.shared_slots : cc.slots_per_group[static_cast<size_t>(g)];
+  const int64_t limit = std::min(la_slots_, partition / 2);
   if (oracle_) {
     la_rows_.clear();
     for (int32_t n = 0; n < hp.n_ff; ++n) {
@@ -104,17 +110,17 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
       la_score_[j] = std::fabs(ga);
       if (la_score_[j] > thr) la_pick_.push_back(static_cast<int32_t>(j));
     }
-    if (static_cast<int64_t>(la_pick_.size()) > la_slots_) {
+    if (static_cast<int64_t>(la_pick_.size()) > limit) {
       // The most confident guesses: the largest activations are the least likely to fall below the threshold.
-      std::nth_element(la_pick_.begin(), la_pick_.begin() + la_slots_, la_pick_.end(),
+      std::nth_element(la_pick_.begin(), la_pick_.begin() + limit, la_pick_.end(),
                        [&](int32_t a, int32_t c) { return la_score_[a] > la_score_[c]; });
-      la_pick_.resize(static_cast<size_t>(la_slots_));
+      la_pick_.resize(static_cast<size_t>(limit));
     }
     for (int32_t& j : la_pick_) j = la_rows_[static_cast<size_t>(j)];
   } else {
     options_.predictor->Predict(next, la_act_, 0, &pred_scratch_, &la_rows_, pool_);
     for (int32_t n : la_rows_) {
-      if (static_cast<int64_t>(la_pick_.size()) >= la_slots_) break;
+      if (static_cast<int64_t>(la_pick_.size()) >= limit) break;
       if (cold_candidate(n)) la_pick_.push_back(n);
     }
   }
