@@ -16,6 +16,30 @@ double Curve::At(double v) const {
   return y[i - 1] + t * (y[i] - y[i - 1]);
 }
 
+Curve UpperEnvelope(const Curve& a, const Curve& b) {
+  if (a.x.empty()) return b;
+  if (b.x.empty()) return a;
+  std::vector<double> xs(a.x);
+  xs.insert(xs.end(), b.x.begin(), b.x.end());
+  std::sort(xs.begin(), xs.end());
+  xs.erase(std::unique(xs.begin(), xs.end()), xs.end());
+  Curve out;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (i > 0) {
+      // Between two breakpoints both are linear: they cross at most once.
+      const double d0 = a.At(xs[i - 1]) - b.At(xs[i - 1]), d1 = a.At(xs[i]) - b.At(xs[i]);
+      if ((d0 < 0 && d1 > 0) || (d0 > 0 && d1 < 0)) {
+        const double xc = xs[i - 1] + (xs[i] - xs[i - 1]) * d0 / (d0 - d1);
+        out.x.push_back(xc);
+        out.y.push_back(std::max(a.At(xc), b.At(xc)));
+      }
+    }
+    out.x.push_back(xs[i]);
+    out.y.push_back(std::max(a.At(xs[i]), b.At(xs[i])));
+  }
+  return out;
+}
+
 std::vector<std::pair<double, double>> Curve::ConcaveSegments(size_t max_segments) const {
   // Upper hull of the points (Andrew's monotone chain, upper half), then one segment per hull edge.
   std::vector<size_t> hull;
@@ -114,7 +138,8 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
     const double n = static_cast<double>(f.n_neurons);
     const double h = n > 0 ? static_cast<double>(s.hot_neurons.at(r)) / n : 0.0;
     const double c = n > 0 ? static_cast<double>(s.cold_slots.at(r)) / n : 0.0;
-    const double served = std::clamp(std::min(f.popularity.At(h + c), f.popularity.At(h) + f.lru_hit.At(c)), 0.0, 1.0);
+    const double served = std::clamp(
+        std::min(UpperEnvelope(f.popularity, f.lru_hit).At(h + c), f.popularity.At(h) + f.lru_hit.At(c)), 0.0, 1.0);
     const double active = f.route_fraction * f.active_fraction * n;  // A
     const double missed = active * (1.0 - served);                    // M
     const double bw = hw.ReadMbps(f.read_bytes, qd) * 1e6;

@@ -23,6 +23,9 @@ struct Curve {
   std::vector<std::pair<double, double>> ConcaveSegments(size_t max_segments = 0) const;
 };
 
+// The pointwise maximum of two curves (breakpoints of both plus their crossings).
+Curve UpperEnvelope(const Curve& a, const Curve& b);
+
 // Random-read performance at one (request size, queue depth), from profile-hw.
 struct IoPoint {
   uint64_t request_bytes = 0;
@@ -125,7 +128,9 @@ PrefillPrediction EvaluatePrefill(const HardwareParams& hw, const ModelParams& m
                                   int64_t n_tokens);
 
 // The cost model evaluated for `settings` (see docs/planner.md). Served fraction per region: the tighter of
-// P(h + c) and P(h) + H(c) (popularity curve P, LRU curve H, h hot and c cold fractions of the region).
+// max(P, H)(h + c) and P(h) + H(c) (popularity curve P, LRU curve H, h hot and c cold fractions of the region): h + c
+// neurons serve at most what the better of pinning the most popular ones and an LRU cache of that size serve (an LRU
+// beats pinning when activations recur in time, which the profile's H shows as H(x) > P(x)).
 Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const PlanSettings& settings);
 
 }  // namespace nflash::planner

@@ -76,9 +76,11 @@ Encoding Encode(z3::context& ctx, Sink& add, const HardwareParams& hw, const Mod
     z3::expr p_h = ctx.real_const(("pop_hot_" + id).c_str());
     z3::expr h_c = ctx.real_const(("lru_cold_" + id).c_str());
     add.add(h >= 0 && c >= 0 && h + c <= 1 && served >= 0 && served <= 1);
+    for (const auto& [slope, icpt] : UpperEnvelope(f.popularity, f.lru_hit).ConcaveSegments(kMaxCurveSegments)) {
+      add.add(served <= Real(ctx, slope) * (h + c) + Real(ctx, icpt));  // served <= max(P, H)(h + c)
+    }
     for (const auto& [slope, icpt] : f.popularity.ConcaveSegments(kMaxCurveSegments)) {
-      add.add(served <= Real(ctx, slope) * (h + c) + Real(ctx, icpt));  // served <= P(h + c)
-      add.add(p_h <= Real(ctx, slope) * h + Real(ctx, icpt));            // p_h <= P(h)
+      add.add(p_h <= Real(ctx, slope) * h + Real(ctx, icpt));  // p_h <= P(h)
     }
     for (const auto& [slope, icpt] : f.lru_hit.ConcaveSegments(kMaxCurveSegments)) add.add(h_c <= Real(ctx, slope) * c + Real(ctx, icpt));
     add.add(served <= p_h + h_c);

@@ -131,6 +131,43 @@ TEST(CostModelTest, ServedFractionTakesTheTighterBound) {
   EXPECT_NEAR(Evaluate(hw, m, s).served_fraction, 0.3, 1e-12);
 }
 
+// An LRU curve above the popularity curve (activations that recur in time): all cold serves H(c), pinning less.
+TEST(CostModelTest, AnLruAbovePopularityIsCredited) {
+  const HardwareParams hw = Hw();
+  const ModelParams m = OneRegion(Linear(), Curve{{0.0, 0.4, 1.0}, {0.0, 0.8, 1.0}});
+  PlanSettings s;
+  s.hot_neurons = {0};
+  s.cold_slots = {400};
+  // max(P, H)(0.4) = 0.8; P(0) + H(0.4) = 0.8 (the cap at P(0.4) = 0.4 would say 0.4).
+  EXPECT_NEAR(Evaluate(hw, m, s).served_fraction, 0.8, 1e-12);
+  s.hot_neurons = {200};
+  s.cold_slots = {200};
+  // max(P, H)(0.4) = 0.8; P(0.2) + H(0.2) = 0.2 + 0.4 = 0.6: the sum is tighter.
+  EXPECT_NEAR(Evaluate(hw, m, s).served_fraction, 0.6, 1e-12);
+  s.hot_neurons = {400};
+  s.cold_slots = {0};
+  EXPECT_NEAR(Evaluate(hw, m, s).served_fraction, 0.4, 1e-12) << "pinned neurons serve their popularity only";
+  // The solver, given room for 400 neurons, puts them in the LRU region.
+  UserLimits limits;
+  limits.memory_bytes = m.fixed_bytes + 400u * 4096u;
+  auto r = SolvePlan(hw, m, limits);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->feasible) << r->message;
+  EXPECT_EQ(r->settings.hot_neurons[0], 0);
+  EXPECT_NEAR(r->prediction.served_fraction, 0.8, 0.01);
+}
+
+TEST(CurveTest, UpperEnvelopeAddsTheCrossing) {
+  const Curve a{{0.0, 1.0}, {0.0, 1.0}}, b{{0.0, 0.5, 1.0}, {0.2, 0.4, 0.6}};
+  const Curve e = UpperEnvelope(a, b);
+  // b above a until they cross at x = 0.4 (0.2 + 0.4x = x), then a.
+  EXPECT_DOUBLE_EQ(e.At(0.0), 0.2);
+  EXPECT_NEAR(e.At(0.4), 0.4, 1e-12);
+  EXPECT_NEAR(e.At(0.2), 0.28, 1e-12);
+  EXPECT_NEAR(e.At(0.7), 0.7, 1e-12);
+  EXPECT_DOUBLE_EQ(e.At(1.0), 1.0);
+}
+
 TEST(CostModelTest, PrefillIsGemmAgainstStreamingWithTheFirstLayerExposed) {
   HardwareParams hw = Hw();
   hw.gemm_gflops = 100;
