@@ -365,7 +365,9 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
   };
   // Neurons read ahead during the previous layer first: each item takes over its bundle's pin (its read is waited for
   // and verified by ConsumeLookahead), before any miss below can make the set settle early and release them.
-  if (la_current_ >= 0) {
+  // (la_current_ may drop to -1 in the loop below, when a full partition settles the set: the taken items stay taken.)
+  const bool any_taken = la_current_ >= 0;
+  if (any_taken) {
     const int b = la_current_;
     for (size_t k = 0; k < active_.size(); ++k) {
       la_taken_[k] = 0;
@@ -386,7 +388,7 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
     const int32_t s = region.slot_of_neuron[n];
     item_unit_[k] = -1;
     gate_known_[k] = 0;
-    if (la_current_ >= 0 && la_taken_[k]) continue;
+    if (any_taken && la_taken_[k]) continue;
     const bool hot_path = pinned_.empty() ? s < region.hot_count && hot.SlotCount() > 0
                                           : s / cluster_neurons_ < pinned_[static_cast<size_t>(group)];
     if (hot_path) {

@@ -414,7 +414,7 @@ class OffloadFfn : public FfnBackend {
   std::vector<int32_t> la_item_[2];
   int la_current_ = -1;                  // set the current token's Resolve uses (-1: none)
   std::vector<int32_t> la_items_;        // items served by a read ahead
-  std::vector<uint8_t> la_taken_;        // per item: served by a read ahead (valid while la_current_ >= 0)
+  std::vector<uint8_t> la_taken_;        // per item: served by a read ahead (set by Resolve when a set was current)
   std::vector<float> la_scale_;          // (n_layers - 1) x dim: ffn_norm[l+1] / ffn_norm[l]
   std::vector<float> la_x_;              // the rescaled input
   Activation la_act_;

@@ -263,6 +263,7 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     bool batched_prefill;
     bool shared_from_per_layer = false;  // per-layer sizes given, run as one shared pool (--cold-pool shared)
     int64_t per_layer_slots = 40;
+    int64_t hot = 1;
   };
   const Config configs[] = {
       {false, 0, false, true}, {false, -1, false, true}, {false, 3, false, false},
@@ -271,6 +272,8 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
       // Partitions smaller than a layer's misses: guesses must still reach the layer that uses them (they once were
       // released when the partition filled and evicted by the layer's own misses before use).
       {false, -1, true, true, false, 12},
+      // The same without a hot region: every neuron goes through the cold path, so the cache's lookups can be counted.
+      {false, -1, true, true, false, 12, 0},
   };
   for (const Config& c : configs) {
     SCOPED_TRACE(std::string(c.predictor ? "predictor" : "oracle") + " lookahead " + std::to_string(c.lookahead) +
@@ -279,7 +282,7 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     SparseRuntimeOptions o;
     o.active_set = c.predictor ? ActiveSetSource::kAuto : ActiveSetSource::kOracle;
     o.lookahead_slots = c.lookahead;
-    o.hot_slots = 1;
+    o.hot_slots = c.hot;
     o.batched_prefill = c.batched_prefill;
     o.shared_cold_pool = c.shared_from_per_layer;
     if (c.per_layer) {
@@ -320,6 +323,12 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
                 static_cast<long long>(st.prefetched), static_cast<long long>(st.prefetch_used),
                 static_cast<long long>(st.missed));
     EXPECT_EQ(cold.config().slots_per_group.empty(), !c.per_layer || c.shared_from_per_layer);
+    if (c.hot == 0) {
+      // One cold lookup per active neuron not read ahead, plus one per bundle read ahead (when it was issued): an
+      // item that took a read-ahead bundle must not be looked up again (it once was, after an early settle).
+      const CacheCounters cc = cold.TotalCounters();
+      EXPECT_EQ(static_cast<int64_t>(cc.hits + cc.misses), st.active - st.prefetch_used + st.prefetched);
+    }
     for (int32_t s = 0; s < cold.SlotCount(); ++s) ASSERT_EQ(cold.PinCount(s), 0) << "slot " << s << " still pinned";
   }
 }
