@@ -302,11 +302,11 @@ Status RunOffload(const OffloadFlags& f) {
               rt.reader() && !rt.reader()->direct_io() ? " (O_DIRECT refused: reads went through the page cache)" : "");
   if (rt.ffn().lookahead_slots() > 0) {
     std::printf("lookahead (%lld bundles per layer at most), per token: %.1f bundles read ahead, %.1f of them used "
-                "(%.1f%% of the misses); %.3f ms choosing them, %.3f ms verifying and copying\n",
+                "(%.1f%% of the misses); %.3f ms choosing them, %.3f ms verifying them\n",
                 static_cast<long long>(rt.ffn().lookahead_slots()), static_cast<double>(st.prefetched) / steps,
                 static_cast<double>(st.prefetch_used) / steps,
                 st.missed > 0 ? 100.0 * static_cast<double>(st.prefetch_used) / static_cast<double>(st.missed) : 0.0,
-                static_cast<double>(st.lookahead_ns) / 1e6 / steps, static_cast<double>(st.copy_ns) / 1e6 / steps);
+                static_cast<double>(st.lookahead_ns) / 1e6 / steps, static_cast<double>(st.lookahead_verify_ns) / 1e6 / steps);
   }
   if (rt.ffn().two_phase()) {
     std::printf("two-phase loading, per token: %.1f gate pages (%.3f MB), %.1f up+down reads (%.3f MB), %.1f up+down "

@@ -25,12 +25,6 @@ int64_t ClusterGroups(const packer::BundleLayout& layout, int64_t cluster_groups
   return std::max<int64_t>(1, static_cast<int64_t>(kDefaultClusterBytes / layout.group_bytes));
 }
 
-// A cold neuron is read as its whole group when the group holds only it (an aligned O_DIRECT read straight into the
-// slot), else as its exact bundle (the reader bounces it through an aligned buffer).
-uint64_t ColdReadBytes(const packer::BundleLayout& layout) {
-  return layout.slots_per_group == 1 ? layout.group_bytes : layout.bundle_bytes;
-}
-
 int64_t Groups(const packer::Manifest& m) { return m.n_layers * std::max<int64_t>(1, m.n_experts); }
 
 }  // namespace
@@ -316,7 +310,8 @@ Status OffloadFfn::LoadPinnedClusters() {
     const Status batch = flash_->ReadBatch(io::CoalesceRequests(reads, kPrefillRequestBytes));
     reads.clear();
     for (size_t u = 0; u < units_.size(); ++u) {
-      NF_RETURN_IF_ERROR(CheckArrival(layer, expert, region, u, batch).WithContext("loading the pinned hot region"));
+      NF_RETURN_IF_ERROR(
+          CheckArrival(layer, expert, region, units_[u], batch).WithContext("loading the pinned hot region"));
       hot.Release(units_[u].cache_slot);
     }
     stats_[static_cast<size_t>(g)].retries = 0;  // load-time retries are not decode statistics
@@ -389,9 +384,7 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
     item_unit_[k] = -1;
     gate_known_[k] = 0;
     if (any_taken && la_taken_[k]) continue;
-    const bool hot_path = pinned_.empty() ? s < region.hot_count && hot.SlotCount() > 0
-                                          : s / cluster_neurons_ < pinned_[static_cast<size_t>(group)];
-    if (hot_path) {
+    if (HotPath(group, region, s)) {
       const int64_t c = s / cluster_neurons_;
       if (cluster_slot_[c] == -1) {
         touched_clusters_.push_back(static_cast<int32_t>(c));
@@ -472,10 +465,7 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
     requests_.push_back(ReadRequest{x.offset, x.size, x.dst});
     request_of_unit_[u] = static_cast<int32_t>(requests_.size() - 1);
   }
-  chunk_ends_.clear();
-  for (size_t r = 0; r < requests_.size(); r += static_cast<size_t>(options_.chunk_requests)) {
-    chunk_ends_.push_back(std::min(requests_.size(), r + static_cast<size_t>(options_.chunk_requests)));
-  }
+  CutChunks(requests_.size(), &chunk_ends_);
   // Items grouped by the chunk their unit is read in (counting sort).
   const size_t n_chunks = chunk_ends_.size();
   chunk_item_begin_.assign(n_chunks + 1, 0);
@@ -492,6 +482,12 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
     if (item_unit_[k] >= 0) items_by_chunk_[chunk_fill_[chunk_of_item(k)]++] = static_cast<int32_t>(k);
   }
   return Status::Ok();
+}
+
+void OffloadFfn::CutChunks(size_t n_requests, std::vector<size_t>* ends) const {
+  ends->clear();
+  const size_t step = static_cast<size_t>(options_.chunk_requests);
+  for (size_t r = 0; r < n_requests; r += step) ends->push_back(std::min(n_requests, r + step));
 }
 
 Status OffloadFfn::VerifyUnit(int64_t layer, int64_t expert, const packer::RegionInfo& region, const Unit& u) const {
@@ -519,9 +515,8 @@ Status OffloadFfn::VerifyUnit(int64_t layer, int64_t expert, const packer::Regio
   return Status::Ok();
 }
 
-Status OffloadFfn::CheckArrival(int64_t layer, int64_t expert, const packer::RegionInfo& region, size_t u,
+Status OffloadFfn::CheckArrival(int64_t layer, int64_t expert, const packer::RegionInfo& region, const Unit& x,
                                 const Status& read_status) {
-  const Unit& x = units_[u];
   // A failed batch may have read this unit or not: its checksum decides (a per-neuron hash cannot pass on another
   // neuron's stale bytes), so only units whose bytes are wrong are read again.
   Status first = VerifyUnit(layer, expert, region, x);
@@ -625,7 +620,7 @@ void OffloadFfn::AbandonPending() {
       acquired_cold_[u.acquired] = -1;
     }
   }
-  // Slots waiting for a lookahead bundle (whether or not it was copied in: dropping a good one is harmless).
+  // Slots that items took from a lookahead set (verified or not: dropping a good one is harmless).
   for (int32_t k : la_items_) {
     const int32_t acq = item_acq_[static_cast<size_t>(k)];
     if (acq < 0 || acquired_cold_[static_cast<size_t>(acq)] < 0) continue;
@@ -697,7 +692,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
       Status read = io_->WaitChunk(base + c);
       for (; pos < unit_order_.size() && static_cast<size_t>(request_of_unit_[unit_order_[pos]]) < chunk_ends_[c];
            ++pos) {
-        status = CheckArrival(layer, expert, *region, static_cast<size_t>(unit_order_[pos]), read);
+        status = CheckArrival(layer, expert, *region, units_[static_cast<size_t>(unit_order_[pos])], read);
         if (!status.ok()) break;
       }
       if (!status.ok()) break;
@@ -715,7 +710,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     for (int32_t u : unit_order_) {
       const Unit& x_unit = units_[u];
       Status read = flash_->ReadAt(x_unit.offset, x_unit.size, x_unit.dst);
-      status = CheckArrival(layer, expert, *region, static_cast<size_t>(u), read);
+      status = CheckArrival(layer, expert, *region, units_[static_cast<size_t>(u)], read);
       if (!status.ok()) break;
     }
     sync_wait_ns_ += SteadyNowNs() - t0;
@@ -765,7 +760,7 @@ OffloadGroupStats OffloadFfn::TotalStats() const {
     t.prefetch_requests += s.prefetch_requests;
     t.prefetch_bytes += s.prefetch_bytes;
     t.lookahead_ns += s.lookahead_ns;
-    t.copy_ns += s.copy_ns;
+    t.lookahead_verify_ns += s.lookahead_verify_ns;
   }
   return t;
 }

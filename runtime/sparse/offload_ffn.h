@@ -169,6 +169,12 @@ inline MatrixView PartShape(const packer::BundleLayout& lay, GgmlType type, uint
   return MatrixView{type, nullptr, 0, lay.dim, static_cast<size_t>(bytes)};
 }
 
+// A cold neuron is read as its whole group when the group holds only it (an aligned O_DIRECT read straight into the
+// slot), else as its exact bundle (the reader bounces it through an aligned buffer).
+inline uint64_t ColdReadBytes(const packer::BundleLayout& layout) {
+  return layout.slots_per_group == 1 ? layout.group_bytes : layout.bundle_bytes;
+}
+
 // Per-neuron scratch of OffloadFfn (~20 arrays of 1-8 bytes per neuron: item tables, row addresses, gate/up/h
 // values, two-phase state), rounded up; counted in the fixed part.
 inline constexpr uint64_t kPerNeuronScratchBytes = 128;
@@ -200,7 +206,7 @@ struct OffloadGroupStats {
   int64_t prefetch_requests = 0;
   uint64_t prefetch_bytes = 0;
   uint64_t lookahead_ns = 0;  // compute thread: choosing the next layer's bundles (its gate rows or predictor)
-  uint64_t copy_ns = 0;       // compute thread: verifying and copying used lookahead bundles into cache slots
+  uint64_t lookahead_verify_ns = 0;  // compute thread: verifying the bundles read ahead (after their reads landed)
 };
 
 // Thread-safety: not thread-safe; one per InferenceContext. Owns one I/O thread in full mode. The deployment, model,
@@ -291,12 +297,20 @@ class OffloadFfn : public FfnBackend {
   void WarmHotRegion(int64_t group, const packer::RegionInfo& region, const uint8_t* buf);
   // One token (x.n() == 1); `lookahead`: may read ahead for the next layer.
   Status ForwardToken(int64_t group, int64_t layer, int64_t expert, const Activation& x, float* out, bool lookahead);
+  // Whether slot `s` of `group` is served by the hot region (pinned: its cluster is pinned; LRU: the packer's hot part,
+  // when there is a hot region at all); the others take the cold path.
+  bool HotPath(int64_t group, const packer::RegionInfo& region, int32_t s) const {
+    return pinned_.empty() ? s < region.hot_count && cache_->hot().SlotCount() > 0
+                           : s / cluster_neurons_ < pinned_[static_cast<size_t>(group)];
+  }
+  // Cuts `n_requests` requests into chunks of options_.chunk_requests: `ends` gets each chunk's end index.
+  void CutChunks(size_t n_requests, std::vector<size_t>* ends) const;
   // Resolves A into items (bundle pointers or pending units), filling units_ with the misses.
   Status Resolve(int64_t group, const packer::RegionInfo& region);
   Status VerifyUnit(int64_t layer, int64_t expert, const packer::RegionInfo& region, const Unit& u) const;
-  // Verifies unit `u` after its read finished with `read_status`; a failed read or a mismatch is retried once with a
+  // Verifies unit `x` after its read finished with `read_status`; a failed read or a mismatch is retried once with a
   // synchronous read, then is an error naming layer, neuron (or hot cluster) and ffn.bin offset.
-  Status CheckArrival(int64_t layer, int64_t expert, const packer::RegionInfo& region, size_t u,
+  Status CheckArrival(int64_t layer, int64_t expert, const packer::RegionInfo& region, const Unit& x,
                       const Status& read_status);
   void ComputeItems(std::span<const int32_t> items, const Activation& x, float threshold);
   // Two-phase path of ForwardToken (offload_two_phase.cc); Resolve has run.

@@ -2,7 +2,6 @@
 // into their cache slots while layer l computes.
 #include <algorithm>
 #include <cmath>
-#include <string>
 
 #include "runtime/core/ffn_activation.h"
 #include "runtime/core/kernels.h"
@@ -80,17 +79,9 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   la_act_.Set(la_x_.data(), 1, hp.dim);
 
   // Candidates: neurons the next layer would have to read if active (Resolve's cold path, not cached now).
-  const SlotRegion& hot = cache_->hot();
   SlotRegion& cold = cache_->cold();
   const int64_t g = next;
-  auto cold_candidate = [&](int32_t n) {
-    const int32_t s = region.slot_of_neuron[n];
-    if (pinned_.empty() ? s < region.hot_count && hot.SlotCount() > 0
-                        : s / cluster_neurons_ < pinned_[static_cast<size_t>(g)]) {
-      return false;
-    }
-    return cold.Find(g, n) < 0;
-  };
+  auto cold_candidate = [&](int32_t n) { return !HotPath(g, region, region.slot_of_neuron[n]) && cold.Find(g, n) < 0; };
   la_pick_.clear();
   const float thr = thresholds_[static_cast<size_t>(next)];
   // At most half of the next layer's cold partition (or of the shared pool): the rest stays for its other misses and
@@ -136,7 +127,7 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   la_item_[b].clear();
   reqs.clear();
   ends.clear();
-  const size_t size = static_cast<size_t>(lay.slots_per_group == 1 ? lay.group_bytes : lay.bundle_bytes);
+  const size_t size = static_cast<size_t>(ColdReadBytes(lay));
   for (int32_t n : la_pick_) {
     if (!cold.CanPlace(g)) break;  // every slot pinned: the rest is read on demand
     const SlotRegion::Lookup l = cold.Acquire(g, n);
@@ -161,9 +152,7 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   OffloadGroupStats& st = stats_[static_cast<size_t>(g)];
   st.lookahead_ns += SteadyNowNs() - t0;
   if (neurons.empty()) return;
-  for (size_t r = 0; r < reqs.size(); r += static_cast<size_t>(options_.chunk_requests)) {
-    ends.push_back(std::min(reqs.size(), r + static_cast<size_t>(options_.chunk_requests)));
-  }
+  CutChunks(reqs.size(), &ends);
   st.prefetched += static_cast<int64_t>(neurons.size());
   st.requests += static_cast<int64_t>(reqs.size());
   st.prefetch_requests += static_cast<int64_t>(reqs.size());
@@ -182,7 +171,7 @@ Status OffloadFfn::SettleLookahead(int b) {
   const packer::RegionInfo& region = *deploy_.Region(layer, -1);
   const packer::BundleLayout& lay = deploy_.layout();
   SlotRegion& cold = cache_->cold();
-  const size_t size = static_cast<size_t>(lay.slots_per_group == 1 ? lay.group_bytes : lay.bundle_bytes);
+  const size_t size = static_cast<size_t>(ColdReadBytes(lay));
   const std::vector<int32_t>& neurons = la_neurons_[b];
   OffloadGroupStats& st = stats_[static_cast<size_t>(layer)];
   Status first_error;
@@ -200,12 +189,10 @@ Status OffloadFfn::SettleLookahead(int b) {
       la_slot_[b][i] = -1;
       la_index_of_neuron_[b][static_cast<size_t>(n)] = -1;
       uint8_t* data = cold.SlotData(slot);
-      const std::span<const uint8_t> bundle(data, lay.bundle_bytes);
-      const bool good = read.ok() && deploy_.VerifyBundle(layer, -1, n, bundle).ok();
       if (la_item_[b][i] < 0) {
         // Not used by this token: a good bundle stays cached, but first in line for eviction (a wrong guess must
         // not push out bundles that were used); a bad one is dropped (never retried: nothing needs it now).
-        if (good) {
+        if (read.ok() && deploy_.VerifyBundle(layer, -1, n, std::span<const uint8_t>(data, lay.bundle_bytes)).ok()) {
           cold_complete_[static_cast<size_t>(slot)] = 1;
           cold.ReleaseAsLru(slot);
         } else {
@@ -214,25 +201,12 @@ Status OffloadFfn::SettleLookahead(int b) {
         continue;
       }
       ++st.prefetch_used;  // the item holds the pin now (released with the token's)
-      if (!good && first_error.ok()) {
-        ++st.retries;  // one synchronous retry, as for every other read
-        const std::string what = "layer " + std::to_string(layer) + " neuron " + std::to_string(n) +
-                                 " (read ahead): ffn.bin offset " + std::to_string(offset) + " (" +
-                                 std::to_string(size) + " bytes)";
-        const Status again = flash_->ReadAt(offset, size, data);
-        if (!again.ok()) {
-          first_error = Status::IOError(what + ": read failed twice: " + again.message());
-          continue;
-        }
-        const Status verified = deploy_.VerifyBundle(layer, -1, n, bundle);
-        if (!verified.ok()) {
-          first_error = Status::Corruption(what + ": checksum mismatch after one retry: " + verified.message());
-          continue;
-        }
-      }
-      cold_complete_[static_cast<size_t>(slot)] = 1;
+      if (!first_error.ok()) continue;  // the token fails; its pins are dropped with it
+      // Checked like any other arrival: verified, a bad one read again once, then an error naming it.
+      const Unit unit{offset, size, data, slot, false, n, -1, Phase::kWhole, la_item_[b][i]};
+      first_error = CheckArrival(layer, -1, region, unit, read);
     }
-    st.copy_ns += SteadyNowNs() - t0;
+    st.lookahead_verify_ns += SteadyNowNs() - t0;
   }
   la_layer_[b] = -1;
   if (la_current_ == b) la_current_ = -1;

@@ -135,7 +135,7 @@ Status OffloadFfn::ForwardTokenTwoPhase(int64_t group, int64_t layer, int64_t ex
       Status read = io_->WaitChunk(c);
       for (; pos < unit_order_.size() && static_cast<size_t>(request_of_unit_[unit_order_[pos]]) < chunk_ends_[c];
            ++pos) {
-        status = CheckArrival(layer, expert, region, static_cast<size_t>(unit_order_[pos]), read);
+        status = CheckArrival(layer, expert, region, units_[static_cast<size_t>(unit_order_[pos])], read);
         if (!status.ok()) break;
       }
       if (!status.ok()) break;
@@ -149,7 +149,7 @@ Status OffloadFfn::ForwardTokenTwoPhase(int64_t group, int64_t layer, int64_t ex
       Status read = io_->WaitChunk(n1 + j);
       const auto [b, e] = phase2_chunk(j);
       for (size_t r = b; r < e && status.ok(); ++r) {
-        status = CheckArrival(layer, expert, region, static_cast<size_t>(phase2_units_[r]), read);
+        status = CheckArrival(layer, expert, region, units_[static_cast<size_t>(phase2_units_[r])], read);
       }
       if (!status.ok()) break;
       ComputeItems(std::span<const int32_t>(phase2_items_).subspan(b, e - b), x, threshold);
@@ -162,7 +162,7 @@ Status OffloadFfn::ForwardTokenTwoPhase(int64_t group, int64_t layer, int64_t ex
   for (int32_t u : unit_order_) {
     const Unit& unit = units_[static_cast<size_t>(u)];
     Status read = flash_->ReadAt(unit.offset, unit.size, unit.dst);
-    status = CheckArrival(layer, expert, region, static_cast<size_t>(u), read);
+    status = CheckArrival(layer, expert, region, units_[static_cast<size_t>(u)], read);
     if (!status.ok()) break;
   }
   sync_wait_ns_ += SteadyNowNs() - t0;
@@ -175,7 +175,7 @@ Status OffloadFfn::ForwardTokenTwoPhase(int64_t group, int64_t layer, int64_t ex
   for (size_t r = 0; r < requests2_.size() && status.ok(); ++r) {
     const ReadRequest& q = requests2_[r];
     Status read = flash_->ReadAt(q.offset, q.size, q.dst);
-    status = CheckArrival(layer, expert, region, static_cast<size_t>(phase2_units_[r]), read);
+    status = CheckArrival(layer, expert, region, units_[static_cast<size_t>(phase2_units_[r])], read);
   }
   sync_wait_ns_ += SteadyNowNs() - t0;
   if (!status.ok()) return status;

@@ -187,7 +187,9 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
         EXPECT_EQ(t.bytes, (*d)->Region(l, -1)->size);
         EXPECT_GT(t.read_ns, 0u);
         EXPECT_GT(t.compute_ns, 0u);
-        if (mode == OffloadMode::kLlmFlash) EXPECT_GE(t.wait_ns, t.read_ns);
+        if (mode == OffloadMode::kLlmFlash) {
+          EXPECT_GE(t.wait_ns, t.read_ns);
+        }
         bytes += t.bytes;
         wait += t.wait_ns;
       }
