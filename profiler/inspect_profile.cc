@@ -144,6 +144,11 @@ Status InspectProfile(const std::string& path, const std::string& plot_path) {
   std::printf("calibration: %lld tokens of %s in windows of %lld; target sparsity %.3f\n",
               static_cast<long long>(p.tokens), p.text_path.c_str(), static_cast<long long>(p.ctx),
               p.target_sparsity);
+  if (p.decode_tokens > 0) {
+    std::printf("source: the model's own decode, %lld generated tokens per window after %lld prompt tokens, %s\n",
+                static_cast<long long>(p.decode_tokens), static_cast<long long>(p.decode_prompt_tokens),
+                p.decode_temperature > 0 ? ("temperature " + std::to_string(p.decode_temperature)).c_str() : "greedy");
+  }
   std::printf("%-6s %-6s %8s %10s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s\n", "layer", "expert", "tokens",
               "threshold", "mean", "P50", "P90", "top10%", "top20%", "hit25%", "hit50%", "bs2", "up|g", "down|g");
   // Curve index of 10%, 20%, 25%, 50% of the neurons: the curves have 17 points at i/16, so 10% and 20% interpolate.

@@ -148,6 +148,12 @@ Status SaveProfile(const ModelProfile& p, const std::string& path, bool overwrit
   w.Set(Key("tokens"), static_cast<uint64_t>(p.tokens));
   w.Set(Key("text_path"), p.text_path);
   w.Set(Key("ctx"), static_cast<uint64_t>(p.ctx));
+  w.Set(Key("source"), p.decode_tokens > 0 ? "decode" : "text");
+  if (p.decode_tokens > 0) {
+    w.Set(Key("decode_tokens"), static_cast<uint64_t>(p.decode_tokens));
+    w.Set(Key("decode_prompt_tokens"), static_cast<uint64_t>(p.decode_prompt_tokens));
+    w.Set(Key("decode_temperature"), p.decode_temperature);
+  }
   w.Set(Key("target_sparsity"), p.target_sparsity);
   {
     GgufArray rs{GgufType::kFloat32, {}};
@@ -218,6 +224,22 @@ Result<ModelProfile> LoadProfile(const std::string& path) {
   NF_ASSIGN_OR_RETURN(p.tokens, g.GetInt(Key("tokens")));
   NF_ASSIGN_OR_RETURN(p.text_path, g.GetString(Key("text_path")));
   NF_ASSIGN_OR_RETURN(p.ctx, g.GetInt(Key("ctx")));
+  // Optional (profiles before session 6 have none): "text" or "decode" with its parameters.
+  if (g.Find(Key("source")) != nullptr) {
+    NF_ASSIGN_OR_RETURN(std::string source, g.GetString(Key("source")));
+    if (source == "decode") {
+      NF_ASSIGN_OR_RETURN(p.decode_tokens, g.GetInt(Key("decode_tokens")));
+      NF_ASSIGN_OR_RETURN(p.decode_prompt_tokens, g.GetInt(Key("decode_prompt_tokens")));
+      NF_ASSIGN_OR_RETURN(p.decode_temperature, g.GetFloat(Key("decode_temperature")));
+      if (p.decode_tokens < 1 || p.decode_prompt_tokens < 1 || p.decode_tokens + p.decode_prompt_tokens > p.ctx) {
+        return Status::Corruption(path + ": nflash.profile.decode_tokens " + std::to_string(p.decode_tokens) +
+                                  " and decode_prompt_tokens " + std::to_string(p.decode_prompt_tokens) +
+                                  " must be >= 1 and fit ctx " + std::to_string(p.ctx));
+      }
+    } else if (source != "text") {
+      return Status::Corruption(path + ": nflash.profile.source is \"" + source + "\", expected \"text\" or \"decode\"");
+    }
+  }
   NF_ASSIGN_OR_RETURN(p.target_sparsity, g.GetFloat(Key("target_sparsity")));
   NF_ASSIGN_OR_RETURN(uint64_t n_ffns, g.GetUint(Key("n_ffns")));
   // Each FFN has 9 tensors, so the directory bounds n_ffns; this keeps a hostile count from allocating first.

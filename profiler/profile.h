@@ -57,6 +57,12 @@ struct ModelProfile {
   int64_t tokens = 0;       // calibration tokens run
   std::string text_path;    // calibration text (for the record)
   int64_t ctx = 0;          // window length (tokens) the text was run in
+  // What produced the recorded tokens: 0 = the text itself (teacher-forced windows); > 0 = the model's own decode,
+  // `decode_tokens` generated tokens per window after a prompt of `decode_prompt_tokens` text tokens (only the
+  // generated tokens are recorded: the workload the sparse decode runtime sees). Optional keys; absent = text.
+  int64_t decode_tokens = 0;
+  int64_t decode_prompt_tokens = 0;
+  double decode_temperature = 0.0;  // 0: greedy
   double target_sparsity = 0.0;  // silu: the sparsity the thresholds were calibrated for (0 for relu / drelu)
   std::vector<float> report_sparsities;  // sparsities of FfnProfile::report_thresholds
   std::vector<FfnProfile> ffns;  // layer-major, experts in order

@@ -26,6 +26,7 @@
 #include "runtime/core/log.h"
 #include "runtime/core/quant.h"
 #include "runtime/engine/context.h"
+#include "runtime/text/sampler.h"
 
 namespace nflash::profiler {
 namespace {
@@ -55,6 +56,10 @@ struct ProfileFlags {
   int64_t coact_k = 16;
   int64_t coact_tokens = 1024;
   std::string traces;
+  int64_t generate = 0;          // > 0: record the model's own decode, this many tokens per window
+  int64_t prompt_tokens = 16;    // decode mode: text tokens prefilled (not recorded) before each window's decode
+  float temperature = 0.0f;      // decode mode: 0 greedy
+  uint64_t seed = 1;
   int threads = 0;
   bool force = false;
 };
@@ -184,17 +189,57 @@ Result<std::vector<float>> DownColumnNorms(const Model& model, int64_t layer, in
 std::atomic<bool> g_interrupted{false};
 extern "C" void OnInterrupt(int) { g_interrupted.store(true); }
 
-// Runs tokens [0, n) of `ids` in windows of `ctx` (each from an empty context, batched prefill), calling `on_window`
-// before each window with its index.
-Status RunWindows(InferenceContext* ctx, const std::vector<int32_t>& ids, int64_t n, int64_t window_len,
-                  ProgressBar* bar, const std::function<void(int64_t)>& on_window) {
-  for (int64_t start = 0, w = 0; start < n; start += window_len, ++w) {
+// Where the recorded tokens come from. Text: tokens [0, n) of the text in windows of `ctx`, each from an empty context
+// as one batched prefill (teacher forcing). Decode: per window, `prompt` text tokens prefilled unobserved, then
+// `generate` tokens decoded one at a time from the model's own samples (what the sparse decode runtime serves).
+struct TokenSource {
+  const std::vector<int32_t>* ids = nullptr;
+  int64_t ctx = 256;
+  int64_t generate = 0;
+  int64_t prompt = 0;
+  int64_t n_vocab = 0;
+  SamplerConfig sampling;
+};
+
+// Runs the source until `n` tokens are recorded. Before the observed rows of each Eval, `on_rows(window, base)`
+// names the window and the position (within the recorded tokens of the window) of the Eval's first row; the
+// observer must only count rows while `*observing` is true.
+Status RunSource(InferenceContext* ctx, const TokenSource& src, int64_t n, ProgressBar* bar, bool* observing,
+                 const std::function<void(int64_t, int64_t)>& on_rows) {
+  const std::vector<int32_t>& ids = *src.ids;
+  if (src.generate == 0) {
+    for (int64_t start = 0, w = 0; start < n; start += src.ctx, ++w) {
+      if (g_interrupted.load()) return Status::IOError("interrupted: no profile written");
+      const int64_t len = std::min(src.ctx, n - start);
+      on_rows(w, 0);
+      ctx->Reset();
+      *observing = true;
+      NF_RETURN_IF_ERROR(ctx->Eval(std::span<const int32_t>(ids.data() + start, static_cast<size_t>(len)), false));
+      bar->Update(static_cast<uint64_t>(start + len));
+    }
+    bar->Finish();
+    return Status::Ok();
+  }
+  NF_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(src.sampling));
+  for (int64_t done = 0, w = 0; done < n; ++w) {
     if (g_interrupted.load()) return Status::IOError("interrupted: no profile written");
-    const int64_t len = std::min(window_len, n - start);
-    on_window(w);
+    // Prompts are consecutive stretches of the text; the caller encoded enough of it (wraps around if not).
+    const size_t start = static_cast<size_t>(w * src.prompt) % (ids.size() - static_cast<size_t>(src.prompt) + 1);
     ctx->Reset();
-    NF_RETURN_IF_ERROR(ctx->Eval(std::span<const int32_t>(ids.data() + start, static_cast<size_t>(len)), false));
-    bar->Update(static_cast<uint64_t>(start + len));
+    sampler.Reset(src.sampling.seed + static_cast<uint64_t>(w));
+    *observing = false;
+    NF_RETURN_IF_ERROR(ctx->Eval(std::span<const int32_t>(ids.data() + start, static_cast<size_t>(src.prompt)), false));
+    const int64_t len = std::min(src.generate, n - done);
+    for (int64_t step = 0; step < len; ++step) {
+      const int32_t next = sampler.Sample(std::span<const float>(ctx->logits(), static_cast<size_t>(src.n_vocab)));
+      sampler.Accept(next);
+      on_rows(w, step);
+      *observing = true;
+      NF_RETURN_IF_ERROR(ctx->Eval(std::span<const int32_t>(&next, 1), false));
+      *observing = false;
+    }
+    done += len;
+    bar->Update(static_cast<uint64_t>(done));
   }
   bar->Finish();
   return Status::Ok();
@@ -235,10 +280,34 @@ Status RunProfile(const ProfileFlags& f) {
     return Status::InvalidArgument("--ctx " + std::to_string(f.ctx) + " must be in [1, " +
                                    std::to_string(hp.context_length) + "] (the model's context length)");
   }
-  const std::vector<int32_t> ids = EncodePrefix(*lm.tokenizer, text, f.tokens);
-  const int64_t n_tokens = f.tokens > 0 ? std::min<int64_t>(f.tokens, static_cast<int64_t>(ids.size()))
-                                        : static_cast<int64_t>(ids.size());
+  if (f.generate > 0) {
+    if (f.tokens < 1) return Status::InvalidArgument("--generate needs --tokens (how many decoded tokens to record)");
+    if (f.prompt_tokens + f.generate > f.ctx) {
+      return Status::InvalidArgument("--prompt-tokens " + std::to_string(f.prompt_tokens) + " + --generate " +
+                                     std::to_string(f.generate) + " must fit --ctx " + std::to_string(f.ctx));
+    }
+  }
+  // Decode mode needs one prompt per window of `generate` recorded tokens.
+  const int64_t text_tokens =
+      f.generate > 0 ? (f.tokens + f.generate - 1) / f.generate * f.prompt_tokens : f.tokens;
+  const std::vector<int32_t> ids = EncodePrefix(*lm.tokenizer, text, text_tokens);
+  if (f.generate > 0 && static_cast<int64_t>(ids.size()) < f.prompt_tokens) {
+    return Status::InvalidArgument(f.text + ": encodes to " + std::to_string(ids.size()) +
+                                   " tokens, fewer than --prompt-tokens " + std::to_string(f.prompt_tokens));
+  }
+  const int64_t n_tokens = f.generate > 0 ? f.tokens
+                           : f.tokens > 0 ? std::min<int64_t>(f.tokens, static_cast<int64_t>(ids.size()))
+                                          : static_cast<int64_t>(ids.size());
   if (n_tokens < 1) return Status::InvalidArgument(f.text + ": the text encodes to no tokens");
+  TokenSource source;
+  source.ids = &ids;
+  source.ctx = f.ctx;
+  source.generate = f.generate;
+  source.prompt = f.prompt_tokens;
+  source.n_vocab = hp.n_vocab;
+  source.sampling.temperature = f.temperature;
+  source.sampling.seed = f.seed;
+  bool observing = false;
   const bool relu_like = hp.activation != FfnActivation::kSilu;
   const std::string act_name = relu_like ? (hp.activation == FfnActivation::kRelu ? "relu" : "drelu") : "silu";
   const double target = f.target_sparsity >= 0 ? f.target_sparsity : (relu_like ? 0.0 : 0.5);
@@ -264,6 +333,7 @@ Status RunProfile(const ProfileFlags& f) {
     std::vector<std::vector<float>> samples(static_cast<size_t>(n_ffns));
     int64_t offset = 0;
     ctx.SetFfnObserver([&](const FfnObservation& o) {
+      if (!observing) return;
       std::vector<float>& s = samples[static_cast<size_t>(ffn_index(o))];
       for (int64_t t = 0; t < o.n_tokens; ++t) {
         const float* g = o.gate_act + t * hp.n_ff;
@@ -272,7 +342,7 @@ Status RunProfile(const ProfileFlags& f) {
       }
     });
     ProgressBar bar("thresholds", static_cast<uint64_t>(n1), "tok");
-    NF_RETURN_IF_ERROR(RunWindows(&ctx, ids, n1, f.ctx, &bar, [](int64_t) {}));
+    NF_RETURN_IF_ERROR(RunSource(&ctx, source, n1, &bar, &observing, [](int64_t, int64_t) {}));
     for (int64_t i = 0; i < n_ffns; ++i) {
       std::vector<float>& s = samples[static_cast<size_t>(i)];
       if (!relu_like) thresholds[i] = QuantileThreshold(&s, target);
@@ -301,16 +371,17 @@ Status RunProfile(const ProfileFlags& f) {
   if (!f.traces.empty()) NF_RETURN_IF_ERROR(traces.Open(f.traces, f.force, stats));
   // Co-activation samples every `coact_stride`-th token so the sample spans the whole calibration run.
   const int64_t coact_stride = std::max<int64_t>(1, n_tokens / std::max<int64_t>(f.coact_tokens, 1));
-  int64_t window = 0, window_start = 0;
+  int64_t window = 0, window_start = 0, row_base = 0;
   Status observer_status;
   std::vector<int32_t> active;
   ctx.SetFfnObserver([&](const FfnObservation& o) {
+    if (!observing) return;
     const size_t fi = static_cast<size_t>(ffn_index(o));
     FfnStats& st = stats[fi];
     const float thr = st.threshold();
     const float* norms = down_norms[fi].data();
     for (int64_t r = 0; r < o.n_tokens; ++r) {
-      const int64_t pos = o.token_index != nullptr ? o.token_index[r] : r;
+      const int64_t pos = row_base + (o.token_index != nullptr ? o.token_index[r] : r);
       const float* g = o.gate_act + r * hp.n_ff;
       const float* h = o.hidden + r * hp.n_ff;
       active.clear();
@@ -337,9 +408,12 @@ Status RunProfile(const ProfileFlags& f) {
   });
   const auto t0 = std::chrono::steady_clock::now();
   ProgressBar bar("profile", static_cast<uint64_t>(n_tokens), "tok");
-  NF_RETURN_IF_ERROR(RunWindows(&ctx, ids, n_tokens, f.ctx, &bar, [&](int64_t w) {
+  // Recorded tokens per window: the window length (text) or the decoded tokens.
+  const int64_t per_window = f.generate > 0 ? f.generate : f.ctx;
+  NF_RETURN_IF_ERROR(RunSource(&ctx, source, n_tokens, &bar, &observing, [&](int64_t w, int64_t base) {
     window = w;
-    window_start = w * f.ctx;
+    window_start = w * per_window;
+    row_base = base;
   }));
   NF_RETURN_IF_ERROR(observer_status);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -356,6 +430,11 @@ Status RunProfile(const ProfileFlags& f) {
   p.text_path = f.text;
   p.ctx = f.ctx;
   p.target_sparsity = relu_like ? 0.0 : target;
+  if (f.generate > 0) {
+    p.decode_tokens = f.generate;
+    p.decode_prompt_tokens = f.prompt_tokens;
+    p.decode_temperature = f.temperature;
+  }
   for (double s : f.report_sparsities) p.report_sparsities.push_back(static_cast<float>(s));
   const auto t_finish = std::chrono::steady_clock::now();
   for (size_t i = 0; i < stats.size(); ++i) {
@@ -405,6 +484,15 @@ void RegisterProfileCommand(CLI::App& app, cli::CommandAction* action) {
   sub->add_option("--coact-tokens", f->coact_tokens, "Tokens sampled for co-activation counts")
       ->check(CLI::PositiveNumber);
   sub->add_option("--traces", f->traces, "Also write per-token active bitsets here (zstd)");
+  sub->add_option("--generate", f->generate,
+                  "Record the model's own decode instead of the text: per window, --prompt-tokens of text prefilled "
+                  "(not recorded), then this many tokens generated one at a time and recorded (0: the text itself)")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--prompt-tokens", f->prompt_tokens, "--generate: text tokens prefilled before each window's decode")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--temp", f->temperature, "--generate: sampling temperature (0: greedy)")
+      ->check(CLI::Range(0.0, 10.0));
+  sub->add_option("--seed", f->seed, "--generate: sampling seed (window w uses seed + w)");
   sub->add_option("-t,--threads", f->threads, "Compute threads (0: all cores)");
   sub->add_flag("--force", f->force, "Overwrite existing outputs");
   sub->callback([f, action] { *action = [f] { return RunProfile(*f); }; });

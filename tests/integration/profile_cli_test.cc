@@ -9,6 +9,8 @@
 #include <fstream>
 
 #include "profiler/profile.h"
+#include "runtime/cli/model_loader.h"
+#include "runtime/engine/context.h"
 #include "runtime/core/checksum.h"
 #include "tests/test_util.h"
 
@@ -117,6 +119,89 @@ TEST_F(ProfileCli, TraceAgreesWithCounts) {
   EXPECT_EQ(off, t.size());
   EXPECT_EQ(records, 2000u * 5);
   for (int l = 0; l < 5; ++l) EXPECT_EQ(counts[l], p->Find(l)->count_bs1) << "layer " << l;
+}
+
+// Decode mode records the model's own greedy continuation of text prompts, not the text. Checked against a decode
+// written here with the engine alone (own argmax, own active test), record by record from the trace: window 0 decodes
+// after text tokens [0, 8), window 1 after [8, 16); only decoded tokens are recorded.
+TEST(ProfileDecode, RecordsTheModelsOwnGreedyDecode) {
+  TempDir dir;
+  const std::string text = SharedPath("text/tinystories_calib.txt");
+  const auto r = RunCommand(ProfileCmd(text, dir.File("dec.prof"),
+                                       "--tokens 40 --generate 24 --prompt-tokens 8 --ctx 32 --traces " +
+                                           dir.File("dec.trace.zst")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto p = LoadProfile(dir.File("dec.prof"));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->tokens, 40);
+  EXPECT_EQ(p->decode_tokens, 24);
+  EXPECT_EQ(p->decode_prompt_tokens, 8);
+  EXPECT_EQ(p->decode_temperature, 0.0);
+  EXPECT_NE(RunCommand(NflashBinary() + " inspect " + dir.File("dec.prof")).output.find("the model's own decode"),
+            std::string::npos);
+
+  // Expected: per (window, step), per layer, the active set of an independent greedy decode.
+  cli::ModelSource src{ReluModel(), SharedPath("models/stories260K/tok512.bin"), "relu"};
+  auto lm = cli::LoadModelForInference(src);
+  ASSERT_TRUE(lm.ok()) << lm.status().ToString();
+  std::ifstream in(text, std::ios::binary);
+  std::string body((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::vector<int32_t> ids = lm->tokenizer->Encode(std::string_view(body).substr(0, 4096), true);
+  ASSERT_GE(ids.size(), 16u);
+  const int64_t n_ff = lm->model->hparams().n_ff, n_vocab = lm->model->hparams().n_vocab;
+  ThreadPool pool(1);
+  InferenceContext ctx(*lm->model, &pool, 32);
+  std::vector<std::vector<uint64_t>> expected;  // record order: token, then layer
+  bool observing = false;
+  ctx.SetFfnObserver([&](const FfnObservation& o) {
+    if (!observing) return;
+    std::vector<uint64_t> bits(static_cast<size_t>((n_ff + 63) / 64), 0);
+    for (int64_t i = 0; i < n_ff; ++i) {
+      if (o.gate_act[i] > 0) bits[static_cast<size_t>(i / 64)] |= uint64_t{1} << (i % 64);
+    }
+    expected.push_back(std::move(bits));
+  });
+  std::vector<int32_t> expected_tokens;  // trace token index of each expected record group
+  for (int w = 0; w < 2; ++w) {
+    ctx.Reset();
+    observing = false;
+    ASSERT_TRUE(ctx.Eval(std::span<const int32_t>(ids.data() + 8 * w, 8), false).ok());
+    for (int step = 0; step < (w == 0 ? 24 : 16); ++step) {
+      const float* lg = ctx.logits();
+      const int32_t next = static_cast<int32_t>(std::max_element(lg, lg + n_vocab) - lg);
+      observing = true;
+      ASSERT_TRUE(ctx.Eval(std::span<const int32_t>(&next, 1), false).ok());
+      observing = false;
+      expected_tokens.push_back(24 * w + step);
+    }
+  }
+  ASSERT_EQ(expected.size(), 40u * 5);
+
+  const std::vector<uint8_t> t = Decompress(dir.File("dec.trace.zst"));
+  size_t off = 12 + 5 * 4;
+  const size_t words = (static_cast<size_t>(n_ff) + 63) / 64;
+  size_t rec = 0;
+  for (; off + 8 + words * 8 <= t.size(); off += 8 + words * 8, ++rec) {
+    ASSERT_LT(rec, expected.size());
+    uint32_t ffn, token;
+    std::memcpy(&ffn, &t[off], 4);
+    std::memcpy(&token, &t[off + 4], 4);
+    EXPECT_EQ(ffn, rec % 5) << "record " << rec;
+    EXPECT_EQ(token, static_cast<uint32_t>(expected_tokens[rec / 5])) << "record " << rec;
+    std::vector<uint64_t> bits(words);
+    std::memcpy(bits.data(), &t[off + 8], words * 8);
+    EXPECT_EQ(bits, expected[rec]) << "record " << rec << " (token " << token << ", layer " << ffn << ")";
+  }
+  EXPECT_EQ(rec, expected.size());
+  EXPECT_EQ(off, t.size());
+
+  // Bad combinations are refused before any work.
+  const auto too_long = RunCommand(ProfileCmd(text, dir.File("x.prof"), "--tokens 40 --generate 30 --ctx 32"));
+  EXPECT_EQ(too_long.exit_code, 2);  // a usage error
+  EXPECT_NE(too_long.output.find("must fit --ctx 32"), std::string::npos) << too_long.output;
+  const auto no_tokens = RunCommand(ProfileCmd(text, dir.File("x.prof"), "--generate 8"));
+  EXPECT_EQ(no_tokens.exit_code, 2);
+  EXPECT_NE(no_tokens.output.find("--generate needs --tokens"), std::string::npos) << no_tokens.output;
 }
 
 TEST_F(ProfileCli, InspectPrintsSummaryAndPlots) {

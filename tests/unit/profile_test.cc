@@ -119,6 +119,27 @@ TEST(ProfileFile, RoundTrip) {
   EXPECT_EQ(f->count_bs1, p.ffns[2].count_bs1);
   EXPECT_EQ(loaded->Find(2, 0), nullptr);
   EXPECT_EQ(loaded->Find(0, -1), nullptr);
+  EXPECT_EQ(loaded->decode_tokens, 0);  // a text profile
+}
+
+TEST(ProfileFile, DecodeSourceRoundTripsAndIsValidated) {
+  TempDir dir;
+  ModelProfile p = RandomProfile();
+  p.decode_tokens = 48;
+  p.decode_prompt_tokens = 16;
+  p.decode_temperature = 0.5;
+  ASSERT_TRUE(SaveProfile(p, dir.File("d.prof"), false).ok());
+  auto loaded = LoadProfile(dir.File("d.prof"));
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ(loaded->decode_tokens, 48);
+  EXPECT_EQ(loaded->decode_prompt_tokens, 16);
+  EXPECT_EQ(loaded->decode_temperature, 0.5);
+  // Prompt + decode longer than the window it claims to have run in.
+  p.decode_tokens = 250;
+  ASSERT_TRUE(SaveProfile(p, dir.File("bad.prof"), false).ok());
+  auto bad = LoadProfile(dir.File("bad.prof"));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("decode_tokens 250"), std::string::npos) << bad.status().ToString();
 }
 
 TEST(ProfileFile, RefusesOverwriteWithoutForce) {
