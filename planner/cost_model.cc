@@ -173,6 +173,19 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
   return p;
 }
 
+PlanSettings PureRegionSplits(const ModelParams& model, const PlanSettings& settings) {
+  PlanSettings out = settings;
+  for (size_t r = 0; r < model.ffns.size(); ++r) {
+    const FfnParams& f = model.ffns[r];
+    const int64_t held = settings.hot_neurons.at(r) + settings.cold_slots.at(r);
+    const double x = f.n_neurons > 0 ? static_cast<double>(held) / static_cast<double>(f.n_neurons) : 0.0;
+    const bool lru = f.lru_hit.At(x) > f.popularity.At(x);
+    out.hot_neurons[r] = lru ? 0 : held;
+    out.cold_slots[r] = lru ? held : 0;
+  }
+  return out;
+}
+
 PrefillPrediction EvaluatePrefill(const HardwareParams& hw, const ModelParams& model, const PlanSettings& s,
                                   int64_t n_tokens) {
   PrefillPrediction p;

@@ -133,4 +133,13 @@ PrefillPrediction EvaluatePrefill(const HardwareParams& hw, const ModelParams& m
 // beats pinning when activations recur in time, which the profile's H shows as H(x) > P(x)).
 Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const PlanSettings& settings);
 
+// Each region's neurons held in memory (hot + cold, as in `settings`) all pinned hot or all one LRU cold partition,
+// whichever the measured curves serve more of: Pop(x) or H(x) at the region's fraction x (ties: hot). Under the
+// cost model a mix never serves more than the better pure choice (served <= max(P, H)(h + c)), and the pure choices
+// are the only splits the curves measure exactly: P(h) + H(c) credits a cold partition beside the hot one with the
+// LRU hit rate of the whole access stream, while it only sees the accesses the hot neurons do not serve (below a
+// token's working set an LRU thrashes: the profile's H is near 0 there). The solver's linear relaxation takes H's
+// concave hull and so favours small cold partitions beside large hot ones; this step removes them.
+PlanSettings PureRegionSplits(const ModelParams& model, const PlanSettings& settings);
+
 }  // namespace nflash::planner

@@ -307,7 +307,9 @@ Result<SolveResult> SolvePlan(const HardwareParams& hw, const ModelParams& model
         OptimiseAll(hw, model, candidates, mem_mib, max_token_us, goal, &best, &result.solved)) {
       result.feasible = true;
       result.solver_token_s = best.token_us * 1e-6;
-      result.settings = best.settings;
+      // The relaxation's mixed splits rest on the LRU curve's concave hull; the plan keeps the solver's memory per
+      // region and holds it the way the measured curves serve best (cost_model.h).
+      result.settings = PureRegionSplits(model, best.settings);
       result.prediction = Evaluate(hw, model, result.settings);
       result.solve_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       return result;

@@ -157,6 +157,39 @@ TEST(CostModelTest, AnLruAbovePopularityIsCredited) {
   EXPECT_NEAR(r->prediction.served_fraction, 0.8, 0.01);
 }
 
+// A measured LRU curve is S-shaped: below a token's working set the cache thrashes (H near 0), above it recurrence
+// lifts it over the popularity curve. The linear relaxation sees H's concave hull (0.7/0.3 per unit from 0), so it
+// would pin most of the room and add a small cold partition the real curve credits with nothing.
+TEST(PlannerTest, EachRegionIsAllHotOrAllLruWhicheverTheCurvesServeMore) {
+  const HardwareParams hw = Hw();
+  const Curve pop{{0.0, 0.2, 0.5, 1.0}, {0.0, 0.5, 0.8, 1.0}};
+  const Curve lru{{0.0, 0.2, 0.3, 0.5, 1.0}, {0.0, 0.0, 0.7, 0.95, 1.0}};
+  const ModelParams m = OneRegion(pop, lru);
+  PlanSettings mix;
+  mix.hot_neurons = {370};
+  mix.cold_slots = {130};
+  // By hand: P(0.37) + H(0.13) = 0.5 + 0.3 * 0.17 / 0.3 + 0 = 0.67 < max(P, H)(0.5) = 0.95.
+  EXPECT_NEAR(Evaluate(hw, m, mix).served_fraction, 0.67, 1e-9);
+  const PlanSettings pure = PureRegionSplits(m, mix);
+  EXPECT_EQ(pure.hot_neurons[0], 0);
+  EXPECT_EQ(pure.cold_slots[0], 500);
+  EXPECT_NEAR(Evaluate(hw, m, pure).served_fraction, 0.95, 1e-9);
+  // At 200 neurons pinning serves 0.5 and the LRU nothing: all hot. Equal curves: hot (no LRU bookkeeping).
+  mix.hot_neurons = {50};
+  mix.cold_slots = {150};
+  EXPECT_EQ(PureRegionSplits(m, mix).hot_neurons[0], 200);
+  EXPECT_EQ(PureRegionSplits(OneRegion(pop, pop), mix).cold_slots[0], 0);
+
+  UserLimits limits;
+  limits.memory_bytes = m.fixed_bytes + 500u * 4096u;
+  auto r = SolvePlan(hw, m, limits);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->feasible) << r->message;
+  EXPECT_EQ(r->settings.hot_neurons[0], 0);
+  EXPECT_EQ(r->settings.cold_slots[0], 500);
+  EXPECT_NEAR(r->prediction.served_fraction, 0.95, 1e-9);
+}
+
 TEST(CurveTest, UpperEnvelopeAddsTheCrossing) {
   const Curve a{{0.0, 1.0}, {0.0, 1.0}}, b{{0.0, 0.5, 1.0}, {0.2, 0.4, 0.6}};
   const Curve e = UpperEnvelope(a, b);
