@@ -9,6 +9,6 @@ $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends \
   build-essential cmake ninja-build ccache pkg-config \
   libz3-dev libzstd-dev libcli11-dev nlohmann-json3-dev liburing-dev \
-  libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev \
+  libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev libcpp-httplib-dev \
   python3 python3-numpy gnuplot-nox >/dev/null
 echo "setup: dependencies installed"

@@ -43,6 +43,22 @@ CommandResult RunCommand(const std::string& command, bool capture_stderr) {
   return r;
 }
 
+std::string MakeReluDeployment(const std::string& model, const std::string& profile, const std::string& deploy) {
+  const std::string nflash = NflashBinary();
+  const std::vector<std::string> commands = {
+      nflash + " -q convert " + SharedPath("models/stories260K-relu/stories260K-relu.bin") + " --tokenizer " +
+          SharedPath("models/stories260K/tok512.bin") + " --activation relu -o " + model + " --type f32",
+      // Calibration text only (the held-out file is for evaluation).
+      nflash + " -q profile -m " + model + " -f " + SharedPath("text/tinystories_calib.txt") + " --tokens 4000 -t 2 -o " +
+          profile,
+      nflash + " -q pack -m " + model + " -p " + profile + " -o " + deploy};
+  for (const std::string& c : commands) {
+    CommandResult r = RunCommand(c);
+    if (r.exit_code != 0) return c + "\n" + r.output;
+  }
+  return "";
+}
+
 void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes) {
   std::ofstream out(path, std::ios::binary);
   out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));

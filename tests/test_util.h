@@ -33,6 +33,11 @@ struct CommandResult {
 // Runs `command` through /bin/sh, capturing stdout and stderr interleaved (or stdout only, stderr passed through).
 CommandResult RunCommand(const std::string& command, bool capture_stderr = true);
 
+// The deployment of the offloaded-runtime tests: stories260K-relu converted to an F32 GGUF at `model`, profiled on
+// 4000 tokens of the calibration text (`profile`), packed into the directory `deploy`. "" when it worked, else the
+// failing command's output.
+std::string MakeReluDeployment(const std::string& model, const std::string& profile, const std::string& deploy);
+
 void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes);
 void WriteText(const std::string& path, const std::string& text);
 

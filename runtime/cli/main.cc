@@ -12,6 +12,7 @@
 #include "runtime/cli/command.h"
 #include "runtime/cli/run_command.h"
 #include "runtime/core/log.h"
+#include "runtime/server/serve_command.h"
 #include "runtime/sparse/commands.h"
 
 int main(int argc, char** argv) {
@@ -39,6 +40,7 @@ int main(int argc, char** argv) {
   planner::RegisterPlanCommand(app, &action);
   sparse::RegisterOffloadCommand(app, &action);
   bench::RegisterBenchCommand(app, &action);
+  server::RegisterServeCommand(app, &action);
 
   try {
     app.parse(argc, argv);

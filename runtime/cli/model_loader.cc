@@ -3,6 +3,8 @@
 
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
+
 #include <cstdlib>
 #include <cstring>
 
@@ -68,6 +70,16 @@ Result<LoadedModel> LoadModelForInference(const ModelSource& source) {
   }
   NF_ASSIGN_OR_RETURN(out.tokenizer, LoadTokenizer(out.model->gguf()));
   return out;
+}
+
+void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mmap, bool model_required) {
+  sub->add_option("-m,--model", src->path, "Model: GGUF, or llama2.c checkpoint (converted in memory)")
+      ->required(model_required)
+      ->check(CLI::ExistingFile);
+  sub->add_option("--tokenizer", src->tokenizer, "llama2.c only: tokenizer.bin (default: beside the checkpoint)");
+  sub->add_option("--activation", src->activation, "llama2.c only: FFN activation silu|relu|drelu (default silu)");
+  sub->add_option("-t,--threads", *threads, "Compute threads (0: all cores)");
+  sub->add_flag("--no-mmap", *no_mmap, "Read the weights into memory instead of mapping the file");
 }
 
 }  // namespace nflash::cli

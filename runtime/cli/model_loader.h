@@ -9,6 +9,10 @@
 #include "runtime/engine/model.h"
 #include "runtime/text/tokenizer.h"
 
+namespace CLI {
+class App;
+}
+
 namespace nflash::cli {
 
 struct LoadedModel {
@@ -25,5 +29,9 @@ struct ModelSource {
 };
 
 Result<LoadedModel> LoadModelForInference(const ModelSource& source);
+
+// The options of a command that loads a model this way: -m (required or not), --tokenizer, --activation, -t (compute
+// threads) and --no-mmap.
+void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mmap, bool model_required = true);
 
 }  // namespace nflash::cli

@@ -21,6 +21,7 @@
 #include "runtime/core/proc_stats.h"
 #include "runtime/core/stats.h"
 #include "runtime/engine/context.h"
+#include "runtime/engine/generate.h"
 #include "runtime/engine/predictor.h"
 #include "runtime/engine/sparse_ffn.h"
 #include "runtime/sparse/sparse_runtime.h"
@@ -32,17 +33,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
-
-void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mmap, bool model_required = true) {
-  sub->add_option("-m,--model", src->path, "Model: GGUF, or llama2.c checkpoint (converted in memory)")
-      ->required(model_required)
-      ->check(CLI::ExistingFile);
-  sub->add_option("--tokenizer", src->tokenizer, "llama2.c only: tokenizer.bin (default: beside the checkpoint)");
-  sub->add_option("--activation", src->activation, "llama2.c only: FFN activation silu|relu|drelu (default silu)");
-  sub->add_option("-t,--threads", *threads, "Compute threads (0: all cores)");
-  sub->add_flag("--no-mmap", *no_mmap, "Read the weights into memory instead of mapping the file");
-}
-
 
 // The sparse FFN options shared by `run` and `perplexity` (see docs/predictor.md).
 struct SparseFlags {
@@ -223,55 +213,30 @@ Status RunGenerate(const RunFlags& f) {
   // Sparse decode only: the prompt's batched prefill stays dense.
   NF_ASSIGN_OR_RETURN(SparseSetup sparse, SetupSparse(f.sparse, src, lm, &pool, /*sparse_prefill=*/false));
   if (sparse.ffn) ctx.SetFfnBackend(sparse.ffn.get());
-  NF_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(f.sampler));
-  for (int32_t t : ids) sampler.Accept(t);
-  StopConfig stop_config;
-  stop_config.eos_id = lm.tokenizer->eos_id();
-  stop_config.bos_id = lm.tokenizer->bos_id();
-  stop_config.max_tokens = std::min<int64_t>(f.n_predict, n_ctx - static_cast<int64_t>(ids.size()));
-  stop_config.stop_strings = f.stop;
-  StopChecker stop(stop_config);
-  Detokenizer detok(*lm.tokenizer);
-
-  std::string text;
-  auto emit = [&](const std::string& s) {
-    if (s.empty()) return;
-    text += s;
-    if (!f.json) {
-      std::fwrite(s.data(), 1, s.size(), stdout);
-      std::fflush(stdout);
-    }
-  };
+  GenerateOptions options;
+  options.sampler = f.sampler;
+  options.max_tokens = f.n_predict;
+  options.stop_strings = f.stop;
   // Echo the prompt as the model sees it (after BOS), as llama2.c and llama.cpp do.
-  for (int32_t t : ids) emit(detok.Push(t));
-
+  options.echo_prompt = true;
+  std::string text;
   const auto t0 = Clock::now();
-  NF_RETURN_IF_ERROR(ctx.Eval(ids, false));
-  const auto t1 = Clock::now();
-  std::vector<double> latencies;
-  StopReason reason = StopReason::kNone;
-  auto step_start = t1;
-  while (true) {
-    const float* lg = ctx.logits();
-    int32_t next = sampler.Sample({lg, static_cast<size_t>(hp.n_vocab)});
-    sampler.Accept(next);
-    std::string piece;
-    reason = stop.Push(next, detok.Push(next), &piece);
-    emit(piece);
-    if (reason != StopReason::kNone) break;
-    NF_RETURN_IF_ERROR(ctx.Eval({&next, 1}, false));
-    auto now = Clock::now();
-    latencies.push_back(Seconds(step_start, now) * 1000.0);
-    step_start = now;
-  }
-  emit(stop.Flush());
-  emit(detok.Finish());
+  NF_ASSIGN_OR_RETURN(GenerateResult g, Generate(ctx, *lm.tokenizer, ids, options, [&](std::string_view s) {
+                        text += s;
+                        if (!f.json) {
+                          std::fwrite(s.data(), 1, s.size(), stdout);
+                          std::fflush(stdout);
+                        }
+                        return true;
+                      }));
   const auto t2 = Clock::now();
   if (!f.json) std::fputs("\n", stdout);
 
-  const double prefill_s = Seconds(t0, t1);
+  const std::vector<double>& latencies = g.step_ms;
+  const double prefill_s = g.prefill_ms / 1000.0;
   double decode_ms = 0;
   for (double l : latencies) decode_ms += l;
+  const StopReason reason = g.reason;
   const ProcessMemory mem = ReadProcessMemory();
   nlohmann::json j;
   j["model"] = f.source.path;
@@ -280,7 +245,7 @@ Status RunGenerate(const RunFlags& f) {
   j["load"] = lm.description;
   j["threads"] = pool.NumThreads();
   j["prompt_tokens"] = ids.size();
-  j["generated_tokens"] = stop.n_tokens();
+  j["generated_tokens"] = g.generated_tokens;
   j["stop_reason"] = StopReasonName(reason);
   j["prefill_tok_s"] = prefill_s > 0 ? static_cast<double>(ids.size()) / prefill_s : 0.0;
   j["decode_tok_s"] = decode_ms > 0 ? static_cast<double>(latencies.size()) / (decode_ms / 1000.0) : 0.0;
@@ -304,7 +269,7 @@ Status RunGenerate(const RunFlags& f) {
                "prefill %.1f tok/s, decode %.1f tok/s; per-token latency mean %.2f ms, P50 %.2f, P90 %.2f, P99 %.2f\n"
                "memory: weights %.1f MiB (%s), KV cache and buffers %.1f MiB, RSS %.1f MiB, peak RSS %.1f MiB\n",
                hp.synthetic ? "SYNTHETIC weights. " : "", static_cast<long long>(ids.size()),
-               static_cast<long long>(stop.n_tokens()), StopReasonName(reason), pool.NumThreads(),
+               static_cast<long long>(g.generated_tokens), StopReasonName(reason), pool.NumThreads(),
                j["prefill_tok_s"].get<double>(), j["decode_tok_s"].get<double>(),
                j["latency_ms"]["mean"].get<double>(), j["latency_ms"]["p50"].get<double>(),
                j["latency_ms"]["p90"].get<double>(), j["latency_ms"]["p99"].get<double>(),

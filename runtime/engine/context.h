@@ -48,6 +48,7 @@ class InferenceContext {
   const float* logits(int64_t i = -1) const;
   int64_t pos() const { return pos_; }
   int64_t n_ctx() const { return n_ctx_; }
+  int64_t n_vocab() const { return hp_.n_vocab; }
   void Reset() { pos_ = 0; }
   void SetFfnObserver(FfnObserver observer) { observer_ = std::move(observer); }
   // nullptr: the dense FFN. The backend must outlive its use; the observer sees only FFNs the dense path ran.

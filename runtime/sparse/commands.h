@@ -1,11 +1,55 @@
-// The sparse runtime's subcommands of the `nflash` CLI.
+// The sparse runtime's subcommands of the `nflash` CLI, and the flags that shape the flash-offloaded runtime, shared
+// by the commands that open one from a deployment (`nflash offload`, `nflash serve -d`): their registration, their
+// translation (with --plan) into SparseRuntimeOptions, and the opening itself (all in offload_command.cc).
 #pragma once
 
+#include <cstdint>
+#include <memory>
+#include <string>
+
 #include "runtime/cli/command.h"
+#include "runtime/core/status.h"
+#include "runtime/core/thread_pool.h"
+#include "runtime/sparse/sparse_runtime.h"
 
 namespace nflash::sparse {
 
 // `nflash offload`: greedy generation from a deployment directory with the FFN on flash.
 void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action);
+
+// One command line's runtime flags. Thread-safety: a value type.
+struct RuntimeFlags {
+  std::string deploy;  // -d: each command registers it (required or not)
+  std::string mode = "full";
+  std::string memory;
+  std::string active_set = "auto";
+  int64_t hot_slots = 0, cold_slots = 0;
+  double hot_fraction = kDefaultHotFraction;
+  int64_t cluster_groups = 0;
+  int64_t chunk_requests = 16;
+  unsigned queue_depth = io::kDefaultQueueDepth;
+  bool buffered = false;
+  bool token_prefill = false;
+  std::string two_phase = "off";
+  int64_t lookahead = -1;
+  std::string cold_pool = "per-layer";
+  std::string hot_policy = "pinned";
+  std::string plan;
+  int64_t ctx = 0;  // -c: each command registers it (what 0 means differs)
+  int threads = 0;  // -t: each command registers it
+};
+
+// Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
+// --chunk-requests, --queue-depth, --buffered, --token-prefill, --two-phase, --lookahead, --cold-pool and --plan.
+void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);
+
+// The options of SparseRuntime::Open for `f`: the context is f.ctx, or `default_ctx` when f.ctx is 0 (<= 0: the
+// model's), unless --plan sets it; `*threads` becomes f.threads or the plan's compute threads. InvalidArgument for a
+// bad flag value or --plan combined with the flags it sets.
+Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRuntimeOptions* o, int* threads);
+
+// SparseRuntime::Open(f.deploy, o, pool), warning when --two-phase on does not apply.
+Result<std::unique_ptr<SparseRuntime>> OpenRuntime(const RuntimeFlags& f, const SparseRuntimeOptions& o,
+                                                   ThreadPool* pool);
 
 }  // namespace nflash::sparse

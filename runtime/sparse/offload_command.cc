@@ -1,6 +1,7 @@
 // `nflash offload`: greedy generation from a deployment directory with the FFN on flash (modes full and llmflash),
 // reporting speed, per-token latency percentiles, cache hit rates, flash traffic, the memory accounting and the
-// measured peak RSS. The dense baseline is `nflash run -m model.gguf` (mmap).
+// measured peak RSS. The dense baseline is `nflash run -m model.gguf` (mmap). Also the runtime flags it shares with
+// `nflash serve -d` (commands.h: RuntimeFlags, AddRuntimeOptions, MakeRuntimeOptions, OpenRuntime).
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -25,29 +26,12 @@
 namespace nflash::sparse {
 namespace {
 
-struct OffloadFlags {
-  std::string deploy;
+// -d, -c, -t and the flags that shape the runtime are RuntimeFlags (shared with `nflash serve -d`).
+struct OffloadFlags : RuntimeFlags {
   std::string prompt = "Once upon a time";
   int64_t n_predict = 64;
   int64_t warmup = 0;
-  std::string mode = "full";
-  std::string memory;
-  std::string active_set = "auto";
-  int64_t hot_slots = 0, cold_slots = 0;
-  double hot_fraction = kDefaultHotFraction;
-  int64_t ctx = 0;
-  int64_t cluster_groups = 0;
-  int64_t chunk_requests = 16;
-  unsigned queue_depth = io::kDefaultQueueDepth;
-  int threads = 0;
   bool json = false;
-  bool buffered = false;
-  bool token_prefill = false;
-  std::string two_phase = "off";
-  int64_t lookahead = -1;
-  std::string cold_pool = "per-layer";
-  std::string hot_policy = "pinned";
-  std::string plan;
   std::string hw;  // hw.json: report the speed floors
 };
 
@@ -98,24 +82,6 @@ Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, Sp
 
 Status RunOffload(const OffloadFlags& f) {
   using Clock = std::chrono::steady_clock;
-  SparseRuntimeOptions o;
-  if (f.mode == "full") {
-    o.mode = OffloadMode::kFull;
-  } else if (f.mode == "llmflash") {
-    o.mode = OffloadMode::kLlmFlash;
-  } else {
-    return Status::InvalidArgument("--mode " + f.mode + ": expected full or llmflash (dense-mmap is `nflash run`)");
-  }
-  if (f.active_set == "auto") o.active_set = ActiveSetSource::kAuto;
-  else if (f.active_set == "predictor") o.active_set = ActiveSetSource::kPredictor;
-  else if (f.active_set == "oracle") o.active_set = ActiveSetSource::kOracle;
-  else return Status::InvalidArgument("--active-set " + f.active_set + ": expected auto, predictor or oracle");
-  if (!f.memory.empty()) {
-    auto budget = ParseMemorySize(f.memory);
-    if (!budget.ok()) return budget.status().WithContext("--memory");
-    o.memory_budget = *budget;
-    if (o.memory_budget == 0) return Status::InvalidArgument("--memory 0: give a budget, or leave --memory out");
-  }
   // The tokenizer and the context size first (the KV cache is part of the fixed memory): -c 0 means prompt +
   // max tokens, as `nflash run` does, capped at the model's context length.
   NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::OpenPath(f.deploy + "/" + packer::kResidentFileName));
@@ -123,43 +89,17 @@ Status RunOffload(const OffloadFlags& f) {
   NF_ASSIGN_OR_RETURN(LlamaHparams rhp, ReadLlamaHparams(resident));
   std::vector<int32_t> ids = tok->Encode(f.prompt, tok->add_bos());
   if (ids.empty()) return Status::InvalidArgument("the prompt is empty and the model adds no BOS token: pass -p");
-  o.n_ctx = f.ctx > 0 ? f.ctx : std::min<int64_t>(rhp.context_length, static_cast<int64_t>(ids.size()) + f.n_predict);
-  o.hot_slots = f.hot_slots;
-  o.cold_slots = f.cold_slots;
-  o.hot_fraction = f.hot_fraction;
-  o.cluster_groups = f.cluster_groups;
-  o.chunk_requests = f.chunk_requests;
-  o.io.queue_depth = f.queue_depth;
-  o.io.buffered = f.buffered;
-  o.batched_prefill = !f.token_prefill;
-  if (f.two_phase != "on" && f.two_phase != "off" && f.two_phase != "auto") {
-    return Status::InvalidArgument("--two-phase " + f.two_phase + ": expected on, off or auto");
-  }
-  o.two_phase = f.two_phase != "off";
-  o.lookahead_slots = f.lookahead;
-  if (f.cold_pool != "per-layer" && f.cold_pool != "shared") {
-    return Status::InvalidArgument("--cold-pool " + f.cold_pool + ": expected per-layer or shared");
-  }
-  o.shared_cold_pool = f.cold_pool == "shared";
-  NF_ASSIGN_OR_RETURN(o.hot_policy, ParseHotPolicy(f.hot_policy));
-  int threads = f.threads;
-  if (!f.plan.empty()) {
-    if (!f.memory.empty() || f.hot_slots > 0 || f.cold_slots > 0 || f.ctx > 0) {
-      return Status::InvalidArgument("--plan sets the memory, cache sizes and context: drop --memory, --hot-slots, "
-                                     "--cold-slots and --ctx");
-    }
-    NF_RETURN_IF_ERROR(ApplyPlan(f.plan, f.deploy, &o, &threads));
-    if (o.n_ctx < static_cast<int64_t>(ids.size()) + 1) {
-      return Status::InvalidArgument("the plan's context (" + std::to_string(o.n_ctx) + " tokens) cannot hold the " +
-                                     "prompt: re-plan with a larger --ctx");
-    }
+  SparseRuntimeOptions o;
+  int threads = 0;
+  NF_RETURN_IF_ERROR(MakeRuntimeOptions(
+      f, std::min<int64_t>(rhp.context_length, static_cast<int64_t>(ids.size()) + f.n_predict), &o, &threads));
+  if (!f.plan.empty() && o.n_ctx < static_cast<int64_t>(ids.size()) + 1) {
+    return Status::InvalidArgument("the plan's context (" + std::to_string(o.n_ctx) + " tokens) cannot hold the " +
+                                   "prompt: re-plan with a larger --ctx");
   }
   ThreadPool pool(threads);
-  NF_ASSIGN_OR_RETURN(std::unique_ptr<SparseRuntime> opened, SparseRuntime::Open(f.deploy, o, &pool));
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<SparseRuntime> opened, OpenRuntime(f, o, &pool));
   SparseRuntime& rt = *opened;
-  if (f.two_phase == "on" && !rt.ffn().two_phase()) {
-    NF_LOG(Warning) << "--two-phase on: not applicable to this run (see the log line above); whole bundles are read";
-  }
   const LlamaHparams& hp = rt.model().hparams();
   InferenceContext& ctx = rt.context();
   const int64_t room = ctx.n_ctx() - static_cast<int64_t>(ids.size());
@@ -326,15 +266,64 @@ Status RunOffload(const OffloadFlags& f) {
 
 }  // namespace
 
-void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
-  auto flags = std::make_shared<OffloadFlags>();
-  CLI::App* cmd = app.add_subcommand("offload", "Generate (greedy) from a deployment with the FFN on flash");
-  cmd->add_option("-d,--deploy", flags->deploy, "Deployment directory (nflash pack)")->required()->check(CLI::ExistingDirectory);
-  cmd->add_option("-p,--prompt", flags->prompt, "Prompt text");
-  cmd->add_option("-n,--max-tokens", flags->n_predict, "Tokens to generate at most")->check(CLI::PositiveNumber);
-  cmd->add_option("--warmup", flags->warmup,
-                  "Decode steps not measured (of the -n): the figures then describe warm caches")
-      ->check(CLI::NonNegativeNumber);
+Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRuntimeOptions* o, int* threads) {
+  if (f.mode == "full") {
+    o->mode = OffloadMode::kFull;
+  } else if (f.mode == "llmflash") {
+    o->mode = OffloadMode::kLlmFlash;
+  } else {
+    return Status::InvalidArgument("--mode " + f.mode + ": expected full or llmflash (dense-mmap is `nflash run`)");
+  }
+  if (f.active_set == "auto") o->active_set = ActiveSetSource::kAuto;
+  else if (f.active_set == "predictor") o->active_set = ActiveSetSource::kPredictor;
+  else if (f.active_set == "oracle") o->active_set = ActiveSetSource::kOracle;
+  else return Status::InvalidArgument("--active-set " + f.active_set + ": expected auto, predictor or oracle");
+  if (!f.memory.empty()) {
+    auto budget = ParseMemorySize(f.memory);
+    if (!budget.ok()) return budget.status().WithContext("--memory");
+    o->memory_budget = *budget;
+    if (o->memory_budget == 0) return Status::InvalidArgument("--memory 0: give a budget, or leave --memory out");
+  }
+  o->n_ctx = f.ctx > 0 ? f.ctx : default_ctx;
+  o->hot_slots = f.hot_slots;
+  o->cold_slots = f.cold_slots;
+  o->hot_fraction = f.hot_fraction;
+  o->cluster_groups = f.cluster_groups;
+  o->chunk_requests = f.chunk_requests;
+  o->io.queue_depth = f.queue_depth;
+  o->io.buffered = f.buffered;
+  o->batched_prefill = !f.token_prefill;
+  if (f.two_phase != "on" && f.two_phase != "off" && f.two_phase != "auto") {
+    return Status::InvalidArgument("--two-phase " + f.two_phase + ": expected on, off or auto");
+  }
+  o->two_phase = f.two_phase != "off";
+  o->lookahead_slots = f.lookahead;
+  if (f.cold_pool != "per-layer" && f.cold_pool != "shared") {
+    return Status::InvalidArgument("--cold-pool " + f.cold_pool + ": expected per-layer or shared");
+  }
+  o->shared_cold_pool = f.cold_pool == "shared";
+  NF_ASSIGN_OR_RETURN(o->hot_policy, ParseHotPolicy(f.hot_policy));
+  *threads = f.threads;
+  if (!f.plan.empty()) {
+    if (!f.memory.empty() || f.hot_slots > 0 || f.cold_slots > 0 || f.ctx > 0) {
+      return Status::InvalidArgument("--plan sets the memory, cache sizes and context: drop --memory, --hot-slots, "
+                                     "--cold-slots and --ctx");
+    }
+    NF_RETURN_IF_ERROR(ApplyPlan(f.plan, f.deploy, o, threads));
+  }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<SparseRuntime>> OpenRuntime(const RuntimeFlags& f, const SparseRuntimeOptions& o,
+                                                   ThreadPool* pool) {
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<SparseRuntime> rt, SparseRuntime::Open(f.deploy, o, pool));
+  if (f.two_phase == "on" && !rt->ffn().two_phase()) {
+    NF_LOG(Warning) << "--two-phase on: not applicable to this run (see the log line above); whole bundles are read";
+  }
+  return rt;
+}
+
+void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_option("--mode", flags->mode, "full (io_uring, pipelined) or llmflash (blocking reads, no overlap)");
   cmd->add_option("--memory", flags->memory, "Memory budget for everything the process holds, e.g. 1.5G, 800M");
   cmd->add_option("--active-set", flags->active_set, "auto, predictor or oracle (exact; gate rows held in memory)");
@@ -345,11 +334,9 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
                   "Hot region: pinned (each layer's hottest clusters loaded at start, never evicted) or lru (one "
                   "pool, LRU per cluster, filled on demand)")
       ->capture_default_str();
-  cmd->add_option("-c,--ctx", flags->ctx, "Context size (0: prompt + max tokens, capped at the model's)");
   cmd->add_option("--cluster-groups", flags->cluster_groups, "Hot cluster size in flash groups (0: 64 KiB)");
   cmd->add_option("--chunk-requests", flags->chunk_requests, "Reads per pipeline chunk");
   cmd->add_option("--queue-depth", flags->queue_depth, "io_uring queue depth");
-  cmd->add_option("-t,--threads", flags->threads, "Compute threads (0: all cores)");
   cmd->add_flag("--buffered", flags->buffered, "Read through the page cache (no O_DIRECT): a comparison only");
   cmd->add_flag("--token-prefill", flags->token_prefill,
                 "Prefill token by token through the decode path instead of whole layers (no prefill buffers): a "
@@ -365,9 +352,23 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
                   "With --plan: per-layer (each layer's cold slots its own LRU, as planned) or shared (the plan's cold "
                   "slots as one LRU pool over all layers)")
       ->capture_default_str();
-  cmd->add_flag("--json", flags->json, "Print the result as JSON");
   cmd->add_option("--plan", flags->plan, "plan.json from `nflash plan` for this deployment: memory, cache sizes, "
                                          "context, threads, queue depth")->check(CLI::ExistingFile);
+}
+
+void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
+  auto flags = std::make_shared<OffloadFlags>();
+  CLI::App* cmd = app.add_subcommand("offload", "Generate (greedy) from a deployment with the FFN on flash");
+  cmd->add_option("-d,--deploy", flags->deploy, "Deployment directory (nflash pack)")->required()->check(CLI::ExistingDirectory);
+  cmd->add_option("-p,--prompt", flags->prompt, "Prompt text");
+  cmd->add_option("-n,--max-tokens", flags->n_predict, "Tokens to generate at most")->check(CLI::PositiveNumber);
+  cmd->add_option("--warmup", flags->warmup,
+                  "Decode steps not measured (of the -n): the figures then describe warm caches")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("-c,--ctx", flags->ctx, "Context size (0: prompt + max tokens, capped at the model's)");
+  cmd->add_option("-t,--threads", flags->threads, "Compute threads (0: all cores)");
+  AddRuntimeOptions(cmd, flags.get());
+  cmd->add_flag("--json", flags->json, "Print the result as JSON");
   cmd->add_option("--hw", flags->hw, "Hardware profile (nflash profile-hw): also report the compute and I/O floors "
                                      "per token and the measured time's ratio to them (docs/planner.md, Floors)")
       ->check(CLI::ExistingFile);

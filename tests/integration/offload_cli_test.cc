@@ -25,19 +25,8 @@ class OffloadCliTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new testing::TempDir();
-    const std::string model = dir_->File("m.gguf");
-    auto r = testing::RunCommand(Nflash() + " -q convert " +
-                                 testing::SharedPath("models/stories260K-relu/stories260K-relu.bin") + " --tokenizer " +
-                                 testing::SharedPath("models/stories260K/tok512.bin") + " --activation relu -o " +
-                                 model + " --type f32");
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    // Calibration text only (the held-out file is for evaluation).
-    r = testing::RunCommand(Nflash() + " -q profile -m " + model + " -f " +
-                            testing::SharedPath("text/tinystories_calib.txt") + " --tokens 4000 -t 2 -o " +
-                            dir_->File("p.prof"));
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    r = testing::RunCommand(Nflash() + " -q pack -m " + model + " -p " + dir_->File("p.prof") + " -o " + Deploy());
-    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::string failed = testing::MakeReluDeployment(dir_->File("m.gguf"), dir_->File("p.prof"), Deploy());
+    ASSERT_EQ(failed, "") << failed;
     // The README's decoded golden sample (prompt + 100 greedy tokens).
     const std::string readme = ReadText(testing::SharedPath("models/stories260K-relu/README.md"));
     std::smatch m;

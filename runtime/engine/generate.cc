@@ -1,0 +1,78 @@
+// The shared decode loop (see generate.h).
+#include "runtime/engine/generate.h"
+
+#include <algorithm>
+#include <chrono>
+
+namespace nflash {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Ms(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); }
+
+}  // namespace
+
+Result<GenerateResult> Generate(InferenceContext& ctx, const Tokenizer& tokenizer, std::span<const int32_t> prompt,
+                                const GenerateOptions& options, const TextSink& on_text) {
+  GenerateResult r;
+  r.prompt_tokens = static_cast<int64_t>(prompt.size());
+  if (prompt.empty()) return Status::InvalidArgument("the prompt is empty and the model adds no BOS token");
+  if (ctx.pos() != 0) return Status::Internal("Generate: the context is at position " + std::to_string(ctx.pos()));
+  const int64_t room = ctx.n_ctx() - r.prompt_tokens;
+  if (room <= 0) {
+    return Status::InvalidArgument("the prompt has " + std::to_string(prompt.size()) +
+                                   " tokens, more than the context size " + std::to_string(ctx.n_ctx()));
+  }
+  if (options.max_tokens < 0) return Status::InvalidArgument("max tokens " + std::to_string(options.max_tokens) + " < 0");
+  NF_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(options.sampler));
+  for (int32_t t : prompt) sampler.Accept(t);
+  StopConfig stop_config;
+  stop_config.eos_id = tokenizer.eos_id();
+  stop_config.bos_id = tokenizer.bos_id();
+  stop_config.max_tokens = std::min(options.max_tokens, room);
+  stop_config.stop_strings = options.stop_strings;
+  StopChecker stop(stop_config);
+  Detokenizer detok(tokenizer);
+
+  // Once the sink refuses a piece, nothing more is sent and generation ends after the current token.
+  auto emit = [&](const std::string& s) {
+    if (!s.empty() && !r.cancelled && !on_text(s)) r.cancelled = true;
+  };
+  for (int32_t t : prompt) {
+    std::string s = detok.Push(t);
+    if (options.echo_prompt) emit(s);
+  }
+
+  const auto t0 = Clock::now();
+  NF_RETURN_IF_ERROR(ctx.Eval(prompt, false));
+  const auto t1 = Clock::now();
+  r.prefill_ms = Ms(t0, t1);
+  // The StopChecker counts a token before it checks the budget, so a budget of 0 never reaches it.
+  if (stop_config.max_tokens == 0) r.reason = StopReason::kMaxTokens;
+  auto step_start = t1;
+  while (r.reason == StopReason::kNone && !r.cancelled) {
+    const float* lg = ctx.logits();
+    const int32_t next = sampler.Sample({lg, static_cast<size_t>(ctx.n_vocab())});
+    sampler.Accept(next);
+    std::string piece;
+    r.reason = stop.Push(next, detok.Push(next), &piece);
+    emit(piece);
+    if (r.reason != StopReason::kNone || r.cancelled) break;
+    NF_RETURN_IF_ERROR(ctx.Eval({&next, 1}, false));
+    const auto now = Clock::now();
+    r.step_ms.push_back(Ms(step_start, now));
+    step_start = now;
+  }
+  if (!r.cancelled) {
+    emit(stop.Flush());
+    emit(detok.Finish());
+  }
+  if (r.cancelled) r.reason = StopReason::kNone;
+  r.generated_tokens = stop.n_tokens();
+  r.stop_string = stop.matched();
+  r.decode_ms = Ms(t1, Clock::now());
+  return r;
+}
+
+}  // namespace nflash

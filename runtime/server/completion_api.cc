@@ -1,0 +1,205 @@
+// Completion request parsing and response bodies (see completion_api.h).
+#include "runtime/server/completion_api.h"
+
+#include <cmath>
+#include <limits>
+
+#include "runtime/core/json_fields.h"
+
+namespace nflash::server {
+namespace {
+
+// Every error names the request as its source: "request: field 'top_p' ...".
+constexpr const char* kSource = "request";
+
+// JsonFields reports a malformed document as Corruption; to a client it is a bad request.
+Status BadRequest(const Status& s) { return s.ok() ? s : Status::InvalidArgument(s.message()); }
+
+// Reads `key` into `*out` when the request has it; leaves `*out` (the default) otherwise.
+template <typename T>
+Status Optional(const JsonFields& fields, std::string_view key, T* out) {
+  if (!fields.Has(key)) return Status::Ok();
+  return BadRequest(fields.Get(key, out));
+}
+
+// A range bound as people write it: 1, 0.5 (not 1.000000).
+std::string FormatNumber(double v) {
+  std::string s = std::to_string(v);
+  s.erase(s.find_last_not_of('0') + 1);
+  if (!s.empty() && s.back() == '.') s.pop_back();
+  return s;
+}
+
+// A number field in [lo, hi] (or (lo, hi] when `lo_open`); a float (the Sampler's type) when present.
+Status OptionalNumber(const JsonFields& fields, std::string_view key, double lo, bool lo_open, double hi, float* out) {
+  if (!fields.Has(key)) return Status::Ok();
+  double v = 0;
+  NF_RETURN_IF_ERROR(BadRequest(fields.Get(key, &v)));
+  const bool ok = std::isfinite(v) && (lo_open ? v > lo : v >= lo) && v <= hi;
+  if (!ok) {
+    const std::string range = std::isinf(hi) ? std::string(lo_open ? "> " : ">= ") + FormatNumber(lo)
+                                             : std::string(lo_open ? "(" : "[") + FormatNumber(lo) + ", " +
+                                                   FormatNumber(hi) + "]";
+    return Status::InvalidArgument(std::string(kSource) + ": field '" + std::string(key) + "' is out of range: " +
+                                   "expected a number " + (std::isinf(hi) ? "" : "in ") + range + ", found " +
+                                   fields.value()[std::string(key)].dump());
+  }
+  *out = static_cast<float>(v);
+  return Status::Ok();
+}
+
+// "stop": one string or an array of strings (OpenAI allows both; llama.cpp sends an array).
+Status OptionalStop(const JsonFields& fields, std::vector<std::string>* out) {
+  if (!fields.Has("stop")) return Status::Ok();
+  const nlohmann::json& v = fields.value()["stop"];
+  if (v.is_string()) {
+    out->push_back(v.get<std::string>());
+    return Status::Ok();
+  }
+  const auto wrong = [&](const std::string& path, const nlohmann::json& found) {
+    std::string shown = found.dump();
+    if (shown.size() > 80) shown = shown.substr(0, 80) + "...";  // as JsonFields shows a found value
+    return Status::InvalidArgument(std::string(kSource) + ": field '" + path +
+                                   "' has the wrong type: expected a string or an array of strings, found " + shown);
+  };
+  if (!v.is_array()) return wrong("stop", v);
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!v[i].is_string()) return wrong("stop[" + std::to_string(i) + "]", v[i]);
+    out->push_back(v[i].get<std::string>());
+  }
+  return Status::Ok();
+}
+
+// "seed": an unsigned 64-bit integer, or -1 (llama.cpp's "random").
+Status OptionalSeed(const JsonFields& fields, uint64_t random_seed, uint64_t* out) {
+  *out = random_seed;
+  if (!fields.Has("seed")) return Status::Ok();
+  const nlohmann::json& v = fields.value()["seed"];
+  if (v.is_number_integer() && !v.is_number_unsigned() && v.get<int64_t>() == -1) return Status::Ok();
+  return BadRequest(fields.Get("seed", out));
+}
+
+double PerSecond(int64_t n, double ms) { return ms > 0 ? static_cast<double>(n) * 1000.0 / ms : 0.0; }
+
+}  // namespace
+
+Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle style, const Tokenizer& tokenizer,
+                                                 int64_t n_ctx, uint64_t random_seed) {
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(body);
+  } catch (const nlohmann::json::exception& e) {
+    return Status::InvalidArgument(std::string(kSource) + ": the body is not JSON (" + e.what() + ")");
+  }
+  auto fields_or = JsonFields::Of(doc, JsonLocation(kSource));
+  if (!fields_or.ok()) return BadRequest(fields_or.status());
+  const JsonFields& fields = *fields_or;
+
+  CompletionRequest r;
+  r.style = style;
+  const bool openai = style == ApiStyle::kOpenAi;
+  const char* const count_key = openai ? "max_tokens" : "n_predict";
+  std::string prompt;
+  NF_RETURN_IF_ERROR(BadRequest(fields.Get("prompt", &prompt)));
+  if (openai && fields.Has("model")) {
+    std::string model;  // any name is accepted: the server has one model
+    NF_RETURN_IF_ERROR(BadRequest(fields.Get("model", &model)));
+  }
+  int64_t max_tokens = -1;
+  NF_RETURN_IF_ERROR(Optional(fields, count_key, &max_tokens));
+  if (fields.Has(count_key) && max_tokens < 0) {
+    return Status::InvalidArgument(std::string(kSource) + ": field '" + count_key + "' is out of range: expected 0 " +
+                                   "or more, found " + std::to_string(max_tokens));
+  }
+  SamplerConfig& s = r.options.sampler;
+  if (openai) {
+    s.temperature = 1.0f;
+    s.top_p = 1.0f;
+  }
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  NF_RETURN_IF_ERROR(OptionalNumber(fields, "temperature", 0, false, kInf, &s.temperature));
+  NF_RETURN_IF_ERROR(Optional(fields, "top_k", &s.top_k));
+  NF_RETURN_IF_ERROR(OptionalNumber(fields, "top_p", 0, true, 1, &s.top_p));
+  NF_RETURN_IF_ERROR(OptionalNumber(fields, "min_p", 0, false, 1, &s.min_p));
+  NF_RETURN_IF_ERROR(OptionalNumber(fields, "repeat_penalty", 0, true, kInf, &s.repeat_penalty));
+  NF_RETURN_IF_ERROR(Optional(fields, "repeat_last_n", &s.repeat_last_n));
+  if (s.repeat_last_n < 0) {
+    return Status::InvalidArgument(std::string(kSource) + ": field 'repeat_last_n' is out of range: expected 0 or " +
+                                   "more, found " + std::to_string(s.repeat_last_n));
+  }
+  NF_RETURN_IF_ERROR(OptionalSeed(fields, random_seed, &s.seed));
+  NF_RETURN_IF_ERROR(Optional(fields, "stream", &r.stream));
+  NF_RETURN_IF_ERROR(OptionalStop(fields, &r.options.stop_strings));
+
+  r.prompt_ids = tokenizer.Encode(prompt, tokenizer.add_bos());
+  const int64_t n_prompt = static_cast<int64_t>(r.prompt_ids.size());
+  if (n_prompt == 0) {
+    return Status::InvalidArgument(std::string(kSource) + ": field 'prompt' is empty and the model adds no BOS token");
+  }
+  if (n_prompt >= n_ctx) {
+    return Status::InvalidArgument(std::string(kSource) + ": field 'prompt' is too long: expected at most " +
+                                   std::to_string(n_ctx - 1) + " tokens (the context holds " + std::to_string(n_ctx) +
+                                   "), found " + std::to_string(n_prompt));
+  }
+  const int64_t room = n_ctx - n_prompt;
+  if (max_tokens > room) {
+    return Status::InvalidArgument(std::string(kSource) + ": field '" + count_key + "' is too large for the " +
+                                   "context: expected at most " + std::to_string(room) + " (the prompt takes " +
+                                   std::to_string(n_prompt) + " of " + std::to_string(n_ctx) + " tokens), found " +
+                                   std::to_string(max_tokens));
+  }
+  const int64_t fallback = openai ? kDefaultMaxTokensOpenAi : kDefaultPredictLlamaCpp;
+  r.options.max_tokens = max_tokens >= 0 ? max_tokens : std::min(fallback, room);
+  return r;
+}
+
+const char* StopReasonField(StopReason reason) {
+  switch (reason) {
+    case StopReason::kEos:
+    case StopReason::kBos: return "eos";
+    case StopReason::kStopString: return "stop";
+    default: return "length";
+  }
+}
+
+nlohmann::json LlamaCppSummary(const CompletionRequest& request, const GenerateResult& result, const std::string& model) {
+  nlohmann::json j = {
+      {"model", model},
+      {"stop", true},
+      {"tokens_predicted", result.generated_tokens},
+      {"tokens_evaluated", result.prompt_tokens},
+      {"stop_reason", StopReasonField(result.reason)},
+      {"seed", request.options.sampler.seed},
+      {"timings",
+       {{"prompt_n", result.prompt_tokens},
+        {"prompt_ms", result.prefill_ms},
+        {"prompt_per_second", PerSecond(result.prompt_tokens, result.prefill_ms)},
+        {"predicted_n", result.generated_tokens},
+        {"predicted_ms", result.decode_ms},
+        {"predicted_per_second", PerSecond(result.generated_tokens, result.decode_ms)}}},
+  };
+  if (result.reason == StopReason::kStopString) j["stopping_word"] = result.stop_string;
+  return j;
+}
+
+nlohmann::json OpenAiCompletion(const std::string& id, int64_t created, const std::string& model,
+                                const std::string& text, const GenerateResult* result) {
+  nlohmann::json choice = {{"text", text}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+  nlohmann::json j = {{"id", id}, {"object", "text_completion"}, {"created", created}, {"model", model}};
+  if (result) {
+    // OpenAI has no "eos": the model ending the text and a stop string are both "stop".
+    choice["finish_reason"] = std::string(StopReasonField(result->reason)) == "length" ? "length" : "stop";
+    j["usage"] = {{"prompt_tokens", result->prompt_tokens},
+                  {"completion_tokens", result->generated_tokens},
+                  {"total_tokens", result->prompt_tokens + result->generated_tokens}};
+  }
+  j["choices"] = nlohmann::json::array({choice});
+  return j;
+}
+
+nlohmann::json ErrorBody(int status, const std::string& message) {
+  const char* type = status == 404 ? "not_found_error" : status >= 500 ? "server_error" : "invalid_request_error";
+  return {{"error", {{"code", status}, {"message", message}, {"type", type}}}};
+}
+
+}  // namespace nflash::server

@@ -1,0 +1,63 @@
+// The request and response bodies of `nflash serve`'s completion endpoints (docs/server.md): POST /completion in
+// llama.cpp's server style and POST /v1/completions in OpenAI's. Parsing checks every field against the served model
+// (its tokenizer and context size) before any work starts, so a bad request costs no inference and gets an error that
+// names the field, what was expected and what was found.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "runtime/core/status.h"
+#include "runtime/engine/generate.h"
+#include "runtime/text/tokenizer.h"
+
+namespace nflash::server {
+
+enum class ApiStyle {
+  kLlamaCpp,  // POST /completion: n_predict, content, tokens_predicted, stop_reason, timings
+  kOpenAi,    // POST /v1/completions: max_tokens, choices[0].text, finish_reason, usage
+};
+
+// Defaults where a request leaves a field out. /completion follows llama.cpp's server (the Sampler's defaults, as many
+// tokens as the context holds would be unbounded, so a fixed number instead); /v1/completions follows OpenAI's
+// (max_tokens 16, temperature 1, top_p 1) and the Sampler's for the rest.
+inline constexpr int64_t kDefaultPredictLlamaCpp = 128;
+inline constexpr int64_t kDefaultMaxTokensOpenAi = 16;
+
+// A checked request. Thread-safety: a value type.
+struct CompletionRequest {
+  ApiStyle style = ApiStyle::kLlamaCpp;
+  std::vector<int32_t> prompt_ids;  // BOS included when the model wants it
+  GenerateOptions options;          // sampler (seed resolved), max_tokens, stop strings
+  bool stream = false;
+};
+
+// Parses `body` for `style` against a model whose tokenizer is `tokenizer` and whose context holds `n_ctx` tokens.
+// `random_seed` is used when the request gives no seed (or -1). InvalidArgument with a message naming the field: body
+// not JSON or not an object, a field of the wrong type or out of range, n_predict/max_tokens larger than the room the
+// prompt leaves in the context, a prompt that does not fit.
+Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle style, const Tokenizer& tokenizer,
+                                                 int64_t n_ctx, uint64_t random_seed);
+
+// The API's name of why generation stopped: "eos" (end of sequence; a llama2.c model's BOS too), "stop" (a stop
+// string), "length" (the token budget or the context is used up).
+const char* StopReasonField(StopReason reason);
+
+// llama.cpp style: the summary of a finished generation (tokens_predicted, tokens_evaluated, stop_reason, timings,
+// seed, stop = true); the non-streamed response adds "content", the last streamed event an empty one.
+nlohmann::json LlamaCppSummary(const CompletionRequest& request, const GenerateResult& result, const std::string& model);
+
+// OpenAI style: the response object ("text_completion") with one choice holding `text`; `finish_reason` null and no
+// usage for a streamed chunk before the last (`result` == nullptr).
+nlohmann::json OpenAiCompletion(const std::string& id, int64_t created, const std::string& model,
+                                const std::string& text, const GenerateResult* result);
+
+// {"error": {"message": ..., "type": ..., "code": status}}: the body of every error response (OpenAI's shape, which
+// llama.cpp's server uses too).
+nlohmann::json ErrorBody(int status, const std::string& message);
+
+}  // namespace nflash::server

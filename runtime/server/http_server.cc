@@ -1,0 +1,266 @@
+// The HTTP routes, streaming and shutdown of `nflash serve` (see http_server.h).
+#include "runtime/server/http_server.h"
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "runtime/core/log.h"
+#include "runtime/engine/generate.h"
+#include "runtime/server/completion_api.h"
+
+namespace nflash::server {
+namespace {
+
+// Far above any prompt a context can hold (a 128K-token context is well under 1 MiB of text): a larger body is
+// refused (413) before it is read into memory.
+constexpr size_t kMaxBodyBytes = 8u << 20;
+
+// The wire form of a JSON value. The Detokenizer emits complete UTF-8 only, but a stray invalid byte must become
+// U+FFFD, never an exception in the middle of a stream.
+std::string Dump(const nlohmann::json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+
+void SendJson(httplib::Response& res, int status, const nlohmann::json& j) {
+  res.status = status;
+  res.set_content(Dump(j), "application/json");
+}
+
+void SendError(httplib::Response& res, int status, const std::string& message) {
+  SendJson(res, status, ErrorBody(status, message));
+}
+
+int64_t UnixSeconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+void LogDone(const std::string& what, const GenerateResult& g) {
+  NF_LOG(Info) << what << ": " << g.prompt_tokens << " prompt tokens in " << g.prefill_ms << " ms, "
+               << g.generated_tokens << " generated (" << StopReasonField(g.reason) << ") in " << g.decode_ms << " ms";
+}
+
+}  // namespace
+
+struct CompletionServer::Impl {
+  explicit Impl(ServedModel m) : model(std::move(m)), seeds(std::random_device{}()), started(UnixSeconds()) {}
+
+  uint64_t RandomSeed() {
+    std::lock_guard<std::mutex> lock(seed_mu);
+    return seeds();
+  }
+  void Routes();
+  void Completion(const httplib::Request& req, httplib::Response& res, ApiStyle style);
+
+  ServedModel model;
+  httplib::Server http;
+  // Held for a whole generation: the context holds one sequence.
+  std::mutex generate_mu;
+  // Set by Stop: generations end at their next token and waiting requests are refused.
+  std::atomic<bool> stopping{false};
+  // Serve's hand-over with Stop (see Serve).
+  std::mutex state_mu;
+  std::condition_variable state_cv;
+  bool stop_requested = false;
+  bool listen_done = false;
+  std::mutex seed_mu;
+  std::mt19937_64 seeds;  // seeds for requests that give none
+  std::atomic<uint64_t> next_id{0};
+  int64_t started;
+};
+
+void CompletionServer::Impl::Routes() {
+  http.Get("/health", [](const httplib::Request&, httplib::Response& res) {
+    SendJson(res, 200, {{"status", "ok"}});
+  });
+  http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    nlohmann::json m = {{"id", model.name}, {"object", "model"}, {"created", started}, {"owned_by", "nflash"}};
+    SendJson(res, 200, {{"object", "list"}, {"data", nlohmann::json::array({m})}});
+  });
+  http.Post("/completion", [this](const httplib::Request& req, httplib::Response& res) {
+    Completion(req, res, ApiStyle::kLlamaCpp);
+  });
+  http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    Completion(req, res, ApiStyle::kOpenAi);
+  });
+  // Every error httplib produces itself (404 unknown route, 413 body too large, 400 malformed HTTP) gets the same
+  // JSON body as ours; responses that already carry one are left alone.
+  http.set_error_handler(httplib::Server::HandlerWithResponse(
+      [](const httplib::Request& req, httplib::Response& res) {
+        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+        std::string message;
+        if (res.status == 404) {
+          message = "unknown endpoint " + req.method + " " + req.path +
+                    " (endpoints: GET /health, GET /v1/models, POST /completion, POST /v1/completions)";
+        } else if (res.status == 413) {
+          message = "the request body is larger than " + std::to_string(kMaxBodyBytes) + " bytes";
+        } else {
+          message = "HTTP " + std::to_string(res.status) + " for " + req.method + " " + req.path;
+        }
+        SendError(res, res.status, message);
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+  // No handler throws by design; allocation failure or a library exception still answers 500 instead of ending the
+  // connection without a response.
+  http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    std::string what = "unknown exception";
+    try {
+      std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    NF_LOG(Error) << "request failed: " << what;
+    SendError(res, 500, "internal error: " + what);
+  });
+  http.set_payload_max_length(kMaxBodyBytes);
+}
+
+void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Response& res, ApiStyle style) {
+  auto parsed = ParseCompletionRequest(req.body, style, *model.tokenizer, model.context->n_ctx(), RandomSeed());
+  if (!parsed.ok()) {
+    NF_LOG(Info) << "POST " << req.path << ": 400: " << parsed.status().message();
+    SendError(res, 400, parsed.status().message());
+    return;
+  }
+  auto request = std::make_shared<const CompletionRequest>(std::move(parsed).value());
+  const std::string id = "cmpl-" + std::to_string(++next_id);
+  const int64_t created = UnixSeconds();
+  const std::string what = "POST " + req.path + (request->stream ? " (stream)" : "");
+
+  if (!request->stream) {
+    std::string text;
+    std::unique_lock<std::mutex> lock(generate_mu);
+    if (stopping) return SendError(res, 503, "the server is shutting down");
+    model.context->Reset();
+    auto g = Generate(*model.context, *model.tokenizer, request->prompt_ids, request->options,
+                      [&](std::string_view piece) {
+                        text += piece;
+                        return !stopping;
+                      });
+    lock.unlock();
+    if (!g.ok()) {
+      NF_LOG(Error) << what << ": " << g.status().ToString();
+      return SendError(res, 500, g.status().ToString());
+    }
+    if (g->cancelled) return SendError(res, 503, "the server is shutting down");
+    LogDone(what, *g);
+    nlohmann::json body;
+    if (style == ApiStyle::kLlamaCpp) {
+      body = LlamaCppSummary(*request, *g, model.name);
+      body["content"] = text;
+    } else {
+      body = OpenAiCompletion(id, created, model.name, text, &*g);
+    }
+    return SendJson(res, 200, body);
+  }
+
+  // Server-Sent Events: one `data: JSON` event per piece of text, then the summary (and OpenAI's [DONE]). httplib
+  // calls the provider once the headers are out; generation runs inside it, so each event is written as its token
+  // is produced, and a failed write (the client went away) ends the generation.
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream", [this, request, id, created, style, what](size_t, httplib::DataSink& sink) {
+        auto send = [&sink](const std::string& data) {
+          const std::string event = "data: " + data + "\n\n";
+          return sink.write(event.data(), event.size());
+        };
+        std::unique_lock<std::mutex> lock(generate_mu);
+        if (stopping) {
+          send(Dump(ErrorBody(503, "the server is shutting down")));
+          sink.done();
+          return true;
+        }
+        model.context->Reset();
+        auto g = Generate(*model.context, *model.tokenizer, request->prompt_ids, request->options,
+                          [&](std::string_view piece) {
+                            if (stopping) return false;
+                            const nlohmann::json event =
+                                style == ApiStyle::kLlamaCpp
+                                    ? nlohmann::json{{"content", std::string(piece)}, {"stop", false}}
+                                    : OpenAiCompletion(id, created, model.name, std::string(piece), nullptr);
+                            return send(Dump(event));
+                          });
+        lock.unlock();
+        if (!g.ok()) {
+          NF_LOG(Error) << what << ": " << g.status().ToString();
+          send(Dump(ErrorBody(500, g.status().ToString())));
+          sink.done();
+          return true;
+        }
+        if (g->cancelled) {
+          NF_LOG(Info) << what << ": " << (stopping ? "server stopping" : "client disconnected") << " after "
+                       << g->generated_tokens << " generated tokens; generation stopped";
+          return false;  // closes the connection
+        }
+        LogDone(what, *g);
+        if (style == ApiStyle::kLlamaCpp) {
+          nlohmann::json last = LlamaCppSummary(*request, *g, model.name);
+          last["content"] = "";
+          send(Dump(last));
+        } else {
+          send(Dump(OpenAiCompletion(id, created, model.name, "", &*g)));
+          send("[DONE]");
+        }
+        sink.done();
+        return true;
+      });
+}
+
+CompletionServer::CompletionServer(ServedModel model) : impl_(std::make_unique<Impl>(std::move(model))) {
+  impl_->Routes();
+}
+
+CompletionServer::~CompletionServer() = default;
+
+Result<int> CompletionServer::Bind(const std::string& host, int port) {
+  errno = 0;
+  const int bound = port == 0 ? impl_->http.bind_to_any_port(host) : impl_->http.bind_to_port(host, port) ? port : -1;
+  if (bound <= 0) {
+    return Status::IOError("cannot listen on " + host + ":" + std::to_string(port) +
+                           (errno ? std::string(": ") + std::strerror(errno) : std::string()));
+  }
+  return bound;
+}
+
+Status CompletionServer::Serve() {
+  Impl& s = *impl_;
+  bool listened = true;
+  std::thread listener([&] {
+    listened = s.http.listen_after_bind();
+    std::lock_guard<std::mutex> lock(s.state_mu);
+    s.listen_done = true;
+    s.state_cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(s.state_mu);
+  s.state_cv.wait(lock, [&] { return s.stop_requested || s.listen_done; });
+  // httplib's stop() does nothing until listen_after_bind has marked the server running: a Stop that came earlier
+  // waits for that moment (stop() is called once; a second call would find the socket already closed).
+  while (!s.listen_done) {
+    if (s.http.is_running()) {
+      s.http.stop();
+      break;
+    }
+    s.state_cv.wait_for(lock, std::chrono::milliseconds(1));
+  }
+  const bool stopped = s.stop_requested;
+  lock.unlock();
+  listener.join();  // after the requests in progress (httplib joins its workers)
+  if (!listened && !stopped) return Status::IOError("accepting connections failed");
+  return Status::Ok();
+}
+
+void CompletionServer::Stop() {
+  impl_->stopping = true;
+  std::lock_guard<std::mutex> lock(impl_->state_mu);
+  impl_->stop_requested = true;
+  impl_->state_cv.notify_all();
+}
+
+}  // namespace nflash::server

@@ -1,0 +1,443 @@
+// `nflash serve` end to end: the real binary on stories260K (dense) and on a stories260K-relu deployment (offloaded,
+// oracle active set), spoken to with a real HTTP client (httplib::Client). Greedy completions must equal what the
+// independent `nflash run` prints, streamed text must equal the non-streamed one, the OpenAI route must agree, seeded
+// sampling must reproduce `nflash run --seed`, bad requests must get 400 naming the field, a client that disconnects
+// mid-stream must stop its generation, and SIGTERM/SIGINT must end the server with exit code 0.
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <future>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "tests/test_util.h"
+
+namespace nflash {
+namespace {
+
+using Json = nlohmann::json;
+
+std::string Nflash() { return testing::NflashBinary(); }
+std::string Stories() { return testing::SharedPath("models/stories260K/stories260K.bin"); }
+const char kPrompt[] = "Once upon a time";
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A running `nflash serve ARGS --port 0`: its port read from the `listening on` line, its log (stderr) in a file.
+class ServerProcess {
+ public:
+  ServerProcess(const std::string& args, std::string log_path) : log_path_(std::move(log_path)) {
+    int out[2];
+    if (::pipe(out) != 0) return;
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::dup2(out[1], 1);
+      const int log = ::open(log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      ::dup2(log, 2);
+      ::close(out[0]);
+      const std::string cmd = "exec " + Nflash() + " serve --port 0 " + args;
+      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ::close(out[1]);
+    // The first stdout line, within 60 s (model loading; the sparse runtime reads its deployment first).
+    std::string line;
+    pollfd p{out[0], POLLIN, 0};
+    while (line.find('\n') == std::string::npos && ::poll(&p, 1, 60000) > 0) {
+      char buf[256];
+      const ssize_t n = ::read(out[0], buf, sizeof(buf));
+      if (n <= 0) break;
+      line.append(buf, static_cast<size_t>(n));
+    }
+    ::close(out[0]);
+    std::smatch m;
+    if (std::regex_search(line, m, std::regex("^listening on http://127\\.0\\.0\\.1:([0-9]+)\\n"))) {
+      port_ = std::stoi(m[1].str());
+    }
+  }
+  ~ServerProcess() {
+    if (pid_ > 0 && !reaped_) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  int port() const { return port_; }
+  std::string Log() const { return ReadText(log_path_); }
+
+  // Polls /health until it answers 200 (true) or 30 s pass.
+  bool WaitHealthy() const {
+    httplib::Client c("127.0.0.1", port_);
+    for (int i = 0; i < 3000 && port_ > 0; ++i) {
+      auto res = c.Get("/health");
+      if (res && res->status == 200) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+  // Sends `sig` and returns the exit code (-1: killed by a signal, or not stopped within 30 s).
+  int StopWith(int sig) {
+    ::kill(pid_, sig);
+    for (int i = 0; i < 3000; ++i) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        reaped_ = true;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
+
+ private:
+  std::string log_path_;
+  pid_t pid_ = -1;
+  int port_ = -1;
+  bool reaped_ = false;
+};
+
+std::unique_ptr<httplib::Client> ClientFor(const ServerProcess& s) {
+  auto c = std::make_unique<httplib::Client>("127.0.0.1", s.port());
+  c->set_read_timeout(std::chrono::seconds(60));
+  return c;
+}
+
+// POSTs `body` and returns {status, parsed JSON body} (a non-JSON body fails the test).
+std::pair<int, Json> Post(httplib::Client& c, const std::string& path, const Json& body) {
+  auto res = c.Post(path.c_str(), body.dump(), "application/json");
+  if (!res) {
+    ADD_FAILURE() << "no response to " << path << ": " << httplib::to_string(res.error());
+    return {0, Json()};
+  }
+  Json j = Json::parse(res->body, nullptr, false);
+  EXPECT_FALSE(j.is_discarded()) << path << " answered " << res->status << " with a non-JSON body: " << res->body;
+  return {res->status, j};
+}
+
+// The events of a Server-Sent Events body: each `data: ...` payload, in order.
+std::vector<std::string> SseEvents(const std::string& body) {
+  std::vector<std::string> events;
+  std::istringstream in(body);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("data: ", 0) == 0) events.push_back(line.substr(6));
+  }
+  return events;
+}
+
+// What `nflash run` prints (stdout only): the prompt echoed, the continuation, a newline.
+std::string RunText(const std::string& model, const std::string& sampling) {
+  auto r = testing::RunCommand(Nflash() + " run -m " + model + " -p '" + kPrompt + "' " + sampling + " 2>/dev/null", false);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return r.output;
+}
+
+class ServeDenseTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir();
+    auto r = testing::RunCommand(Nflash() + " -q convert " + Stories() + " -o " + Model() + " --type f32");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    server_ = new ServerProcess("-m " + Model() + " -t 2", dir_->File("serve.log"));
+    ASSERT_GT(server_->port(), 0) << server_->Log();
+    ASSERT_TRUE(server_->WaitHealthy()) << server_->Log();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    delete dir_;
+  }
+  static std::string Model() { return dir_->File("s.gguf"); }
+  // A greedy /completion of `n` tokens after kPrompt.
+  static Json Greedy(int n) {
+    auto c = ClientFor(*server_);
+    auto [status, j] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", n}, {"temperature", 0}});
+    EXPECT_EQ(status, 200) << j.dump();
+    return j;
+  }
+  static testing::TempDir* dir_;
+  static ServerProcess* server_;
+};
+testing::TempDir* ServeDenseTest::dir_ = nullptr;
+ServerProcess* ServeDenseTest::server_ = nullptr;
+
+TEST_F(ServeDenseTest, HealthAndModels) {
+  auto c = ClientFor(*server_);
+  auto res = c->Get("/health");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(Json::parse(res->body), Json({{"status", "ok"}}));
+  res = c->Get("/v1/models");
+  ASSERT_TRUE(res);
+  const Json models = Json::parse(res->body);
+  EXPECT_EQ(models["object"], "list");
+  ASSERT_EQ(models["data"].size(), 1u);
+  EXPECT_EQ(models["data"][0]["id"], "s.gguf");
+}
+
+TEST_F(ServeDenseTest, GreedyCompletionEqualsRun) {
+  const Json j = Greedy(60);
+  EXPECT_EQ(j["tokens_predicted"], 60);
+  EXPECT_EQ(j["tokens_evaluated"], 5);  // BOS + 4 tokens, as `nflash run --json` counts them
+  EXPECT_EQ(j["stop_reason"], "length");
+  EXPECT_GT(j["timings"]["predicted_per_second"].get<double>(), 0);
+  EXPECT_GT(j["timings"]["prompt_ms"].get<double>(), 0);
+  EXPECT_EQ(kPrompt + j["content"].get<std::string>() + "\n", RunText(Model(), "-n 60 --temp 0"));
+  // Until the model ends the story by itself: the end is "eos", and the text still equals run's.
+  const Json full = Greedy(400);
+  EXPECT_EQ(full["stop_reason"], "eos") << full.dump();
+  EXPECT_LT(full["tokens_predicted"].get<int>(), 400);
+  EXPECT_EQ(kPrompt + full["content"].get<std::string>() + "\n", RunText(Model(), "-n 400 --temp 0"));
+}
+
+TEST_F(ServeDenseTest, StreamEqualsNonStream) {
+  const Json plain = Greedy(60);
+  auto c = ClientFor(*server_);
+  auto res = c->Post("/completion", Json({{"prompt", kPrompt}, {"n_predict", 60}, {"temperature", 0}, {"stream", true}}).dump(),
+                     "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  EXPECT_EQ(res->get_header_value("Content-Type"), "text/event-stream");
+  const auto events = SseEvents(res->body);
+  ASSERT_GE(events.size(), 2u) << res->body;
+  std::string text;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const Json e = Json::parse(events[i]);
+    EXPECT_EQ(e["stop"], false);
+    EXPECT_FALSE(e["content"].get<std::string>().empty());
+    text += e["content"].get<std::string>();
+  }
+  const Json last = Json::parse(events.back());
+  EXPECT_EQ(last["stop"], true);
+  EXPECT_EQ(last["tokens_predicted"], 60);
+  EXPECT_EQ(last["stop_reason"], "length");
+  EXPECT_TRUE(last.contains("timings"));
+  EXPECT_EQ(text, plain["content"].get<std::string>());
+}
+
+TEST_F(ServeDenseTest, OpenAiCompletionsAgree) {
+  const Json plain = Greedy(40);
+  auto c = ClientFor(*server_);
+  const Json req = {{"model", "anything"}, {"prompt", kPrompt}, {"max_tokens", 40}, {"temperature", 0}};
+  auto [status, j] = Post(*c, "/v1/completions", req);
+  ASSERT_EQ(status, 200) << j.dump();
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["model"], "s.gguf");
+  ASSERT_EQ(j["choices"].size(), 1u);
+  EXPECT_EQ(j["choices"][0]["text"], plain["content"]);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(j["usage"], Json({{"prompt_tokens", 5}, {"completion_tokens", 40}, {"total_tokens", 45}}));
+
+  Json stream_req = req;
+  stream_req["stream"] = true;
+  auto res = c->Post("/v1/completions", stream_req.dump(), "application/json");
+  ASSERT_TRUE(res);
+  const auto events = SseEvents(res->body);
+  ASSERT_GE(events.size(), 3u) << res->body;
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::string text;
+  for (size_t i = 0; i + 1 < events.size(); ++i) text += Json::parse(events[i])["choices"][0]["text"].get<std::string>();
+  EXPECT_EQ(text, plain["content"].get<std::string>());
+  EXPECT_EQ(Json::parse(events[events.size() - 2])["choices"][0]["finish_reason"], "length");
+}
+
+TEST_F(ServeDenseTest, SeededSamplingIsReproducibleAndMatchesRun) {
+  auto c = ClientFor(*server_);
+  auto sample = [&](int seed) {
+    auto [status, j] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 50}, {"temperature", 0.8}, {"seed", seed}});
+    EXPECT_EQ(status, 200) << j.dump();
+    EXPECT_EQ(j["seed"], seed);
+    return j["content"].get<std::string>();
+  };
+  const std::string a = sample(42);
+  EXPECT_EQ(a, sample(42)) << "same seed, same text";
+  EXPECT_NE(a, sample(43)) << "another seed, another text";
+  // The server's defaults are the Sampler's, which are `nflash run`'s (top-k 40, top-p 0.95, min-p 0.05).
+  EXPECT_EQ(kPrompt + a + "\n", RunText(Model(), "-n 50 --temp 0.8 --seed 42"));
+}
+
+TEST_F(ServeDenseTest, StopStringsZeroTokensAndRandomSeeds) {
+  const std::string greedy = Greedy(60)["content"].get<std::string>();
+  const size_t lily = greedy.find("Lily");
+  ASSERT_NE(lily, std::string::npos) << greedy;
+  auto c = ClientFor(*server_);
+  // A stop string as a plain string (OpenAI's form) and in an array (llama.cpp's): the text ends before it.
+  auto [s1, j1] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 60}, {"temperature", 0}, {"stop", "Lily"}});
+  ASSERT_EQ(s1, 200) << j1.dump();
+  EXPECT_EQ(j1["content"], greedy.substr(0, lily));
+  EXPECT_EQ(j1["stop_reason"], "stop");
+  EXPECT_EQ(j1["stopping_word"], "Lily");
+  auto [s2, j2] = Post(*c, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 60}, {"temperature", 0},
+                                              {"stop", {"zzz", "Lily"}}});
+  ASSERT_EQ(s2, 200) << j2.dump();
+  EXPECT_EQ(j2["choices"][0]["text"], greedy.substr(0, lily));
+  EXPECT_EQ(j2["choices"][0]["finish_reason"], "stop");
+  // n_predict 0: the prompt is evaluated, nothing generated.
+  auto [s3, j3] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 0}});
+  ASSERT_EQ(s3, 200) << j3.dump();
+  EXPECT_EQ(j3["content"], "");
+  EXPECT_EQ(j3["tokens_predicted"], 0);
+  EXPECT_EQ(j3["tokens_evaluated"], 5);
+  // No seed (or -1): a fresh one each time, reported so that the text can be had again.
+  auto [s4, j4] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 30}, {"seed", -1}});
+  ASSERT_EQ(s4, 200) << j4.dump();
+  auto [s5, j5] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 30}, {"seed", j4["seed"]}});
+  EXPECT_EQ(j5["content"], j4["content"]);
+  auto [s6, j6] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 30}});
+  EXPECT_NE(j6["seed"], j4["seed"]);
+}
+
+TEST_F(ServeDenseTest, BadRequestsGet400NamingTheField) {
+  auto c = ClientFor(*server_);
+  struct Case {
+    const char* path;
+    std::string body;
+    std::vector<std::string> expected;  // substrings of error.message
+  };
+  const std::string p = std::string("\"prompt\": \"") + kPrompt + "\"";
+  const std::vector<Case> cases = {
+      {"/completion", "{not json", {"not JSON"}},
+      {"/completion", "[1, 2]", {"expected a JSON object", "[1,2]"}},
+      {"/completion", "{\"n_predict\": 5}", {"missing field 'prompt'"}},
+      {"/completion", "{\"prompt\": 7}", {"'prompt'", "expected a string", "found 7"}},
+      {"/completion", "{" + p + ", \"n_predict\": \"ten\"}", {"'n_predict'", "expected an integer", "\"ten\""}},
+      {"/completion", "{" + p + ", \"n_predict\": -1}", {"'n_predict'", "0 or more", "-1"}},
+      {"/completion", "{" + p + ", \"n_predict\": 100000}", {"'n_predict'", "too large for the context", "at most 507", "100000"}},
+      {"/completion", "{\"prompt\": \"" + std::string(3000, 'a') + " b" + std::string(3000, 'c') + "\"}", {"'prompt'", "too long"}},
+      {"/completion", "{" + p + ", \"temperature\": -0.5}", {"'temperature'", "out of range", "-0.5"}},
+      {"/completion", "{" + p + ", \"top_p\": 0}", {"'top_p'", "(0, 1]"}},
+      {"/completion", "{" + p + ", \"stream\": \"yes\"}", {"'stream'", "true or false"}},
+      {"/completion", "{" + p + ", \"stop\": [\"ok\", 3]}", {"'stop[1]'", "found 3"}},
+      {"/completion", "{" + p + ", \"seed\": 1.5}", {"'seed'", "integer"}},
+      {"/v1/completions", "{" + p + ", \"max_tokens\": 1e3}", {"'max_tokens'", "integer"}},
+      {"/v1/completions", "{" + p + ", \"model\": 1}", {"'model'", "expected a string"}},
+  };
+  for (const Case& k : cases) {
+    auto res = c->Post(k.path, k.body, "application/json");
+    ASSERT_TRUE(res) << k.body.substr(0, 80);
+    EXPECT_EQ(res->status, 400) << k.body.substr(0, 80) << " -> " << res->body;
+    const Json j = Json::parse(res->body, nullptr, false);
+    ASSERT_TRUE(j.contains("error")) << res->body;
+    const std::string msg = j["error"]["message"].get<std::string>();
+    for (const std::string& e : k.expected) EXPECT_NE(msg.find(e), std::string::npos) << "'" << e << "' in: " << msg;
+  }
+  auto res = c->Get("/nowhere");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 404);
+  EXPECT_NE(Json::parse(res->body)["error"]["message"].get<std::string>().find("unknown endpoint GET /nowhere"),
+            std::string::npos);
+  // Still serving after all that.
+  EXPECT_EQ(Greedy(5)["tokens_predicted"], 5);
+}
+
+TEST_F(ServeDenseTest, ConcurrentRequestsWaitTheirTurn) {
+  const std::string expected = Greedy(200)["content"].get<std::string>();
+  std::vector<std::future<Json>> replies;
+  for (int i = 0; i < 3; ++i) replies.push_back(std::async(std::launch::async, [] { return Greedy(200); }));
+  for (auto& r : replies) EXPECT_EQ(r.get()["content"].get<std::string>(), expected);
+}
+
+// A raw socket that reads the first event of a stream and closes: the server must log that it stopped early.
+TEST_F(ServeDenseTest, DisconnectMidStreamStopsGeneration) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(server_->port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  const std::string body = Json({{"prompt", kPrompt}, {"n_predict", 507}, {"temperature", 0},
+                                 {"stream", true}}).dump();
+  const std::string req = "POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+  ASSERT_EQ(::send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+  std::string got;
+  char buf[64];
+  while (got.find("data: ") == std::string::npos) {
+    const ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
+    ASSERT_GT(n, 0);
+    got.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  // The next request runs after the abandoned one has ended; by then the log says how it ended.
+  Greedy(1);
+  const std::string log = server_->Log();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("client disconnected after ([0-9]+) generated tokens"))) << log;
+  EXPECT_LT(std::stoi(m[1].str()), 507);
+}
+
+TEST(ServeCliTest, SignalsStopTheServerWithExitCode0) {
+  testing::TempDir dir;
+  for (int sig : {SIGTERM, SIGINT}) {
+    ServerProcess s("-m " + Stories() + " -t 1", dir.File("serve.log"));
+    ASSERT_GT(s.port(), 0) << s.Log();
+    ASSERT_TRUE(s.WaitHealthy()) << s.Log();
+    EXPECT_EQ(s.StopWith(sig), 0) << s.Log();
+    EXPECT_NE(s.Log().find("server stopped"), std::string::npos) << s.Log();
+  }
+}
+
+TEST(ServeCliTest, UsageErrors) {
+  EXPECT_EQ(testing::RunCommand(Nflash() + " serve").exit_code, 2);
+  auto r = testing::RunCommand(Nflash() + " serve -m " + Stories() + " --memory 3M");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("--memory applies to -d"), std::string::npos) << r.output;
+  EXPECT_EQ(testing::RunCommand(Nflash() + " serve -m " + Stories() + " --port 70000").exit_code, 2);
+}
+
+// The offloaded runtime behind the same API: with the oracle active set a ReLU model's FFN is exact, so greedy text
+// from a deployment equals the dense server's for the same model.
+TEST(ServeOffloadTest, OracleDeploymentMatchesDenseServer) {
+  testing::TempDir dir;
+  const std::string model = dir.File("r.gguf");
+  const std::string failed = testing::MakeReluDeployment(model, dir.File("r.prof"), dir.File("deploy"));
+  ASSERT_EQ(failed, "") << failed;
+
+  ServerProcess dense("-m " + model + " -t 2", dir.File("dense.log"));
+  ServerProcess offloaded("-d " + dir.File("deploy") + " --active-set oracle -c 256 --memory 3M -t 2", dir.File("offload.log"));
+  ASSERT_TRUE(dense.WaitHealthy()) << dense.Log();
+  ASSERT_TRUE(offloaded.WaitHealthy()) << offloaded.Log();
+  EXPECT_NE(offloaded.Log().find("offloaded sparse runtime (full, oracle)"), std::string::npos) << offloaded.Log();
+  for (const char* prompt : {kPrompt, "The little dog"}) {
+    const Json req = {{"prompt", prompt}, {"n_predict", 100}, {"temperature", 0}};
+    auto dc = ClientFor(dense);
+    auto oc = ClientFor(offloaded);
+    auto [ds, dj] = Post(*dc, "/completion", req);
+    auto [os, oj] = Post(*oc, "/completion", req);
+    ASSERT_EQ(ds, 200) << dj.dump();
+    ASSERT_EQ(os, 200) << oj.dump();
+    EXPECT_GT(dj["tokens_predicted"].get<int>(), 20);
+    EXPECT_EQ(oj["content"], dj["content"]) << prompt;
+    EXPECT_EQ(oj["tokens_predicted"], dj["tokens_predicted"]);
+    // Streamed from the deployment: the same text again (the second request also starts from an empty KV cache).
+    Json sreq = req;
+    sreq["stream"] = true;
+    auto res = oc->Post("/completion", sreq.dump(), "application/json");
+    ASSERT_TRUE(res);
+    std::string text;
+    for (const std::string& e : SseEvents(res->body)) text += Json::parse(e)["content"].get<std::string>();
+    EXPECT_EQ(text, dj["content"].get<std::string>());
+  }
+  EXPECT_EQ(offloaded.StopWith(SIGTERM), 0) << offloaded.Log();
+  EXPECT_EQ(dense.StopWith(SIGTERM), 0) << dense.Log();
+}
+
+}  // namespace
+}  // namespace nflash
