@@ -168,12 +168,16 @@ Status RunPlan(const PlanFlags& f) {
                             " was packed from)");
   }
   NF_ASSIGN_OR_RETURN(profiler::ModelProfile profile, profiler::LoadProfile(profile_path));
-  // The fixed part exactly as the runtime counts it: open the runtime with empty caches and ask.
+  const std::string type_name(GgmlTypeName(deployment->layout().gate_type));
+  NF_ASSIGN_OR_RETURN(const HardwareParams raw_hw, LoadHardwareParams(f.hw, type_name));
+  // The fixed part exactly as the runtime counts it: open the runtime with empty caches and ask. With as many threads
+  // as the plan may choose: the context's attention scratch is per thread (a plan that filled the memory to the byte
+  // was refused by a 2-thread runtime for the 45 KB of its second thread's scratch).
   sparse::FixedMemory fixed;
   int64_t n_ctx = 0;
   uint64_t slot_bytes = 0;
   {
-    ThreadPool pool(1);
+    ThreadPool pool(limits.cores > 0 ? std::min(limits.cores, raw_hw.cores) : raw_hw.cores);
     sparse::SparseRuntimeOptions ro;
     ro.n_ctx = f.n_ctx;
     // Without the batched-prefill buffers: under a plan the runtime allocates them only if they fit beside the plan's
@@ -187,8 +191,6 @@ Status RunPlan(const PlanFlags& f) {
   }
   NF_ASSIGN_OR_RETURN(ModelParams model,
                       ModelParamsFromDeployment(*deployment, profile, profile_path, fixed.Total(), slot_bytes));
-  const std::string type_name(GgmlTypeName(deployment->layout().gate_type));
-  NF_ASSIGN_OR_RETURN(const HardwareParams raw_hw, LoadHardwareParams(f.hw, type_name));
   NF_ASSIGN_OR_RETURN(uint64_t deploy_hash, HashFile(f.deploy + "/" + packer::kManifestFileName));
   NF_ASSIGN_OR_RETURN(uint64_t hw_hash, HashFile(f.hw));
   Calibration calibration;

@@ -120,8 +120,10 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
       if (total > options.memory_budget) {
         return Status::InvalidArgument("the cache sizes given (hot " + FormatBytes(rt->split_.hot_bytes) + ", cold " +
                                        FormatBytes(rt->split_.cold_bytes) + ") and the fixed part (" +
-                                       FormatBytes(f.Total()) + ") need " + FormatBytes(total) +
-                                       ", over the memory budget " + FormatBytes(options.memory_budget));
+                                       FormatBytes(f.Total()) + ") need " + FormatBytes(total) + " (" +
+                                       std::to_string(total) + " B), over the memory budget " +
+                                       FormatBytes(options.memory_budget) + " (" +
+                                       std::to_string(options.memory_budget) + " B); fixed part: " + f.Describe());
       }
       rt->split_.unused_bytes = options.memory_budget - total;
       rt->budget_ = options.memory_budget;
