@@ -333,6 +333,35 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
   }
 }
 
+// A layer without cold room to read ahead into (a plan's pinned regions) gets no guesses, and the oracle does not pay
+// for a gate GEMV it cannot use: layer 2's partition is empty, layer 3's holds 1 slot (cap 0); layers 1 and 4 read
+// ahead as usual. Results stay those of the in-memory sparse FFN.
+TEST_F(OffloadTest, LookaheadSkipsLayersWithoutColdRoom) {
+  ASSERT_TRUE(sparse_);
+  SparseRuntimeOptions o;
+  o.active_set = ActiveSetSource::kOracle;
+  o.lookahead_slots = -1;
+  o.hot_slots = 1;
+  o.cold_slots_per_group = {40, 40, 0, 1, 40};
+  auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(12, sparse_->tokens.size()));
+  ASSERT_TRUE(run.ok()) << run.status().ToString();
+  for (size_t i = 0; i < run->logits.size(); ++i) {
+    ASSERT_EQ(0, std::memcmp(run->logits[i].data(), sparse_->logits[i].data(), n_vocab_ * sizeof(float)))
+        << "logits of token " << i << " differ from the in-memory sparse FFN";
+  }
+  const std::vector<OffloadGroupStats>& st = (*rt)->ffn().stats();
+  ASSERT_EQ(st.size(), 5u);
+  EXPECT_EQ(st[0].prefetched, 0) << "nothing reads ahead into the first layer";
+  EXPECT_EQ(st[2].prefetched, 0) << "no cold slots";
+  EXPECT_EQ(st[3].prefetched, 0) << "one cold slot: a cap of 0";
+  // No time spent choosing for them (before, the oracle's gate GEMV over their candidates ran and chose nothing).
+  EXPECT_EQ(st[2].lookahead_ns, 0u);
+  EXPECT_EQ(st[3].lookahead_ns, 0u);
+  EXPECT_GT(st[1].prefetched + st[4].prefetched, 0);
+}
+
 TEST_F(OffloadTest, MemoryBudgetRefusesBelowTheFixedPart) {
   SparseRuntimeOptions o;
   o.active_set = ActiveSetSource::kOracle;
