@@ -14,7 +14,7 @@ RELU="$SHARED/models/stories260K-relu/stories260K-relu.bin"
 CALIB="$SHARED/text/tinystories_calib.txt"      # calibration only
 HELDOUT="$SHARED/text/tinystories_cased_197K.txt"  # evaluation only
 [ -f "$MODEL" ] || { echo "main_job: $MODEL not found (pass the shared folder as the first argument)" >&2; exit 1; }
-if ! command -v cmake >/dev/null || ! dpkg -s libcli11-dev libz3-dev >/dev/null 2>&1; then bash scripts/setup.sh; fi
+if ! command -v cmake >/dev/null || ! dpkg -s libcli11-dev libz3-dev libcpp-httplib-dev >/dev/null 2>&1; then bash scripts/setup.sh; fi
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build -j "$(nproc)" --target nflash
 NF=build/runtime/cli/nflash
