@@ -50,6 +50,16 @@ ModelParams OneRegion(Curve popularity, Curve lru) {
   return m;
 }
 
+// Solves `m` with no limit but `memory_bytes` and expects a plan (a fatal failure otherwise).
+void SolveWithin(const HardwareParams& hw, const ModelParams& m, uint64_t memory_bytes, SolveResult* out) {
+  UserLimits limits;
+  limits.memory_bytes = memory_bytes;
+  auto r = SolvePlan(hw, m, limits);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->feasible) << r->message;
+  *out = std::move(r).value();
+}
+
 TEST(CurveTest, InterpolatesAndFindsTheConcaveHull) {
   const Curve c{{0.0, 0.5, 1.0}, {0.0, 0.8, 1.0}};
   EXPECT_DOUBLE_EQ(c.At(0.25), 0.4);
@@ -148,13 +158,10 @@ TEST(CostModelTest, AnLruAbovePopularityIsCredited) {
   s.cold_slots = {0};
   EXPECT_NEAR(Evaluate(hw, m, s).served_fraction, 0.4, 1e-12) << "pinned neurons serve their popularity only";
   // The solver, given room for 400 neurons, puts them in the LRU region.
-  UserLimits limits;
-  limits.memory_bytes = m.fixed_bytes + 400u * 4096u;
-  auto r = SolvePlan(hw, m, limits);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  ASSERT_TRUE(r->feasible) << r->message;
-  EXPECT_EQ(r->settings.hot_neurons[0], 0);
-  EXPECT_NEAR(r->prediction.served_fraction, 0.8, 0.01);
+  SolveResult r;
+  ASSERT_NO_FATAL_FAILURE(SolveWithin(hw, m, m.fixed_bytes + 400u * 4096u, &r));
+  EXPECT_EQ(r.settings.hot_neurons[0], 0);
+  EXPECT_NEAR(r.prediction.served_fraction, 0.8, 0.01);
 }
 
 // A measured LRU curve is S-shaped: below a token's working set the cache thrashes (H near 0), above it recurrence
@@ -180,14 +187,11 @@ TEST(PlannerTest, EachRegionIsAllHotOrAllLruWhicheverTheCurvesServeMore) {
   EXPECT_EQ(PureRegionSplits(m, mix).hot_neurons[0], 200);
   EXPECT_EQ(PureRegionSplits(OneRegion(pop, pop), mix).cold_slots[0], 0);
 
-  UserLimits limits;
-  limits.memory_bytes = m.fixed_bytes + 500u * 4096u;
-  auto r = SolvePlan(hw, m, limits);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  ASSERT_TRUE(r->feasible) << r->message;
-  EXPECT_EQ(r->settings.hot_neurons[0], 0);
-  EXPECT_EQ(r->settings.cold_slots[0], 500);
-  EXPECT_NEAR(r->prediction.served_fraction, 0.95, 1e-9);
+  SolveResult r;
+  ASSERT_NO_FATAL_FAILURE(SolveWithin(hw, m, m.fixed_bytes + 500u * 4096u, &r));
+  EXPECT_EQ(r.settings.hot_neurons[0], 0);
+  EXPECT_EQ(r.settings.cold_slots[0], 500);
+  EXPECT_NEAR(r.prediction.served_fraction, 0.95, 1e-9);
 }
 
 TEST(CurveTest, UpperEnvelopeAddsTheCrossing) {
@@ -222,30 +226,25 @@ TEST(CostModelTest, PrefillIsGemmAgainstStreamingWithTheFirstLayerExposed) {
 TEST(PlannerTest, WholeModelFitsServesEverythingFromMemory) {
   const HardwareParams hw = Hw();
   const ModelParams m = OneRegion(Linear(), Zero());
-  UserLimits limits;
-  limits.memory_bytes = 64u << 20;
-  auto r = SolvePlan(hw, m, limits);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  ASSERT_TRUE(r->feasible) << r->message;
-  EXPECT_EQ(r->settings.hot_neurons[0] + r->settings.cold_slots[0], 1000);
-  EXPECT_EQ(r->settings.compute_threads, 2);
-  EXPECT_NEAR(r->prediction.io_s, 0.0, 1e-12);
+  SolveResult r;
+  ASSERT_NO_FATAL_FAILURE(SolveWithin(hw, m, 64u << 20, &r));
+  EXPECT_EQ(r.settings.hot_neurons[0] + r.settings.cold_slots[0], 1000);
+  EXPECT_EQ(r.settings.compute_threads, 2);
+  EXPECT_NEAR(r.prediction.io_s, 0.0, 1e-12);
   // 2 threads: attention 500 us + compute 50 us + cluster sync (100 / 128 clusters * 5 us / 2).
-  EXPECT_NEAR(r->prediction.token_s, (500 + 50 + 100.0 / 128 * 5 / 2) * 1e-6, 1e-9);
-  EXPECT_NEAR(r->solver_token_s, r->prediction.token_s, 1e-9);
+  EXPECT_NEAR(r.prediction.token_s, (500 + 50 + 100.0 / 128 * 5 / 2) * 1e-6, 1e-9);
+  EXPECT_NEAR(r.solver_token_s, r.prediction.token_s, 1e-9);
 }
 
 TEST(PlannerTest, MemoryLimitedPlanUsesAllTheMemoryItHas) {
   const HardwareParams hw = Hw();
   const ModelParams m = OneRegion(Linear(), Zero());
-  UserLimits limits;
-  limits.memory_bytes = (1u << 20) + 600u * 4096u;  // room for 600 of 1000 neurons
-  auto r = SolvePlan(hw, m, limits);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  ASSERT_TRUE(r->feasible) << r->message;
-  EXPECT_EQ(r->settings.hot_neurons[0] + r->settings.cold_slots[0], 600);
-  EXPECT_LE(r->prediction.memory_bytes, limits.memory_bytes);
-  EXPECT_NEAR(r->prediction.served_fraction, 0.6, 1e-9);
+  const uint64_t limit = (1u << 20) + 600u * 4096u;  // room for 600 of 1000 neurons
+  SolveResult r;
+  ASSERT_NO_FATAL_FAILURE(SolveWithin(hw, m, limit, &r));
+  EXPECT_EQ(r.settings.hot_neurons[0] + r.settings.cold_slots[0], 600);
+  EXPECT_LE(r.prediction.memory_bytes, limit);
+  EXPECT_NEAR(r.prediction.served_fraction, 0.6, 1e-9);
 }
 
 TEST(PlannerTest, MemoryBelowTheFixedPartIsExplained) {
@@ -295,12 +294,10 @@ TEST(PlannerTest, NoGridPointBeatsTheSolver) {
   second.popularity = Linear();
   second.lru_hit = Curve{{0.0, 1.0}, {0.0, 0.5}};
   m.ffns.push_back(second);
-  UserLimits limits;
-  limits.memory_bytes = m.fixed_bytes + 90u * 4096u;
-  auto r = SolvePlan(hw, m, limits);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  ASSERT_TRUE(r->feasible) << r->message;
-  EXPECT_LE(r->prediction.memory_bytes, limits.memory_bytes);
+  const uint64_t limit = m.fixed_bytes + 90u * 4096u;
+  SolveResult r;
+  ASSERT_NO_FATAL_FAILURE(SolveWithin(hw, m, limit, &r));
+  EXPECT_LE(r.prediction.memory_bytes, limit);
 
   double best = 1e30;
   PlanSettings s;
@@ -327,12 +324,12 @@ TEST(PlannerTest, NoGridPointBeatsTheSolver) {
       }
     }
   }
-  EXPECT_LE(r->prediction.token_s, best * 1.01) << "grid best " << best;
+  EXPECT_LE(r.prediction.token_s, best * 1.01) << "grid best " << best;
   // And the search is not vacuous: memory matters in this case.
-  s = r->settings;
+  s = r.settings;
   s.hot_neurons = {0, 0};
   s.cold_slots = {0, 0};
-  EXPECT_GT(Evaluate(hw, m, s).token_s, r->prediction.token_s * 1.2);
+  EXPECT_GT(Evaluate(hw, m, s).token_s, r.prediction.token_s * 1.2);
 }
 
 TEST(PlannerTest, ThirtyTwoLayersSolveQuickly) {
