@@ -197,7 +197,6 @@ struct TokenSource {
   int64_t ctx = 256;
   int64_t generate = 0;
   int64_t prompt = 0;
-  int64_t n_vocab = 0;
   SamplerConfig sampling;
 };
 
@@ -231,7 +230,7 @@ Status RunSource(InferenceContext* ctx, const TokenSource& src, int64_t n, Progr
     NF_RETURN_IF_ERROR(ctx->Eval(std::span<const int32_t>(ids.data() + start, static_cast<size_t>(src.prompt)), false));
     const int64_t len = std::min(src.generate, n - done);
     for (int64_t step = 0; step < len; ++step) {
-      const int32_t next = sampler.Sample(std::span<const float>(ctx->logits(), static_cast<size_t>(src.n_vocab)));
+      const int32_t next = sampler.Sample(std::span<const float>(ctx->logits(), static_cast<size_t>(ctx->n_vocab())));
       sampler.Accept(next);
       on_rows(w, step);
       *observing = true;
@@ -304,7 +303,6 @@ Status RunProfile(const ProfileFlags& f) {
   source.ctx = f.ctx;
   source.generate = f.generate;
   source.prompt = f.prompt_tokens;
-  source.n_vocab = hp.n_vocab;
   source.sampling.temperature = f.temperature;
   source.sampling.seed = f.seed;
   bool observing = false;
