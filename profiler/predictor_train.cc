@@ -141,6 +141,33 @@ PredictionQuality Evaluate(const PredictorLayerData& layer, int64_t dim, int64_t
   return q;
 }
 
+void SetThresholdForRecall(PredictorLayerData* L, const float* xv, const uint8_t* mv, int64_t n_val, int64_t dim,
+                           int64_t n_ff, float target_recall, ThreadPool* pool) {
+  // Allow at most floor((1 - recall) * positives) misses.
+  std::vector<float> pos;
+  constexpr int64_t kChunk = 1024;  // tokens per batched logit computation
+  std::vector<float> lg;
+  for (int64_t b = 0; b < n_val; b += kChunk) {
+    const int64_t m = std::min(kChunk, n_val - b);
+    PredictorLogits(*L, dim, n_ff, xv + b * dim, m, &lg, pool);
+    for (int64_t i = 0; i < m * n_ff; ++i) {
+      if (mv[b * n_ff + i]) pos.push_back(lg[static_cast<size_t>(i)]);
+    }
+  }
+  if (pos.empty()) {
+    L->info.logit_threshold = INFINITY;  // never active on validation data: predict nothing
+  } else {
+    const size_t k = static_cast<size_t>(std::floor((1.0 - target_recall) * static_cast<double>(pos.size())));
+    std::nth_element(pos.begin(), pos.begin() + static_cast<std::ptrdiff_t>(k), pos.end());
+    L->info.logit_threshold = std::nextafter(pos[k], -INFINITY);
+  }
+  const PredictionQuality q = Evaluate(*L, dim, n_ff, xv, mv, n_val, pool);
+  L->info.recall = static_cast<float>(q.recall);
+  L->info.precision = static_cast<float>(q.precision);
+  L->info.predicted_fraction = static_cast<float>(q.predicted_fraction);
+  L->info.true_fraction = static_cast<float>(q.true_fraction);
+}
+
 Result<PredictorLayerData> TrainLayer(const float* x, const uint8_t* mask, int64_t n_train, int64_t n_val, int64_t dim,
                                       int64_t n_ff, int64_t rank, const TrainOptions& o, ThreadPool* pool) {
   if (n_train <= 0 || n_val <= 0) return Status::InvalidArgument("predictor training needs training and validation tokens");
@@ -216,31 +243,7 @@ Result<PredictorLayerData> TrainLayer(const float* x, const uint8_t* mask, int64
     }
   }
 
-  // Logit threshold on the validation tokens: allow at most floor((1 - recall) * positives) misses.
-  const float* xv = x + n_train * dim;
-  const uint8_t* mv = mask + n_train * n_ff;
-  std::vector<float> pos;
-  constexpr int64_t kChunk = 1024;  // tokens per batched logit computation
-  std::vector<float> lg;
-  for (int64_t b = 0; b < n_val; b += kChunk) {
-    const int64_t m = std::min(kChunk, n_val - b);
-    PredictorLogits(L, dim, n_ff, xv + b * dim, m, &lg, pool);
-    for (int64_t i = 0; i < m * n_ff; ++i) {
-      if (mv[b * n_ff + i]) pos.push_back(lg[static_cast<size_t>(i)]);
-    }
-  }
-  if (pos.empty()) {
-    L.info.logit_threshold = INFINITY;  // never active on validation data: predict nothing
-  } else {
-    const size_t k = static_cast<size_t>(std::floor((1.0 - o.target_recall) * static_cast<double>(pos.size())));
-    std::nth_element(pos.begin(), pos.begin() + static_cast<std::ptrdiff_t>(k), pos.end());
-    L.info.logit_threshold = std::nextafter(pos[k], -INFINITY);
-  }
-  const PredictionQuality q = Evaluate(L, dim, n_ff, xv, mv, n_val, pool);
-  L.info.recall = static_cast<float>(q.recall);
-  L.info.precision = static_cast<float>(q.precision);
-  L.info.predicted_fraction = static_cast<float>(q.predicted_fraction);
-  L.info.true_fraction = static_cast<float>(q.true_fraction);
+  SetThresholdForRecall(&L, x + n_train * dim, mask + n_train * n_ff, n_val, dim, n_ff, o.target_recall, pool);
   L.info.train_seconds =
       static_cast<float>(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return L;

@@ -57,6 +57,11 @@ void PredictorLogits(const PredictorLayerData& layer, int64_t dim, int64_t n_ff,
 PredictionQuality Evaluate(const PredictorLayerData& layer, int64_t dim, int64_t n_ff, const float* x,
                            const uint8_t* mask, int64_t n, ThreadPool* pool);
 
+// Sets L->info.logit_threshold from n_val validation tokens (xv: n_val x dim, mv: their masks): the largest value that
+// keeps micro recall >= target_recall; then fills L->info.recall, precision, predicted and true fractions from them.
+void SetThresholdForRecall(PredictorLayerData* L, const float* xv, const uint8_t* mv, int64_t n_val, int64_t dim,
+                           int64_t n_ff, float target_recall, ThreadPool* pool);
+
 // Trains one layer at one rank on the first n_train tokens, then sets info.logit_threshold from the n_val tokens
 // that follow (the smallest threshold step that keeps micro recall >= target) and fills info.recall etc. from them.
 Result<PredictorLayerData> TrainLayer(const float* x, const uint8_t* mask, int64_t n_train, int64_t n_val, int64_t dim,

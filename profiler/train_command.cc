@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "profiler/commands.h"
+#include "profiler/predictor_lowrank.h"
 #include "profiler/predictor_train.h"
 #include "runtime/cli/model_loader.h"
 #include "runtime/core/checksum.h"
@@ -22,13 +23,14 @@ namespace {
 
 struct TrainFlags {
   cli::ModelSource source;
-  std::string calib_file, eval_file, output, ranks = "16,32,64,128,256", weight_type = "f32";
+  std::string calib_file, eval_file, output, ranks, method = "mlp", weight_type = "f32";
   int64_t tokens = 20000, eval_tokens = 20000, window = 256, max_rank = 256;
   double target_sparsity = -1;
   double val_fraction = 0.2;
   int threads = 0;
   bool force = false;
   TrainOptions train;
+  LowRankOptions lowrank;
 };
 
 // The first `n` tokens of a text file (BOS + the text as one string, as perplexity encodes it). Only a prefix of the
@@ -48,6 +50,11 @@ Status RunTrain(TrainFlags f) {
   if (f.train.target_recall <= 0 || f.train.target_recall > 1) {
     return Status::InvalidArgument("--recall must be in (0, 1]");
   }
+  const bool lowrank = f.method == "lowrank";
+  if (!lowrank && f.method != "mlp") {
+    return Status::InvalidArgument("--method must be mlp or lowrank, not '" + f.method + "'");
+  }
+  if (f.ranks.empty()) f.ranks = lowrank ? "16,32,64" : "16,32,64,128,256";
   f.train.ranks.clear();
   std::stringstream ss(f.ranks);
   for (std::string item; std::getline(ss, item, ',');) {
@@ -83,7 +90,7 @@ Status RunTrain(TrainFlags f) {
   NF_ASSIGN_OR_RETURN(ActivationSamples samples, CollectSamples(*lm.model, ids, f.window, &pool));
   const int64_t n_val = static_cast<int64_t>(static_cast<double>(samples.n_tokens) * f.val_fraction);
   const int64_t n_train = samples.n_tokens - n_val;
-  if (n_val < 1 || n_train < f.train.batch) {
+  if (n_val < 1 || n_train < (lowrank ? 2 : f.train.batch)) {
     return Status::InvalidArgument(f.calib_file + ": " + std::to_string(samples.n_tokens) +
                                    " calibration tokens are too few (need a batch of " +
                                    std::to_string(f.train.batch) + " for training plus a validation split)");
@@ -118,9 +125,20 @@ Status RunTrain(TrainFlags f) {
     const float thr = thresholds[static_cast<size_t>(l)];
     const std::vector<uint8_t> mask = ActiveMask(samples, l, thr);
     bool fallback = false;
-    NF_ASSIGN_OR_RETURN(PredictorLayerData L,
-                        TrainLayerChooseRank(samples.x[l].data(), mask.data(), n_train, n_val, hp.dim, hp.n_ff,
-                                             f.train, &pool, &fallback));
+    PredictorLayerData L;
+    if (lowrank) {
+      LowRankOptions lo = f.lowrank;
+      lo.ranks = f.train.ranks;
+      lo.target_recall = f.train.target_recall;
+      lo.max_predicted_ratio = f.train.max_predicted_ratio;
+      lo.seed = f.train.seed;
+      NF_ASSIGN_OR_RETURN(L, FitLowRankLayer(lm.model->layers()[static_cast<size_t>(l)].gate, samples.x[l].data(),
+                                             mask.data(), n_train, n_val, ActivationBoundary(hp.activation, thr), lo,
+                                             &pool, &fallback));
+    } else {
+      NF_ASSIGN_OR_RETURN(L, TrainLayerChooseRank(samples.x[l].data(), mask.data(), n_train, n_val, hp.dim, hp.n_ff,
+                                                  f.train, &pool, &fallback));
+    }
     L.info.activation_threshold = thr;
     if (fallback) {
       NF_LOG(Warning) << "layer " << l << ": no candidate rank reached recall " << f.train.target_recall
@@ -183,9 +201,14 @@ void RegisterTrainPredictorCommand(CLI::App& app, cli::CommandAction* action) {
       ->check(CLI::PositiveNumber);
   sub->add_option("--window", f->window, "Tokens per forward window (each from an empty context)")
       ->check(CLI::PositiveNumber);
+  sub->add_option("--method", f->method,
+                  "mlp: PowerInfer's MLP trained with Adam; lowrank: closed-form projection of the model's own gate "
+                  "onto the principal directions of its pre-activations (file rank 2 x r)");
+  sub->add_option("--iterations", f->lowrank.iterations, "lowrank: subspace iterations")->check(CLI::PositiveNumber);
   sub->add_option("--recall", f->train.target_recall, "Target recall (micro, per layer)");
   sub->add_option("--max-rank", f->max_rank, "Largest candidate rank")->check(CLI::PositiveNumber);
-  sub->add_option("--ranks", f->ranks, "Candidate ranks, comma-separated, tried smallest first");
+  sub->add_option("--ranks", f->ranks, "Candidate ranks, comma-separated, tried smallest first (mlp: 16,32,64,128,256; "
+                  "lowrank: subspace ranks r, 16,32,64)");
   sub->add_option("--max-ratio", f->train.max_predicted_ratio, "Accept a rank when predicted <= this x true active");
   sub->add_option("--target-sparsity", f->target_sparsity, "SiLU models: fraction of neurons counted inactive");
   sub->add_option("--epochs", f->train.epochs, "Training epochs")->check(CLI::PositiveNumber);
