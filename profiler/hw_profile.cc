@@ -252,7 +252,7 @@ json MeasureMemory(const Mode& mode, const std::vector<int>& thread_counts) {
           s3 += buf[i + 3];
         }
         for (; i < e; ++i) s0 += buf[i];
-        partial[static_cast<size_t>(t)] = s0 + s1 + s2 + s3;
+        partial[static_cast<size_t>(t)] += s0 + s1 + s2 + s3;
       });
       for (uint64_t p : partial) sink = sink + p;
     });

@@ -79,7 +79,7 @@ uint64_t ReadPass(int threads) {
   Pool(threads)->ParallelFor(n, 4096, [&](int64_t b, int64_t e, int t) {
     uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
     for (int64_t i = b; i + 4 <= e; i += 4) s0 += p[i], s1 += p[i + 1], s2 += p[i + 2], s3 += p[i + 3];
-    sums[t] = s0 + s1 + s2 + s3;
+    sums[t] += s0 + s1 + s2 + s3;
   });
   return std::accumulate(sums, sums + kMaxThreads, uint64_t{0});
 }

@@ -63,10 +63,28 @@ void ThreadPool::WorkerLoop(int index) {
       if (stop_) return;
     }
     seen = gen;
-    const int64_t begin = std::min(job_n_, job_chunk_ * index);
-    const int64_t end = std::min(job_n_, begin + job_chunk_);
-    if (begin < end) (*job_)(begin, end, index);
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
+    // Enter the open job, if any: a worker late for a job the caller already closed skips it (and may enter the
+    // next one early, which is harmless: it reads the job only after entering).
+    uint32_t e = entry_.load(std::memory_order_acquire);
+    bool entered = false;
+    while ((e & kClosed) == 0) {
+      if (entry_.compare_exchange_weak(e, e + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        entered = true;
+        break;
+      }
+    }
+    if (!entered) continue;
+    RunChunks(index);
+    entry_.fetch_sub(1, std::memory_order_release);
+  }
+}
+
+void ThreadPool::RunChunks(int index) {
+  for (;;) {
+    const int64_t c = next_chunk_.fetch_add(1, std::memory_order_relaxed);
+    if (c >= job_chunks_) return;
+    const int64_t begin = c * job_chunk_;
+    (*job_)(begin, std::min(job_n_, begin + job_chunk_), index);
   }
 }
 
@@ -79,17 +97,22 @@ void ThreadPool::ParallelFor(int64_t n, int64_t grain, const std::function<void(
     return;
   }
   const int64_t per_thread = (chunks_of_grain + num_threads_ - 1) / num_threads_;
+  // entry_ is closed and no worker is inside (the previous call waited for them): nobody reads these now.
   job_ = &fn;
   job_n_ = n;
   job_chunk_ = per_thread * grain;
-  pending_.store(num_threads_ - 1, std::memory_order_relaxed);
+  job_chunks_ = (n + job_chunk_ - 1) / job_chunk_;
+  next_chunk_.store(0, std::memory_order_relaxed);
+  entry_.store(0, std::memory_order_release);  // open
   {
     std::lock_guard<std::mutex> lock(mu_);
     generation_.fetch_add(1, std::memory_order_release);
     if (sleepers_ > 0) work_cv_.notify_all();
   }
-  fn(0, std::min(n, job_chunk_), 0);
-  for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
+  RunChunks(0);
+  // Every chunk is claimed: close, then wait only for the workers that entered (they are finishing claimed chunks).
+  entry_.fetch_or(kClosed, std::memory_order_acq_rel);
+  for (int spin = 0; (entry_.load(std::memory_order_acquire) & ~kClosed) != 0; ++spin) {
     if (spin < kSpinIterations) {
       CpuRelax();
     } else {

@@ -16,6 +16,10 @@ namespace nflash {
 // Decode calls ParallelFor a few hundred times per token with microseconds of work each, so waking workers through a
 // condition variable alone (tens of microseconds per wake-up) would cost more than the work: workers and the caller
 // spin briefly on atomics first and only then block.
+// Chunks are claimed, not assigned: whoever is running takes the next chunk, and the caller never waits for a worker
+// that has not started. On a machine with as many cores as pool threads and another busy thread (the offloaded
+// runtime's I/O thread), a worker is often descheduled for a whole time slice; with fixed assignment every parallel
+// loop then waited for it (measured: 2 compute threads were no faster than 1 on the 2-core host).
 class ThreadPool {
  public:
   // `num_threads` <= 0 means all hardware threads.
@@ -26,7 +30,10 @@ class ThreadPool {
 
   int NumThreads() const { return num_threads_; }
   // Calls fn(begin, end, thread_index) over a partition of [0, n) into at most NumThreads() contiguous chunks whose
-  // sizes are multiples of `grain` (except the last). Returns when every chunk is done.
+  // sizes are multiples of `grain` (except the last); the partition depends only on n, grain and NumThreads(). Each
+  // chunk runs once, on whichever thread claims it: one thread may run several chunks (one after the other, with its
+  // own thread_index < NumThreads(), so per-thread scratch indexed by it is safe; per-thread results must be
+  // accumulated, not assigned). Returns when every chunk is done.
   void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t, int)>& fn);
   static int HardwareThreads();
 
@@ -38,12 +45,18 @@ class ThreadPool {
   std::condition_variable work_cv_;
   int sleepers_ = 0;              // workers blocked on work_cv_ (guarded by mu_)
   bool stop_ = false;             // guarded by mu_; also published through generation_
-  // The current job, published by incrementing generation_ (release) and read after seeing it (acquire).
+  void RunChunks(int index);
+  // The current job: written by the caller while entry_ is closed, read by a worker after it entered (acquire).
   const std::function<void(int64_t, int64_t, int)>* job_ = nullptr;
   int64_t job_n_ = 0;
   int64_t job_chunk_ = 0;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};   // workers that have not finished the current job
+  int64_t job_chunks_ = 0;
+  std::atomic<int64_t> next_chunk_{0};
+  std::atomic<uint64_t> generation_{0};  // bumped per job: wakes the workers
+  // kClosed | number of workers inside the current job. A worker enters only while the job is open; the caller
+  // closes it once every chunk is claimed and then waits for the workers inside, never for the others.
+  static constexpr uint32_t kClosed = 1u << 31;
+  std::atomic<uint32_t> entry_{kClosed};
 };
 
 }  // namespace nflash
