@@ -24,6 +24,8 @@ struct GenerateOptions {
   // Hand the prompt's own text to `on_text` first (as `nflash run` echoes it); either way the prompt goes through the
   // same detokenizer, so the continuation keeps the space the prompt's last word is followed by.
   bool echo_prompt = false;
+  // Keep generating through the end-of-text token (llama.cpp's ignore_eos): only max_tokens and stop strings end it.
+  bool ignore_eos = false;
 };
 
 struct GenerateResult {

@@ -129,6 +129,7 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
   }
   NF_RETURN_IF_ERROR(OptionalSeed(fields, random_seed, &s.seed));
   NF_RETURN_IF_ERROR(Optional(fields, "stream", &r.stream));
+  NF_RETURN_IF_ERROR(Optional(fields, "ignore_eos", &r.options.ignore_eos));
   NF_RETURN_IF_ERROR(OptionalStop(fields, &r.options.stop_strings));
 
   r.prompt_ids = tokenizer.Encode(prompt, tokenizer.add_bos());
