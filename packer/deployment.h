@@ -167,9 +167,12 @@ class Deployment {
   struct Options {
     // Re-hash resident.gguf (and predictor.gguf) against the manifest: a full read; `nflash verify` sets it.
     bool verify_resident_hash = false;
+    // Read resident.gguf with O_DIRECT into anonymous memory (ReadFileDirect: what the runtime computes from) instead
+    // of mapping it (enough for tools that only read its metadata and index tensors).
+    bool resident_in_memory = false;
   };
   // Parses manifest.json, checks schema version, shapes, that every region lies inside ffn.bin (whose size must match
-  // exactly), opens resident.gguf (mmap) and loads/validates the index tables (permutations, lengths). Errors name the
+  // exactly), opens resident.gguf (mmap, or read into memory) and loads/validates the index tables (permutations, lengths). Errors name the
   // file, the field, expected and found.
   static Result<std::unique_ptr<Deployment>> Open(const std::string& dir, const Options& options);
   static Result<std::unique_ptr<Deployment>> Open(const std::string& dir) { return Open(dir, Options{}); }

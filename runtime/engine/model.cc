@@ -82,7 +82,7 @@ Result<LlamaHparams> ReadLlamaHparams(const GgufFile& f) {
 }
 
 Result<std::unique_ptr<Model>> Model::Load(const std::string& path, const LoadOptions& options) {
-  Result<std::unique_ptr<ReadableFile>> file = options.use_mmap ? OpenMmapFile(path) : ReadFileToMemory(path);
+  Result<std::unique_ptr<ReadableFile>> file = options.use_mmap ? OpenMmapFile(path) : ReadFileDirect(path);
   if (!file.ok()) return file.status();
   std::shared_ptr<const ReadableFile> shared(std::move(file).value());
   NF_ASSIGN_OR_RETURN(GgufFile gguf, GgufFile::Open(shared));

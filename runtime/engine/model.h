@@ -57,7 +57,7 @@ struct LayerWeights {
 };
 
 struct LoadOptions {
-  bool use_mmap = true;  // false: read the whole file into memory (--no-mmap)
+  bool use_mmap = true;  // false: read the whole file into memory with O_DIRECT (--no-mmap; ReadFileDirect)
   // The FFN weights are not in the file (a deployment's resident.gguf): every FFN is computed by an FfnBackend (the
   // flash-offloaded runtime), so gate/up/down tensors are not required and their views stay empty (MoE routers are).
   bool external_ffn = false;

@@ -20,7 +20,9 @@ SparseRuntime::~SparseRuntime() {
 Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& deploy_dir,
                                                            const SparseRuntimeOptions& options, ThreadPool* pool) {
   std::unique_ptr<SparseRuntime> rt(new SparseRuntime());
-  NF_ASSIGN_OR_RETURN(rt->deploy_, packer::Deployment::Open(deploy_dir));
+  packer::Deployment::Options open_options;
+  open_options.resident_in_memory = true;  // resident weights by O_DIRECT, like the FFN: never the page cache
+  NF_ASSIGN_OR_RETURN(rt->deploy_, packer::Deployment::Open(deploy_dir, open_options));
   const packer::Deployment& d = *rt->deploy_;
   LoadOptions lo;
   lo.external_ffn = true;

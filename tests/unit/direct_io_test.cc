@@ -322,6 +322,40 @@ TEST(DirectReaderTmpfsTest, TmpfsIsReportedAsPageCache) {
   std::filesystem::remove(path);
 }
 
+// ReadFileDirect (resident weights): every size around the block and huge-page boundaries comes back byte for byte,
+// from the disk (O_DIRECT) and from tmpfs (buffered fallback); Data() is 4 KiB-aligned (2 MiB once the file is that
+// large); a missing file names its path.
+TEST(ReadFileDirectTest, WholeFileIntoMemoryAtEverySize) {
+  TempDir dir;
+  const size_t sizes[] = {0, 1, 4095, 4096, 4097, (size_t{2} << 20) + 4097, (size_t{9} << 20) + 17};
+  std::vector<std::string> folders = {dir.path()};
+  struct statfs sfs {};
+  if (statfs("/dev/shm", &sfs) == 0 && sfs.f_type == 0x01021994) folders.push_back("/dev/shm");
+  for (const std::string& folder : folders) {
+    for (size_t n : sizes) {
+      SCOPED_TRACE(folder + " size " + std::to_string(n));
+      const std::string path = folder + "/nflash_read_direct_" + std::to_string(getpid()) + "_" + std::to_string(n);
+      const std::vector<uint8_t> bytes = RandomBytes(n, static_cast<uint32_t>(n));
+      nflash::testing::WriteBytes(path, bytes);
+      auto f = ReadFileDirect(path);
+      std::filesystem::remove(path);
+      ASSERT_TRUE(f.ok()) << f.status().ToString();
+      ASSERT_EQ((*f)->Size(), n);
+      if (n == 0) continue;
+      ASSERT_NE((*f)->Data(), nullptr);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>((*f)->Data()) % (n >= (size_t{2} << 20) ? (size_t{2} << 20) : 4096), 0u);
+      EXPECT_EQ(0, std::memcmp((*f)->Data(), bytes.data(), n));
+      std::vector<uint8_t> tail(std::min<size_t>(n, 100));
+      ASSERT_TRUE((*f)->ReadAt(n - tail.size(), tail.size(), tail.data()).ok());
+      EXPECT_EQ(0, std::memcmp(tail.data(), bytes.data() + n - tail.size(), tail.size()));
+      EXPECT_FALSE((*f)->ReadAt(n - tail.size(), tail.size() + 1, tail.data()).ok());
+    }
+  }
+  auto missing = ReadFileDirect("/nonexistent/resident.gguf");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("/nonexistent/resident.gguf"), std::string::npos);
+}
+
 TEST(DirectReaderOpenTest, MissingFileAndBadQueueDepth) {
   auto r = DirectReader::Open("/nonexistent/nflash.bin");
   ASSERT_FALSE(r.ok());
