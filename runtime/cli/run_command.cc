@@ -253,6 +253,7 @@ Status RunGenerate(const RunFlags& f) {
                      {"p50", Percentile(latencies, 0.5)},
                      {"p90", Percentile(latencies, 0.9)},
                      {"p99", Percentile(latencies, 0.99)}};
+  j["token_latencies_ms"] = latencies;  // per decode step, in order
   j["weights_bytes"] = lm.model->weight_bytes();
   j["state_bytes"] = ctx.state_bytes();
   j["rss_bytes"] = mem.rss_bytes;

@@ -1,6 +1,7 @@
 // End-to-end tests of `nflash run` and `nflash perplexity` on the real stories260K models: the published golden text,
 // the published perplexity, logits against the independent NumPy reference, and quantization quality bounds.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstring>
@@ -75,6 +76,13 @@ TEST(RunCliTest, JsonSummaryAndSeededSampling) {
   for (const char* key : {"\"prompt_tokens\": 5", "\"prefill_tok_s\"", "\"decode_tok_s\"", "\"p99\"", "\"peak_rss_bytes\""}) {
     EXPECT_NE(a.output.find(key), std::string::npos) << key << " in " << a.output;
   }
+  // One latency per decode step (the first token comes from the prefill), and their mean is the summary's.
+  const nlohmann::json j = nlohmann::json::parse(a.output.substr(a.output.find('{')));
+  const auto& lat = j.at("token_latencies_ms");
+  ASSERT_EQ(lat.size() + 1, j.at("generated_tokens").get<size_t>());
+  double sum = 0;
+  for (const auto& v : lat) sum += v.get<double>();
+  EXPECT_NEAR(sum / static_cast<double>(lat.size()), j.at("latency_ms").at("mean").get<double>(), 1e-9);
 }
 
 TEST(RunCliTest, UsageErrors) {
