@@ -370,12 +370,9 @@ Result<std::unique_ptr<Deployment>> Deployment::Open(const std::string& dir, con
     if (!m.predictor_hash.empty()) NF_RETURN_IF_ERROR(CheckFileHash(d->predictor_path(), m.predictor_hash, manifest_path));
   }
 
-  std::unique_ptr<ReadableFile> resident_file;
-  if (options.resident_in_memory) {
-    NF_ASSIGN_OR_RETURN(resident_file, ReadFileDirect(d->resident_path()));
-  } else {
-    NF_ASSIGN_OR_RETURN(resident_file, OpenMmapFile(d->resident_path()));
-  }
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> resident_file,
+                      options.resident_in_memory ? ReadFileDirect(d->resident_path())
+                                                 : OpenMmapFile(d->resident_path()));
   NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::Open(std::shared_ptr<const ReadableFile>(std::move(resident_file))));
   d->resident_ = std::make_shared<const GgufFile>(std::move(resident));
   const GgufFile& rf = *d->resident_;

@@ -56,11 +56,14 @@ class PreadFile final : public ReadableFile {
   uint64_t size_;
 };
 
-class MmapFile final : public ReadableFile {
+// A file's bytes in a mapping owned by this object: the file itself (mmap), or anonymous memory it was read into
+// (ReadFileDirect: the data may start past the mapping's base, aligned).
+class MappedFile final : public ReadableFile {
  public:
-  MmapFile(std::string path, const uint8_t* data, uint64_t size) : path_(std::move(path)), data_(data), size_(size) {}
-  ~MmapFile() override {
-    if (size_ > 0) ::munmap(const_cast<uint8_t*>(data_), size_);
+  MappedFile(std::string path, void* base, size_t mapped, const uint8_t* data, uint64_t size)
+      : path_(std::move(path)), base_(base), mapped_(mapped), data_(data), size_(size) {}
+  ~MappedFile() override {
+    if (mapped_ > 0) ::munmap(base_, mapped_);
   }
   Status ReadAt(uint64_t offset, size_t size, void* dst) const override {
     NF_RETURN_IF_ERROR(CheckRange(path_, size_, offset, size));
@@ -73,6 +76,8 @@ class MmapFile final : public ReadableFile {
 
  private:
   std::string path_;
+  void* base_;
+  size_t mapped_;
   const uint8_t* data_;
   uint64_t size_;
 };
@@ -133,73 +138,34 @@ Result<std::unique_ptr<ReadableFile>> OpenMmapFile(const std::string& path) {
     data = static_cast<const uint8_t*>(p);
   }
   ::close(fd);  // the mapping keeps the file referenced
-  return std::unique_ptr<ReadableFile>(new MmapFile(path, data, size));
+  return std::unique_ptr<ReadableFile>(new MappedFile(path, const_cast<uint8_t*>(data), size, data, size));
 }
 
 namespace {
-
-// Anonymous memory from mmap (whole pages, zeroed, 2 MiB-aligned when large so that huge pages can back it).
-class AnonymousMemoryFile final : public ReadableFile {
- public:
-  AnonymousMemoryFile(std::string path, uint8_t* base, size_t mapped, uint8_t* data, uint64_t size)
-      : path_(std::move(path)), base_(base), mapped_(mapped), data_(data), size_(size) {}
-  ~AnonymousMemoryFile() override {
-    if (mapped_ > 0) ::munmap(base_, mapped_);
-  }
-  Status ReadAt(uint64_t offset, size_t size, void* dst) const override {
-    NF_RETURN_IF_ERROR(CheckRange(path_, size_, offset, size));
-    if (size > 0) std::memcpy(dst, data_ + offset, size);
-    return Status::Ok();
-  }
-  uint64_t Size() const override { return size_; }
-  const std::string& Path() const override { return path_; }
-  const uint8_t* Data() const override { return data_; }
-
- private:
-  std::string path_;
-  uint8_t* base_;
-  size_t mapped_;
-  uint8_t* data_;
-  uint64_t size_;
-};
 
 constexpr size_t kHugePageBytes = size_t{2} << 20;
 constexpr size_t kDirectBlockBytes = 4096;
 constexpr size_t kDirectChunkBytes = size_t{8} << 20;
 
-}  // namespace
-
-Result<std::unique_ptr<ReadableFile>> ReadFileDirect(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
-  const bool direct = fd >= 0;
-  if (fd < 0 && errno == EINVAL) fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::FromErrno("cannot open " + path, errno);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return Status::FromErrno("cannot stat " + path, err);
-  }
-  const uint64_t size = static_cast<uint64_t>(st.st_size);
+// The whole of `fd` (`size` bytes; `direct`: opened O_DIRECT, so reads are whole blocks into aligned memory) read
+// into anonymous memory, 2 MiB-aligned when large so that huge pages can back it.
+Result<std::unique_ptr<ReadableFile>> ReadWholeFd(const std::string& path, int fd, uint64_t size, bool direct) {
   // Whole blocks (O_DIRECT reads end on one), plus room to align the start to a huge page.
   const size_t length = (size + kDirectBlockBytes - 1) / kDirectBlockBytes * kDirectBlockBytes;
   const size_t mapped = length == 0 ? 0 : length + (length >= kHugePageBytes ? kHugePageBytes : 0);
-  uint8_t* base = nullptr;
+  void* base = nullptr;
   uint8_t* data = nullptr;
   if (mapped > 0) {
-    void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
+    base = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) {
       const int err = errno;
-      ::close(fd);
       return Status::FromErrno("cannot allocate " + std::to_string(mapped) + " bytes to hold " + path, err);
     }
-    base = static_cast<uint8_t*>(p);
     const uintptr_t align = length >= kHugePageBytes ? kHugePageBytes : kDirectBlockBytes;
     data = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(base) + align - 1) / align * align);
-    // Advice only: where transparent huge pages are off, the memory is ordinary pages.
-    if (length >= kHugePageBytes) (void)::madvise(data, length, MADV_HUGEPAGE);
+    AdviseHugePages(data, length);
   }
-  auto file = std::make_unique<AnonymousMemoryFile>(path, base, mapped, data, size);
+  auto file = std::make_unique<MappedFile>(path, base, mapped, data, size);
   size_t done = 0;
   while (done < size) {
     const size_t want = std::min(kDirectChunkBytes, length - done);
@@ -207,12 +173,10 @@ Result<std::unique_ptr<ReadableFile>> ReadFileDirect(const std::string& path) {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       const int err = errno;
-      ::close(fd);
       return Status::FromErrno(path + ": " + (direct ? "O_DIRECT " : "") + "read at offset " + std::to_string(done),
                                err);
     }
     if (n == 0) {
-      ::close(fd);
       return Status::IOError(path + ": unexpected end of file at offset " + std::to_string(done) + " (size " +
                              std::to_string(size) + ")");
     }
@@ -220,8 +184,26 @@ Result<std::unique_ptr<ReadableFile>> ReadFileDirect(const std::string& path) {
     // A short O_DIRECT read ends on a block boundary unless it reached the end of the file.
     if (direct && done < size) done &= ~(kDirectBlockBytes - 1);
   }
-  ::close(fd);
   return std::unique_ptr<ReadableFile>(std::move(file));
+}
+
+}  // namespace
+
+void AdviseHugePages(void* p, size_t bytes) {
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) / kHugePageBytes * kHugePageBytes;
+  if (end > begin) (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
+Result<std::unique_ptr<ReadableFile>> ReadFileDirect(const std::string& path) {
+  NF_ASSIGN_OR_RETURN(auto fd_size, OpenForRead(path));
+  const auto [fd, size] = fd_size;
+  // O_DIRECT where the filesystem takes it; tmpfs refuses it (EINVAL) and is read buffered.
+  const int flags = ::fcntl(fd, F_GETFL);
+  const bool direct = flags >= 0 && ::fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
+  Result<std::unique_ptr<ReadableFile>> file = ReadWholeFd(path, fd, size, direct);
+  ::close(fd);
+  return file;
 }
 
 Result<std::unique_ptr<ReadableFile>> ReadFileToMemory(const std::string& path) {

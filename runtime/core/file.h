@@ -52,6 +52,9 @@ Result<std::unique_ptr<ReadableFile>> OpenMmapFile(const std::string& path);
 // resident: the pages cannot be dropped and re-read behind the process's back as mapped file pages can, and 2 MiB
 // pages spare the TLB misses of scattered row reads.
 Result<std::unique_ptr<ReadableFile>> ReadFileDirect(const std::string& path);
+// Advises transparent huge pages (madvise MADV_HUGEPAGE) for the 2 MiB-aligned part of [p, p + bytes): for memory read
+// at scattered places. Advice only: where THP is off or the kernel refuses, nothing changes.
+void AdviseHugePages(void* p, size_t bytes);
 // Reads the whole file into memory (Data() is non-null, no mapping kept).
 Result<std::unique_ptr<ReadableFile>> ReadFileToMemory(const std::string& path);
 

@@ -4,7 +4,6 @@
 
 #include <fcntl.h>
 #include <liburing.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/uio.h>
@@ -19,8 +18,6 @@
 #include "runtime/core/log.h"
 
 namespace nflash::io {
-// Transparent huge page size on x86-64 and arm64 (4 KiB base pages).
-constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
 namespace {
 
 // tmpfs and ramfs accept O_DIRECT on recent kernels but the data still lives in the page cache.
@@ -100,11 +97,8 @@ Result<std::unique_ptr<AlignedArena>> AlignedArena::Create(size_t slot_bytes, si
   }
   // Slots are read at random: transparent huge pages (where enabled for madvise) spare a TLB miss per bundle, which
   // in a VM is a two-level page walk (SYNTHETIC 7B at 1392M, 8 interleaved pairs on 2 vCPUs: P50 70.6 ms against
-  // 83.5 ms, and no run in the 3-4x slower state that 3 of 8 runs without it fell into; docs/results.md). The 2 MiB-
-  // aligned part of the arena only; advice, so a refusal changes nothing.
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHugePage - 1) / kHugePage * kHugePage;
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + slot * num_slots) / kHugePage * kHugePage;
-  if (end > begin) (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+  // 83.5 ms, and no run in the 3-4x slower state that 3 of 8 runs without it fell into; docs/results.md).
+  AdviseHugePages(p, slot * num_slots);
   return std::unique_ptr<AlignedArena>(new AlignedArena(p, slot, num_slots));
 }
 
