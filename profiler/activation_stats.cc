@@ -236,8 +236,27 @@ FfnProfile FfnStats::Finish(ThreadPool* pool) {
     if (std::any_of(a, a + sw, [](uint64_t x) { return x != 0; })) seen.push_back(static_cast<int32_t>(i));
   }
   const JointCountFn joint_count = SelectJointCount();
+  // Samples each neuron is active in (its own joint count with itself).
+  std::vector<uint32_t> own(static_cast<size_t>(n_), 0);
+  for (int32_t i : seen) {
+    const uint64_t* a = &sample_bits_[static_cast<size_t>(i * sample_words_)];
+    own[static_cast<size_t>(i)] = joint_count(a, a, sw);
+  }
+  // Partners rank by Jaccard similarity c / (n_i + n_j - c), not by the joint count c: raw counts favour popular
+  // neurons (every neuron's top partners are the hottest ones), so chains built from them just repeat popularity
+  // order. Compared exactly in integers; ties to the larger count, then the smaller index.
+  struct Partner {
+    uint32_t joint, uni;
+    int32_t j;
+  };
+  auto better = [](const Partner& x, const Partner& y) {
+    const uint64_t lhs = uint64_t{x.joint} * y.uni, rhs = uint64_t{y.joint} * x.uni;
+    if (lhs != rhs) return lhs > rhs;
+    if (x.joint != y.joint) return x.joint > y.joint;
+    return x.j < y.j;
+  };
   pool->ParallelFor(static_cast<int64_t>(seen.size()), 16, [&](int64_t begin, int64_t end, int) {
-    std::vector<std::pair<uint32_t, int32_t>> top;  // (count, -partner): larger count, then smaller index first
+    std::vector<Partner> top;
     for (int64_t s = begin; s < end; ++s) {
       const int32_t i = seen[s];
       const uint64_t* a = &sample_bits_[static_cast<size_t>(i * sample_words_)];
@@ -247,13 +266,13 @@ FfnProfile FfnStats::Finish(ThreadPool* pool) {
         const uint64_t* b = &sample_bits_[static_cast<size_t>(j * sample_words_)];
         const uint32_t c = joint_count(a, b, sw);
         if (c == 0) continue;
-        top.emplace_back(c, -j);
+        top.push_back(Partner{c, own[static_cast<size_t>(i)] + own[static_cast<size_t>(j)] - c, j});
       }
       const size_t keep = std::min<size_t>(top.size(), static_cast<size_t>(f.coact_k));
-      std::partial_sort(top.begin(), top.begin() + static_cast<ptrdiff_t>(keep), top.end(), std::greater<>());
+      std::partial_sort(top.begin(), top.begin() + static_cast<ptrdiff_t>(keep), top.end(), better);
       for (size_t r = 0; r < keep; ++r) {
-        f.coact_partner[static_cast<size_t>(i * f.coact_k) + r] = -top[r].second;
-        f.coact_count[static_cast<size_t>(i * f.coact_k) + r] = top[r].first;
+        f.coact_partner[static_cast<size_t>(i * f.coact_k) + r] = top[r].j;
+        f.coact_count[static_cast<size_t>(i * f.coact_k) + r] = top[r].joint;
       }
     }
   });

@@ -100,8 +100,34 @@ Result<std::pair<int, uint64_t>> OpenForRead(const std::string& path) {
 
 }  // namespace
 
+void ScatterInto(const ReadRequest& r, const uint8_t* src) {
+  if (r.n_pieces == 0) {
+    std::memcpy(r.dst, src, r.size);
+    return;
+  }
+  for (uint32_t i = 0; i < r.n_pieces; ++i) {
+    std::memcpy(r.pieces[i].dst, src, r.pieces[i].size);
+    src += r.pieces[i].size;
+  }
+}
+
+namespace {
+
+// One request through ReadAt: a scattered one piece by piece at consecutive offsets.
+Status ReadRequestAt(const ReadableFile& file, const ReadRequest& r) {
+  if (r.n_pieces == 0) return file.ReadAt(r.offset, r.size, r.dst);
+  uint64_t offset = r.offset;
+  for (uint32_t i = 0; i < r.n_pieces; ++i) {
+    NF_RETURN_IF_ERROR(file.ReadAt(offset, r.pieces[i].size, r.pieces[i].dst));
+    offset += r.pieces[i].size;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status ReadableFile::ReadBatch(std::span<const ReadRequest> requests) const {
-  for (const ReadRequest& r : requests) NF_RETURN_IF_ERROR(ReadAt(r.offset, r.size, r.dst));
+  for (const ReadRequest& r : requests) NF_RETURN_IF_ERROR(ReadRequestAt(*this, r));
   return Status::Ok();
 }
 
@@ -109,7 +135,7 @@ Status ReadableFile::ReadBatchProgress(std::span<const ReadRequest> requests,
                                        const std::function<void(size_t)>& done) const {
   Status first;
   for (size_t i = 0; i < requests.size(); ++i) {
-    Status s = ReadAt(requests[i].offset, requests[i].size, requests[i].dst);
+    Status s = ReadRequestAt(*this, requests[i]);
     if (s.ok()) {
       done(i);
     } else if (first.ok()) {

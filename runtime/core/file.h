@@ -15,12 +15,26 @@
 
 namespace nflash {
 
-// One read of a batch: `size` bytes at `offset` into `dst`.
+// Where part of a scattered read lands.
+struct ReadPiece {
+  void* dst = nullptr;
+  size_t size = 0;
+};
+
+// One read of a batch: `size` bytes at `offset` into `dst`; or, when `n_pieces` > 0, a scattered read: the same
+// `size` bytes go in order to pieces[0], pieces[1], ... (their sizes sum to `size`; `dst` is unused). A scattered
+// read is one request to the device (readv), e.g. neurons adjacent on flash whose cache slots are not adjacent in
+// memory. The pieces must stay valid as long as the request.
 struct ReadRequest {
   uint64_t offset = 0;
   size_t size = 0;
   void* dst = nullptr;
+  const ReadPiece* pieces = nullptr;
+  uint32_t n_pieces = 0;
 };
+
+// Copies `src` (the request's `size` bytes, in file order) to where the request wants them.
+void ScatterInto(const ReadRequest& r, const uint8_t* src);
 
 // A file read at explicit offsets. Thread-safety: ReadAt/ReadBatch may be called concurrently (implementations keep no
 // cursor); the object must outlive all calls.
@@ -29,7 +43,8 @@ class ReadableFile {
   virtual ~ReadableFile() = default;
   // Reads exactly `size` bytes at `offset`; a read past the end or a short read is an error naming path and offset.
   virtual Status ReadAt(uint64_t offset, size_t size, void* dst) const = 0;
-  // Reads every request; the default issues them one by one. Stops at the first error.
+  // Reads every request; the default issues them one by one (a scattered one piece by piece). Stops at the first
+  // error.
   virtual Status ReadBatch(std::span<const ReadRequest> requests) const;
   // As ReadBatch, calling done(i) on the calling thread as soon as request i has arrived (in any order), so that a
   // caller can use early arrivals while later ones are in flight; an implementation with a queue keeps it full across

@@ -73,6 +73,8 @@ struct DirectReader::Op {
   AlignedBuffer bounce;
   size_t copy_from = 0;        // offset in bounce of the caller's first byte
   int fixed_index = -1;        // registered buffer index, or -1
+  const ReadRequest* scatter = nullptr;  // an aligned scattered request read with readv straight into its pieces
+  std::vector<iovec> iov;                // its pieces from the resume point on
   int eio_retries = 0;
   uint64_t first_submit_ns = 0;
 };
@@ -186,6 +188,15 @@ bool DirectReader::IsAligned(uint64_t offset, size_t size, const void* dst) cons
   return (offset & mask) == 0 && (size & mask) == 0 && (reinterpret_cast<uintptr_t>(dst) & mask) == 0;
 }
 
+bool DirectReader::IsAligned(const ReadRequest& r) const {
+  if (r.n_pieces == 0) return IsAligned(r.offset, r.size, r.dst);
+  if (!IsAligned(r.offset, 0, nullptr)) return false;
+  for (uint32_t i = 0; i < r.n_pieces; ++i) {
+    if (!IsAligned(0, r.pieces[i].size, r.pieces[i].dst)) return false;
+  }
+  return true;
+}
+
 Result<std::unique_ptr<AlignedArena>> DirectReader::CreateArena(size_t slot_bytes, size_t num_slots) {
   std::lock_guard<std::mutex> lock(mu_);
   if (registered_ != nullptr) return Status::InvalidArgument(path_ + ": an arena is already registered");
@@ -211,15 +222,32 @@ Status DirectReader::ReadAt(uint64_t offset, size_t size, void* dst) const {
   return ReadBatch(std::span<const ReadRequest>(&r, 1));
 }
 
+Status DirectReader::CheckRequest(const ReadRequest& r) const {
+  NF_RETURN_IF_ERROR(CheckRange(path_, size_, r.offset, r.size));
+  if (r.n_pieces == 0) return Status::Ok();
+  if (r.n_pieces > kMaxScatterPieces) {
+    return Status::InvalidArgument(path_ + ": scattered read at offset " + std::to_string(r.offset) + " has " +
+                                   std::to_string(r.n_pieces) + " pieces, at most " +
+                                   std::to_string(kMaxScatterPieces));
+  }
+  size_t sum = 0;
+  for (uint32_t i = 0; i < r.n_pieces; ++i) sum += r.pieces[i].size;
+  if (sum != r.size) {
+    return Status::InvalidArgument(path_ + ": scattered read at offset " + std::to_string(r.offset) + ": pieces sum to " +
+                                   std::to_string(sum) + " bytes, expected " + std::to_string(r.size));
+  }
+  return Status::Ok();
+}
+
 Status DirectReader::ReadBatch(std::span<const ReadRequest> requests) const {
-  for (const ReadRequest& r : requests) NF_RETURN_IF_ERROR(CheckRange(path_, size_, r.offset, r.size));
+  for (const ReadRequest& r : requests) NF_RETURN_IF_ERROR(CheckRequest(r));
   std::lock_guard<std::mutex> lock(mu_);
   return RunBatchLocked(requests);
 }
 
 Status DirectReader::ReadBatchProgress(std::span<const ReadRequest> requests,
                                        const std::function<void(size_t)>& done) const {
-  for (const ReadRequest& r : requests) NF_RETURN_IF_ERROR(CheckRange(path_, size_, r.offset, r.size));
+  for (const ReadRequest& r : requests) NF_RETURN_IF_ERROR(CheckRequest(r));
   std::lock_guard<std::mutex> lock(mu_);
   return RunBatchLocked(requests, &done);
 }
@@ -241,8 +269,25 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests,
     // O_DIRECT resumes must stay aligned: restart a short read at the block boundary below what arrived.
     const size_t resume = direct_ ? op.done & ~(alignment_ - 1) : op.done;
     op.done = resume;
-    uint8_t* dst = op.buf + resume;
     const unsigned len = static_cast<unsigned>(op.read_length - resume);
+    if (op.scatter != nullptr) {
+      op.iov.clear();
+      size_t skip = resume;
+      for (uint32_t i = 0; i < op.scatter->n_pieces; ++i) {
+        const ReadPiece& p = op.scatter->pieces[i];
+        if (skip >= p.size) {
+          skip -= p.size;
+          continue;
+        }
+        op.iov.push_back(iovec{static_cast<uint8_t*>(p.dst) + skip, p.size - skip});
+        skip = 0;
+      }
+      io_uring_prep_readv(sqe, fd_, op.iov.data(), static_cast<unsigned>(op.iov.size()), op.read_offset + resume);
+      io_uring_sqe_set_data64(sqe, static_cast<uint64_t>(slot));
+      if (op.first_submit_ns == 0) op.first_submit_ns = NowNs();
+      return;
+    }
+    uint8_t* dst = op.buf + resume;
     if (op.fixed_index >= 0) {
       io_uring_prep_read_fixed(sqe, fd_, dst, len, op.read_offset + resume, op.fixed_index);
     } else {
@@ -255,9 +300,16 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests,
   auto start = [&](size_t index, int slot) {
     const ReadRequest& r = requests[index];
     Op& op = ops[slot];
+    std::vector<iovec> iov = std::move(op.iov);  // keeps its capacity across requests
     op = Op{};
+    op.iov = std::move(iov);
     op.request = index;
-    if (IsAligned(r.offset, r.size, r.dst)) {
+    if (r.n_pieces > 0 && IsAligned(r)) {
+      op.read_offset = r.offset;
+      op.read_length = op.needed = r.size;
+      op.scatter = &r;
+      ++counters_.scattered_requests;
+    } else if (r.n_pieces == 0 && IsAligned(r.offset, r.size, r.dst)) {
       op.read_offset = r.offset;
       op.read_length = op.needed = r.size;
       op.buf = static_cast<uint8_t*>(r.dst);
@@ -360,7 +412,7 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests,
           resubmit.push_back(slot);
         } else {
           if (op.done >= op.needed) {
-            if (op.bounce) std::memcpy(r.dst, op.bounce.get() + op.copy_from, r.size);
+            if (op.bounce) ScatterInto(r, op.bounce.get() + op.copy_from);
             ++counters_.requests;
             counters_.bytes += r.size;
             const uint64_t lat = NowNs() - op.first_submit_ns;
@@ -450,7 +502,8 @@ std::vector<ReadRequest> CoalesceRequests(std::span<const ReadRequest> requests,
       ReadRequest& last = out.back();
       const bool file_adjacent = last.offset + last.size == r.offset;
       const bool memory_adjacent = static_cast<uint8_t*>(last.dst) + last.size == r.dst;
-      if (file_adjacent && memory_adjacent && last.size + r.size <= max_bytes) {
+      const bool plain = last.n_pieces == 0 && r.n_pieces == 0;
+      if (plain && file_adjacent && memory_adjacent && last.size + r.size <= max_bytes) {
         last.size += r.size;
         continue;
       }
@@ -458,6 +511,58 @@ std::vector<ReadRequest> CoalesceRequests(std::span<const ReadRequest> requests,
     out.push_back(r);
   }
   return out;
+}
+
+void RequestBuilder::Reset(size_t max_bytes, bool scatter) {
+  max_bytes_ = max_bytes;
+  scatter_ = scatter;
+  last_mergeable_ = false;
+  requests_.clear();
+  pieces_.clear();
+  first_piece_.clear();
+}
+
+size_t RequestBuilder::Add(uint64_t offset, size_t size, void* dst, bool mergeable) {
+  if (mergeable && last_mergeable_) {
+    ReadRequest& last = requests_.back();
+    ReadPiece& piece = pieces_.back();
+    const size_t n_pieces = pieces_.size() - first_piece_.back();
+    if (last.offset + last.size == offset && last.size + size <= max_bytes_) {
+      if (static_cast<uint8_t*>(piece.dst) + piece.size == dst) {
+        piece.size += size;
+        last.size += size;
+        return requests_.size() - 1;
+      }
+      if (scatter_ && n_pieces < kMaxScatterPieces) {
+        pieces_.push_back(ReadPiece{dst, size});
+        last.size += size;
+        return requests_.size() - 1;
+      }
+    }
+  }
+  first_piece_.push_back(static_cast<uint32_t>(pieces_.size()));
+  pieces_.push_back(ReadPiece{dst, size});
+  requests_.push_back(ReadRequest{offset, size, dst});
+  last_mergeable_ = mergeable;
+  return requests_.size() - 1;
+}
+
+const std::vector<ReadRequest>& RequestBuilder::Finish() {
+  for (size_t i = 0; i < requests_.size(); ++i) {
+    const size_t first = first_piece_[i];
+    const size_t end = i + 1 < requests_.size() ? first_piece_[i + 1] : pieces_.size();
+    ReadRequest& r = requests_[i];
+    if (end - first == 1) {
+      r.dst = pieces_[first].dst;
+      r.pieces = nullptr;
+      r.n_pieces = 0;
+    } else {
+      r.dst = nullptr;
+      r.pieces = pieces_.data() + first;
+      r.n_pieces = static_cast<uint32_t>(end - first);
+    }
+  }
+  return requests_;
 }
 
 }  // namespace nflash::io

@@ -35,6 +35,8 @@ inline constexpr size_t kDefaultDirectAlignment = 4096;
 inline constexpr unsigned kDefaultQueueDepth = 32;
 // The latency sample keeps the last 65536 completions: enough for a stable P99 over one profiler cell, 256 KiB.
 inline constexpr size_t kLatencySampleCapacity = 65536;
+// A scattered request's pieces become one readv: at most IOV_MAX (1024 on Linux) iovecs.
+inline constexpr uint32_t kMaxScatterPieces = 1024;
 
 // Memory aligned for O_DIRECT, cut into `num_slots` slots of `slot_bytes` (rounded up to the alignment). Obtained
 // from DirectReader::CreateArena, which registers it with the ring as a fixed buffer so reads into it skip the
@@ -73,6 +75,7 @@ struct IoCounters {
   uint64_t short_reads = 0;     // completions with fewer bytes than asked, resubmitted for the remainder
   uint64_t retries = 0;         // EIO completions retried
   uint64_t bounce_reads = 0;    // unaligned requests read through a bounce buffer
+  uint64_t scattered_requests = 0;  // aligned scattered requests read with one readv into their pieces
   uint64_t pread_requests = 0;  // synchronous reads
   uint64_t pread_bytes = 0;
 };
@@ -134,6 +137,8 @@ class DirectReader final : public ReadableFile {
   DirectReader(int fd, std::string path, uint64_t size, bool direct, size_t alignment, const DirectReaderOptions& opts);
   Status InitRing();
   bool IsAligned(uint64_t offset, size_t size, const void* dst) const;
+  bool IsAligned(const ReadRequest& r) const;  // offset, size and every destination (each piece of a scattered one)
+  Status CheckRequest(const ReadRequest& r) const;
   Status RunBatchLocked(std::span<const ReadRequest> requests,
                         const std::function<void(size_t)>* done = nullptr) const;
 
@@ -157,6 +162,28 @@ class DirectReader final : public ReadableFile {
 // both) into one, in the order given, never exceeding `max_bytes` per merged request. Requests that cannot merge pass
 // through unchanged. Sort by offset first to merge more.
 std::vector<ReadRequest> CoalesceRequests(std::span<const ReadRequest> requests, size_t max_bytes);
+
+// Builds the read requests for ranges added in file order. A range that starts where the previous request ends joins
+// it (up to `max_bytes` per request): it extends the request's last piece when its destination follows that piece in
+// memory, else it becomes a new piece of a scattered read (if `scatter`; else a request of its own). Requests with
+// one piece come out plain (n_pieces 0). Thread-safety: not thread-safe.
+class RequestBuilder {
+ public:
+  void Reset(size_t max_bytes, bool scatter);
+  // `mergeable` false keeps the range a request of its own, e.g. a page read that must end where the page does.
+  // Returns the index of the request the range went to.
+  size_t Add(uint64_t offset, size_t size, void* dst, bool mergeable = true);
+  // The requests, pointing into this builder's pieces: valid until the next Reset.
+  const std::vector<ReadRequest>& Finish();
+
+ private:
+  size_t max_bytes_ = 0;
+  bool scatter_ = true;
+  bool last_mergeable_ = false;
+  std::vector<ReadRequest> requests_;
+  std::vector<ReadPiece> pieces_;
+  std::vector<uint32_t> first_piece_;  // per request: its first piece in pieces_
+};
 
 // The I/O alignment statx reports for O_DIRECT on `fd` (max of memory and offset alignment), or 0 when unknown.
 size_t QueryDirectAlignment(int fd);

@@ -186,6 +186,7 @@ Status RunOffload(const OffloadFlags& f) {
       {"active_neurons_per_token", static_cast<double>(st.active) / steps},
       {"mb_read_per_token", static_cast<double>(st.bytes_read) / 1e6 / steps},
       {"requests_per_token", static_cast<double>(st.requests) / steps},
+      {"scattered_requests_per_token", static_cast<double>(st.scattered_requests) / steps},
       {"io_wait_ms_per_token", io_wait_ms / steps},
       {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns - submit0) / 1e6},
       {"retries", st.retries},
@@ -293,6 +294,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->io.queue_depth = f.queue_depth;
   o->io.buffered = f.buffered;
   o->batched_prefill = !f.token_prefill;
+  o->scatter_reads = !f.no_scatter;
   if (f.two_phase != "on" && f.two_phase != "off" && f.two_phase != "auto") {
     return Status::InvalidArgument("--two-phase " + f.two_phase + ": expected on, off or auto");
   }
@@ -341,6 +343,9 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_flag("--token-prefill", flags->token_prefill,
                 "Prefill token by token through the decode path instead of whole layers (no prefill buffers): a "
                 "comparison only");
+  cmd->add_flag("--no-scatter", flags->no_scatter,
+                "Merge only reads whose cache slots are adjacent in memory, not flash neighbours into one scattered "
+                "read (readv): a comparison only");
   cmd->add_option("--two-phase", flags->two_phase,
                   "on, off or auto: read a cold neuron's gate page first and its up+down part only when the gate "
                   "passes (predictor mode, one bundle per flash group; auto/on fall back to whole bundles otherwise)");

@@ -441,30 +441,20 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
                                             acq, Phase::kWhole, static_cast<int32_t>(k));
     }
   }
-  // Requests in file order, merged when both the file ranges and the destinations are adjacent.
+  // Requests in file order: neighbours on flash merge, into one plain read when their destinations are adjacent too,
+  // else into one scattered read (each bundle into its own slot).
   unit_order_.resize(units_.size());
   std::iota(unit_order_.begin(), unit_order_.end(), 0);
   std::sort(unit_order_.begin(), unit_order_.end(),
             [&](int32_t a, int32_t b) { return units_[a].offset < units_[b].offset; });
-  requests_.clear();
-  int32_t last_unit = -1;
+  // (llmflash reads unit by unit, blocking: one request each, never merged.)
+  request_builder_.Reset(options_.mode == OffloadMode::kFull ? options_.max_request_bytes : 0, options_.scatter_reads);
   for (int32_t u : unit_order_) {
     const Unit& x = units_[u];
     // A gate page is never merged: its request must end where the page does (the rest comes only if needed).
-    const bool mergeable = x.phase == Phase::kWhole && last_unit >= 0 && units_[last_unit].phase == Phase::kWhole;
-    last_unit = u;
-    if (mergeable) {
-      ReadRequest& last = requests_.back();
-      if (last.offset + last.size == x.offset && static_cast<uint8_t*>(last.dst) + last.size == x.dst &&
-          last.size + x.size <= options_.max_request_bytes) {
-        last.size += x.size;
-        request_of_unit_[u] = static_cast<int32_t>(requests_.size() - 1);
-        continue;
-      }
-    }
-    requests_.push_back(ReadRequest{x.offset, x.size, x.dst});
-    request_of_unit_[u] = static_cast<int32_t>(requests_.size() - 1);
+    request_of_unit_[u] = static_cast<int32_t>(request_builder_.Add(x.offset, x.size, x.dst, x.phase == Phase::kWhole));
   }
+  requests_ = request_builder_.Finish();
   CutChunks(requests_.size(), &chunk_ends_);
   // Items grouped by the chunk their unit is read in (counting sort).
   const size_t n_chunks = chunk_ends_.size();
@@ -672,6 +662,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   st.active += static_cast<int64_t>(active_.size());
   st.missed += static_cast<int64_t>(active_.size() - ready_items_.size());
   st.requests += static_cast<int64_t>(requests_.size());
+  st.scattered_requests += CountScattered(requests_);
   for (const ReadRequest& r : requests_) st.bytes_read += r.size;
 
   // 3-4. Reads, checks and compute.
@@ -748,6 +739,7 @@ OffloadGroupStats OffloadFfn::TotalStats() const {
     t.missed += s.missed;
     t.used += s.used;
     t.requests += s.requests;
+    t.scattered_requests += s.scattered_requests;
     t.bytes_read += s.bytes_read;
     t.retries += s.retries;
     t.gate_requests += s.gate_requests;

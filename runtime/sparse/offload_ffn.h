@@ -7,7 +7,8 @@
 //      which this backend then holds in memory (read from flash and checked once, at Create);
 //   2. every neuron of A is looked up: hot neurons (slot < hot_count) by their cluster in the hot region, others in
 //      the cold region; misses become reads into the slot they were given (or into staging memory when the cache has
-//      no slot for them), sorted by file offset and coalesced;
+//      no slot for them), sorted by file offset and coalesced: neighbours on flash become one request, scattered
+//      (readv) into their slots when these are not neighbours in memory;
 //   3. full mode: the misses are read by the I/O thread in chunks while this thread computes the hits, then each
 //      chunk as it completes; llmflash mode: every miss is read with a blocking pread, then everything is computed;
 //      with two-phase loading (predictor mode, large bundles) a cold miss reads its gate page first and the rest of
@@ -29,9 +30,11 @@
 // per layer) so decode starts warm.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -41,6 +44,7 @@
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
 #include "runtime/engine/predictor.h"
+#include "runtime/io/direct_reader.h"
 #include "runtime/sparse/io_worker.h"
 #include "runtime/sparse/neuron_cache.h"
 
@@ -86,6 +90,9 @@ struct OffloadOptions {
   int64_t chunk_requests = 16;
   // Largest merged request.
   size_t max_request_bytes = size_t{256} << 10;
+  // Neighbours on flash whose cache slots are not neighbours in memory merge into one scattered read (readv into
+  // each slot) instead of one request each; false: only memory-adjacent ones merge (a comparison).
+  bool scatter_reads = true;
   // Memory for the cache arena (NeuronCache::ArenaBytes of the cache this creates), e.g. registered with the I/O
   // reader as fixed buffers; nullptr: the cache allocates its own.
   uint8_t* arena = nullptr;
@@ -175,6 +182,11 @@ inline uint64_t ColdReadBytes(const packer::BundleLayout& layout) {
   return layout.slots_per_group == 1 ? layout.group_bytes : layout.bundle_bytes;
 }
 
+// Requests of `requests` that are scattered reads.
+inline int64_t CountScattered(std::span<const ReadRequest> requests) {
+  return std::count_if(requests.begin(), requests.end(), [](const ReadRequest& r) { return r.n_pieces > 0; });
+}
+
 // Per-neuron scratch of OffloadFfn (~20 arrays of 1-8 bytes per neuron: item tables, row addresses, gate/up/h
 // values, two-phase state), rounded up; counted in the fixed part.
 inline constexpr uint64_t kPerNeuronScratchBytes = 128;
@@ -190,6 +202,7 @@ struct OffloadGroupStats {
   int64_t missed = 0;       // neurons of A not (wholly) in memory when the token needed them: read from flash
   int64_t used = 0;         // neurons whose h != 0 (rows of the down accumulation)
   int64_t requests = 0;     // reads issued after coalescing (retries excluded), both phases of two-phase loads
+  int64_t scattered_requests = 0;  // of which scattered reads (flash neighbours into slots apart in memory)
   uint64_t bytes_read = 0;  // bytes of those reads
   int64_t retries = 0;
   // Two-phase loading (included in requests / bytes_read above): gate-page reads (phase 1), up+down reads (phase 2),
@@ -379,7 +392,8 @@ class OffloadFfn : public FfnBackend {
   std::vector<int32_t> touched_clusters_;
   std::vector<Unit> units_;
   std::vector<int32_t> unit_order_;      // units sorted by offset
-  std::vector<ReadRequest> requests_;    // coalesced, in unit_order_
+  std::vector<ReadRequest> requests_;    // coalesced, in unit_order_ (scattered ones point into request_builder_)
+  io::RequestBuilder request_builder_;
   std::vector<int32_t> request_of_unit_; // per unit (in unit_order_ position) -> request index
   std::vector<size_t> chunk_ends_;
   std::vector<int32_t> items_by_chunk_;  // item indices grouped by chunk (CSR with chunk_item_begin_)
@@ -423,7 +437,8 @@ class OffloadFfn : public FfnBackend {
   std::vector<int32_t> la_neurons_[2];
   std::vector<int32_t> la_slot_[2];
   std::vector<int32_t> la_index_of_neuron_[2];
-  std::vector<ReadRequest> la_requests_[2];
+  std::vector<ReadRequest> la_requests_[2];  // scattered ones point into la_builder_ of the same buffer
+  io::RequestBuilder la_builder_[2];
   std::vector<size_t> la_chunk_ends_[2];
   std::vector<int32_t> la_item_[2];
   int la_current_ = -1;                  // set the current token's Resolve uses (-1: none)

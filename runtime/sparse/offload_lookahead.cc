@@ -123,8 +123,8 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
       if (cold_candidate(n)) la_pick_.push_back(n);
     }
   }
-  // File order; each bundle gets a cold slot now (pinned until the next layer settles it); neighbours on flash whose
-  // slots are neighbours too merge into one request.
+  // File order; each bundle gets a cold slot now (pinned until the next layer settles it); neighbours on flash merge
+  // into one request (scattered into their slots unless the slots are neighbours too).
   std::sort(la_pick_.begin(), la_pick_.end(),
             [&](int32_t a, int32_t c) { return region.slot_of_neuron[a] < region.slot_of_neuron[c]; });
   std::vector<int32_t>& neurons = la_neurons_[b];
@@ -133,7 +133,8 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   neurons.clear();
   la_slot_[b].clear();
   la_item_[b].clear();
-  reqs.clear();
+  io::RequestBuilder& builder = la_builder_[b];
+  builder.Reset(options_.max_request_bytes, options_.scatter_reads);
   ends.clear();
   const size_t size = static_cast<size_t>(ColdReadBytes(lay));
   for (int32_t n : la_pick_) {
@@ -146,23 +147,16 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
     la_slot_[b].push_back(l.slot);
     la_item_[b].push_back(-1);
     const uint64_t offset = region.offset + lay.SlotOffset(region.slot_of_neuron[n]);
-    uint8_t* dst = cold.SlotData(l.slot);
-    if (!reqs.empty()) {
-      ReadRequest& last = reqs.back();
-      if (last.offset + last.size == offset && static_cast<uint8_t*>(last.dst) + last.size == dst &&
-          last.size + size <= options_.max_request_bytes) {
-        last.size += size;
-        continue;
-      }
-    }
-    reqs.push_back(ReadRequest{offset, size, dst});
+    builder.Add(offset, size, cold.SlotData(l.slot));
   }
+  reqs = builder.Finish();
   OffloadGroupStats& st = stats_[static_cast<size_t>(g)];
   st.lookahead_ns += SteadyNowNs() - t0;
   if (neurons.empty()) return;
   CutChunks(reqs.size(), &ends);
   st.prefetched += static_cast<int64_t>(neurons.size());
   st.requests += static_cast<int64_t>(reqs.size());
+  st.scattered_requests += CountScattered(reqs);
   st.prefetch_requests += static_cast<int64_t>(reqs.size());
   for (const ReadRequest& r : reqs) {
     st.bytes_read += r.size;

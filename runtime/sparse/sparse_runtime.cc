@@ -152,6 +152,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.cold_slots_per_group = partitions;
   oo.cluster_groups = options.cluster_groups;
   oo.chunk_requests = options.chunk_requests;
+  oo.scatter_reads = options.scatter_reads;
   oo.batched_prefill = batched_prefill;
   oo.two_phase = options.two_phase;
   oo.lookahead_slots = options.lookahead_slots;

@@ -49,6 +49,8 @@ struct SparseRuntimeOptions {
   int64_t n_ctx = 0;  // <= 0: the model's context length
   int64_t cluster_groups = 0;
   int64_t chunk_requests = 16;
+  // OffloadOptions::scatter_reads.
+  bool scatter_reads = true;
   io::DirectReaderOptions io;
   // Batched prefill (OffloadFfn): two layer buffers counted as scratch in the fixed part. When they do not fit the
   // memory budget (the fixed part with them, or the plan's cache sizes plus them), prefill falls back to token by

@@ -4,9 +4,11 @@
 #include <sys/statfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <numeric>
 #include <random>
 #include <thread>
 
@@ -198,6 +200,138 @@ TEST_F(DirectReaderTest, CoalescedReadDeliversTheSameBytes) {
   EXPECT_EQ(merged.size(), 2u);
   ASSERT_TRUE(reader->ReadBatch(merged).ok());
   EXPECT_EQ(std::memcmp(out.data(), bytes_.data() + 40960, out.size()), 0);
+}
+
+TEST(RequestBuilderTest, MergesFlashNeighboursAsPiecesOrPlainReads) {
+  std::vector<uint8_t> buf(200);
+  uint8_t* b = buf.data();
+  for (bool scatter : {true, false}) {
+    SCOPED_TRACE(scatter ? "scatter" : "no scatter");
+    RequestBuilder rb;
+    rb.Reset(40, scatter);
+    EXPECT_EQ(rb.Add(0, 10, b), 0u);
+    EXPECT_EQ(rb.Add(10, 10, b + 10), 0u);                // file and memory adjacent: the same piece grows
+    EXPECT_EQ(rb.Add(20, 10, b + 50), scatter ? 0u : 1u);  // file adjacent only: a second piece, or a new read
+    EXPECT_EQ(rb.Add(30, 10, b + 60), scatter ? 0u : 1u);  // follows that piece in memory
+    EXPECT_EQ(rb.Add(40, 10, b + 70), 1u);  // scatter: 50 > 40 bytes, a new read; else the second read's third range
+    EXPECT_EQ(rb.Add(60, 10, b + 80), 2u);  // a file gap: a new read
+    EXPECT_EQ(rb.Add(70, 10, b + 90, false), 3u);  // not mergeable: its own read (though adjacent everywhere)
+    EXPECT_EQ(rb.Add(80, 10, b + 100), 4u);        // nor is the one after it merged into it
+    const std::vector<ReadRequest>& r = rb.Finish();
+    ASSERT_EQ(r.size(), 5u);
+    if (scatter) {
+      EXPECT_EQ(r[0].offset, 0u);
+      EXPECT_EQ(r[0].size, 40u);
+      ASSERT_EQ(r[0].n_pieces, 2u);
+      EXPECT_EQ(r[0].pieces[0].dst, b);
+      EXPECT_EQ(r[0].pieces[0].size, 20u);
+      EXPECT_EQ(r[0].pieces[1].dst, b + 50);
+      EXPECT_EQ(r[0].pieces[1].size, 20u);
+    } else {
+      EXPECT_EQ(r[0].size, 20u);
+      EXPECT_EQ(r[1].offset, 20u);
+      EXPECT_EQ(r[1].size, 30u);
+      EXPECT_EQ(r[1].dst, b + 50);
+    }
+    // Every read of one piece comes out plain.
+    for (size_t i = scatter ? 1 : 0; i < r.size(); ++i) {
+      EXPECT_EQ(r[i].n_pieces, 0u) << i;
+      EXPECT_EQ(r[i].pieces, nullptr) << i;
+      EXPECT_NE(r[i].dst, nullptr) << i;
+    }
+    EXPECT_EQ(r.back().offset, 80u);
+    EXPECT_EQ(r.back().dst, b + 100);
+  }
+}
+
+// Scattered reads (one readv into pieces anywhere in memory) deliver the file's bytes in order to each piece: aligned
+// pieces straight into arena slots, unaligned ones through a bounce buffer; a short read that stops inside a piece
+// and an EIO are resumed and retried; through the io_uring batch, the progress stream and ReadableFile's default.
+TEST_F(DirectReaderTest, ScatteredReadsLandInTheirPieces) {
+  int shortened = 0, failed = 0;
+  DirectReaderOptions opt;
+  opt.queue_depth = 4;
+  opt.completion_hook = [&](uint64_t offset, size_t size, int res) {
+    if (offset == 65536 && size == 5 * 4096 && shortened == 0) {
+      ++shortened;
+      return 8192;  // stops 4 KiB into the second piece
+    }
+    if (offset == 131072 && failed == 0) {
+      ++failed;
+      return -EIO;
+    }
+    return res;
+  };
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  auto arena = reader->CreateArena(8192, 32);
+  ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+  std::mt19937 rng(3);
+  std::vector<int> slots(32);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  // Request i: pieces of 4096 or 8192 bytes in arena slots taken in shuffled order (never adjacent in order).
+  std::vector<std::vector<ReadPiece>> pieces;
+  std::vector<ReadRequest> reqs;
+  size_t next_slot = 0;
+  const std::vector<std::pair<uint64_t, std::vector<size_t>>> shapes = {
+      {65536, {4096, 8192, 8192}},  // 20 KiB: the short read stops 4 KiB into the second piece
+      {131072, {8192, 4096}},       // EIO once
+      {204800, {4096, 4096, 4096, 4096, 8192, 8192}},
+      {409600, {8192}},  // one piece (allowed, though the builder would make it plain)
+  };
+  pieces.reserve(shapes.size() + 1);
+  for (const auto& [offset, sizes] : shapes) {
+    std::vector<ReadPiece> p;
+    size_t total = 0;
+    for (size_t sz : sizes) {
+      p.push_back(ReadPiece{(*arena)->Slot(static_cast<size_t>(slots[next_slot++])), sz});
+      total += sz;
+    }
+    pieces.push_back(std::move(p));
+    reqs.push_back(ReadRequest{offset, total, nullptr, pieces.back().data(), static_cast<uint32_t>(sizes.size())});
+  }
+  // Unaligned pieces (odd sizes and addresses) at an odd offset: read through a bounce buffer and copied out.
+  std::vector<uint8_t> odd(5000);
+  pieces.push_back({ReadPiece{odd.data() + 1, 1000}, ReadPiece{odd.data() + 3001, 777}, ReadPiece{odd.data() + 2001, 3}});
+  reqs.push_back(ReadRequest{300001, 1780, nullptr, pieces.back().data(), 3});
+  auto check = [&](const char* how) {
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      uint64_t offset = reqs[i].offset;
+      for (uint32_t k = 0; k < reqs[i].n_pieces; ++k) {
+        const ReadPiece& p = reqs[i].pieces[k];
+        ASSERT_EQ(std::memcmp(p.dst, bytes_.data() + offset, p.size), 0) << how << ": request " << i << " piece " << k;
+        std::memset(p.dst, 0, p.size);
+        offset += p.size;
+      }
+    }
+  };
+  ASSERT_TRUE(reader->ReadBatch(reqs).ok());
+  check("batch");
+  EXPECT_EQ(shortened, 1);
+  EXPECT_EQ(failed, 1);
+  const IoCounters c = reader->Counters();
+  EXPECT_EQ(c.requests, reqs.size());
+  if (reader->direct_io()) {
+    EXPECT_EQ(c.scattered_requests, 4u);
+    EXPECT_EQ(c.bounce_reads, 1u);
+    EXPECT_EQ(c.short_reads, 1u);
+  }
+  EXPECT_EQ(c.retries, 1u);
+  std::vector<int> seen(reqs.size(), 0);
+  ASSERT_TRUE(reader->ReadBatchProgress(reqs, [&](size_t i) { ++seen[i]; }).ok());
+  EXPECT_EQ(seen, std::vector<int>(reqs.size(), 1));
+  check("progress");
+  auto plain = OpenPreadFile(path_);
+  ASSERT_TRUE(plain.ok());
+  ASSERT_TRUE((*plain)->ReadBatch(reqs).ok());
+  check("pread default");
+  // Pieces that do not add up to the request's size are refused before anything is read.
+  ReadRequest bad = reqs[0];
+  bad.size += 4096;
+  const Status s = reader->ReadBatch(std::span<const ReadRequest>(&bad, 1));
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("pieces sum to 20480 bytes, expected 24576"), std::string::npos) << s.message();
 }
 
 TEST_F(DirectReaderTest, EioOnceIsRetriedAndSucceeds) {

@@ -155,10 +155,12 @@ TEST_F(OffloadTest, OracleEqualsInMemorySparseForEveryCacheSize) {
     OffloadMode mode;
     int64_t hot, cold, chunk;
     HotPolicy policy = HotPolicy::kLru;
+    bool scatter = true;
   };
   const Config configs[] = {
       {OffloadMode::kFull, 0, 0, 16},        // no cache: every neuron read into staging, every token
       {OffloadMode::kFull, 1, 30, 1},        // tiny cache, one request per chunk (many pipeline steps)
+      {OffloadMode::kFull, 1, 30, 1, HotPolicy::kLru, false},  // the same, flash neighbours not scattered
       {OffloadMode::kFull, 1000, 100000, 64},  // everything fits
       {OffloadMode::kLlmFlash, 0, 40, 16},
       {OffloadMode::kLlmFlash, 1000, 100000, 16},
@@ -169,7 +171,8 @@ TEST_F(OffloadTest, OracleEqualsInMemorySparseForEveryCacheSize) {
   };
   for (const Config& c : configs) {
     SCOPED_TRACE(std::string(OffloadModeName(c.mode)) + " hot " + std::to_string(c.hot) + " cold " +
-                 std::to_string(c.cold) + " chunk " + std::to_string(c.chunk) + " " + HotPolicyName(c.policy));
+                 std::to_string(c.cold) + " chunk " + std::to_string(c.chunk) + " " + HotPolicyName(c.policy) +
+                 (c.scatter ? "" : " no scatter"));
     SparseRuntimeOptions o;
     o.mode = c.mode;
     o.active_set = ActiveSetSource::kOracle;
@@ -177,6 +180,7 @@ TEST_F(OffloadTest, OracleEqualsInMemorySparseForEveryCacheSize) {
     o.cold_slots = c.cold;
     o.chunk_requests = c.chunk;
     o.hot_policy = c.policy;
+    o.scatter_reads = c.scatter;
     auto rt = Open(o);
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
     auto run = Greedy((*rt)->context(), n_vocab_, kGolden.size());
@@ -191,10 +195,24 @@ TEST_F(OffloadTest, OracleEqualsInMemorySparseForEveryCacheSize) {
     const CacheCounters cold = (*rt)->ffn().cache().cold().TotalCounters();
     EXPECT_GT(st.active, 0);
     EXPECT_EQ(st.retries, 0);
+    // Misses of a small cache include flash neighbours whose slots are apart: read as scattered requests (only by
+    // the pipelined mode, and only when allowed).
+    if (c.mode == OffloadMode::kFull && c.cold == 30 && c.policy == HotPolicy::kLru) {
+      if (c.scatter) {
+        EXPECT_GT(st.scattered_requests, 0);
+      } else {
+        EXPECT_EQ(st.scattered_requests, 0);
+      }
+    } else if (c.mode == OffloadMode::kLlmFlash) {
+      EXPECT_EQ(st.scattered_requests, 0);
+    }
     if (c.hot == 0 && c.cold == 0) {
       EXPECT_EQ(cold.hits + hot.hits, 0u);
       EXPECT_EQ(cold.bypasses, cold.misses);
-      EXPECT_EQ(st.requests, st.active) << "no cache: one read per active neuron";
+      // No cache: every active neuron is read, each once per token; flash neighbours share a (scattered) request.
+      EXPECT_EQ(st.bytes_read, static_cast<uint64_t>(st.active) * ColdReadBytes((*rt)->deployment().layout()));
+      EXPECT_LT(st.requests, st.active);
+      EXPECT_GT(st.scattered_requests, 0);
     }
     if (c.cold >= 100000) {
       // Everything fits: each neuron (or hot cluster) is read at most once over the whole run.

@@ -378,7 +378,8 @@ TEST(FfnStats, MatchesIndependentCounts) {
     for (const auto& a : win) up_ok += static_cast<int64_t>(a.size()) / 2;
   }
   EXPECT_NEAR(f.up_given_gate, static_cast<double>(up_ok) / total_active, 1e-12);
-  // Co-activation: exact pair counts; top-3 partners by count, ties to the smaller index.
+  // Co-activation: exact pair counts; top-3 partners by Jaccard similarity joint / (c1[i] + c1[j] - joint) (every
+  // token is sampled, so c1 are the sample counts), ties to the larger count, then the smaller index.
   ASSERT_EQ(f.coact_k, 3);
   for (int32_t i = 0; i < n; ++i) {
     std::vector<std::pair<uint32_t, int32_t>> pairs;
@@ -393,8 +394,13 @@ TEST(FfnStats, MatchesIndependentCounts) {
       }
       if (c > 0) pairs.emplace_back(c, j);
     }
-    std::sort(pairs.begin(), pairs.end(), [](auto x, auto y) { return x.first != y.first ? x.first > y.first
-                                                                                        : x.second < y.second; });
+    auto jaccard = [&](const std::pair<uint32_t, int32_t>& p) {
+      return static_cast<double>(p.first) / static_cast<double>(c1[i] + c1[p.second] - p.first);
+    };
+    std::sort(pairs.begin(), pairs.end(), [&](auto x, auto y) {
+      if (jaccard(x) != jaccard(y)) return jaccard(x) > jaccard(y);
+      return x.first != y.first ? x.first > y.first : x.second < y.second;
+    });
     for (size_t r = 0; r < 3; ++r) {
       const int32_t want_partner = r < pairs.size() ? pairs[r].second : -1;
       const uint32_t want_count = r < pairs.size() ? pairs[r].first : 0;
