@@ -149,6 +149,7 @@ Status OpenEngine(const RowSpec& s, int64_t n_ctx, Engine* e, std::string* unava
     NF_ASSIGN_OR_RETURN(auto d, packer::Deployment::Open(s.deploy));
     o.hot_slots = 0;
     o.cold_slots_per_group.assign(d->manifest().regions.size(), 0);
+    o.cold_overflow = false;  // the staging stays staging: no cache at all
   }
   NF_ASSIGN_OR_RETURN(e->rt, sparse::SparseRuntime::Open(s.deploy, o, e->pool.get()));
   const LlamaHparams& hp = e->rt->model().hparams();

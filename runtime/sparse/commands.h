@@ -31,6 +31,8 @@ struct RuntimeFlags {
   bool buffered = false;
   bool token_prefill = false;
   bool no_scatter = false;
+  bool no_cold_overflow = false;
+  double cold_protected = kDefaultColdProtectedFraction;
   std::string two_phase = "off";
   int64_t lookahead = -1;
   std::string cold_pool = "per-layer";
@@ -41,8 +43,8 @@ struct RuntimeFlags {
 };
 
 // Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
-// --chunk-requests, --queue-depth, --buffered, --token-prefill, --no-scatter, --two-phase, --lookahead, --cold-pool and
-// --plan.
+// --chunk-requests, --queue-depth, --buffered, --token-prefill, --no-scatter, --two-phase, --lookahead, --cold-pool,
+// --cold-protected, --no-cold-overflow and --plan.
 void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);
 
 // The options of SparseRuntime::Open for `f`: the context is f.ctx, or `default_ctx` when f.ctx is 0 (<= 0: the

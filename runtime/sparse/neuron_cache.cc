@@ -30,6 +30,9 @@ Status CheckRegion(const RegionConfig& c, const char* name, int64_t* total_slots
     return bad("n_groups x units_per_group = " + std::to_string(c.n_groups) + " x " + std::to_string(c.units_per_group) +
                " exceeds 2^31 units");
   }
+  if (!(c.protected_fraction >= 0.0 && c.protected_fraction < 1.0)) {
+    return bad("protected_fraction " + std::to_string(c.protected_fraction) + " must be in [0, 1)");
+  }
   int64_t slots = 0;
   if (!c.slots_per_group.empty()) {
     if (static_cast<int64_t>(c.slots_per_group.size()) != c.n_groups) {
@@ -43,7 +46,12 @@ Status CheckRegion(const RegionConfig& c, const char* name, int64_t* total_slots
       slots += c.slots_per_group[g];
       if (slots > std::numeric_limits<int32_t>::max()) return bad("more than 2^31 slots");
     }
+    if (c.overflow_slots < 0 || slots + c.overflow_slots > std::numeric_limits<int32_t>::max()) {
+      return bad("overflow_slots " + std::to_string(c.overflow_slots) + " is negative or makes more than 2^31 slots");
+    }
+    slots += c.overflow_slots;
   } else {
+    if (c.overflow_slots != 0) return bad("overflow_slots needs slots_per_group (one partition per group)");
     if (c.shared_slots < 0 || c.shared_slots > std::numeric_limits<int32_t>::max()) {
       return bad("shared_slots " + std::to_string(c.shared_slots) + " is outside [0, 2^31)");
     }
@@ -82,8 +90,18 @@ Result<std::unique_ptr<SlotRegion>> SlotRegion::Create(const RegionConfig& confi
       r->partitions_[g].n_slots = config.slots_per_group[g];
       first += config.slots_per_group[g];
     }
+    if (config.overflow_slots > 0) {
+      r->overflow_ = static_cast<int32_t>(r->partitions_.size());
+      r->partitions_.emplace_back();
+      r->partitions_.back().first_slot = first;
+      r->partitions_.back().n_slots = config.overflow_slots;
+    }
   }
   for (size_t p = 0; p < r->partitions_.size(); ++p) {
+    r->partitions_[p].protected_cap =
+        static_cast<int32_t>(p) == r->overflow_
+            ? 0
+            : static_cast<int64_t>(config.protected_fraction * static_cast<double>(r->partitions_[p].n_slots));
     for (int64_t s = r->partitions_[p].first_slot; s < r->partitions_[p].first_slot + r->partitions_[p].n_slots; ++s) {
       r->slots_[s].partition = static_cast<int32_t>(p);
     }
@@ -98,9 +116,12 @@ void SlotRegion::Clear() {
     if (s.key >= 0) slot_of_key_[s.key] = -1;
     s.key = -1;
     s.prev = -1;
+    s.segment = 0;
+    s.hit = false;
+    s.stamp = 0;
   }
   for (auto& p : partitions_) {
-    p.head = p.tail = -1;
+    p.list[0] = p.list[1] = List{};
     // Free stack in ascending slot order so that the first misses fill the arena front to back.
     p.free_top = -1;
     for (int64_t s = p.first_slot + p.n_slots - 1; s >= p.first_slot; --s) {
@@ -112,22 +133,34 @@ void SlotRegion::Clear() {
 
 void SlotRegion::Unlink(int32_t s) {
   Slot& x = slots_[s];
-  Partition& p = partitions_[x.partition];
-  if (x.prev >= 0) slots_[x.prev].next = x.next; else p.head = x.next;
-  if (x.next >= 0) slots_[x.next].prev = x.prev; else p.tail = x.prev;
+  List& l = partitions_[x.partition].list[x.segment];
+  if (x.prev >= 0) slots_[x.prev].next = x.next; else l.head = x.next;
+  if (x.next >= 0) slots_[x.next].prev = x.prev; else l.tail = x.prev;
   x.prev = x.next = -1;
+  --l.size;
 }
 
-void SlotRegion::PushMru(int32_t s) {
+void SlotRegion::PushMru(int32_t s, int segment) {
   Slot& x = slots_[s];
   Partition& p = partitions_[x.partition];
+  List& l = p.list[segment];
+  x.segment = static_cast<uint8_t>(segment);
+  x.stamp = ++clock_;
   x.next = -1;
-  x.prev = p.tail;
-  if (p.tail >= 0) slots_[p.tail].next = s; else p.head = s;
-  p.tail = s;
+  x.prev = l.tail;
+  if (l.tail >= 0) slots_[l.tail].next = s; else l.head = s;
+  l.tail = s;
+  ++l.size;
+  if (segment == 1 && l.size > p.protected_cap) {
+    // Over its share: the protected segment's least recently used unit drops back to probation, as most recent there.
+    const int32_t d = l.head;
+    Unlink(d);
+    slots_[d].hit = false;
+    PushMru(d, 0);
+  }
 }
 
-SlotRegion::Lookup SlotRegion::Acquire(int64_t group, int64_t unit) {
+SlotRegion::Lookup SlotRegion::Acquire(int64_t group, int64_t unit, bool use_overflow) {
   const int64_t key = group * config_.units_per_group + unit;
   Lookup out;
   CacheCounters& c = counters_[group];
@@ -135,6 +168,7 @@ SlotRegion::Lookup SlotRegion::Acquire(int64_t group, int64_t unit) {
   if (s >= 0) {
     // Pinned slots are off the LRU list (so the list head is always evictable); the first pin unlinks it.
     if (slots_[s].pins++ == 0) Unlink(s);
+    slots_[s].hit = true;
     ++c.hits;
     out.slot = s;
     out.hit = true;
@@ -142,13 +176,22 @@ SlotRegion::Lookup SlotRegion::Acquire(int64_t group, int64_t unit) {
   }
   ++c.misses;
   c.bytes_loaded += config_.unit_bytes;
-  Partition& p = partitions_[PartitionOf(group)];
+  Partition& own = partitions_[PartitionOf(group)];
+  // Where the slot comes from: the partition's free stack, else the overflow pool's, else the older of the two
+  // least recently used units (the pool's alone when every slot of the partition is pinned).
+  Partition* from = &own;
+  if (own.free_top < 0 && use_overflow && overflow_ >= 0) {
+    Partition& pool = partitions_[static_cast<size_t>(overflow_)];
+    const int32_t mine = Victim(own), theirs = Victim(pool);
+    if (pool.free_top >= 0 || (theirs >= 0 && (mine < 0 || slots_[theirs].stamp < slots_[mine].stamp))) from = &pool;
+  }
+  Partition& p = *from;
   if (p.free_top >= 0) {
     s = p.free_top;
     p.free_top = slots_[s].next;
     slots_[s].next = -1;
-  } else if (p.head >= 0) {
-    s = p.head;
+  } else if (Victim(p) >= 0) {
+    s = Victim(p);
     Unlink(s);
     const int64_t old = slots_[s].key;
     slot_of_key_[old] = -1;
@@ -160,6 +203,7 @@ SlotRegion::Lookup SlotRegion::Acquire(int64_t group, int64_t unit) {
   }
   slots_[s].key = key;
   slots_[s].pins = 1;
+  slots_[s].hit = false;
   slot_of_key_[key] = s;
   out.slot = s;
   return out;
@@ -168,18 +212,22 @@ SlotRegion::Lookup SlotRegion::Acquire(int64_t group, int64_t unit) {
 void SlotRegion::Release(int32_t s) {
   Slot& x = slots_[s];
   if (x.pins <= 0) std::abort();  // unbalanced Release: the LRU list would be corrupted
-  if (--x.pins == 0) PushMru(s);
+  if (--x.pins == 0) PushMru(s, x.hit ? 1 : 0);
 }
 
 void SlotRegion::ReleaseAsLru(int32_t s) {
   Slot& x = slots_[s];
   if (x.pins <= 0) std::abort();
   if (--x.pins != 0) return;
-  Partition& p = partitions_[x.partition];
+  List& l = partitions_[x.partition].list[0];
+  x.segment = 0;
+  x.hit = false;
+  x.stamp = 0;
   x.prev = -1;
-  x.next = p.head;
-  if (p.head >= 0) slots_[p.head].prev = s; else p.tail = s;
-  p.head = s;
+  x.next = l.head;
+  if (l.head >= 0) slots_[l.head].prev = s; else l.tail = s;
+  l.head = s;
+  ++l.size;
 }
 
 void SlotRegion::Abandon(int32_t s) {

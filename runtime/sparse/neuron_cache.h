@@ -40,10 +40,26 @@ struct RegionConfig {
   // when empty, one pool of `shared_slots` slots that every group competes for.
   std::vector<int64_t> slots_per_group;
   int64_t shared_slots = 0;
+  // Segmented LRU: the share of each partition's slots kept for units that were hit at least once since they were
+  // loaded (the protected segment); the others (the probation segment) hold units loaded and not yet reused, and
+  // evictions take the least recently used of probation first. 0: plain LRU (one list).
+  double protected_fraction = 0.0;
+  // With slots_per_group: an overflow pool of this many more slots shared by every group, after the partitions'.
+  // A miss whose partition has no free slot takes the older of its partition's least recently used unit and the
+  // pool's (a free pool slot first); when every slot of its partition is pinned, the pool's. So the pool serves as
+  // cache for whichever layers used it last, and also as the room for a layer whose active set is larger than its
+  // partition (the runtime sizes it n_ff minus the smallest partition, the staging it would otherwise reserve).
+  int64_t overflow_slots = 0;
 };
 
 // One region: a lookup table (group, unit) -> slot, and one LRU list per partition (a partition is a group with its own
-// budget, or the shared pool). Slots live at fixed places of the arena given to it.
+// budget, or the shared pool), split in two segments with protected_fraction > 0 (segmented LRU: a unit enters the
+// probation segment when loaded and moves to the protected one when it is hit; the protected segment's least recently
+// used unit drops back to probation's most recently used end when the segment is over its share; evictions take
+// probation's least recently used unit, the protected one's only when probation is empty). Plain LRU thrashes when a
+// layer's working set over a few tokens is a little larger than its partition (every unit is evicted just before
+// its reuse); units hit once stay in the protected segment instead. Slots live at fixed places of the arena given to
+// it.
 //
 // Pinning: Acquire pins the slot it returns (a slot being filled by I/O or read by the current token's compute), and a
 // pinned slot is never evicted. A pinned slot is taken off its LRU list and put back at the most-recently-used end when
@@ -67,21 +83,23 @@ class SlotRegion {
   static Result<std::unique_ptr<SlotRegion>> Create(const RegionConfig& config, uint8_t* arena);
 
   // Finds (group, unit); on a hit pins it, on a miss takes a free slot or evicts the least recently used unpinned slot
-  // of the partition, maps the unit to it and pins it. Counts the hit/miss/eviction.
-  Lookup Acquire(int64_t group, int64_t unit);
-  // Drops one pin; at zero the slot becomes the most recently used of its partition.
+  // of the partition (or of the overflow pool, see RegionConfig::overflow_slots; never with use_overflow false), maps
+  // the unit to it and pins it. Counts the hit/miss/eviction.
+  Lookup Acquire(int64_t group, int64_t unit, bool use_overflow = true);
+  // Drops one pin; at zero the slot becomes the most recently used of its segment (protected if it was hit).
   void Release(int32_t slot);
-  // Drops one pin; at zero the slot becomes the least recently used (the next to evict): for data loaded on a guess
-  // that no one used, so it does not push out units that were.
+  // Drops one pin; at zero the slot becomes the least recently used of probation (the next to evict): for data loaded
+  // on a guess that no one used, so it does not push out units that were.
   void ReleaseAsLru(int32_t slot);
   // The slot's data could not be loaded: unmaps the unit, frees the slot (which must be pinned exactly once).
   void Abandon(int32_t slot);
   // The slot holding (group, unit), or -1; no side effects (no counting, no recency change).
   int32_t Find(int64_t group, int64_t unit) const;
-  // Whether Acquire of a unit of `group` that is not held would get a slot (a free one, or an unpinned one to evict).
+  // Whether Acquire of a unit of `group` that is not held would get a slot of the group's own partition (a free one,
+  // or an unpinned one to evict), not counting the overflow pool.
   bool CanPlace(int64_t group) const {
     const Partition& p = partitions_[static_cast<size_t>(PartitionOf(group))];
-    return p.free_top >= 0 || p.head >= 0;
+    return p.free_top >= 0 || p.list[0].head >= 0 || p.list[1].head >= 0;
   }
   // Drops every unit (e.g. after the deployment changed); pinned slots are a caller bug (aborts).
   void Clear();
@@ -104,15 +122,25 @@ class SlotRegion {
     int32_t next = -1;
     int32_t pins = 0;
     int32_t partition = 0;
+    uint8_t segment = 0;  // list it is on when unpinned: 0 probation, 1 protected
+    bool hit = false;     // hit since it was loaded (goes to the protected segment on release)
+    uint64_t stamp = 0;   // when it last became unpinned (release order), 0: released as least recently used
   };
   // An intrusive doubly linked list over slot indices: head = least recently used, tail = most recently used.
-  struct Partition {
+  struct List {
     int32_t head = -1, tail = -1;
-    int32_t free_top = -1;       // free slots form a singly linked stack through Slot::next
+    int64_t size = 0;
+  };
+  struct Partition {
+    List list[2];                 // probation, protected
+    int64_t protected_cap = 0;    // protected_fraction x n_slots
+    int32_t free_top = -1;        // free slots form a singly linked stack through Slot::next
     int64_t first_slot = 0, n_slots = 0;
   };
   void Unlink(int32_t slot);
-  void PushMru(int32_t slot);
+  void PushMru(int32_t slot, int segment);
+  // The least recently used unpinned slot of partition `p` (probation first), or -1.
+  int32_t Victim(const Partition& p) const { return p.list[0].head >= 0 ? p.list[0].head : p.list[1].head; }
   int32_t PartitionOf(int64_t group) const { return config_.slots_per_group.empty() ? 0 : static_cast<int32_t>(group); }
 
   RegionConfig config_;
@@ -121,6 +149,8 @@ class SlotRegion {
   std::vector<Slot> slots_;
   std::vector<Partition> partitions_;
   std::vector<CacheCounters> counters_;  // per group
+  int32_t overflow_ = -1;                // index of the overflow pool in partitions_, or -1
+  uint64_t clock_ = 0;                   // release counter for Slot::stamp
 };
 
 // The hot and cold regions in one arena.

@@ -295,6 +295,8 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->io.buffered = f.buffered;
   o->batched_prefill = !f.token_prefill;
   o->scatter_reads = !f.no_scatter;
+  o->cold_overflow = !f.no_cold_overflow;
+  o->cold_protected_fraction = f.cold_protected;
   if (f.two_phase != "on" && f.two_phase != "off" && f.two_phase != "auto") {
     return Status::InvalidArgument("--two-phase " + f.two_phase + ": expected on, off or auto");
   }
@@ -343,6 +345,14 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_flag("--token-prefill", flags->token_prefill,
                 "Prefill token by token through the decode path instead of whole layers (no prefill buffers): a "
                 "comparison only");
+  cmd->add_option("--cold-protected", flags->cold_protected,
+                  "Share of each cold partition kept for neurons hit since they were loaded (segmented LRU; 0: plain "
+                  "LRU)")
+      ->check(CLI::Range(0.0, 0.99))
+      ->capture_default_str();
+  cmd->add_flag("--no-cold-overflow", flags->no_cold_overflow,
+                "With per-layer cold partitions (a plan): keep the miss staging as staging instead of a cold overflow "
+                "pool shared by the layers: a comparison only");
   cmd->add_flag("--no-scatter", flags->no_scatter,
                 "Merge only reads whose cache slots are adjacent in memory, not flash neighbours into one scattered "
                 "read (readv): a comparison only");

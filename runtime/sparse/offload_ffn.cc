@@ -194,13 +194,21 @@ Status OffloadFfn::Init() {
   cc.cold.slot_stride = cold_stride_;
   cc.cold.slots_per_group = options_.cold_slots_per_group;
   cc.cold.shared_slots = options_.cold_slots;
+  cc.cold.protected_fraction = options_.cold_protected_fraction;
+  cc.cold.overflow_slots = options_.cold_overflow_slots;
+  const int64_t staging_needed = StagingSlots(hp.n_ff, options_.cold_slots, options_.cold_slots_per_group);
+  if (options_.cold_overflow_slots > 0 && options_.cold_overflow_slots < staging_needed) {
+    return Status::InvalidArgument("cold overflow pool of " + std::to_string(options_.cold_overflow_slots) +
+                                   " slots: a layer's misses may need " + std::to_string(staging_needed) +
+                                   " (n_ff minus the smallest partition)");
+  }
   if (cluster_bytes_ % kSlotAlignment != 0) {
     return Status::Internal("deployment group_bytes " + std::to_string(lay.group_bytes) + " is not a multiple of 4096");
   }
   NF_ASSIGN_OR_RETURN(cache_, NeuronCache::Create(cc, options_.arena, options_.arena_bytes));
 
   const size_t n_ff = static_cast<size_t>(hp.n_ff);
-  staging_slots_ = StagingSlots(hp.n_ff, options_.cold_slots, options_.cold_slots_per_group);
+  staging_slots_ = options_.cold_overflow_slots > 0 ? 0 : staging_needed;
   staging_ = static_cast<uint8_t*>(
       std::aligned_alloc(kSlotAlignment, std::max<size_t>(1, static_cast<size_t>(staging_slots_)) * cold_stride_));
   if (staging_ == nullptr) return Status::ResourceExhausted("cannot allocate the miss staging buffer");
@@ -424,6 +432,10 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
     }
     item_slot_[k] = l.slot;
     item_acq_[k] = acq;
+    if (l.slot < 0 && staging_used >= staging_slots_) {  // sized so that this cannot happen
+      return Status::Internal("layer " + std::to_string(group) + ": no cold slot and no staging left for neuron " +
+                              std::to_string(n) + " (" + std::to_string(active_.size()) + " active)");
+    }
     uint8_t* dst = l.slot >= 0 ? cold.SlotData(l.slot) : staging_ + static_cast<size_t>(staging_used++) * cold_stride_;
     bundle_[k] = dst;
     if (l.hit) {

@@ -7,7 +7,8 @@
 //      which this backend then holds in memory (read from flash and checked once, at Create);
 //   2. every neuron of A is looked up: hot neurons (slot < hot_count) by their cluster in the hot region, others in
 //      the cold region; misses become reads into the slot they were given (or into staging memory when the cache has
-//      no slot for them), sorted by file offset and coalesced: neighbours on flash become one request, scattered
+//      no slot for them; with per-layer partitions the staging is the cold region's overflow pool, which caches for
+//      the layers that used it last and guarantees every miss a slot), sorted by file offset and coalesced: neighbours on flash become one request, scattered
 //      (readv) into their slots when these are not neighbours in memory;
 //   3. full mode: the misses are read by the I/O thread in chunks while this thread computes the hits, then each
 //      chunk as it completes; llmflash mode: every miss is read with a blocking pread, then everything is computed;
@@ -67,6 +68,9 @@ enum class HotPolicy { kPinned, kLru };
 const char* HotPolicyName(HotPolicy policy);
 Result<HotPolicy> ParseHotPolicy(const std::string& name);
 
+// Default share of the cold region's protected segment (see OffloadOptions::cold_protected_fraction).
+inline constexpr double kDefaultColdProtectedFraction = 0.0;
+
 struct OffloadOptions {
   OffloadMode mode = OffloadMode::kFull;
   // nullptr: oracle (exact active set from every gate row).
@@ -78,6 +82,10 @@ struct OffloadOptions {
   int64_t hot_slots = 0;
   int64_t cold_slots = 0;
   std::vector<int64_t> cold_slots_per_group;
+  // With cold_slots_per_group: the cold region's overflow pool (RegionConfig::overflow_slots), at least StagingSlots
+  // so that a layer's misses always find a slot; it then replaces the staging memory (which is not allocated). 0:
+  // misses without a slot of their partition are read into staging.
+  int64_t cold_overflow_slots = 0;
   // Hot region policy (see "Hot region" below). kPinned: hot_slots_per_group[g] clusters of group g (empty: hot_slots
   // split evenly over the groups) are read at Create and never evicted; kLru: one pool of hot_slots clusters shared
   // by every group, LRU per cluster, filled on demand (and from batched prefill).
@@ -93,6 +101,9 @@ struct OffloadOptions {
   // Neighbours on flash whose cache slots are not neighbours in memory merge into one scattered read (readv into
   // each slot) instead of one request each; false: only memory-adjacent ones merge (a comparison).
   bool scatter_reads = true;
+  // Cold region replacement: the share of each partition kept for neurons hit since they were loaded (segmented
+  // LRU, RegionConfig::protected_fraction); 0: plain LRU.
+  double cold_protected_fraction = kDefaultColdProtectedFraction;
   // Memory for the cache arena (NeuronCache::ArenaBytes of the cache this creates), e.g. registered with the I/O
   // reader as fixed buffers; nullptr: the cache allocates its own.
   uint8_t* arena = nullptr;

@@ -139,7 +139,8 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   const size_t size = static_cast<size_t>(ColdReadBytes(lay));
   for (int32_t n : la_pick_) {
     if (!cold.CanPlace(g)) break;  // every slot pinned: the rest is read on demand
-    const SlotRegion::Lookup l = cold.Acquire(g, n);
+    // Never from the overflow pool: it must keep room for the misses of the layer being computed.
+    const SlotRegion::Lookup l = cold.Acquire(g, n, /*use_overflow=*/false);
     if (l.slot < 0) break;
     cold_complete_[static_cast<size_t>(l.slot)] = 0;
     la_index_of_neuron_[b][static_cast<size_t>(n)] = static_cast<int32_t>(neurons.size());

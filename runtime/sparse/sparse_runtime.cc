@@ -132,11 +132,16 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
     }
   }
 
-  // The staging the caches leave necessary (StagingSlots) replaces the worst case reserved in the fixed part.
+  // The staging the caches leave necessary (StagingSlots) replaces the worst case reserved in the fixed part. With
+  // per-layer partitions it becomes the cold region's overflow pool: cache memory shared by the layers, and the room
+  // a layer's misses are guaranteed (cold_overflow_slots).
   const std::vector<int64_t> no_partitions;
   const std::vector<int64_t>& partitions = options.shared_cold_pool ? no_partitions : options.cold_slots_per_group;
   const int64_t staging = OffloadFfn::StagingSlots(hp.n_ff, rt->split_.cold_slots, partitions);
-  f.scratch = f.scratch - full_staging + static_cast<uint64_t>(staging) * shape.cold_slot_bytes;
+  const int64_t overflow = !partitions.empty() && options.cold_overflow ? staging : 0;
+  f.scratch = f.scratch - full_staging + static_cast<uint64_t>(staging - overflow) * shape.cold_slot_bytes;
+  rt->split_.cold_slots += overflow;
+  rt->split_.cold_bytes += static_cast<uint64_t>(overflow) * shape.cold_slot_bytes;
   if (rt->budget_ > 0) {
     rt->split_.unused_bytes = rt->budget_ - (f.Total() + rt->split_.hot_bytes + rt->split_.cold_bytes);
   }
@@ -150,9 +155,11 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.hot_slots = rt->split_.hot_slots;
   oo.cold_slots = rt->split_.cold_slots;
   oo.cold_slots_per_group = partitions;
+  oo.cold_overflow_slots = overflow;
   oo.cluster_groups = options.cluster_groups;
   oo.chunk_requests = options.chunk_requests;
   oo.scatter_reads = options.scatter_reads;
+  oo.cold_protected_fraction = options.cold_protected_fraction;
   oo.batched_prefill = batched_prefill;
   oo.two_phase = options.two_phase;
   oo.lookahead_slots = options.lookahead_slots;

@@ -51,6 +51,11 @@ struct SparseRuntimeOptions {
   int64_t chunk_requests = 16;
   // OffloadOptions::scatter_reads.
   bool scatter_reads = true;
+  // With per-layer cold partitions: the staging memory serves as the cold region's overflow pool
+  // (OffloadOptions::cold_overflow_slots); false: it stays staging (a comparison).
+  bool cold_overflow = true;
+  // OffloadOptions::cold_protected_fraction.
+  double cold_protected_fraction = kDefaultColdProtectedFraction;
   io::DirectReaderOptions io;
   // Batched prefill (OffloadFfn): two layer buffers counted as scratch in the fixed part. When they do not fit the
   // memory budget (the fixed part with them, or the plan's cache sizes plus them), prefill falls back to token by

@@ -1,5 +1,5 @@
-// Neuron cache: the O(1) slot regions against a brute-force reference LRU on random traces, pinning, capacity edge
-// cases, the arena layout and config validation.
+// Neuron cache: the O(1) slot regions against a brute-force reference LRU on random traces (and a brute-force
+// segmented LRU with an overflow pool), pinning, capacity edge cases, the arena layout and config validation.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -316,6 +316,239 @@ TEST(NeuronCacheTest, UsesAnExternalArena) {
   EXPECT_FALSE(misaligned.ok());
 }
 
+// A brute-force model of the segmented LRU with per-group partitions and an overflow pool (RegionConfig), written
+// from the documented rules with linear scans and no links: entries carry (pool, segment, release time); an entry
+// accessed during the current token is pinned until the token's end, when entries are released in access order.
+class ReferenceSegmented {
+ public:
+  struct Outcome {
+    bool hit = false;
+    bool bypass = false;
+    int64_t evicted = -1;
+  };
+  // capacity[g] per group; pool n_groups is the overflow pool (capacity `overflow`).
+  ReferenceSegmented(std::vector<int64_t> capacity, int64_t overflow, double protected_fraction) {
+    for (int64_t c : capacity) pools_.push_back({c, static_cast<int64_t>(protected_fraction * static_cast<double>(c))});
+    pools_.push_back({overflow, 0});
+  }
+  Outcome Access(int64_t group, int64_t key) {
+    Outcome o;
+    for (auto& e : entries_) {
+      if (e.key != key) continue;
+      o.hit = true;
+      e.hit = true;
+      if (!e.pinned) {
+        e.pinned = true;
+        pinned_order_.push_back(key);
+      } else {
+        // A second access in the token: its release is the later one.
+        pinned_order_.erase(std::find(pinned_order_.begin(), pinned_order_.end(), key));
+        pinned_order_.push_back(key);
+      }
+      return o;
+    }
+    const int64_t own = group, over = static_cast<int64_t>(pools_.size()) - 1;
+    int64_t pool = -1;
+    if (Count(own) < pools_[own].capacity) {
+      pool = own;
+    } else if (Count(over) < pools_[over].capacity) {
+      pool = over;
+    } else {
+      const int mine = Victim(own), theirs = Victim(over);
+      int v = mine;
+      if (theirs >= 0 && (mine < 0 || entries_[theirs].stamp < entries_[mine].stamp)) v = theirs;
+      if (v < 0) {
+        o.bypass = true;
+        return o;
+      }
+      o.evicted = entries_[v].key;
+      pool = entries_[v].pool;
+      entries_.erase(entries_.begin() + v);
+    }
+    entries_.push_back({key, pool, 0, 0, true, false});
+    pinned_order_.push_back(key);
+    return o;
+  }
+  void EndToken() {
+    for (int64_t key : pinned_order_) {
+      for (auto& e : entries_) {
+        if (e.key != key) continue;
+        e.pinned = false;
+        e.stamp = ++clock_;
+        e.segment = e.hit ? 1 : 0;
+        if (e.segment == 1 && ProtectedCount(e.pool) > pools_[e.pool].protected_cap) {
+          int d = -1;  // the pool's least recently released protected entry drops back to probation
+          for (size_t i = 0; i < entries_.size(); ++i) {
+            const Entry& x = entries_[i];
+            if (x.pool == e.pool && !x.pinned && x.segment == 1 && (d < 0 || x.stamp < entries_[d].stamp)) {
+              d = static_cast<int>(i);
+            }
+          }
+          entries_[d].segment = 0;
+          entries_[d].hit = false;
+          entries_[d].stamp = ++clock_;
+        }
+        break;
+      }
+    }
+    pinned_order_.clear();
+  }
+
+ private:
+  struct Entry {
+    int64_t key, pool;
+    int segment;
+    uint64_t stamp;
+    bool pinned, hit;
+  };
+  struct Pool {
+    int64_t capacity, protected_cap;
+  };
+  int64_t Count(int64_t pool) const {
+    return std::count_if(entries_.begin(), entries_.end(), [&](const Entry& e) { return e.pool == pool; });
+  }
+  int64_t ProtectedCount(int64_t pool) const {
+    return std::count_if(entries_.begin(), entries_.end(),
+                         [&](const Entry& e) { return e.pool == pool && !e.pinned && e.segment == 1; });
+  }
+  // Least recently released unpinned entry of the probation segment, else of the protected one; -1 if none.
+  int Victim(int64_t pool) const {
+    for (int segment : {0, 1}) {
+      int best = -1;
+      for (size_t i = 0; i < entries_.size(); ++i) {
+        const Entry& e = entries_[i];
+        if (e.pool != pool || e.pinned || e.segment != segment) continue;
+        if (best < 0 || e.stamp < entries_[best].stamp) best = static_cast<int>(i);
+      }
+      if (best >= 0) return best;
+    }
+    return -1;
+  }
+  std::vector<Pool> pools_;
+  std::vector<Entry> entries_;
+  std::vector<int64_t> pinned_order_;
+  uint64_t clock_ = 0;
+};
+
+// As RunTrace, against ReferenceSegmented: per-group partitions, an overflow pool and a protected share.
+void RunSegmentedTrace(RegionConfig config, int64_t overflow, double protected_fraction, uint64_t seed, int tokens) {
+  config.overflow_slots = overflow;
+  config.protected_fraction = protected_fraction;
+  int64_t n_slots = overflow;
+  for (int64_t s : config.slots_per_group) n_slots += s;
+  std::vector<uint8_t> memory(static_cast<size_t>(n_slots) * AlignSlot(kBundle) + 1);
+  auto region = SlotRegion::Create(config, memory.data());
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  SlotRegion& r = **region;
+  EXPECT_EQ(r.SlotCount(), n_slots);
+  ReferenceSegmented ref(config.slots_per_group, overflow, protected_fraction);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> uni(0.0, 1.0);
+  uint64_t hits = 0, evictions = 0, bypasses = 0;
+  for (int t = 0; t < tokens; ++t) {
+    std::vector<std::pair<int64_t, int64_t>> accesses;
+    for (int64_t g = 0; g < config.n_groups; ++g) {
+      // Skewed popularity, plus a window of units that moves every few tokens (reuse a little beyond the capacity).
+      for (int64_t u = 0; u < config.units_per_group; ++u) {
+        const bool window = (u + t / 3) % config.units_per_group < 6;
+        if (uni(rng) < 0.5 / (1.0 + u / 4.0) || (window && uni(rng) < 0.7)) accesses.emplace_back(g, u);
+      }
+    }
+    std::shuffle(accesses.begin(), accesses.end(), rng);
+    if (!accesses.empty() && uni(rng) < 0.3) accesses.push_back(accesses[rng() % accesses.size()]);
+    std::vector<int32_t> held;
+    for (auto [g, u] : accesses) {
+      const int64_t key = g * config.units_per_group + u;
+      const ReferenceSegmented::Outcome want = ref.Access(g, key);
+      const SlotRegion::Lookup got = r.Acquire(g, u);
+      SCOPED_TRACE("token " + std::to_string(t) + " group " + std::to_string(g) + " unit " + std::to_string(u));
+      ASSERT_EQ(got.hit, want.hit);
+      ASSERT_EQ(got.slot < 0, want.bypass);
+      ASSERT_EQ(got.evicted_unit, want.evicted < 0 ? -1 : want.evicted % config.units_per_group);
+      hits += want.hit;
+      evictions += want.evicted >= 0;
+      bypasses += want.bypass;
+      if (got.slot >= 0) held.push_back(got.slot);
+    }
+    for (int32_t s : held) r.Release(s);
+    ref.EndToken();
+  }
+  EXPECT_EQ(r.TotalCounters().hits, hits);
+  EXPECT_EQ(r.TotalCounters().evictions, evictions);
+  EXPECT_EQ(r.TotalCounters().bypasses, bypasses);
+  EXPECT_GT(hits, 0u);
+  EXPECT_GT(evictions, 0u);
+}
+
+TEST(NeuronCacheTest, SegmentedLruMatchesReference) {
+  for (uint64_t seed = 21; seed <= 24; ++seed) {
+    RunSegmentedTrace(Region(3, 40, {8, 3, 12}, 0), 0, 0.5, seed, 50);
+    RunSegmentedTrace(Region(3, 40, {8, 3, 12}, 0), 0, 0.8, seed, 50);
+  }
+}
+
+TEST(NeuronCacheTest, OverflowPoolMatchesReference) {
+  for (uint64_t seed = 31; seed <= 34; ++seed) {
+    RunSegmentedTrace(Region(3, 40, {8, 0, 12}, 0), 9, 0.0, seed, 50);  // group 1 lives in the pool alone
+    RunSegmentedTrace(Region(3, 40, {8, 4, 12}, 0), 9, 0.5, seed, 50);
+    RunSegmentedTrace(Region(2, 30, {2, 3}, 0), 2, 0.0, seed, 40);      // tiny: bypasses when all is pinned
+  }
+}
+
+// With protected_fraction 0 the segmented region is the plain LRU (ReferenceLru, the other model).
+TEST(NeuronCacheTest, ZeroProtectedShareIsPlainLru) {
+  RegionConfig c = Region(4, 40, {6, 0, 13, 3}, 0);
+  c.protected_fraction = 0.0;
+  RunTrace(c, 7, 60);
+}
+
+// The scenario the segmented LRU is for: units reused a few times (hit, so protected) and a stream of units used
+// once that would push them out. Per round: 6 warm units twice, then 4 of 14 scan units, through 8 slots. Plain LRU
+// loses 2 warm units to each scan, and the first pass then evicts the warm units it is about to use (only the
+// second pass hits: 6 a round); with 6 protected slots the scan passes through probation (12 a round after the first).
+TEST(NeuronCacheTest, ProtectedSegmentKeepsReusedUnitsThroughAScan) {
+  auto hits_for = [](double protected_fraction) {
+    RegionConfig c = Region(1, 20, {8}, 0);
+    c.protected_fraction = protected_fraction;
+    std::vector<uint8_t> memory(8 * AlignSlot(kBundle));
+    auto region = SlotRegion::Create(c, memory.data());
+    EXPECT_TRUE(region.ok());
+    uint64_t hits = 0;
+    auto use = [&](int64_t u) {
+      auto l = (*region)->Acquire(0, u);
+      hits += l.hit;
+      (*region)->Release(l.slot);
+    };
+    for (int round = 0; round < 20; ++round) {
+      for (int pass = 0; pass < 2; ++pass) {
+        for (int u = 0; u < 6; ++u) use(u);
+      }
+      for (int k = 0; k < 4; ++k) use(6 + (4 * round + k) % 14);
+    }
+    return hits;
+  };
+  const uint64_t lru = hits_for(0.0), slru = hits_for(0.75);
+  EXPECT_EQ(lru, 20u * 6u);
+  EXPECT_EQ(slru, 6u + 19u * 12u);
+}
+
+// A lookahead guess never takes the overflow pool (use_overflow false), which stays room for the layer being computed.
+TEST(NeuronCacheTest, OverflowPoolIsOptional) {
+  RegionConfig c = Region(2, 10, {1, 1}, 0);
+  c.overflow_slots = 2;
+  std::vector<uint8_t> memory(4 * AlignSlot(kBundle));
+  auto region = SlotRegion::Create(c, memory.data());
+  ASSERT_TRUE(region.ok());
+  SlotRegion& r = **region;
+  auto a = r.Acquire(0, 1, /*use_overflow=*/false);
+  ASSERT_GE(a.slot, 0);
+  EXPECT_FALSE(r.CanPlace(0));
+  EXPECT_EQ(r.Acquire(0, 2, /*use_overflow=*/false).slot, -1) << "partition pinned, pool not allowed";
+  auto b = r.Acquire(0, 3);
+  EXPECT_GE(b.slot, 2) << "the pool's slots come after the partitions'";
+  EXPECT_FALSE(r.CanPlace(0)) << "CanPlace speaks for the partition only";
+}
+
 TEST(NeuronCacheTest, RejectsInvalidConfigs) {
   auto expect_invalid = [](const NeuronCacheConfig& config, const std::string& needle) {
     auto cache = NeuronCache::Create(config);
@@ -341,6 +574,13 @@ TEST(NeuronCacheTest, RejectsInvalidConfigs) {
   expect_invalid(c, "hot_cluster_neurons is 0");
   c.hot = Region(1 << 20, 1 << 12, {}, 0);
   expect_invalid(c, "exceeds 2^31 units");
+  c.hot = Region(2, 2, {}, 0);
+  c.cold = Region(2, 10, {}, 4);
+  c.cold.overflow_slots = 3;
+  expect_invalid(c, "overflow_slots needs slots_per_group");
+  c.cold = Region(2, 10, {1, 1}, 0);
+  c.cold.protected_fraction = 1.0;
+  expect_invalid(c, "protected_fraction 1.000000 must be in [0, 1)");
 }
 
 }  // namespace

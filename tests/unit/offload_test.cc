@@ -335,7 +335,11 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     }
     EXPECT_EQ(st.retries, 0);
     const SlotRegion& cold = (*rt)->ffn().cache().cold();
-    EXPECT_EQ(cold.SlotCount(), c.per_layer ? 5 * c.per_layer_slots : 150);
+    // Per-layer partitions come with the overflow pool: n_ff (172) minus the smallest partition (a shared pool made
+    // from them has no staging to turn into one).
+    const bool partitions = c.per_layer && !c.shared_from_per_layer;
+    EXPECT_EQ(cold.SlotCount(),
+              partitions ? 5 * c.per_layer_slots + (172 - c.per_layer_slots) : c.per_layer ? 5 * c.per_layer_slots : 150);
     std::printf("lookahead %lld, cold slots %lld: %lld read ahead, %lld used, %lld missed\n",
                 static_cast<long long>(c.lookahead), static_cast<long long>(cold.SlotCount()),
                 static_cast<long long>(st.prefetched), static_cast<long long>(st.prefetch_used),
@@ -378,6 +382,42 @@ TEST_F(OffloadTest, LookaheadSkipsLayersWithoutColdRoom) {
   EXPECT_EQ(st[2].lookahead_ns, 0u);
   EXPECT_EQ(st[3].lookahead_ns, 0u);
   EXPECT_GT(st[1].prefetched + st[4].prefetched, 0);
+}
+
+// Per-layer partitions (a plan's) come with the cold overflow pool in place of the miss staging: it caches for the
+// layers that used it last, here layer 2 (no partition) and layer 3 (one slot), whose neurons then hit across
+// tokens; without it they go through staging and never hit. Results are those of the in-memory sparse FFN both ways.
+TEST_F(OffloadTest, OverflowPoolCachesForLayersBeyondTheirPartitions) {
+  ASSERT_TRUE(sparse_);
+  for (bool overflow : {true, false}) {
+    SCOPED_TRACE(overflow ? "overflow pool" : "staging");
+    SparseRuntimeOptions o;
+    o.active_set = ActiveSetSource::kOracle;
+    o.hot_slots = 1;
+    o.cold_slots_per_group = {40, 40, 0, 1, 40};
+    o.cold_overflow = overflow;
+    auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(12, sparse_->tokens.size()));
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    for (size_t i = 0; i < run->logits.size(); ++i) {
+      ASSERT_EQ(0, std::memcmp(run->logits[i].data(), sparse_->logits[i].data(), n_vocab_ * sizeof(float)))
+          << "logits of token " << i << " differ from the in-memory sparse FFN";
+    }
+    const SlotRegion& cold = (*rt)->ffn().cache().cold();
+    EXPECT_EQ(cold.SlotCount(), 121 + (overflow ? 172 : 0)) << "the pool: n_ff minus the smallest partition (0)";
+    EXPECT_EQ((*rt)->ffn().scratch_bytes() < 172 * OffloadFfn::ColdSlotBytes((*rt)->deployment()), overflow)
+        << "the pool replaces the staging";
+    const uint64_t hits2 = cold.counters(2).hits, hits3 = cold.counters(3).hits;
+    EXPECT_EQ(cold.counters(2).bypasses, overflow ? 0u : cold.counters(2).misses);
+    if (overflow) {
+      EXPECT_GT(hits2, 0u);
+      EXPECT_GT(hits3, 1u);
+    } else {
+      EXPECT_EQ(hits2, 0u);
+    }
+    for (int32_t s = 0; s < cold.SlotCount(); ++s) ASSERT_EQ(cold.PinCount(s), 0) << "slot " << s << " still pinned";
+  }
 }
 
 TEST_F(OffloadTest, MemoryBudgetRefusesBelowTheFixedPart) {
