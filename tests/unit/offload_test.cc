@@ -51,6 +51,17 @@ Result<GreedyRun> Greedy(InferenceContext& ctx, int64_t n_vocab, size_t n) {
   return r;
 }
 
+// Whether every logit of `run` equals (bitwise) that of the same token of `ref`, the in-memory sparse FFN's run.
+::testing::AssertionResult SameLogits(const GreedyRun& run, const GreedyRun& ref) {
+  for (size_t i = 0; i < run.logits.size(); ++i) {
+    if (i >= ref.logits.size() || run.logits[i].size() != ref.logits[i].size() ||
+        std::memcmp(run.logits[i].data(), ref.logits[i].data(), run.logits[i].size() * sizeof(float)) != 0) {
+      return ::testing::AssertionFailure() << "logits of token " << i << " differ from the in-memory sparse FFN";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 class OffloadTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -186,10 +197,7 @@ TEST_F(OffloadTest, OracleEqualsInMemorySparseForEveryCacheSize) {
     auto run = Greedy((*rt)->context(), n_vocab_, kGolden.size());
     ASSERT_TRUE(run.ok()) << run.status().ToString();
     EXPECT_EQ(run->tokens, kGolden);
-    for (size_t i = 0; i < run->logits.size(); ++i) {
-      ASSERT_EQ(0, std::memcmp(run->logits[i].data(), sparse_->logits[i].data(), n_vocab_ * sizeof(float)))
-          << "logits of token " << i << " differ from the in-memory sparse FFN";
-    }
+    ASSERT_TRUE(SameLogits(*run, *sparse_));
     const OffloadGroupStats st = (*rt)->ffn().TotalStats();
     const CacheCounters hot = (*rt)->ffn().cache().hot().TotalCounters();
     const CacheCounters cold = (*rt)->ffn().cache().cold().TotalCounters();
@@ -313,10 +321,7 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     const GreedyRun& ref = c.predictor ? *predicted_ : *sparse_;
     auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(20, ref.tokens.size()));
     ASSERT_TRUE(run.ok()) << run.status().ToString();
-    for (size_t i = 0; i < run->logits.size(); ++i) {
-      ASSERT_EQ(0, std::memcmp(run->logits[i].data(), ref.logits[i].data(), n_vocab_ * sizeof(float)))
-          << "logits of token " << i << " differ from the in-memory sparse FFN";
-    }
+    ASSERT_TRUE(SameLogits(*run, ref));
     const OffloadGroupStats st = (*rt)->ffn().TotalStats();
     const int64_t cap = c.lookahead < 0 ? (*rt)->model().hparams().n_ff / 8 : c.lookahead;
     EXPECT_EQ((*rt)->ffn().lookahead_slots(), cap);
@@ -369,10 +374,7 @@ TEST_F(OffloadTest, LookaheadSkipsLayersWithoutColdRoom) {
   ASSERT_TRUE(rt.ok()) << rt.status().ToString();
   auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(12, sparse_->tokens.size()));
   ASSERT_TRUE(run.ok()) << run.status().ToString();
-  for (size_t i = 0; i < run->logits.size(); ++i) {
-    ASSERT_EQ(0, std::memcmp(run->logits[i].data(), sparse_->logits[i].data(), n_vocab_ * sizeof(float)))
-        << "logits of token " << i << " differ from the in-memory sparse FFN";
-  }
+  ASSERT_TRUE(SameLogits(*run, *sparse_));
   const std::vector<OffloadGroupStats>& st = (*rt)->ffn().stats();
   ASSERT_EQ(st.size(), 5u);
   EXPECT_EQ(st[0].prefetched, 0) << "nothing reads ahead into the first layer";
@@ -400,10 +402,7 @@ TEST_F(OffloadTest, OverflowPoolCachesForLayersBeyondTheirPartitions) {
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
     auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(12, sparse_->tokens.size()));
     ASSERT_TRUE(run.ok()) << run.status().ToString();
-    for (size_t i = 0; i < run->logits.size(); ++i) {
-      ASSERT_EQ(0, std::memcmp(run->logits[i].data(), sparse_->logits[i].data(), n_vocab_ * sizeof(float)))
-          << "logits of token " << i << " differ from the in-memory sparse FFN";
-    }
+    ASSERT_TRUE(SameLogits(*run, *sparse_));
     const SlotRegion& cold = (*rt)->ffn().cache().cold();
     EXPECT_EQ(cold.SlotCount(), 121 + (overflow ? 172 : 0)) << "the pool: n_ff minus the smallest partition (0)";
     EXPECT_EQ((*rt)->ffn().scratch_bytes() < 172 * OffloadFfn::ColdSlotBytes((*rt)->deployment()), overflow)
