@@ -35,6 +35,7 @@ struct RuntimeFlags {
   double cold_protected = kDefaultColdProtectedFraction;
   std::string two_phase = "off";
   int64_t lookahead = -1;
+  double lookahead_keep = kDefaultLookaheadKeep;
   std::string cold_pool = "per-layer";
   std::string hot_policy = "pinned";
   std::string plan;
@@ -43,7 +44,8 @@ struct RuntimeFlags {
 };
 
 // Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
-// --chunk-requests, --queue-depth, --buffered, --token-prefill, --no-scatter, --two-phase, --lookahead, --cold-pool,
+// --chunk-requests, --queue-depth, --buffered, --token-prefill, --no-scatter, --two-phase, --lookahead,
+// --lookahead-keep, --cold-pool,
 // --cold-protected, --no-cold-overflow and --plan.
 void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);
 

@@ -302,6 +302,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   }
   o->two_phase = f.two_phase != "off";
   o->lookahead_slots = f.lookahead;
+  o->lookahead_keep = f.lookahead_keep;
   if (f.cold_pool != "per-layer" && f.cold_pool != "shared") {
     return Status::InvalidArgument("--cold-pool " + f.cold_pool + ": expected per-layer or shared");
   }
@@ -362,6 +363,10 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_option("--lookahead", flags->lookahead,
                   "Bundles read ahead for the next layer while one runs (full mode, dense models, whole bundles): "
                   "-1 auto (n_ff/8), 0 off")
+      ->capture_default_str();
+  cmd->add_option("--lookahead-keep", flags->lookahead_keep,
+                  "With a predictor: the share of the lookahead's candidates read ahead, largest logits first (1: all)")
+      ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   cmd->add_option("--cold-pool", flags->cold_pool,
                   "With --plan: per-layer (each layer's cold slots its own LRU, as planned) or shared (the plan's cold "

@@ -68,6 +68,12 @@ enum class HotPolicy { kPinned, kLru };
 const char* HotPolicyName(HotPolicy policy);
 Result<HotPolicy> ParseHotPolicy(const std::string& name);
 
+// Default share of the predictor's lookahead candidates read ahead (OffloadOptions::lookahead_keep). The synthetic 7B
+// under its plan at 1392M (docs/results.md, seventh run): all candidates, 57% of the bundles read ahead were used and
+// decode was slower than without lookahead (wasted reads cost I/O-thread CPU, evict cached neurons and land during
+// attention); the top 40% by logit, ~80% used and faster than both.
+inline constexpr double kDefaultLookaheadKeep = 0.4;
+
 // Default share of the cold region's protected segment (see OffloadOptions::cold_protected_fraction).
 inline constexpr double kDefaultColdProtectedFraction = 0.0;
 
@@ -120,6 +126,9 @@ struct OffloadOptions {
   // Cross-layer lookahead (see "Lookahead" below): bundles read ahead per layer at most; -1: n_ff / 8, 0: off. In
   // effect only in full mode, for dense models, without two-phase loading (LookaheadSlots).
   int64_t lookahead_slots = -1;
+  // With a predictor: the share of the lookahead's candidates read ahead, those with the largest predictor logits (the
+  // likeliest to be active); 1: all of them.
+  double lookahead_keep = kDefaultLookaheadKeep;
 };
 
 // Lookahead (full mode, dense models, whole-bundle reads). A layer's reads cannot start before its active set is known
@@ -128,7 +137,8 @@ struct OffloadOptions {
 // while layer l runs, the active-set source of layer l+1 (the oracle's gate rows, or the predictor) is applied to
 // layer l's FFN input, rescaled elementwise by ffn_norm[l+1] / ffn_norm[l] (exactly the next layer's normalisation of
 // the same residual), and the cold neurons it selects that are neither pinned nor cached (at most `lookahead_slots`;
-// the oracle keeps those with the largest |act(gate)|) get cold-cache slots at once, pinned, and are read into them
+// the oracle keeps those with the largest |act(gate)|, the predictor its lookahead_keep share with the largest
+// logits) get cold-cache slots at once, pinned, and are read into them
 // behind layer l's own misses in the same I/O stream (no extra memory, no copy). When layer l+1 runs, an active
 // neuron read ahead waits for that read instead of issuing one; every bundle read ahead is verified, and the ones
 // the layer did not need stay in the cache as ordinary (unpinned) entries. If the pins leave a miss of layer l+1 no

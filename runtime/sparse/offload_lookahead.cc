@@ -119,8 +119,17 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   } else {
     options_.predictor->Predict(next, la_act_, 0, &pred_scratch_, &la_rows_, pool_);
     for (int32_t n : la_rows_) {
-      if (static_cast<int64_t>(la_pick_.size()) >= limit) break;
       if (cold_candidate(n)) la_pick_.push_back(n);
+    }
+    // The likeliest share of them (largest logits; ties to the smaller index), at most `limit`.
+    const auto keep = std::min<size_t>(
+        static_cast<size_t>(limit),
+        static_cast<size_t>(std::ceil(options_.lookahead_keep * static_cast<double>(la_pick_.size()))));
+    if (keep < la_pick_.size()) {
+      const float* logit = pred_scratch_.logits.data();
+      std::nth_element(la_pick_.begin(), la_pick_.begin() + static_cast<std::ptrdiff_t>(keep), la_pick_.end(),
+                       [&](int32_t a, int32_t c) { return logit[a] != logit[c] ? logit[a] > logit[c] : a < c; });
+      la_pick_.resize(keep);
     }
   }
   // File order; each bundle gets a cold slot now (pinned until the next layer settles it); neighbours on flash merge

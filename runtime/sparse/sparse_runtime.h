@@ -65,6 +65,8 @@ struct SparseRuntimeOptions {
   bool two_phase = false;
   // Cross-layer lookahead bundles per buffer (OffloadOptions::lookahead_slots; -1: n_ff / 8, 0: off).
   int64_t lookahead_slots = -1;
+  // OffloadOptions::lookahead_keep.
+  double lookahead_keep = kDefaultLookaheadKeep;
   // Tests: wraps the flash file (fault injection through the File abstraction).
   std::function<std::shared_ptr<const ReadableFile>(std::shared_ptr<const ReadableFile>)> wrap_flash;
 };

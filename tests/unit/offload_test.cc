@@ -360,6 +360,37 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
   }
 }
 
+// With a predictor the lookahead reads the lookahead_keep share of its candidates with the largest logits: fewer
+// bundles than with all of them, and a larger share of those used (the likeliest guesses are kept, not any), while
+// the results stay those of the in-memory sparse FFN with the same predictor.
+TEST_F(OffloadTest, LookaheadKeepsTheLikeliestGuesses) {
+  ASSERT_TRUE(predicted_);
+  OffloadGroupStats all, some;
+  for (double keep : {1.0, 0.3}) {
+    SCOPED_TRACE("keep " + std::to_string(keep));
+    SparseRuntimeOptions o;
+    o.active_set = ActiveSetSource::kAuto;
+    o.batched_prefill = false;
+    o.hot_slots = 1;
+    o.cold_slots = 150;
+    o.lookahead_slots = 172;  // n_ff: the cap (then half the pool, 75) binds less often than the share
+    o.lookahead_keep = keep;
+    auto rt = SparseRuntime::Open(dir_->File("deploy-pred"), o, pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(20, predicted_->tokens.size()));
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    ASSERT_TRUE(SameLogits(*run, *predicted_));
+    (keep == 1.0 ? all : some) = (*rt)->ffn().TotalStats();
+  }
+  ASSERT_GT(some.prefetched, 0);
+  EXPECT_LT(some.prefetched, all.prefetched);
+  EXPECT_GT(static_cast<double>(some.prefetch_used) / static_cast<double>(some.prefetched),
+            static_cast<double>(all.prefetch_used) / static_cast<double>(all.prefetched));
+  std::printf("lookahead keep 1: %lld of %lld used; keep 0.3: %lld of %lld\n",
+              static_cast<long long>(all.prefetch_used), static_cast<long long>(all.prefetched),
+              static_cast<long long>(some.prefetch_used), static_cast<long long>(some.prefetched));
+}
+
 // A layer without cold room to read ahead into (a plan's pinned regions) gets no guesses, and the oracle does not pay
 // for a gate GEMV it cannot use: layer 2's partition is empty, layer 3's holds 1 slot (cap 0); layers 1 and 4 read
 // ahead as usual. Results stay those of the in-memory sparse FFN.
