@@ -450,6 +450,32 @@ TEST_F(OffloadTest, OverflowPoolCachesForLayersBeyondTheirPartitions) {
   }
 }
 
+// Under a memory budget, what the budget has left beyond the partitions (a plan rounds its sizes down) also goes to
+// the overflow pool: the process accounts for the whole budget less than a slot.
+TEST_F(OffloadTest, OverflowPoolTakesWhatTheBudgetLeaves) {
+  SparseRuntimeOptions o;
+  o.active_set = ActiveSetSource::kOracle;
+  o.batched_prefill = false;
+  o.hot_slots = 1;
+  o.cold_slots_per_group = {10, 10, 10, 10, 10};
+  auto free_rt = SparseRuntime::Open(DeployDir(), o, pool_);
+  ASSERT_TRUE(free_rt.ok()) << free_rt.status().ToString();
+  SparseRuntime& a = **free_rt;
+  EXPECT_EQ(a.ffn().cache().cold().SlotCount(), 50 + (172 - 10)) << "no budget: the pool is the staging";
+  const uint64_t slot = OffloadFfn::ColdSlotBytes(a.deployment());
+  const uint64_t accounted = a.fixed().Total() + a.split().hot_bytes + a.split().cold_bytes;
+  // The budget check counts a whole layer of staging (172 slots) before the pool replaces it (162): 10 slots more.
+  o.memory_budget = accounted + 15 * slot + 100;
+  auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  SparseRuntime& b = **rt;
+  EXPECT_EQ(b.ffn().cache().cold().SlotCount(), 50 + (172 - 10) + 15);
+  const uint64_t total = b.fixed().Total() + b.split().hot_bytes + b.split().cold_bytes;
+  EXPECT_LE(total, o.memory_budget);
+  EXPECT_LT(o.memory_budget - total, slot);
+  EXPECT_EQ(b.split().unused_bytes, o.memory_budget - total);
+}
+
 TEST_F(OffloadTest, MemoryBudgetRefusesBelowTheFixedPart) {
   SparseRuntimeOptions o;
   o.active_set = ActiveSetSource::kOracle;
