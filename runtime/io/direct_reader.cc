@@ -283,15 +283,10 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests,
         skip = 0;
       }
       io_uring_prep_readv(sqe, fd_, op.iov.data(), static_cast<unsigned>(op.iov.size()), op.read_offset + resume);
-      io_uring_sqe_set_data64(sqe, static_cast<uint64_t>(slot));
-      if (op.first_submit_ns == 0) op.first_submit_ns = NowNs();
-      return;
-    }
-    uint8_t* dst = op.buf + resume;
-    if (op.fixed_index >= 0) {
-      io_uring_prep_read_fixed(sqe, fd_, dst, len, op.read_offset + resume, op.fixed_index);
+    } else if (op.fixed_index >= 0) {
+      io_uring_prep_read_fixed(sqe, fd_, op.buf + resume, len, op.read_offset + resume, op.fixed_index);
     } else {
-      io_uring_prep_read(sqe, fd_, dst, len, op.read_offset + resume);
+      io_uring_prep_read(sqe, fd_, op.buf + resume, len, op.read_offset + resume);
     }
     io_uring_sqe_set_data64(sqe, static_cast<uint64_t>(slot));
     if (op.first_submit_ns == 0) op.first_submit_ns = NowNs();

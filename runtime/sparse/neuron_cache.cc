@@ -186,12 +186,13 @@ SlotRegion::Lookup SlotRegion::Acquire(int64_t group, int64_t unit, bool use_ove
     if (pool.free_top >= 0 || (theirs >= 0 && (mine < 0 || slots_[theirs].stamp < slots_[mine].stamp))) from = &pool;
   }
   Partition& p = *from;
+  const int32_t victim = Victim(p);
   if (p.free_top >= 0) {
     s = p.free_top;
     p.free_top = slots_[s].next;
     slots_[s].next = -1;
-  } else if (Victim(p) >= 0) {
-    s = Victim(p);
+  } else if (victim >= 0) {
+    s = victim;
     Unlink(s);
     const int64_t old = slots_[s].key;
     slot_of_key_[old] = -1;

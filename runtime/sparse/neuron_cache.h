@@ -99,7 +99,7 @@ class SlotRegion {
   // or an unpinned one to evict), not counting the overflow pool.
   bool CanPlace(int64_t group) const {
     const Partition& p = partitions_[static_cast<size_t>(PartitionOf(group))];
-    return p.free_top >= 0 || p.list[0].head >= 0 || p.list[1].head >= 0;
+    return p.free_top >= 0 || Victim(p) >= 0;
   }
   // Drops every unit (e.g. after the deployment changed); pinned slots are a caller bug (aborts).
   void Clear();
