@@ -133,11 +133,14 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
   const int qd = s.queue_depth;
   p.memory_bytes = model.fixed_bytes;
   double active_total = 0, served_total = 0;
+  const double pool_share =
+      model.ffns.empty() ? 0.0 : static_cast<double>(model.overflow_pool_slots) / static_cast<double>(model.ffns.size());
   for (size_t r = 0; r < model.ffns.size(); ++r) {
     const FfnParams& f = model.ffns[r];
     const double n = static_cast<double>(f.n_neurons);
     const double h = n > 0 ? static_cast<double>(s.hot_neurons.at(r)) / n : 0.0;
-    const double c = n > 0 ? static_cast<double>(s.cold_slots.at(r)) / n : 0.0;
+    const double c =
+        n > 0 ? std::min(1.0 - h, (static_cast<double>(s.cold_slots.at(r)) + pool_share) / n) : 0.0;
     const double served = std::clamp(
         std::min(UpperEnvelope(f.popularity, f.lru_hit).At(h + c), f.popularity.At(h) + f.lru_hit.At(c)), 0.0, 1.0);
     const double active = f.route_fraction * f.active_fraction * n;  // A

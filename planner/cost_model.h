@@ -80,6 +80,10 @@ struct ModelParams {
   uint64_t predictor_bytes = 0;         // all predictors (read per token)
   uint64_t ffn_bytes = 0;               // the whole flash image (for prefill streaming)
   uint64_t matmul_params = 0;           // weights in every matrix product per token (2 flops each per token)
+  // Cold slots the runtime adds beyond the plan's, shared by every region: the miss staging reserved in fixed_bytes
+  // (one slot per neuron of a region), which the runtime turns into a cold overflow pool when the plan gives per-layer
+  // partitions (runtime/sparse/sparse_runtime.cc). 0: none.
+  int64_t overflow_pool_slots = 0;
   std::vector<FfnParams> ffns;
 };
 
@@ -130,7 +134,10 @@ PrefillPrediction EvaluatePrefill(const HardwareParams& hw, const ModelParams& m
 // The cost model evaluated for `settings` (see docs/planner.md). Served fraction per region: the tighter of
 // max(P, H)(h + c) and P(h) + H(c) (popularity curve P, LRU curve H, h hot and c cold fractions of the region): h + c
 // neurons serve at most what the better of pinning the most popular ones and an LRU cache of that size serve (an LRU
-// beats pinning when activations recur in time, which the profile's H shows as H(x) > P(x)).
+// beats pinning when activations recur in time, which the profile's H shows as H(x) > P(x)). The overflow pool
+// (ModelParams::overflow_pool_slots) is credited to the regions in even shares: a region's LRU holds its partition
+// plus pool / regions (a miss evicts the older of its partition's and the pool's least recent entries, so under a
+// steady load each region keeps about an even share).
 Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const PlanSettings& settings);
 
 // Each region's neurons held in memory (hot + cold, as in `settings`) all pinned hot or all one LRU cold partition,

@@ -46,6 +46,7 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
   m.name = man.model_name;
   m.n_layers = man.n_layers;
   m.fixed_bytes = fixed_bytes;
+  m.overflow_pool_slots = man.n_ff;  // the staging in fixed_bytes (OffloadFfn::EstimateScratchBytes)
   m.predictor_bytes = man.predictor_bytes;
   m.ffn_bytes = man.flash_bytes;
 

@@ -164,6 +164,30 @@ TEST(CostModelTest, AnLruAbovePopularityIsCredited) {
   EXPECT_NEAR(r.prediction.served_fraction, 0.8, 0.01);
 }
 
+// The runtime's overflow pool (the staging in the fixed part, shared by the regions) is credited to each region in
+// an even share of its slots; a region cannot hold more than its neurons. Memory is unchanged: the pool is part of
+// the fixed bytes.
+TEST(CostModelTest, TheOverflowPoolAddsAnEvenShareToEachColdPartition) {
+  const HardwareParams hw = Hw();
+  ModelParams m = OneRegion(Linear(), Curve{{0.0, 0.5, 1.0}, {0.0, 0.9, 1.0}});
+  m.ffns.push_back(m.ffns[0]);
+  PlanSettings s;
+  s.hot_neurons = {0, 100};
+  s.cold_slots = {200, 100};
+  const Prediction without = Evaluate(hw, m, s);
+  // H(0.2) = 0.36 and min(max(P, H)(0.2), P(0.1) + H(0.1)) = min(0.36, 0.1 + 0.18) = 0.28.
+  EXPECT_NEAR(without.served_fraction, (0.36 + 0.28) / 2, 1e-12);
+  m.overflow_pool_slots = 400;  // 200 a region
+  const Prediction with = Evaluate(hw, m, s);
+  // H(0.4) = 0.72; min(max(P, H)(0.4), P(0.1) + H(0.3)) = min(0.72, 0.1 + 0.54) = 0.64.
+  EXPECT_NEAR(with.served_fraction, (0.72 + 0.64) / 2, 1e-12);
+  EXPECT_EQ(with.memory_bytes, without.memory_bytes);
+  EXPECT_LT(with.reads_per_token, without.reads_per_token);
+  m.overflow_pool_slots = 4000;  // more than the regions' neurons: region 2 holds its 900 non-hot ones at most
+  // H(1) = 1; min(max(P, H)(1), P(0.1) + H(0.9)) = min(1, 0.1 + 0.98) = 1.
+  EXPECT_NEAR(Evaluate(hw, m, s).served_fraction, 1.0, 1e-12);
+}
+
 // A measured LRU curve is S-shaped: below a token's working set the cache thrashes (H near 0), above it recurrence
 // lifts it over the popularity curve. The linear relaxation sees H's concave hull (0.7/0.3 per unit from 0), so it
 // would pin most of the room and add a small cold partition the real curve credits with nothing.
