@@ -30,6 +30,7 @@ struct RuntimeFlags {
   unsigned queue_depth = io::kDefaultQueueDepth;
   bool buffered = false;
   bool token_prefill = false;
+  bool prefill_in_cache = false;
   bool no_scatter = false;
   bool no_cold_overflow = false;
   double cold_protected = kDefaultColdProtectedFraction;

@@ -122,12 +122,56 @@ void SlotRegion::Clear() {
   }
   for (auto& p : partitions_) {
     p.list[0] = p.list[1] = List{};
-    // Free stack in ascending slot order so that the first misses fill the arena front to back.
-    p.free_top = -1;
-    for (int64_t s = p.first_slot + p.n_slots - 1; s >= p.first_slot; --s) {
-      slots_[s].next = p.free_top;
-      p.free_top = static_cast<int32_t>(s);
+    RebuildFree(p);
+  }
+}
+
+void SlotRegion::RebuildFree(Partition& p) {
+  // Free stack in ascending slot order so that the first misses fill the arena front to back.
+  p.free_top = -1;
+  for (int64_t s = p.first_slot + p.n_slots - 1; s >= p.first_slot; --s) {
+    if (slots_[s].key >= 0 || IsLent(s)) continue;
+    slots_[s].next = p.free_top;
+    p.free_top = static_cast<int32_t>(s);
+  }
+}
+
+Status SlotRegion::Lend(int32_t first, int32_t count) {
+  if (lent_count_ > 0) {
+    return Status::Internal("neuron cache: " + std::to_string(lent_count_) + " slots are lent already");
+  }
+  if (first < 0 || count <= 0 || static_cast<int64_t>(first) + count > SlotCount()) {
+    return Status::InvalidArgument("neuron cache: cannot lend slots [" + std::to_string(first) + ", " +
+                                   std::to_string(static_cast<int64_t>(first) + count) + ") of " +
+                                   std::to_string(SlotCount()));
+  }
+  for (int32_t s = first; s < first + count; ++s) {
+    if (slots_[s].pins != 0) {
+      return Status::Internal("neuron cache: slot " + std::to_string(s) + " to lend is pinned");
     }
+  }
+  for (int32_t s = first; s < first + count; ++s) {
+    Slot& x = slots_[s];
+    if (x.key < 0) continue;
+    slot_of_key_[x.key] = -1;
+    Unlink(s);
+    x.key = -1;
+    x.segment = 0;
+  }
+  lent_first_ = first;
+  lent_count_ = count;
+  for (auto& p : partitions_) {
+    if (p.first_slot < first + count && p.first_slot + p.n_slots > first) RebuildFree(p);
+  }
+  return Status::Ok();
+}
+
+void SlotRegion::Reclaim() {
+  if (lent_count_ == 0) return;
+  const int64_t first = lent_first_, end = lent_first_ + lent_count_;
+  lent_count_ = 0;
+  for (auto& p : partitions_) {
+    if (p.first_slot < end && p.first_slot + p.n_slots > first) RebuildFree(p);
   }
 }
 

@@ -103,6 +103,14 @@ class SlotRegion {
   }
   // Drops every unit (e.g. after the deployment changed); pinned slots are a caller bug (aborts).
   void Clear();
+  // Lends slots [first, first + count) (contiguous memory: SlotData(first) .. + count * slot_stride) to the caller
+  // for other use until Reclaim, e.g. batched prefill's layer buffers when the budget has no room for them beside the
+  // caches: their units are dropped, and the slots are neither free nor evictable meanwhile. Internal when a slot
+  // of the range is pinned or slots are lent already (caller bugs); InvalidArgument for a range outside the region.
+  Status Lend(int32_t first, int32_t count);
+  // The lent slots become free slots of their partitions again (their memory holds whatever the borrower left).
+  void Reclaim();
+  int32_t lent_count() const { return lent_count_; }
 
   uint8_t* SlotData(int32_t slot) const { return arena_ + static_cast<size_t>(slot) * config_.slot_stride; }
   int64_t SlotCount() const { return static_cast<int64_t>(slots_.size()); }
@@ -139,6 +147,9 @@ class SlotRegion {
   };
   void Unlink(int32_t slot);
   void PushMru(int32_t slot, int segment);
+  // Rebuilds partition `p`'s free stack from its slots that hold no unit and are not lent, ascending.
+  void RebuildFree(Partition& p);
+  bool IsLent(int64_t s) const { return s >= lent_first_ && s < lent_first_ + lent_count_; }
   // The least recently used unpinned slot of partition `p` (probation first), or -1.
   int32_t Victim(const Partition& p) const { return p.list[0].head >= 0 ? p.list[0].head : p.list[1].head; }
   int32_t PartitionOf(int64_t group) const { return config_.slots_per_group.empty() ? 0 : static_cast<int32_t>(group); }
@@ -151,6 +162,7 @@ class SlotRegion {
   std::vector<CacheCounters> counters_;  // per group
   int32_t overflow_ = -1;                // index of the overflow pool in partitions_, or -1
   uint64_t clock_ = 0;                   // release counter for Slot::stamp
+  int32_t lent_first_ = 0, lent_count_ = 0;  // slots lent out (Lend)
 };
 
 // The hot and cold regions in one arena.

@@ -294,6 +294,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->io.queue_depth = f.queue_depth;
   o->io.buffered = f.buffered;
   o->batched_prefill = !f.token_prefill;
+  o->prefill_in_cache = f.prefill_in_cache;
   o->scatter_reads = !f.no_scatter;
   o->cold_overflow = !f.no_cold_overflow;
   o->cold_protected_fraction = f.cold_protected;
@@ -346,6 +347,10 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_flag("--token-prefill", flags->token_prefill,
                 "Prefill token by token through the decode path instead of whole layers (no prefill buffers): a "
                 "comparison only");
+  cmd->add_flag("--prefill-in-cache", flags->prefill_in_cache,
+                "Batched prefill in cold-cache slots lent for each prompt even when the budget has room for its own "
+                "buffers (the default only when it has not): a comparison only")
+      ->excludes("--token-prefill");
   cmd->add_option("--cold-protected", flags->cold_protected,
                   "Share of each cold partition kept for neurons hit since they were loaded (segmented LRU; 0: plain "
                   "LRU)")

@@ -646,6 +646,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   OffloadGroupStats& st = stats_[static_cast<size_t>(group)];
   // A prefetched region nobody will use (e.g. a failed prefill) must not race with this token's reads.
   if (pending_buf_ >= 0) CancelPrefetch();
+  ReclaimPrefillMemory();  // the slots a batched prefill borrowed serve the cache again
   // This layer's lookahead (read during the previous layer) serves its misses; any other is stale.
   if (la_slots_ > 0) {
     DropLookahead(layer);

@@ -117,6 +117,12 @@ struct OffloadOptions {
   // Batched prefill through two layer buffers (PrefillBufferBytes); false: prefill runs token by token (e.g. when the
   // memory budget has no room for the buffers).
   bool batched_prefill = false;
+  // With batched_prefill: its buffers are cold-region slots lent for the prompt (SlotRegion::Lend, the last slots of
+  // the region: the overflow pool first) instead of memory of their own; decode's next token takes them back. For a
+  // budget without room for the buffers beside the caches (a plan fills the memory): a prompt then costs the cache
+  // what those slots held, instead of running token by token. Needs a cold region of PrefillBufferBytes at least
+  // (else prefill runs token by token).
+  bool prefill_in_cache = false;
   // Two-phase loading of cold misses (see "Two-phase loading" below): the gate page first, the up+down part only for
   // neurons whose gate passes the activation test. Applies only with a predictor and a layout of one bundle per
   // group whose gate part lies in the group's first page and whose group is longer than that page; otherwise Create
@@ -283,12 +289,15 @@ class OffloadFfn : public FfnBackend {
   // Cold slot memory that doubles as staging: misses with no cold slot are read into staging (n_ff slots minus the
   // smallest cold partition, since one group's misses are pinned at a time).
   static int64_t StagingSlots(int64_t n_ff, int64_t cold_slots, const std::vector<int64_t>& cold_slots_per_group);
-  // What batched prefill allocates: two buffers of the largest region plus the gate/up outputs of a token tile.
+  // What batched prefill needs: two buffers of the largest region, the gate/up outputs of a token tile and the compact
+  // down rows of one layer, each kSlotAlignment-aligned.
   static uint64_t PrefillBufferBytes(const packer::Deployment& deployment);
   // Bundles read ahead per layer at most that `options` give for this deployment (0 when lookahead does not apply).
   static int64_t LookaheadSlots(const packer::Deployment& deployment, const OffloadOptions& options);
   int64_t lookahead_slots() const { return la_slots_; }
-  bool batched_prefill() const { return !prefill_buf_[0].empty(); }
+  bool batched_prefill() const { return prefill_block_bytes_ > 0; }
+  // Batched prefill runs in cold slots lent for the prompt (OffloadOptions::prefill_in_cache).
+  bool prefill_in_cache() const { return prefill_in_cache_; }
   const OffloadPrefillStats& prefill_stats() const { return prefill_stats_; }
   // Per layer, the last batched prefill (empty when prefill ran token by token).
   const std::vector<PrefillLayerTiming>& prefill_layers() const { return prefill_layers_; }
@@ -430,7 +439,6 @@ class OffloadFfn : public FfnBackend {
   std::vector<float> used_hidden_;
   std::vector<const uint8_t*> gate_ptrs_, up_ptrs_;  // ComputeItems: rows to dot, by address
   std::vector<float> gate_out_, up_out_;
-  std::vector<uint8_t> down_compact_;    // batched prefill: per neuron its down column (compact down matrix rows)
   // Two-phase loading.
   bool two_phase_ = false;
   std::vector<uint8_t> cold_complete_;   // per cold slot: 1 when it holds the up+down part too (verified)
@@ -477,17 +485,28 @@ class OffloadFfn : public FfnBackend {
   struct AlignedFree {
     void operator()(uint8_t* p) const { std::free(p); }
   };
+  // Points the buffers below into `block` (PrefillBufferBytes: own memory, or lent cold slots).
+  void CarvePrefill(uint8_t* block);
+  // In-cache prefill: lends the cold slots (after dropping the lookahead's pins) / takes them back (after draining
+  // reads into them); both no-ops in the other modes or when already done.
+  Status LendPrefillMemory();
+  void ReclaimPrefillMemory();
   struct PrefillBuffer {
-    std::unique_ptr<uint8_t, AlignedFree> data;
+    uint8_t* data = nullptr;
     size_t bytes = 0;
-    bool empty() const { return bytes == 0; }
   };
+  std::unique_ptr<uint8_t, AlignedFree> prefill_owned_;  // own memory (not in-cache)
+  uint64_t prefill_block_bytes_ = 0;                      // PrefillBufferBytes when batched prefill is on, else 0
+  bool prefill_in_cache_ = false;
+  int32_t prefill_lent_first_ = -1;                       // in-cache: the first lent cold slot while lent, else -1
   PrefillBuffer prefill_buf_[2];
+  uint8_t* down_compact_ = nullptr;      // per neuron its down column (compact down matrix rows)
   int64_t buf_layer_[2] = {-1, -1};
   int pending_buf_ = -1;                  // buffer whose read the I/O thread runs, -1 none
   std::vector<ReadRequest> prefill_reqs_[2];
   std::vector<size_t> prefill_chunks_[2];
-  std::vector<float> pf_gate_, pf_up_;    // kPrefillTokenTile x n_ff, slot-view order (see ForwardBatch)
+  float* pf_gate_ = nullptr;              // kPrefillTokenTile x n_ff, slot-view order (see ForwardBatch)
+  float* pf_up_ = nullptr;
   OffloadPrefillStats prefill_stats_;
   OffloadPrefillStats prefill_batch_start_;  // at layer 0 of the current prompt (for the per-prompt log line)
   std::vector<PrefillLayerTiming> prefill_layers_;  // the current prompt's layers

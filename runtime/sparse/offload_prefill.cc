@@ -11,6 +11,7 @@
 #include "runtime/core/kernels.h"
 #include "runtime/core/stats.h"
 #include "runtime/core/log.h"
+#include "runtime/sparse/memory_budget.h"
 #include "runtime/sparse/offload_ffn.h"
 
 namespace nflash::sparse {
@@ -23,14 +24,32 @@ uint64_t MaxRegionBytes(const packer::Manifest& m) {
   return b;
 }
 
+// Where batched prefill's buffers lie in its block: two layer buffers, the gate and up outputs of a token tile, the
+// compact down rows; each part kSlotAlignment-aligned (the layer buffers are O_DIRECT destinations).
+struct PrefillParts {
+  size_t region = 0, tile = 0, down = 0;
+  size_t gate_at() const { return 2 * region; }
+  size_t up_at() const { return 2 * region + tile; }
+  size_t down_at() const { return 2 * region + 2 * tile; }
+  size_t total() const { return down_at() + down; }
+};
+
+PrefillParts Parts(const packer::Deployment& d) {
+  const packer::Manifest& m = d.manifest();
+  PrefillParts p;
+  p.region = AlignSlot(static_cast<size_t>(MaxRegionBytes(m)));
+  p.tile = AlignSlot(static_cast<size_t>(kPrefillTokenTile * m.n_ff) * sizeof(float));
+  p.down = AlignSlot(static_cast<size_t>(m.n_ff) * static_cast<size_t>(d.layout().down_bytes));
+  return p;
+}
+
 }  // namespace
 
 uint64_t OffloadFfn::PrefillBufferBytes(const packer::Deployment& d) {
   const packer::Manifest& m = d.manifest();
-  if (m.n_experts > 0) return 0;  // MoE prefill stays token by token (each expert sees a subset of the batch)
-  // Two layer buffers, the gate/up outputs of a token tile, and the compact down rows of one layer.
-  return 2 * MaxRegionBytes(m) + 2 * static_cast<uint64_t>(kPrefillTokenTile) * static_cast<uint64_t>(m.n_ff) * 4 +
-         static_cast<uint64_t>(m.n_ff) * d.layout().down_bytes;
+  if (m.n_experts > 0 || MaxRegionBytes(m) == 0) return 0;  // MoE prefill stays token by token (each expert sees a
+                                                               // subset of the batch)
+  return Parts(d).total();
 }
 
 uint64_t OffloadFfn::PrefillRequestBytes() const {
@@ -39,28 +58,64 @@ uint64_t OffloadFfn::PrefillRequestBytes() const {
   return std::max<uint64_t>(1, kPrefillRequestBytes / g) * g;
 }
 
-uint64_t OffloadFfn::prefill_bytes() const {
-  return prefill_buf_[0].bytes + prefill_buf_[1].bytes + (pf_gate_.size() + pf_up_.size()) * sizeof(float) +
-         down_compact_.size();
+uint64_t OffloadFfn::prefill_bytes() const { return prefill_owned_ ? prefill_block_bytes_ : 0; }
+
+void OffloadFfn::CarvePrefill(uint8_t* block) {
+  const PrefillParts p = Parts(deploy_);
+  for (int b = 0; b < 2; ++b) prefill_buf_[b] = PrefillBuffer{block + static_cast<size_t>(b) * p.region, p.region};
+  pf_gate_ = reinterpret_cast<float*>(block + p.gate_at());
+  pf_up_ = reinterpret_cast<float*>(block + p.up_at());
+  down_compact_ = block + p.down_at();
 }
 
 Status OffloadFfn::InitPrefill() {
-  const packer::Manifest& m = deploy_.manifest();
-  if (!options_.batched_prefill || m.n_experts > 0) return Status::Ok();
-  const size_t bytes = static_cast<size_t>(MaxRegionBytes(m));
+  if (!options_.batched_prefill) return Status::Ok();
+  const uint64_t bytes = PrefillBufferBytes(deploy_);
   if (bytes == 0) return Status::Ok();
-  for (PrefillBuffer& b : prefill_buf_) {
-    b.data.reset(static_cast<uint8_t*>(std::aligned_alloc(kSlotAlignment, bytes)));
-    if (!b.data) return Status::ResourceExhausted("cannot allocate a prefill layer buffer of " + std::to_string(bytes) +
-                                                  " bytes");
-    // Touched now, so the buffers are resident and counted from the start like the cache arena.
-    std::memset(b.data.get(), 0, bytes);
-    b.bytes = bytes;
+  if (options_.prefill_in_cache) {
+    SlotRegion& cold = cache_->cold();
+    const uint64_t slots = (bytes + cold.slot_stride() - 1) / std::max<size_t>(1, cold.slot_stride());
+    if (cold.slot_stride() == 0 || slots > static_cast<uint64_t>(cold.SlotCount())) {
+      NF_LOG(Info) << "prefill runs token by token: its buffers (" << FormatBytes(bytes) << ") need " << slots
+                   << " cold slots, the cold region has " << cold.SlotCount();
+      return Status::Ok();
+    }
+    prefill_in_cache_ = true;
+    prefill_block_bytes_ = bytes;
+    return Status::Ok();
   }
-  pf_gate_.resize(static_cast<size_t>(kPrefillTokenTile * m.n_ff));
-  down_compact_.resize(static_cast<size_t>(m.n_ff) * static_cast<size_t>(deploy_.layout().down_bytes));
-  pf_up_.resize(static_cast<size_t>(kPrefillTokenTile * m.n_ff));
+  prefill_owned_.reset(static_cast<uint8_t*>(std::aligned_alloc(kSlotAlignment, static_cast<size_t>(bytes))));
+  if (!prefill_owned_) {
+    return Status::ResourceExhausted("cannot allocate the batched prefill buffers (" + std::to_string(bytes) +
+                                     " bytes)");
+  }
+  // Touched now, so the buffers are resident and counted from the start like the cache arena.
+  std::memset(prefill_owned_.get(), 0, static_cast<size_t>(bytes));
+  prefill_block_bytes_ = bytes;
+  CarvePrefill(prefill_owned_.get());
   return Status::Ok();
+}
+
+Status OffloadFfn::LendPrefillMemory() {
+  if (!prefill_in_cache_ || prefill_lent_first_ >= 0) return Status::Ok();
+  if (la_slots_ > 0) DropLookahead(-1);  // its pins would keep slots from being lent
+  SlotRegion& cold = cache_->cold();
+  const auto count = static_cast<int32_t>((prefill_block_bytes_ + cold.slot_stride() - 1) / cold.slot_stride());
+  // The region's last slots: the overflow pool (shared, so no one layer loses its whole partition), then the last
+  // layers' partitions.
+  const auto first = static_cast<int32_t>(cold.SlotCount() - count);
+  NF_RETURN_IF_ERROR(cold.Lend(first, count));
+  prefill_lent_first_ = first;
+  CarvePrefill(cold.SlotData(first));
+  return Status::Ok();
+}
+
+void OffloadFfn::ReclaimPrefillMemory() {
+  if (prefill_lent_first_ < 0) return;
+  if (pending_buf_ >= 0) CancelPrefetch();  // no read may land in a slot the cache hands out again
+  buf_layer_[0] = buf_layer_[1] = -1;
+  cache_->cold().Reclaim();
+  prefill_lent_first_ = -1;
 }
 
 void OffloadFfn::CancelPrefetch() {
@@ -75,7 +130,7 @@ Status OffloadFfn::StartRegionRead(int64_t layer, int buf) {
   if (region == nullptr) return Status::Internal("deployment has no region for layer " + std::to_string(layer));
   std::vector<ReadRequest>& reqs = prefill_reqs_[buf];
   reqs.clear();
-  uint8_t* dst = prefill_buf_[buf].data.get();
+  uint8_t* dst = prefill_buf_[buf].data;
   const uint64_t req_bytes = PrefillRequestBytes();
   for (uint64_t off = 0; off < region->size; off += req_bytes) {
     const size_t size = static_cast<size_t>(std::min<uint64_t>(req_bytes, region->size - off));
@@ -96,7 +151,7 @@ Status OffloadFfn::StartRegionRead(int64_t layer, int buf) {
 Status OffloadFfn::FinishRegionRead(int64_t layer, int buf) {
   const packer::RegionInfo& region = *deploy_.Region(layer, -1);
   const packer::BundleLayout& lay = deploy_.layout();
-  uint8_t* data = prefill_buf_[buf].data.get();
+  uint8_t* data = prefill_buf_[buf].data;
   const uint64_t t0 = SteadyNowNs();
   Status read;
   if (pending_buf_ == buf) {
@@ -206,6 +261,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   if (region == nullptr) return Status::Internal("deployment has no region for layer " + std::to_string(layer));
   const int64_t group = layer * n_experts_;
   if (la_slots_ > 0) DropLookahead(-1);  // the I/O thread is this prefill's now
+  NF_RETURN_IF_ERROR(LendPrefillMemory());
   if (layer == 0) {
     prefill_batch_start_ = prefill_stats_;
     prefill_layers_.clear();
@@ -237,7 +293,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   // slots j, j + spg, j + 2 spg, ... have one stride (group_bytes), so the gate (up) rows form spg strided matrices
   // whose products GemmMany computes in one parallel loop. A tile's outputs of view j start at tn * start[j].
   const uint64_t t0 = SteadyNowNs();
-  const uint8_t* data = prefill_buf_[b].data.get();
+  const uint8_t* data = prefill_buf_[b].data;
   const int64_t spg = lay.slots_per_group, n_ff = region->n_neurons, dim = hp.dim;
   std::vector<int64_t> rows(static_cast<size_t>(spg)), start(static_cast<size_t>(spg));
   int64_t acc = 0;
@@ -249,7 +305,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   // Down columns in neuron order, the token path's compact matrix geometry (same kernel chunking, same bits).
   auto copy_down = [&](int64_t begin, int64_t end, int) {
     for (int64_t i = begin; i < end; ++i) {
-      std::memcpy(down_compact_.data() + static_cast<size_t>(i) * lay.down_bytes,
+      std::memcpy(down_compact_ + static_cast<size_t>(i) * lay.down_bytes,
                   data + lay.SlotOffset(region->slot_of_neuron[i]) + lay.down_offset, lay.down_bytes);
     }
   };
@@ -259,7 +315,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   } else {
     copy_down(0, n_ff, 0);
   }
-  const MatrixView down{lay.down_type, down_compact_.data(), n_ff, lay.dim, static_cast<size_t>(lay.down_bytes)};
+  const MatrixView down{lay.down_type, down_compact_, n_ff, lay.dim, static_cast<size_t>(lay.down_bytes)};
   // Oracle: the token path's threshold (bitwise the token-by-token result). Predictor: every neuron with h != 0,
   // as the in-memory engine's dense prefill (the predictor guesses decode's active set, not the prompt's).
   const float thr = oracle_ ? thresholds_[static_cast<size_t>(layer)] : 0.0f;
@@ -276,9 +332,9 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
       if (rows[j] == 0) continue;
       const uint8_t* base = data + static_cast<size_t>(j) * lay.bundle_bytes;
       ws.push_back(MatrixView{lay.gate_type, base + lay.gate_offset, rows[j], dim, static_cast<size_t>(lay.group_bytes)});
-      ys.push_back(pf_gate_.data() + tn * start[j]);
+      ys.push_back(pf_gate_ + tn * start[j]);
       ws.push_back(MatrixView{lay.up_type, base + lay.up_offset, rows[j], dim, static_cast<size_t>(lay.group_bytes)});
-      ys.push_back(pf_up_.data() + tn * start[j]);
+      ys.push_back(pf_up_ + tn * start[j]);
     }
     const uint64_t g0 = SteadyNowNs();
     GemmMany(ws, tile_act, ys, pool_);

@@ -82,9 +82,10 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
                                                               options.cold_slots_per_group.end(), int64_t{0})
                                             : options.cold_slots;
   // Batched prefill's layer buffers, if the budget has room for them beside the rest of the fixed part (and the
-  // caches the plan asks for).
-  bool batched_prefill = options.batched_prefill && OffloadFfn::PrefillBufferBytes(d) > 0;
-  if (batched_prefill && options.memory_budget > 0) {
+  // caches the plan asks for); else in cold-cache slots lent for each prompt (OffloadOptions::prefill_in_cache).
+  const bool batched_prefill = options.batched_prefill && OffloadFfn::PrefillBufferBytes(d) > 0;
+  bool prefill_in_cache = batched_prefill && options.prefill_in_cache;
+  if (batched_prefill && !prefill_in_cache && options.memory_budget > 0) {
     FixedMemory with = f;
     with.scratch += OffloadFfn::PrefillBufferBytes(d);
     uint64_t need = with.Total();
@@ -93,13 +94,13 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
               static_cast<uint64_t>(asked_hot) * shape.hot_slot_bytes;
     }
     if (need > options.memory_budget) {
-      batched_prefill = false;
-      NF_LOG(Info) << "batched prefill off: its two layer buffers (" << FormatBytes(OffloadFfn::PrefillBufferBytes(d))
+      prefill_in_cache = true;
+      NF_LOG(Info) << "batched prefill: its buffers (" << FormatBytes(OffloadFfn::PrefillBufferBytes(d))
                    << ") do not fit the memory budget " << FormatBytes(options.memory_budget)
-                   << " beside the rest; prefill runs token by token";
+                   << " beside the rest; each prompt borrows cold-cache slots for them";
     }
   }
-  if (batched_prefill) f.scratch += OffloadFfn::PrefillBufferBytes(d);
+  if (batched_prefill && !prefill_in_cache) f.scratch += OffloadFfn::PrefillBufferBytes(d);
   const uint64_t full_staging = static_cast<uint64_t>(hp.n_ff) * shape.cold_slot_bytes;  // counted in f.scratch
   if (options.memory_budget > 0 && !explicit_split) {
     NF_ASSIGN_OR_RETURN(rt->split_, SplitBudget(options.memory_budget, f, shape, options.hot_fraction));
@@ -171,6 +172,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.scatter_reads = options.scatter_reads;
   oo.cold_protected_fraction = options.cold_protected_fraction;
   oo.batched_prefill = batched_prefill;
+  oo.prefill_in_cache = prefill_in_cache;
   oo.two_phase = options.two_phase;
   oo.lookahead_slots = options.lookahead_slots;
   oo.lookahead_keep = options.lookahead_keep;

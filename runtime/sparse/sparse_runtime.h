@@ -58,9 +58,12 @@ struct SparseRuntimeOptions {
   double cold_protected_fraction = kDefaultColdProtectedFraction;
   io::DirectReaderOptions io;
   // Batched prefill (OffloadFfn): two layer buffers counted as scratch in the fixed part. When they do not fit the
-  // memory budget (the fixed part with them, or the plan's cache sizes plus them), prefill falls back to token by
-  // token and Open logs it.
+  // memory budget (the fixed part with them, or the plan's cache sizes plus them), each prompt borrows cold-cache
+  // slots for them (OffloadOptions::prefill_in_cache) and Open logs it; with a cold region too small for that too,
+  // prefill runs token by token.
   bool batched_prefill = true;
+  // Borrow the cold slots even when the budget would have room (a comparison).
+  bool prefill_in_cache = false;
   // Two-phase loading of cold misses (OffloadOptions::two_phase): predictor mode with a layout that allows it.
   bool two_phase = false;
   // Cross-layer lookahead bundles per buffer (OffloadOptions::lookahead_slots; -1: n_ff / 8, 0: off).

@@ -549,6 +549,62 @@ TEST(NeuronCacheTest, OverflowPoolIsOptional) {
   EXPECT_FALSE(r.CanPlace(0)) << "CanPlace speaks for the partition only";
 }
 
+// Lend (batched prefill's buffers in cold slots): the lent slots' units are dropped and the slots are never handed out
+// until Reclaim, whichever partition they belong to; pinned slots cannot be lent; after Reclaim every slot serves again.
+TEST(NeuronCacheTest, LentSlotsAreOutOfServiceUntilReclaimed) {
+  RegionConfig c = Region(2, 10, {3, 3}, 0);
+  c.overflow_slots = 2;  // slots 0-2 layer 0, 3-5 layer 1, 6-7 pool
+  std::vector<uint8_t> memory(8 * AlignSlot(kBundle));
+  auto region = SlotRegion::Create(c, memory.data());
+  ASSERT_TRUE(region.ok());
+  SlotRegion& r = **region;
+  // Fill every slot: units 0-4 of layer 0 (3 in its partition, 2 in the pool), units 0-2 of layer 1.
+  std::vector<int32_t> slot_of(8, -1);
+  for (int u = 0; u < 5; ++u) slot_of[u] = r.Acquire(0, u).slot;
+  for (int u = 0; u < 3; ++u) slot_of[5 + u] = r.Acquire(1, u).slot;
+  for (int32_t s : slot_of) ASSERT_GE(s, 0);
+  // A pinned slot in the range: refused, nothing changes.
+  EXPECT_FALSE(r.Lend(4, 4).ok());
+  EXPECT_EQ(r.lent_count(), 0);
+  EXPECT_FALSE(r.Lend(7, 2).ok()) << "past the region's end";
+  for (int32_t s : slot_of) r.Release(s);
+  // Lend the last 4 slots (layer 1's partition from slot 4 and the pool).
+  ASSERT_TRUE(r.Lend(4, 4).ok());
+  EXPECT_EQ(r.lent_count(), 4);
+  EXPECT_FALSE(r.Lend(0, 1).ok()) << "one loan at a time";
+  for (int u = 0; u < 5; ++u) {
+    for (int g = 0; g < 2; ++g) {
+      const int32_t s = r.Find(g, u);
+      EXPECT_TRUE(s < 4) << "unit " << g << "/" << u << " still mapped to lent slot " << s;
+    }
+  }
+  // Any number of misses from both layers never lands in a lent slot.
+  for (int round = 0; round < 3; ++round) {
+    for (int g = 0; g < 2; ++g) {
+      for (int u = 0; u < 10; ++u) {
+        const auto l = r.Acquire(g, u);
+        EXPECT_LT(l.slot, 4) << "layer " << g << " unit " << u;
+        if (l.slot >= 0) r.Release(l.slot);
+      }
+    }
+  }
+  // Reclaimed: all 8 slots hold units again (10 distinct units of layer 0 over its partition and the pool, 10 of
+  // layer 1 over its partition and the pool: every slot gets used).
+  r.Reclaim();
+  EXPECT_EQ(r.lent_count(), 0);
+  std::vector<int> used(8, 0);
+  for (int u = 0; u < 10; ++u) {
+    for (int g = 0; g < 2; ++g) {
+      const auto l = r.Acquire(g, u);
+      if (l.slot >= 0) {
+        used[static_cast<size_t>(l.slot)] = 1;
+        r.Release(l.slot);
+      }
+    }
+  }
+  EXPECT_EQ(std::count(used.begin(), used.end(), 1), 8);
+}
+
 TEST(NeuronCacheTest, RejectsInvalidConfigs) {
   auto expect_invalid = [](const NeuronCacheConfig& config, const std::string& needle) {
     auto cache = NeuronCache::Create(config);

@@ -2,7 +2,8 @@
 // reads and GEMMs gives, logit for logit at every prompt position, the token-by-token offloaded run (bitwise, oracle)
 // and the in-memory engine (the in-memory sparse FFN bitwise; the dense engine within float tolerance), on
 // stories260K-relu (F32) and a small synthetic Q8_0 model; predictor deployments prefill densely; budgets without
-// room for the two layer buffers fall back to token by token; the hot region is warmed by prefill.
+// room for the two layer buffers borrow cold-cache slots for them, and a cold region too small for that falls back
+// to token by token; the hot region is warmed by prefill.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -203,8 +204,8 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
     }
   }
 
-  // A budget with room for the fixed part but not for the two layer buffers: prefill falls back to token by token,
-  // with the same logits.
+  // A budget with room for the fixed part but not for the two layer buffers: prefill borrows cold-cache slots for
+  // them (the cold region holds them here), with the same logits; decode takes the slots back.
   SparseRuntimeOptions o;
   o.active_set = ActiveSetSource::kOracle;
   o.batched_prefill = true;
@@ -219,7 +220,8 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
   o.memory_budget = fixed_without + buffers / 2;
   auto small = SparseRuntime::Open(dir_->File("s-deploy"), o, pool_);
   ASSERT_TRUE(small.ok()) << small.status().ToString();
-  EXPECT_FALSE((*small)->ffn().batched_prefill());
+  EXPECT_TRUE((*small)->ffn().batched_prefill());
+  EXPECT_TRUE((*small)->ffn().prefill_in_cache());
   EXPECT_EQ((*small)->ffn().prefill_bytes(), 0u);
   // Buffers not allocated are not counted (the fixed part may be smaller still: with a budget, the miss staging
   // reserve becomes cold slots).
@@ -229,7 +231,25 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
   ASSERT_TRUE(fallback.ok());
   auto ref3 = std::vector<std::vector<float>>(ref->begin(), ref->begin() + static_cast<long>(prompt.size()) + 3);
   ExpectBitwise(*fallback, ref3);
-  // With room for them, they are used and counted.
+  EXPECT_EQ((*small)->ffn().prefill_stats().layers, (*small)->model().hparams().n_layers) << "one batched prompt";
+  EXPECT_EQ((*small)->ffn().cache().cold().lent_count(), 0) << "decode took the lent slots back";
+  // A second prompt after decode lends them again and still matches (the cache held decode's bundles meanwhile).
+  (*small)->context().Reset();
+  auto again = Logits((*small)->context(), n_vocab, prompt, 3);
+  ASSERT_TRUE(again.ok());
+  ExpectBitwise(*again, ref3);
+  // Cold slots fewer than the buffers need: token by token.
+  SparseRuntimeOptions tiny = o;
+  tiny.memory_budget = 0;
+  tiny.prefill_in_cache = true;
+  tiny.cold_overflow = false;
+  tiny.cold_slots_per_group.assign(static_cast<size_t>((*small)->model().hparams().n_layers), 1);
+  auto few = SparseRuntime::Open(dir_->File("s-deploy"), tiny, pool_);
+  ASSERT_TRUE(few.ok()) << few.status().ToString();
+  EXPECT_FALSE((*few)->ffn().batched_prefill());
+  auto token_path = Logits((*few)->context(), n_vocab, prompt, 3);
+  ASSERT_TRUE(token_path.ok());
+  ExpectBitwise(*token_path, ref3);  // With room for them, they are used and counted.
   o.memory_budget = fixed_without + buffers + (size_t{1} << 20);
   auto roomy = SparseRuntime::Open(dir_->File("s-deploy"), o, pool_);
   ASSERT_TRUE(roomy.ok()) << roomy.status().ToString();

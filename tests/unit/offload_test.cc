@@ -290,6 +290,7 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     bool shared_from_per_layer = false;  // per-layer sizes given, run as one shared pool (--cold-pool shared)
     int64_t per_layer_slots = 40;
     int64_t hot = 1;
+    bool prefill_in_cache = false;  // batched prefill in lent cold slots (the lookahead's pins dropped first)
   };
   const Config configs[] = {
       {false, 0, false, true}, {false, -1, false, true}, {false, 3, false, false},
@@ -300,17 +301,21 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
       {false, -1, true, true, false, 12},
       // The same without a hot region: every neuron goes through the cold path, so the cache's lookups can be counted.
       {false, -1, true, true, false, 12, 0},
+      {false, -1, true, true, false, 40, 1, true},
+      {false, 3, false, true, false, 40, 0, true},
   };
   for (const Config& c : configs) {
     SCOPED_TRACE(std::string(c.predictor ? "predictor" : "oracle") + " lookahead " + std::to_string(c.lookahead) +
                  (c.per_layer ? " per-layer cold slots" : " shared cold pool") +
-                 (c.batched_prefill ? "" : " token prefill") + (c.shared_from_per_layer ? " (shared)" : ""));
+                 (c.batched_prefill ? "" : " token prefill") + (c.shared_from_per_layer ? " (shared)" : "") +
+                 (c.prefill_in_cache ? " prefill in cache" : ""));
     SparseRuntimeOptions o;
     o.active_set = c.predictor ? ActiveSetSource::kAuto : ActiveSetSource::kOracle;
     o.lookahead_slots = c.lookahead;
     o.hot_slots = c.hot;
     o.batched_prefill = c.batched_prefill;
     o.shared_cold_pool = c.shared_from_per_layer;
+    o.prefill_in_cache = c.prefill_in_cache;
     if (c.per_layer) {
       o.cold_slots_per_group.assign(5, c.per_layer_slots);
     } else {
@@ -322,6 +327,8 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(20, ref.tokens.size()));
     ASSERT_TRUE(run.ok()) << run.status().ToString();
     ASSERT_TRUE(SameLogits(*run, ref));
+    EXPECT_EQ((*rt)->ffn().prefill_in_cache(), c.prefill_in_cache);
+    EXPECT_EQ((*rt)->ffn().cache().cold().lent_count(), 0);
     const OffloadGroupStats st = (*rt)->ffn().TotalStats();
     const int64_t cap = c.lookahead < 0 ? (*rt)->model().hparams().n_ff / 8 : c.lookahead;
     EXPECT_EQ((*rt)->ffn().lookahead_slots(), cap);
