@@ -41,7 +41,9 @@ Result<Floors> ComputeFloors(const HardwareParams& hw, const DecodeWork& work) {
     if (hw.random_reads.empty()) {
       return Status::InvalidArgument("hardware profile: no random-read results, but the run read from flash");
     }
-    const double mean_request = work.read_bytes / std::max(work.read_requests, 1.0);
+    // Per-token averages: fewer than one request a token is common with a warm cache (not clamped to 1, which made
+    // the mean request smaller than any real one).
+    const double mean_request = work.read_requests > 0 ? work.read_bytes / work.read_requests : work.read_bytes;
     const double mbs = hw.ReadMbps(static_cast<uint64_t>(mean_request + 0.5), std::max(work.queue_depth, 1));
     if (!(mbs > 0)) {
       return Status::InvalidArgument("hardware profile: random-read throughput at " +

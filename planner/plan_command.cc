@@ -180,9 +180,8 @@ Status RunPlan(const PlanFlags& f) {
     ThreadPool pool(limits.cores > 0 ? std::min(limits.cores, raw_hw.cores) : raw_hw.cores);
     sparse::SparseRuntimeOptions ro;
     ro.n_ctx = f.n_ctx;
-    // Without the batched-prefill buffers: under a plan the runtime allocates them only if they fit beside the plan's
-    // caches (the solver fills the memory, so they usually do not), and counting them made every limit below
-    // fixed + 2 layers infeasible although the runtime ran there.
+    // Without the batched-prefill buffers: under a budget the runtime lends cold-cache slots for them per prompt
+    // (counting them made every limit below fixed + 2 layers infeasible although the runtime ran there).
     ro.batched_prefill = false;
     NF_ASSIGN_OR_RETURN(auto rt, sparse::SparseRuntime::Open(f.deploy, ro, &pool));
     fixed = rt->fixed();

@@ -348,8 +348,8 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                 "Prefill token by token through the decode path instead of whole layers (no prefill buffers): a "
                 "comparison only");
   cmd->add_flag("--prefill-in-cache", flags->prefill_in_cache,
-                "Batched prefill in cold-cache slots lent for each prompt even when the budget has room for its own "
-                "buffers (the default only when it has not): a comparison only")
+                "Batched prefill in cold-cache slots lent for each prompt also without --memory (the default under a "
+                "memory budget): a comparison only")
       ->excludes("--token-prefill");
   cmd->add_option("--cold-protected", flags->cold_protected,
                   "Share of each cold partition kept for neurons hit since they were loaded (segmented LRU; 0: plain "

@@ -81,25 +81,11 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   const int64_t asked_cold = explicit_split ? std::accumulate(options.cold_slots_per_group.begin(),
                                                               options.cold_slots_per_group.end(), int64_t{0})
                                             : options.cold_slots;
-  // Batched prefill's layer buffers, if the budget has room for them beside the rest of the fixed part (and the
-  // caches the plan asks for); else in cold-cache slots lent for each prompt (OffloadOptions::prefill_in_cache).
+  // Batched prefill's buffers: under a memory budget, cold-cache slots lent for each prompt
+  // (OffloadOptions::prefill_in_cache), so that decode keeps that memory as cache (a cold region too small for them:
+  // token by token); without a budget, memory of their own, counted as scratch.
   const bool batched_prefill = options.batched_prefill && OffloadFfn::PrefillBufferBytes(d) > 0;
-  bool prefill_in_cache = batched_prefill && options.prefill_in_cache;
-  if (batched_prefill && !prefill_in_cache && options.memory_budget > 0) {
-    FixedMemory with = f;
-    with.scratch += OffloadFfn::PrefillBufferBytes(d);
-    uint64_t need = with.Total();
-    if (explicit_split) {
-      need += static_cast<uint64_t>(asked_cold) * shape.cold_slot_bytes +
-              static_cast<uint64_t>(asked_hot) * shape.hot_slot_bytes;
-    }
-    if (need > options.memory_budget) {
-      prefill_in_cache = true;
-      NF_LOG(Info) << "batched prefill: its buffers (" << FormatBytes(OffloadFfn::PrefillBufferBytes(d))
-                   << ") do not fit the memory budget " << FormatBytes(options.memory_budget)
-                   << " beside the rest; each prompt borrows cold-cache slots for them";
-    }
-  }
+  const bool prefill_in_cache = batched_prefill && (options.prefill_in_cache || options.memory_budget > 0);
   if (batched_prefill && !prefill_in_cache) f.scratch += OffloadFfn::PrefillBufferBytes(d);
   const uint64_t full_staging = static_cast<uint64_t>(hp.n_ff) * shape.cold_slot_bytes;  // counted in f.scratch
   if (options.memory_budget > 0 && !explicit_split) {

@@ -57,12 +57,11 @@ struct SparseRuntimeOptions {
   // OffloadOptions::cold_protected_fraction.
   double cold_protected_fraction = kDefaultColdProtectedFraction;
   io::DirectReaderOptions io;
-  // Batched prefill (OffloadFfn): two layer buffers counted as scratch in the fixed part. When they do not fit the
-  // memory budget (the fixed part with them, or the plan's cache sizes plus them), each prompt borrows cold-cache
-  // slots for them (OffloadOptions::prefill_in_cache) and Open logs it; with a cold region too small for that too,
-  // prefill runs token by token.
+  // Batched prefill (OffloadFfn). Under a memory budget its buffers are cold-cache slots lent for each prompt
+  // (OffloadOptions::prefill_in_cache; with a cold region too small for them prefill runs token by token, logged);
+  // without one, two layer buffers and scratch of their own, counted in the fixed part.
   bool batched_prefill = true;
-  // Borrow the cold slots even when the budget would have room (a comparison).
+  // Lend the cold slots without a memory budget too (a comparison).
   bool prefill_in_cache = false;
   // Two-phase loading of cold misses (OffloadOptions::two_phase): predictor mode with a layout that allows it.
   bool two_phase = false;

@@ -204,8 +204,9 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
     }
   }
 
-  // A budget with room for the fixed part but not for the two layer buffers: prefill borrows cold-cache slots for
-  // them (the cold region holds them here), with the same logits; decode takes the slots back.
+  // Without a budget the buffers are memory of their own, counted in the fixed part. Under a budget (here one with
+  // room for the fixed part but not for the buffers) prefill borrows cold-cache slots for them (the cold region
+  // holds them here), with the same logits; decode takes the slots back.
   SparseRuntimeOptions o;
   o.active_set = ActiveSetSource::kOracle;
   o.batched_prefill = true;
@@ -249,11 +250,16 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
   EXPECT_FALSE((*few)->ffn().batched_prefill());
   auto token_path = Logits((*few)->context(), n_vocab, prompt, 3);
   ASSERT_TRUE(token_path.ok());
-  ExpectBitwise(*token_path, ref3);  // With room for them, they are used and counted.
+  ExpectBitwise(*token_path, ref3);
+  // A budget with room for the buffers beside the rest lends them too: the memory is cache while decoding.
   o.memory_budget = fixed_without + buffers + (size_t{1} << 20);
   auto roomy = SparseRuntime::Open(dir_->File("s-deploy"), o, pool_);
   ASSERT_TRUE(roomy.ok()) << roomy.status().ToString();
   EXPECT_TRUE((*roomy)->ffn().batched_prefill());
+  EXPECT_TRUE((*roomy)->ffn().prefill_in_cache());
+  EXPECT_EQ((*roomy)->ffn().prefill_bytes(), 0u);
+  EXPECT_LE((*roomy)->fixed().Total(), fixed_without);
+  EXPECT_GE((*roomy)->split().cold_bytes, (*small)->split().cold_bytes + buffers / 2);
   EXPECT_LE((*roomy)->fixed().Total() + (*roomy)->split().hot_bytes + (*roomy)->split().cold_bytes, o.memory_budget);
 }
 
