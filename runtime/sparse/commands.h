@@ -31,6 +31,7 @@ struct RuntimeFlags {
   bool buffered = false;
   bool token_prefill = false;
   bool prefill_in_cache = false;
+  int64_t prefill_batch_min = kDefaultBatchedPrefillMinTokens;
   bool no_scatter = false;
   bool no_cold_overflow = false;
   double cold_protected = kDefaultColdProtectedFraction;

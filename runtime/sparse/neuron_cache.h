@@ -120,6 +120,8 @@ class SlotRegion {
   const RegionConfig& config() const { return config_; }
   const CacheCounters& counters(int64_t group) const { return counters_[group]; }
   CacheCounters TotalCounters() const;
+  // Overwrites one group's counters, e.g. to leave out the lookups of cache warming (they are not a token's).
+  void SetCounters(int64_t group, const CacheCounters& counters) { counters_[static_cast<size_t>(group)] = counters; }
   void ResetCounters();
 
  private:

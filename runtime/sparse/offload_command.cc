@@ -295,6 +295,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->io.buffered = f.buffered;
   o->batched_prefill = !f.token_prefill;
   o->prefill_in_cache = f.prefill_in_cache;
+  o->batched_prefill_min_tokens = f.prefill_batch_min;
   o->scatter_reads = !f.no_scatter;
   o->cold_overflow = !f.no_cold_overflow;
   o->cold_protected_fraction = f.cold_protected;
@@ -351,6 +352,11 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                 "Batched prefill in cold-cache slots lent for each prompt also without --memory (the default under a "
                 "memory budget): a comparison only")
       ->excludes("--token-prefill");
+  cmd->add_option("--prefill-batch-min", flags->prefill_batch_min,
+                  "Prompts (batches) shorter than this prefill token by token through the decode path: a batched "
+                  "prefill reads the whole FFN from flash")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   cmd->add_option("--cold-protected", flags->cold_protected,
                   "Share of each cold partition kept for neurons hit since they were loaded (segmented LRU; 0: plain "
                   "LRU)")

@@ -336,7 +336,7 @@ Result<bool> OffloadFfn::Forward(int64_t layer, int64_t expert, const Activation
     NF_RETURN_IF_ERROR(ForwardToken(group, layer, expert, x, out, /*lookahead=*/true));
     return true;
   }
-  if (batched_prefill() && expert < 0) {
+  if (batched_prefill() && expert < 0 && x.n() >= options_.batched_prefill_min_tokens) {
     NF_RETURN_IF_ERROR(ForwardBatch(layer, x, out));
     return true;
   }

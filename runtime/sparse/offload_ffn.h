@@ -51,6 +51,12 @@
 
 namespace nflash::sparse {
 
+// Shorter batches prefill token by token through the decode path (OffloadOptions::batched_prefill_min_tokens): a
+// batched prefill streams every FFN byte of the model (1376 MiB for the SYNTHETIC 16-layer 7B), which on this
+// project's machine costs about what ~50 decode-path tokens do (74 tokens: 1.82 s batched against 2.35 s token by
+// token), while the decode path reads only the misses of a warm cache.
+inline constexpr int64_t kDefaultBatchedPrefillMinTokens = 64;
+
 enum class OffloadMode { kFull, kLlmFlash };
 const char* OffloadModeName(OffloadMode mode);
 
@@ -123,6 +129,8 @@ struct OffloadOptions {
   // what those slots held, instead of running token by token. Needs a cold region of PrefillBufferBytes at least
   // (else prefill runs token by token).
   bool prefill_in_cache = false;
+  // Batches of fewer tokens than this go token by token through the decode path even with batched_prefill.
+  int64_t batched_prefill_min_tokens = kDefaultBatchedPrefillMinTokens;
   // Two-phase loading of cold misses (see "Two-phase loading" below): the gate page first, the up+down part only for
   // neurons whose gate passes the activation test. Applies only with a predictor and a layout of one bundle per
   // group whose gate part lies in the group's first page and whose group is longer than that page; otherwise Create
@@ -171,6 +179,9 @@ inline constexpr uint64_t kTwoPhasePageBytes = 4096;  // kDeployAlignment: the O
 inline constexpr size_t kPrefillRequestBytes = size_t{1} << 20;
 // Tokens per batched-prefill tile: the gate/up outputs of a tile (2 x tile x n_ff floats) stay a few MiB at 7B scale.
 inline constexpr int64_t kPrefillTokenTile = 64;
+// Prompt tokens whose used neurons warm the cold region after a batched prefill (WarmColdRegion): the recent past an
+// LRU cache holds after token-by-token prefill, at ReLU sparsity ~0.9 about one 7B partition's worth.
+inline constexpr int64_t kWarmTokens = 8;
 
 // Batched prefill, summed over layers.
 struct OffloadPrefillStats {
@@ -184,6 +195,7 @@ struct OffloadPrefillStats {
   uint64_t compute_ns = 0;     // gate/up GEMM, activation, down accumulation
   uint64_t gate_up_ns = 0;     // of which the gate/up GEMM
   int64_t warmed_clusters = 0; // hot clusters copied into the hot region
+  int64_t warmed_bundles = 0;  // cold bundles copied into the cold region (WarmColdRegion)
   int64_t retries = 0;
 };
 
@@ -338,6 +350,11 @@ class OffloadFfn : public FfnBackend {
   // Drops a prefetch still in flight (before the I/O thread is used for something else).
   void CancelPrefetch();
   void WarmHotRegion(int64_t group, const packer::RegionInfo& region, const uint8_t* buf);
+  // Puts into the cold region the bundles of the neurons the prompt's last tokens used (warm_tokens_, the newest
+  // first, up to the group's partition), copied from the layer buffer `buf`, so that decode starts with the working set
+  // token-by-token prefill would have left in the cache. Acquired oldest token first: the last token's are the most
+  // recently used.
+  void WarmColdRegion(int64_t group, const packer::RegionInfo& region, const uint8_t* buf);
   // One token (x.n() == 1); `lookahead`: may read ahead for the next layer.
   Status ForwardToken(int64_t group, int64_t layer, int64_t expert, const Activation& x, float* out, bool lookahead);
   // Whether slot `s` of `group` is served by the hot region (pinned: its cluster is pinned; LRU: the packer's hot part,
@@ -505,6 +522,9 @@ class OffloadFfn : public FfnBackend {
   int pending_buf_ = -1;                  // buffer whose read the I/O thread runs, -1 none
   std::vector<ReadRequest> prefill_reqs_[2];
   std::vector<size_t> prefill_chunks_[2];
+  std::vector<std::vector<int32_t>> warm_tokens_;  // the last kWarmTokens prompt tokens' used neurons, oldest first
+  std::vector<uint8_t> warm_seen_;                  // per neuron, WarmColdRegion's scratch
+  std::vector<int32_t> warm_rows_;
   float* pf_gate_ = nullptr;              // kPrefillTokenTile x n_ff, slot-view order (see ForwardBatch)
   float* pf_up_ = nullptr;
   OffloadPrefillStats prefill_stats_;

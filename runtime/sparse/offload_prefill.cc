@@ -72,6 +72,11 @@ Status OffloadFfn::InitPrefill() {
   if (!options_.batched_prefill) return Status::Ok();
   const uint64_t bytes = PrefillBufferBytes(deploy_);
   if (bytes == 0) return Status::Ok();
+  const auto n_ff = static_cast<size_t>(deploy_.manifest().n_ff);
+  warm_tokens_.resize(static_cast<size_t>(kWarmTokens));
+  for (auto& t : warm_tokens_) t.reserve(n_ff);
+  warm_seen_.assign(n_ff, 0);
+  warm_rows_.reserve(n_ff);
   if (options_.prefill_in_cache) {
     SlotRegion& cold = cache_->cold();
     const uint64_t slots = (bytes + cold.slot_stride() - 1) / std::max<size_t>(1, cold.slot_stride());
@@ -229,6 +234,42 @@ Status OffloadFfn::FinishRegionRead(int64_t layer, int buf) {
   return Status::Ok();
 }
 
+void OffloadFfn::WarmColdRegion(int64_t group, const packer::RegionInfo& region, const uint8_t* buf) {
+  SlotRegion& cold = cache_->cold();
+  if (cold.SlotCount() == 0) return;
+  const RegionConfig& cc = cold.config();
+  const int64_t room = cc.slots_per_group.empty() ? cc.shared_slots / std::max<int64_t>(1, n_groups_)
+                                                  : cc.slots_per_group[static_cast<size_t>(group)];
+  // Newest token first, up to the partition's size; then acquired in the reverse order (oldest first).
+  warm_rows_.clear();
+  for (auto t = warm_tokens_.rbegin(); t != warm_tokens_.rend(); ++t) {
+    for (int32_t n : *t) {
+      if (warm_seen_[static_cast<size_t>(n)] || HotPath(group, region, region.slot_of_neuron[n])) continue;
+      if (static_cast<int64_t>(warm_rows_.size()) >= room) break;
+      warm_seen_[static_cast<size_t>(n)] = 1;
+      warm_rows_.push_back(n);
+    }
+  }
+  const packer::BundleLayout& lay = deploy_.layout();
+  const size_t size = static_cast<size_t>(ColdReadBytes(lay));
+  const CacheCounters before = cold.counters(group);  // warming is not a token's lookups
+  for (auto it = warm_rows_.rbegin(); it != warm_rows_.rend(); ++it) {
+    const int32_t n = *it;
+    warm_seen_[static_cast<size_t>(n)] = 0;
+    // Never the overflow pool: it is the room a layer's misses are guaranteed (and mostly lent during prefill).
+    const SlotRegion::Lookup l = cold.Acquire(group, n, /*use_overflow=*/false);
+    if (l.slot < 0) continue;
+    if (!l.hit) {
+      // The bytes were verified against their checksums when the region was read (FinishRegionRead).
+      std::memcpy(cold.SlotData(l.slot), buf + lay.SlotOffset(region.slot_of_neuron[n]), size);
+      cold_complete_[static_cast<size_t>(l.slot)] = 1;
+      ++prefill_stats_.warmed_bundles;
+    }
+    cold.Release(l.slot);
+  }
+  cold.SetCounters(group, before);
+}
+
 void OffloadFfn::WarmHotRegion(int64_t group, const packer::RegionInfo& region, const uint8_t* buf) {
   SlotRegion& hot = cache_->hot();
   // Pinned clusters were loaded at Create and are never replaced.
@@ -356,6 +397,11 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
       float* y = out + (t0_tok + t) * dim;
       std::fill(y, y + dim, 0.0f);
       AccumulateRows(down, used_rows_, used_hidden_.data(), y, pool_);
+      // The last prompt tokens' neurons, for WarmColdRegion (oldest first).
+      const int64_t back = x.n() - (t0_tok + t);  // 1 for the last token
+      if (back <= kWarmTokens) {
+        warm_tokens_[static_cast<size_t>(kWarmTokens - back)].assign(used_rows_.begin(), used_rows_.end());
+      }
     }
   }
   prefill_stats_.compute_ns += SteadyNowNs() - t0;
@@ -366,8 +412,11 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
                                                prefill_stats_.verify_ns - layer_start.verify_ns,
                                                prefill_stats_.compute_ns - layer_start.compute_ns});
 
-  // 4. Decode starts warm: the hot clusters just read go into the hot region.
+  // 4. Decode starts warm: the hot clusters just read go into the hot region, the neurons the last prompt tokens
+  // used into the cold region.
   WarmHotRegion(group, *region, data);
+  for (int64_t i = 0; i < kWarmTokens - std::min(kWarmTokens, x.n()); ++i) warm_tokens_[static_cast<size_t>(i)].clear();
+  WarmColdRegion(group, *region, data);
 
   // One line per prompt: where prefill's time went (exposed I/O vs checksums vs compute), per layer.
   if (layer == hp.n_layers - 1) {
@@ -381,7 +430,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
                  << (z.verify_ns - a.verify_ns) / 1e6 / layers << " ms, compute "
                  << (z.compute_ns - a.compute_ns) / 1e6 / layers << " ms (gate/up GEMM "
                  << (z.gate_up_ns - a.gate_up_ns) / 1e6 / layers << " ms); " << (z.warmed_clusters - a.warmed_clusters)
-                 << " hot clusters warmed";
+                 << " hot clusters and " << (z.warmed_bundles - a.warmed_bundles) << " cold bundles warmed";
   }
   return Status::Ok();
 }

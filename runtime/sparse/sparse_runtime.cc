@@ -159,6 +159,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.cold_protected_fraction = options.cold_protected_fraction;
   oo.batched_prefill = batched_prefill;
   oo.prefill_in_cache = prefill_in_cache;
+  oo.batched_prefill_min_tokens = options.batched_prefill_min_tokens;
   oo.two_phase = options.two_phase;
   oo.lookahead_slots = options.lookahead_slots;
   oo.lookahead_keep = options.lookahead_keep;

@@ -63,6 +63,8 @@ struct SparseRuntimeOptions {
   bool batched_prefill = true;
   // Lend the cold slots without a memory budget too (a comparison).
   bool prefill_in_cache = false;
+  // OffloadOptions::batched_prefill_min_tokens.
+  int64_t batched_prefill_min_tokens = kDefaultBatchedPrefillMinTokens;
   // Two-phase loading of cold misses (OffloadOptions::two_phase): predictor mode with a layout that allows it.
   bool two_phase = false;
   // Cross-layer lookahead bundles per buffer (OffloadOptions::lookahead_slots; -1: n_ff / 8, 0: off).

@@ -128,6 +128,7 @@ double ExpectedIoMs(const nlohmann::json& row) {
   const double bytes = row["mb_read_per_token"].get<double>() * 1e6;
   const double requests = row["requests_per_token"].is_number() ? row["requests_per_token"].get<double>()
                                                                  : row["reads_per_token"].get<double>();
+  if (bytes == 0) return 0.0;  // a warm cache that held every neuron the tokens used
   // The test profile: 100 MB/s from 4 KiB requests up; below, the same IOPS (throughput in proportion to the size).
   // The floor takes the mean request in whole bytes.
   const double mean_request = std::round(bytes / requests);

@@ -233,6 +233,7 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
   auto ref3 = std::vector<std::vector<float>>(ref->begin(), ref->begin() + static_cast<long>(prompt.size()) + 3);
   ExpectBitwise(*fallback, ref3);
   EXPECT_EQ((*small)->ffn().prefill_stats().layers, (*small)->model().hparams().n_layers) << "one batched prompt";
+  EXPECT_GT((*small)->ffn().prefill_stats().warmed_bundles, 0) << "the last prompt tokens' neurons warm the cold region";
   EXPECT_EQ((*small)->ffn().cache().cold().lent_count(), 0) << "decode took the lent slots back";
   // A second prompt after decode lends them again and still matches (the cache held decode's bundles meanwhile).
   (*small)->context().Reset();
@@ -261,6 +262,16 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
   EXPECT_LE((*roomy)->fixed().Total(), fixed_without);
   EXPECT_GE((*roomy)->split().cold_bytes, (*small)->split().cold_bytes + buffers / 2);
   EXPECT_LE((*roomy)->fixed().Total() + (*roomy)->split().hot_bytes + (*roomy)->split().cold_bytes, o.memory_budget);
+  // A prompt shorter than batched_prefill_min_tokens goes through the decode path: no batched layer, same logits.
+  o.batched_prefill_min_tokens = static_cast<int64_t>(prompt.size()) + 1;
+  auto shorter = SparseRuntime::Open(dir_->File("s-deploy"), o, pool_);
+  ASSERT_TRUE(shorter.ok()) << shorter.status().ToString();
+  EXPECT_TRUE((*shorter)->ffn().batched_prefill());
+  auto by_token = Logits((*shorter)->context(), n_vocab, prompt, 3);
+  ASSERT_TRUE(by_token.ok());
+  ExpectBitwise(*by_token, ref3);
+  EXPECT_EQ((*shorter)->ffn().prefill_stats().layers, 0);
+  EXPECT_EQ((*shorter)->ffn().prefill_stats().bytes_read, 0u);
 }
 
 TEST_F(OffloadPrefillTest, SyntheticQ8_0AndPredictorDeployment) {

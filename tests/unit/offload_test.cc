@@ -314,6 +314,7 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     o.lookahead_slots = c.lookahead;
     o.hot_slots = c.hot;
     o.batched_prefill = c.batched_prefill;
+    o.batched_prefill_min_tokens = 2;  // the prompt is short
     o.shared_cold_pool = c.shared_from_per_layer;
     o.prefill_in_cache = c.prefill_in_cache;
     if (c.per_layer) {
