@@ -575,6 +575,56 @@ TEST_F(OffloadTest, PersistentFaultsAreReportedWithLayerNeuronAndOffset) {
   }
 }
 
+// Batched prefill in lent cold slots, with a bit flipped in layer 1's region: the prefetch of that region (I/O thread)
+// delivers it, the checksums find it; a transient fault is read again and the run is exact; one that persists through
+// the retry is reported for layer 1 with its neuron and offset. Either way the runtime stays usable: the next prompt
+// (the slots still lent after the failure) and its decode give the reference bitwise, and every slot comes back.
+TEST_F(OffloadTest, LentBatchedPrefillFaultsAreRetriedOrReported) {
+  for (int count : {1, 2}) {
+    SCOPED_TRACE(count == 1 ? "transient" : "persists through the retry");
+    FaultInjectingFile* fi = nullptr;
+    SparseRuntimeOptions o;
+    o.active_set = ActiveSetSource::kOracle;
+    o.cold_slots = 150;
+    o.hot_slots = 1;
+    o.prefill_in_cache = true;
+    o.batched_prefill_min_tokens = 2;
+    o.wrap_flash = [&fi](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
+      auto f = std::make_shared<FaultInjectingFile>(std::move(base));
+      fi = f.get();
+      return f;
+    };
+    auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    ASSERT_TRUE((*rt)->ffn().prefill_in_cache());
+    const packer::RegionInfo* layer1 = (*rt)->deployment().Region(1, -1);
+    ASSERT_NE(layer1, nullptr);
+    fi->AddRule({FaultInjectingFile::Fault::kBitFlip, layer1->offset, layer1->size, count});
+    InferenceContext& ctx = (*rt)->context();
+    if (count == 1) {
+      auto run = Greedy(ctx, n_vocab_, 10);
+      ASSERT_TRUE(run.ok()) << run.status().ToString();
+      ASSERT_TRUE(SameLogits(*run, *sparse_));
+      EXPECT_EQ((*rt)->ffn().prefill_stats().retries, 1);
+    } else {
+      Status s = ctx.Eval(kPrompt, false);
+      ASSERT_FALSE(s.ok());
+      EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+      EXPECT_NE(s.message().find("prefill: layer 1 neuron "), std::string::npos) << s.message();
+      EXPECT_NE(s.message().find("ffn.bin offset"), std::string::npos) << s.message();
+      EXPECT_GT((*rt)->ffn().cache().cold().lent_count(), 0) << "the failed prompt still holds its lent slots";
+      EXPECT_EQ(fi->InjectedCount(), 2);
+      ctx.Reset();
+      auto run = Greedy(ctx, n_vocab_, 10);
+      ASSERT_TRUE(run.ok()) << run.status().ToString();
+      ASSERT_TRUE(SameLogits(*run, *sparse_));
+    }
+    const SlotRegion& cold = (*rt)->ffn().cache().cold();
+    EXPECT_EQ(cold.lent_count(), 0);
+    for (int32_t s = 0; s < cold.SlotCount(); ++s) ASSERT_EQ(cold.PinCount(s), 0) << "slot " << s << " still pinned";
+  }
+}
+
 // Faults in layer 1's bundles after the prompt, with lookahead on: they hit reads issued ahead (during layer 0) as
 // well as layer 1's own. A transient one leaves the result exact; a persistent one is reported for layer 1 after
 // one retry, and nothing stays pinned.
