@@ -120,14 +120,14 @@ struct OffloadOptions {
   // reader as fixed buffers; nullptr: the cache allocates its own.
   uint8_t* arena = nullptr;
   size_t arena_bytes = 0;
-  // Batched prefill through two layer buffers (PrefillBufferBytes); false: prefill runs token by token (e.g. when the
-  // memory budget has no room for the buffers).
+  // Batched prefill through two layer buffers (PrefillBufferBytes) for batches of batched_prefill_min_tokens or more;
+  // false: prefill runs token by token.
   bool batched_prefill = false;
   // With batched_prefill: its buffers are cold-region slots lent for the prompt (SlotRegion::Lend, the last slots of
-  // the region: the overflow pool first) instead of memory of their own; decode's next token takes them back. For a
-  // budget without room for the buffers beside the caches (a plan fills the memory): a prompt then costs the cache
-  // what those slots held, instead of running token by token. Needs a cold region of PrefillBufferBytes at least
-  // (else prefill runs token by token).
+  // the region: the overflow pool first) instead of memory of their own; decode's next token takes them back. The
+  // runtime sets it under a memory budget: a prompt then costs the cache what those slots held, instead of the
+  // buffers' memory for good (or, when a plan fills the memory, instead of token-by-token prefill). Needs a cold
+  // region of PrefillBufferBytes at least (else prefill runs token by token).
   bool prefill_in_cache = false;
   // Batches of fewer tokens than this go token by token through the decode path even with batched_prefill.
   int64_t batched_prefill_min_tokens = kDefaultBatchedPrefillMinTokens;
@@ -181,7 +181,7 @@ inline constexpr size_t kPrefillRequestBytes = size_t{1} << 20;
 inline constexpr int64_t kPrefillTokenTile = 64;
 // Prompt tokens whose used neurons warm the cold region after a batched prefill (WarmColdRegion): the recent past an
 // LRU cache holds after token-by-token prefill, at ReLU sparsity ~0.9 about one 7B partition's worth.
-inline constexpr int64_t kWarmTokens = 8;
+inline constexpr uint8_t kWarmTokens = 8;
 
 // Batched prefill, summed over layers.
 struct OffloadPrefillStats {
@@ -350,7 +350,7 @@ class OffloadFfn : public FfnBackend {
   // Drops a prefetch still in flight (before the I/O thread is used for something else).
   void CancelPrefetch();
   void WarmHotRegion(int64_t group, const packer::RegionInfo& region, const uint8_t* buf);
-  // Puts into the cold region the bundles of the neurons the prompt's last tokens used (warm_tokens_, the newest
+  // Puts into the cold region the bundles of the neurons the prompt's last tokens used (warm_age_, the newest
   // first, up to the group's partition), copied from the layer buffer `buf`, so that decode starts with the working set
   // token-by-token prefill would have left in the cache. Acquired oldest token first: the last token's are the most
   // recently used.
@@ -522,8 +522,8 @@ class OffloadFfn : public FfnBackend {
   int pending_buf_ = -1;                  // buffer whose read the I/O thread runs, -1 none
   std::vector<ReadRequest> prefill_reqs_[2];
   std::vector<size_t> prefill_chunks_[2];
-  std::vector<std::vector<int32_t>> warm_tokens_;  // the last kWarmTokens prompt tokens' used neurons, oldest first
-  std::vector<uint8_t> warm_seen_;                  // per neuron, WarmColdRegion's scratch
+  std::vector<uint8_t> warm_age_;   // per neuron: 1 + how many tokens before the batch's last it was last used
+                                    // (1..kWarmTokens), 0 when not among the last kWarmTokens (WarmColdRegion)
   std::vector<int32_t> warm_rows_;
   float* pf_gate_ = nullptr;              // kPrefillTokenTile x n_ff, slot-view order (see ForwardBatch)
   float* pf_up_ = nullptr;

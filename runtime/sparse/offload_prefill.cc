@@ -73,9 +73,7 @@ Status OffloadFfn::InitPrefill() {
   const uint64_t bytes = PrefillBufferBytes(deploy_);
   if (bytes == 0) return Status::Ok();
   const auto n_ff = static_cast<size_t>(deploy_.manifest().n_ff);
-  warm_tokens_.resize(static_cast<size_t>(kWarmTokens));
-  for (auto& t : warm_tokens_) t.reserve(n_ff);
-  warm_seen_.assign(n_ff, 0);
+  warm_age_.assign(n_ff, 0);
   warm_rows_.reserve(n_ff);
   if (options_.prefill_in_cache) {
     SlotRegion& cold = cache_->cold();
@@ -242,12 +240,12 @@ void OffloadFfn::WarmColdRegion(int64_t group, const packer::RegionInfo& region,
                                                   : cc.slots_per_group[static_cast<size_t>(group)];
   // Newest token first, up to the partition's size; then acquired in the reverse order (oldest first).
   warm_rows_.clear();
-  for (auto t = warm_tokens_.rbegin(); t != warm_tokens_.rend(); ++t) {
-    for (int32_t n : *t) {
-      if (warm_seen_[static_cast<size_t>(n)] || HotPath(group, region, region.slot_of_neuron[n])) continue;
-      if (static_cast<int64_t>(warm_rows_.size()) >= room) break;
-      warm_seen_[static_cast<size_t>(n)] = 1;
-      warm_rows_.push_back(n);
+  const auto n_ff = static_cast<int32_t>(warm_age_.size());
+  for (uint8_t age = 1; age <= kWarmTokens && static_cast<int64_t>(warm_rows_.size()) < room; ++age) {
+    for (int32_t n = 0; n < n_ff && static_cast<int64_t>(warm_rows_.size()) < room; ++n) {
+      if (warm_age_[static_cast<size_t>(n)] == age && !HotPath(group, region, region.slot_of_neuron[n])) {
+        warm_rows_.push_back(n);
+      }
     }
   }
   const packer::BundleLayout& lay = deploy_.layout();
@@ -255,7 +253,6 @@ void OffloadFfn::WarmColdRegion(int64_t group, const packer::RegionInfo& region,
   const CacheCounters before = cold.counters(group);  // warming is not a token's lookups
   for (auto it = warm_rows_.rbegin(); it != warm_rows_.rend(); ++it) {
     const int32_t n = *it;
-    warm_seen_[static_cast<size_t>(n)] = 0;
     // Never the overflow pool: it is the room a layer's misses are guaranteed (and mostly lent during prefill).
     const SlotRegion::Lookup l = cold.Acquire(group, n, /*use_overflow=*/false);
     if (l.slot < 0) continue;
@@ -362,6 +359,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   const float thr = oracle_ ? thresholds_[static_cast<size_t>(layer)] : 0.0f;
   const FfnActivation act = hp.activation;
   Activation tile_act;
+  std::fill(warm_age_.begin(), warm_age_.end(), uint8_t{0});
   std::vector<MatrixView> ws;
   std::vector<float*> ys;
   for (int64_t t0_tok = 0; t0_tok < x.n(); t0_tok += kPrefillTokenTile) {
@@ -397,10 +395,10 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
       float* y = out + (t0_tok + t) * dim;
       std::fill(y, y + dim, 0.0f);
       AccumulateRows(down, used_rows_, used_hidden_.data(), y, pool_);
-      // The last prompt tokens' neurons, for WarmColdRegion (oldest first).
+      // The last prompt tokens' neurons, for WarmColdRegion: tokens run oldest first, so a neuron keeps its newest use.
       const int64_t back = x.n() - (t0_tok + t);  // 1 for the last token
       if (back <= kWarmTokens) {
-        warm_tokens_[static_cast<size_t>(kWarmTokens - back)].assign(used_rows_.begin(), used_rows_.end());
+        for (int32_t n : used_rows_) warm_age_[static_cast<size_t>(n)] = static_cast<uint8_t>(back);
       }
     }
   }
@@ -415,7 +413,6 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   // 4. Decode starts warm: the hot clusters just read go into the hot region, the neurons the last prompt tokens
   // used into the cold region.
   WarmHotRegion(group, *region, data);
-  for (int64_t i = 0; i < kWarmTokens - std::min(kWarmTokens, x.n()); ++i) warm_tokens_[static_cast<size_t>(i)].clear();
   WarmColdRegion(group, *region, data);
 
   // One line per prompt: where prefill's time went (exposed I/O vs checksums vs compute), per layer.
