@@ -136,6 +136,12 @@ void SlotRegion::RebuildFree(Partition& p) {
   }
 }
 
+void SlotRegion::RebuildFreeOverlapping(int64_t first, int64_t end) {
+  for (auto& p : partitions_) {
+    if (p.first_slot < end && p.first_slot + p.n_slots > first) RebuildFree(p);
+  }
+}
+
 Status SlotRegion::Lend(int32_t first, int32_t count) {
   if (lent_count_ > 0) {
     return Status::Internal("neuron cache: " + std::to_string(lent_count_) + " slots are lent already");
@@ -160,19 +166,15 @@ Status SlotRegion::Lend(int32_t first, int32_t count) {
   }
   lent_first_ = first;
   lent_count_ = count;
-  for (auto& p : partitions_) {
-    if (p.first_slot < first + count && p.first_slot + p.n_slots > first) RebuildFree(p);
-  }
+  RebuildFreeOverlapping(first, first + count);
   return Status::Ok();
 }
 
 void SlotRegion::Reclaim() {
   if (lent_count_ == 0) return;
-  const int64_t first = lent_first_, end = lent_first_ + lent_count_;
+  const int64_t end = static_cast<int64_t>(lent_first_) + lent_count_;
   lent_count_ = 0;
-  for (auto& p : partitions_) {
-    if (p.first_slot < end && p.first_slot + p.n_slots > first) RebuildFree(p);
-  }
+  RebuildFreeOverlapping(lent_first_, end);
 }
 
 void SlotRegion::Unlink(int32_t s) {

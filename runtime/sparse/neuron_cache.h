@@ -151,6 +151,8 @@ class SlotRegion {
   void PushMru(int32_t slot, int segment);
   // Rebuilds partition `p`'s free stack from its slots that hold no unit and are not lent, ascending.
   void RebuildFree(Partition& p);
+  // RebuildFree of every partition with slots in [first, end) (a range lent or reclaimed).
+  void RebuildFreeOverlapping(int64_t first, int64_t end);
   bool IsLent(int64_t s) const { return s >= lent_first_ && s < lent_first_ + lent_count_; }
   // The least recently used unpinned slot of partition `p` (probation first), or -1.
   int32_t Victim(const Partition& p) const { return p.list[0].head >= 0 ? p.list[0].head : p.list[1].head; }

@@ -504,8 +504,8 @@ class OffloadFfn : public FfnBackend {
   };
   // Points the buffers below into `block` (PrefillBufferBytes: own memory, or lent cold slots).
   void CarvePrefill(uint8_t* block);
-  // In-cache prefill: lends the cold slots (after dropping the lookahead's pins) / takes them back (after draining
-  // reads into them); both no-ops in the other modes or when already done.
+  // In-cache prefill: lends the cold slots (the caller has dropped the lookahead and its pins) / takes them back
+  // (after draining reads into them); both no-ops in the other modes or when already done.
   Status LendPrefillMemory();
   void ReclaimPrefillMemory();
   struct PrefillBuffer {
@@ -515,6 +515,7 @@ class OffloadFfn : public FfnBackend {
   std::unique_ptr<uint8_t, AlignedFree> prefill_owned_;  // own memory (not in-cache)
   uint64_t prefill_block_bytes_ = 0;                      // PrefillBufferBytes when batched prefill is on, else 0
   bool prefill_in_cache_ = false;
+  int32_t prefill_slots_ = 0;                             // in-cache: the cold slots the buffers take
   int32_t prefill_lent_first_ = -1;                       // in-cache: the first lent cold slot while lent, else -1
   PrefillBuffer prefill_buf_[2];
   uint8_t* down_compact_ = nullptr;      // per neuron its down column (compact down matrix rows)

@@ -84,6 +84,7 @@ Status OffloadFfn::InitPrefill() {
       return Status::Ok();
     }
     prefill_in_cache_ = true;
+    prefill_slots_ = static_cast<int32_t>(slots);
     prefill_block_bytes_ = bytes;
     return Status::Ok();
   }
@@ -101,13 +102,11 @@ Status OffloadFfn::InitPrefill() {
 
 Status OffloadFfn::LendPrefillMemory() {
   if (!prefill_in_cache_ || prefill_lent_first_ >= 0) return Status::Ok();
-  if (la_slots_ > 0) DropLookahead(-1);  // its pins would keep slots from being lent
   SlotRegion& cold = cache_->cold();
-  const auto count = static_cast<int32_t>((prefill_block_bytes_ + cold.slot_stride() - 1) / cold.slot_stride());
   // The region's last slots: the overflow pool (shared, so no one layer loses its whole partition), then the last
   // layers' partitions.
-  const auto first = static_cast<int32_t>(cold.SlotCount() - count);
-  NF_RETURN_IF_ERROR(cold.Lend(first, count));
+  const auto first = static_cast<int32_t>(cold.SlotCount() - prefill_slots_);
+  NF_RETURN_IF_ERROR(cold.Lend(first, prefill_slots_));
   prefill_lent_first_ = first;
   CarvePrefill(cold.SlotData(first));
   return Status::Ok();
@@ -298,7 +297,8 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   const packer::RegionInfo* region = deploy_.Region(layer, -1);
   if (region == nullptr) return Status::Internal("deployment has no region for layer " + std::to_string(layer));
   const int64_t group = layer * n_experts_;
-  if (la_slots_ > 0) DropLookahead(-1);  // the I/O thread is this prefill's now
+  // The I/O thread is this prefill's now, and the lookahead's pins would keep cold slots from being lent.
+  if (la_slots_ > 0) DropLookahead(-1);
   NF_RETURN_IF_ERROR(LendPrefillMemory());
   if (layer == 0) {
     prefill_batch_start_ = prefill_stats_;

@@ -228,18 +228,20 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
   // reserve becomes cold slots).
   EXPECT_LE((*small)->fixed().Total(), fixed_without);
   EXPECT_LE((*small)->fixed().Total() + (*small)->split().hot_bytes + (*small)->split().cold_bytes, o.memory_budget);
-  auto fallback = Logits((*small)->context(), n_vocab, prompt, 3);
-  ASSERT_TRUE(fallback.ok());
   auto ref3 = std::vector<std::vector<float>>(ref->begin(), ref->begin() + static_cast<long>(prompt.size()) + 3);
-  ExpectBitwise(*fallback, ref3);
+  // The prompt and 3 decode tokens through `r` give the reference's logits bitwise.
+  auto expect_reference = [&](SparseRuntime& r) {
+    auto l = Logits(r.context(), n_vocab, prompt, 3);
+    ASSERT_TRUE(l.ok()) << l.status().ToString();
+    ExpectBitwise(*l, ref3);
+  };
+  expect_reference(**small);
   EXPECT_EQ((*small)->ffn().prefill_stats().layers, (*small)->model().hparams().n_layers) << "one batched prompt";
   EXPECT_GT((*small)->ffn().prefill_stats().warmed_bundles, 0) << "the last prompt tokens' neurons warm the cold region";
   EXPECT_EQ((*small)->ffn().cache().cold().lent_count(), 0) << "decode took the lent slots back";
   // A second prompt after decode lends them again and still matches (the cache held decode's bundles meanwhile).
   (*small)->context().Reset();
-  auto again = Logits((*small)->context(), n_vocab, prompt, 3);
-  ASSERT_TRUE(again.ok());
-  ExpectBitwise(*again, ref3);
+  expect_reference(**small);
   // Cold slots fewer than the buffers need: token by token.
   SparseRuntimeOptions tiny = o;
   tiny.memory_budget = 0;
@@ -249,9 +251,7 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
   auto few = SparseRuntime::Open(dir_->File("s-deploy"), tiny, pool_);
   ASSERT_TRUE(few.ok()) << few.status().ToString();
   EXPECT_FALSE((*few)->ffn().batched_prefill());
-  auto token_path = Logits((*few)->context(), n_vocab, prompt, 3);
-  ASSERT_TRUE(token_path.ok());
-  ExpectBitwise(*token_path, ref3);
+  expect_reference(**few);
   // A budget with room for the buffers beside the rest lends them too: the memory is cache while decoding.
   o.memory_budget = fixed_without + buffers + (size_t{1} << 20);
   auto roomy = SparseRuntime::Open(dir_->File("s-deploy"), o, pool_);
@@ -267,9 +267,7 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
   auto shorter = SparseRuntime::Open(dir_->File("s-deploy"), o, pool_);
   ASSERT_TRUE(shorter.ok()) << shorter.status().ToString();
   EXPECT_TRUE((*shorter)->ffn().batched_prefill());
-  auto by_token = Logits((*shorter)->context(), n_vocab, prompt, 3);
-  ASSERT_TRUE(by_token.ok());
-  ExpectBitwise(*by_token, ref3);
+  expect_reference(**shorter);
   EXPECT_EQ((*shorter)->ffn().prefill_stats().layers, 0);
   EXPECT_EQ((*shorter)->ffn().prefill_stats().bytes_read, 0u);
 }
