@@ -46,8 +46,8 @@ struct RuntimeFlags {
 };
 
 // Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
-// --chunk-requests, --queue-depth, --buffered, --token-prefill, --no-scatter, --two-phase, --lookahead,
-// --lookahead-keep, --cold-pool, --cold-protected, --no-cold-overflow and --plan.
+// --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter,
+// --two-phase, --lookahead, --lookahead-keep, --cold-pool, --cold-protected, --no-cold-overflow and --plan.
 void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);
 
 // The options of SparseRuntime::Open for `f`: the context is f.ctx, or `default_ctx` when f.ctx is 0 (<= 0: the
