@@ -187,17 +187,19 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
                                     : OpenAiCompletion(id, created, model.name, std::string(piece), nullptr);
                             return send(Dump(event));
                           });
+        // A cancelled generation is logged before the next completion may start, so that its log line precedes
+        // anything the next request logs.
+        if (g.ok() && g->cancelled) {
+          NF_LOG(Info) << what << ": " << (stopping ? "server stopping" : "client disconnected") << " after "
+                       << g->generated_tokens << " generated tokens; generation stopped";
+          return false;  // closes the connection; the lock is released on return
+        }
         lock.unlock();
         if (!g.ok()) {
           NF_LOG(Error) << what << ": " << g.status().ToString();
           send(Dump(ErrorBody(500, g.status().ToString())));
           sink.done();
           return true;
-        }
-        if (g->cancelled) {
-          NF_LOG(Info) << what << ": " << (stopping ? "server stopping" : "client disconnected") << " after "
-                       << g->generated_tokens << " generated tokens; generation stopped";
-          return false;  // closes the connection
         }
         LogDone(what, *g);
         if (style == ApiStyle::kLlamaCpp) {
