@@ -187,13 +187,14 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
                                     : OpenAiCompletion(id, created, model.name, std::string(piece), nullptr);
                             return send(Dump(event));
                           });
-        // A cancelled generation is logged before the next completion may start, so that its log line precedes
+        // How the generation ended is logged before the next completion may start, so that the line precedes
         // anything the next request logs.
         if (g.ok() && g->cancelled) {
           NF_LOG(Info) << what << ": " << (stopping ? "server stopping" : "client disconnected") << " after "
                        << g->generated_tokens << " generated tokens; generation stopped";
           return false;  // closes the connection; the lock is released on return
         }
+        if (g.ok()) LogDone(what, *g);
         lock.unlock();
         if (!g.ok()) {
           NF_LOG(Error) << what << ": " << g.status().ToString();
@@ -201,7 +202,6 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
           sink.done();
           return true;
         }
-        LogDone(what, *g);
         if (style == ApiStyle::kLlamaCpp) {
           nlohmann::json last = LlamaCppSummary(*request, *g, model.name);
           last["content"] = "";
