@@ -26,36 +26,47 @@ void ApplyFfnActivation(FfnActivation a, int64_t count, float* gate, const float
   for (int64_t i = 0; i < count; ++i) hidden[i] = ActivateNeuron(a, gate[i], up[i], &gate[i]);
 }
 
-// Prefill attention is flash-attention style: a tile of queries of one KV head (all its GQA query heads) walks the
-// keys in blocks with an online softmax, so scores never need a row of n_ctx floats and each key block is loaded
-// (and transposed) once for the whole tile. Queries per tile: 16 rows share every transposed key block, which makes
-// the transpose 1/16 of the QK work, while 16 x 64 scores (4 KiB) stay in L1.
+// Attention is flash-attention style: a tile of queries of one KV head (all its GQA query heads) walks the keys in
+// blocks with an online softmax, so scores never need a row of n_ctx floats and each key block is loaded once for
+// the whole tile. Queries per tile: 16, so that 16 x 64 scores (4 KiB) stay in L1.
 constexpr int64_t kQueryTile = 16;
-// Keys per block: 64 keys x head_dim 128 transposed is 32 KiB (L1/L2-resident), and 64 floats are whole vectors of
-// any width, so the QK loop over a block's keys has no scalar tail except at the causal edge.
+// Keys per block: 64 keys x head_dim 128 is 32 KiB (L1/L2-resident), and 64 floats are whole vectors of any width,
+// so the QK loop over a block's keys has no scalar tail except at the causal edge. The key cache is kept in this
+// blocked, transposed layout (per KV head, per block of 64 positions: head_dim rows of the block's keys; see
+// KeyCacheIndex), written once per token, so the QK loop reads it directly. (Transposing each block on every call
+// cost as much as the QK work itself in decode, one query row per block: ~10% of a SYNTHETIC 7B decode token.)
 constexpr int64_t kKeyBlock = 64;
+
+// Float index, within one layer's key cache of n_ctx positions, of element i of KV head kvh's key at position p. The
+// last block holds n_ctx mod 64 positions when n_ctx is not a multiple of 64: its rows are that wide, so the cache is
+// exactly n_ctx * kv_dim floats per layer, as KvCacheBytes accounts it.
+inline int64_t KeyCacheIndex(int64_t n_ctx, int64_t head_dim, int64_t kvh, int64_t p, int64_t i) {
+  const int64_t block = p / kKeyBlock, width = std::min(kKeyBlock, n_ctx - block * kKeyBlock);
+  return kvh * n_ctx * head_dim + block * kKeyBlock * head_dim + i * width + (p - block * kKeyBlock);
+}
 // Below this many multiply-adds (~50 microseconds on one core) an attention call runs on the calling thread: waking
 // the pool costs more than it saves (stories260K decode: 8 heads of 8 dims).
 constexpr double kMinParallelAttentionWork = 2e5;
 
 struct AttentionParams {
   const float* q = nullptr;   // (n, q_stride), RoPE applied
-  const float* kc = nullptr;  // (n_ctx, kv_stride): this layer's key cache, positions < pos + n filled
+  const float* kc = nullptr;  // this layer's key cache in blocks (KeyCacheIndex), positions < pos + n filled
   const float* vc = nullptr;  // (n_ctx, kv_stride)
   float* out = nullptr;       // (n, q_stride)
   int64_t pos = 0;            // position of query 0
   int64_t n = 0;
   int64_t head_dim = 0;
   int64_t q_stride = 0;
-  int64_t kv_stride = 0;
+  int64_t kv_stride = 0;      // of the value cache
+  int64_t n_ctx = 0;          // positions of the key cache
   int64_t group = 1;          // query heads per KV head
   float scale = 1.0f;         // 1 / sqrt(head_dim)
 };
 
-// Floats of one thread's scratch: transposed key block, scores, output accumulators, running max and sum.
+// Floats of one thread's scratch: scores, output accumulators, running max and sum.
 size_t AttentionScratchFloats(int64_t head_dim, int64_t group) {
   const int64_t rows = group * kQueryTile;
-  return static_cast<size_t>(head_dim * kKeyBlock + rows * kKeyBlock + rows * head_dim + 2 * rows);
+  return static_cast<size_t>(rows * kKeyBlock + rows * head_dim + 2 * rows);
 }
 
 // Queries [t0, t1) of every query head of KV head `kvh`. Each (query, head) row goes through the same operations in
@@ -65,8 +76,7 @@ size_t AttentionScratchFloats(int64_t head_dim, int64_t group) {
 [[gnu::always_inline]] inline void AttendTileBody(const AttentionParams& a, int64_t t0, int64_t t1, int64_t kvh,
                                                   float* scratch) {
   const int64_t hd = a.head_dim, rows = (t1 - t0) * a.group, max_rows = a.group * kQueryTile;
-  float* kt = scratch;                    // (head_dim, kKeyBlock): key block transposed
-  float* s = kt + hd * kKeyBlock;         // (rows, kKeyBlock): scores, then probabilities
+  float* s = scratch;                     // (rows, kKeyBlock): scores, then probabilities
   float* o = s + max_rows * kKeyBlock;    // (rows, head_dim): unnormalised output
   float* m = o + max_rows * hd;           // (rows): running max of the scores
   float* l = m + max_rows;                // (rows): running sum of exp(score - m)
@@ -78,10 +88,8 @@ size_t AttentionScratchFloats(int64_t head_dim, int64_t group) {
   const int64_t keys = a.pos + t1;  // keys seen by the tile's last query
   for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, keys - k0);
-    for (int64_t j = 0; j < nk; ++j) {
-      const float* k = a.kc + (k0 + j) * a.kv_stride + kvh * hd;
-      for (int64_t i = 0; i < hd; ++i) kt[i * kKeyBlock + j] = k[i];
-    }
+    const float* kt = a.kc + KeyCacheIndex(a.n_ctx, hd, kvh, k0, 0);  // (head_dim, width): the block's keys
+    const int64_t width = std::min(kKeyBlock, a.n_ctx - k0);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = t0 + r / a.group, h = kvh * a.group + r % a.group;
       const int64_t len = a.pos + t + 1;  // causal: this query sees keys [0, len)
@@ -92,7 +100,7 @@ size_t AttentionScratchFloats(int64_t head_dim, int64_t group) {
       std::fill(sr, sr + nv, 0.0f);
       for (int64_t i = 0; i < hd; ++i) {
         const float qi = q[i];
-        const float* kr = kt + i * kKeyBlock;
+        const float* kr = kt + i * width;
         for (int64_t j = 0; j < nv; ++j) sr[j] += qi * kr[j];
       }
       float mx = m[r];
@@ -293,7 +301,10 @@ void InferenceContext::Attention(int64_t layer, int64_t n) {
     };
     rotate(q_.data() + t * q_dim, hp_.n_heads);
     rotate(k_.data() + t * kv_dim, hp_.n_kv_heads);
-    std::memcpy(kc + (pos_ + t) * kv_dim, k_.data() + t * kv_dim, sizeof(float) * kv_dim);
+    const float* kt = k_.data() + t * kv_dim;
+    for (int64_t h = 0; h < hp_.n_kv_heads; ++h) {
+      for (int64_t i = 0; i < hd; ++i) kc[KeyCacheIndex(n_ctx_, hd, h, pos_ + t, i)] = kt[h * hd + i];
+    }
     std::memcpy(vc + (pos_ + t) * kv_dim, v_.data() + t * kv_dim, sizeof(float) * kv_dim);
   }
   AttentionParams a;
@@ -306,6 +317,7 @@ void InferenceContext::Attention(int64_t layer, int64_t n) {
   a.head_dim = hd;
   a.q_stride = q_dim;
   a.kv_stride = kv_dim;
+  a.n_ctx = n_ctx_;
   a.group = group;
   a.scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t tiles = (n + kQueryTile - 1) / kQueryTile;

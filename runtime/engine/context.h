@@ -70,7 +70,8 @@ class InferenceContext {
   int64_t pos_ = 0;
   FfnObserver observer_;
   FfnBackend* ffn_backend_ = nullptr;
-  std::vector<float> k_cache_, v_cache_;  // (layer, n_ctx, kv_dim)
+  // Per layer: keys in blocks of 64 positions, transposed (KeyCacheIndex in context.cc); values (n_ctx, kv_dim).
+  std::vector<float> k_cache_, v_cache_;
   // Batch scratch, sized for the largest batch seen.
   int64_t batch_cap_ = 0;
   std::vector<float> x_, xn_, q_, k_, v_, att_, o_, gate_, up_, hidden_, ffn_out_;
