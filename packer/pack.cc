@@ -384,6 +384,7 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
   std::vector<Tables> tables(n_regions);
   double active_weighted = 0.0;
   PackStats stats;
+  bool chained = false;  // some region's cold neurons were chained (its profile has co-activation partners)
   for (size_t i = 0; i < n_regions; ++i) {
     const int64_t layer = static_cast<int64_t>(i) / per_layer;
     const int64_t expert = hp.n_experts > 0 ? static_cast<int64_t>(i) % per_layer : -1;
@@ -404,6 +405,7 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
     r.size = region_bytes;
     r.hot_bytes = layout.RegionBytes(r.hot_count);
     const std::vector<int32_t> neuron_of_slot = OrderNeurons(fp, r.hot_count, options.order);
+    chained = chained || (options.order == NeuronOrder::kCoactivation && fp.coact_k > 0);
     Tables& tb = tables[i];
     tb.slot_of_neuron.assign(static_cast<size_t>(hp.n_ff), -1);
     for (size_t s = 0; s < neuron_of_slot.size(); ++s) tb.slot_of_neuron[static_cast<size_t>(neuron_of_slot[s])] = static_cast<int32_t>(s);
@@ -465,6 +467,8 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
                          static_cast<double>(static_cast<uint64_t>(layout.slots_per_group) * layout.bundle_bytes);
   {
     NF_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::Create(tmp + "/" + kManifestFileName, false));
+    // The order the layout really has: co-activation falls back to popularity for a profile without partners.
+    m.order = NeuronOrderName(chained ? NeuronOrder::kCoactivation : NeuronOrder::kHotness);
     const std::string json = ManifestToJson(m);
     NF_RETURN_IF_ERROR(w->Append(json.data(), json.size()));
     NF_RETURN_IF_ERROR(w->Commit());

@@ -20,7 +20,7 @@ namespace nflash::packer {
 namespace {
 
 struct PackFlags {
-  std::string model, profile, output, order = "hotness", predictor;
+  std::string model, profile, output, order = "coactivation", predictor;
   double hot_fraction = -1.0;
   bool force = false;
   int threads = 0;
@@ -97,7 +97,7 @@ void RegisterPackCommand(CLI::App& app, cli::CommandAction* action) {
       ->required()->check(CLI::ExistingFile);
   cmd->add_option("-p,--profile", flags->profile, "Profile from nflash profile")->required()->check(CLI::ExistingFile);
   cmd->add_option("-o,--output", flags->output, "Deployment directory to create")->required();
-  cmd->add_option("--order", flags->order, "Cold neuron order: hotness (popularity) or coactivation (greedy chains)");
+  cmd->add_option("--order", flags->order, "Cold neuron order: coactivation (greedy chains of co-activation partners; popularity where the profile has none) or hotness (popularity)");
   cmd->add_option("--hot-fraction", flags->hot_fraction,
                   "Share of each layer's neurons placed in the hot region (default: the most popular neurons that "
                   "cover 50% of the profile's activations)");

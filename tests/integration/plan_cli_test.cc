@@ -137,9 +137,10 @@ TEST_F(PlanCliTest, TheRuntimeFollowsThePlanAndRefusesOneForAnotherDeployment) {
   EXPECT_GE(j.value("cold_slots", int64_t{-1}), planned_cold) << j.dump();
   EXPECT_EQ(j.value("generated", 0), 24) << j.dump();
 
-  // The same model packed in the other order is another deployment: refused, exit 2.
+  // The same model packed in the other order (popularity; the default is co-activation chains) is another
+  // deployment: refused, exit 2.
   auto k = RunCommand(Nflash() + " -q pack -m " + tmp_->File("relu.gguf") + " -p " + tmp_->File("relu.gguf.prof") +
-                      " --order coactivation -o " + tmp_->File("deploy2"));
+                      " --order hotness -o " + tmp_->File("deploy2"));
   ASSERT_EQ(k.exit_code, 0) << k.output;
   auto other = RunCommand(Nflash() + " offload -d " + tmp_->File("deploy2") + " --plan " + plan + " -n 4");
   EXPECT_EQ(other.exit_code, 2) << other.output;

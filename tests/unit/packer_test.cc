@@ -580,5 +580,39 @@ TEST(PackerHashTest, UnknownBundleHashIsAClearError) {
   EXPECT_NE(d.status().message().find("bundle_hash"), std::string::npos) << d.status().message();
 }
 
+
+// The default order is co-activation chains; the manifest names the order the layout really has, so a profile
+// without co-activation partners gives (and records) popularity order.
+TEST(PackerOrderTest, DefaultChainsAndFallsBackToPopularityWithoutPartners) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  const std::string model = tmp.File("m.gguf");
+  ASSERT_EQ(WriteModel(model, GgmlType::kF32), "");
+  profiler::ModelProfile with = MakeProfile(model, 0, 7);
+  ASSERT_GT(with.ffns.at(0).coact_k, 0);
+  profiler::ModelProfile without = with;
+  for (auto& f : without.ffns) {
+    f.coact_k = 0;
+    f.coact_partner.clear();
+    f.coact_count.clear();
+  }
+  PackOptions o;  // defaults
+  o.progress = false;
+  ASSERT_TRUE(PackDeployment(model, with, "x", tmp.File("with.deploy"), o, &pool).ok());
+  ASSERT_TRUE(PackDeployment(model, without, "x", tmp.File("without.deploy"), o, &pool).ok());
+  auto dw = Deployment::Open(tmp.File("with.deploy"));
+  auto dn = Deployment::Open(tmp.File("without.deploy"));
+  ASSERT_TRUE(dw.ok() && dn.ok());
+  EXPECT_EQ((*dw)->manifest().order, "coactivation");
+  EXPECT_EQ((*dn)->manifest().order, "hotness");
+  // Each layout is what OrderNeurons gives for that order, and the two differ (the partners changed the chains).
+  const profiler::FfnProfile& f = *with.Find(0);
+  const RegionInfo& rw = *(*dw)->Region(0, -1);
+  const RegionInfo& rn = *(*dn)->Region(0, -1);
+  EXPECT_EQ(rw.neuron_of_slot, OrderNeurons(f, rw.hot_count, NeuronOrder::kCoactivation));
+  EXPECT_EQ(rn.neuron_of_slot, OrderNeurons(f, rn.hot_count, NeuronOrder::kHotness));
+  EXPECT_NE(rw.neuron_of_slot, rn.neuron_of_slot);
+}
+
 }  // namespace
 }  // namespace nflash::packer
