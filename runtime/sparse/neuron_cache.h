@@ -98,7 +98,10 @@ class SlotRegion {
   // Starts loading the slot record of a held unit into the cache (a hint, no effect on the state): Acquire touches it
   // at random, and a batch of lookups issued after a pass of these overlaps its cache misses.
   void Prefetch(int64_t group, int64_t unit) const {
-    const int32_t s = slot_of_key_[static_cast<size_t>(group * config_.units_per_group + unit)];
+    PrefetchSlot(slot_of_key_[static_cast<size_t>(group * config_.units_per_group + unit)]);
+  }
+  // The same for a slot (Release of many slots: a few ahead of the one released).
+  void PrefetchSlot(int32_t s) const {
     if (s >= 0) __builtin_prefetch(&slots_[static_cast<size_t>(s)], 1);
   }
   // Whether Acquire of a unit of `group` that is not held would get a slot of the group's own partition (a free one,

@@ -601,8 +601,11 @@ void OffloadFfn::ReleaseAll() {
   for (int32_t s : acquired_hot_) {
     if (s >= 0) cache_->hot().Release(s);
   }
-  for (int32_t s : acquired_cold_) {
-    if (s >= 0) cache_->cold().Release(s);
+  SlotRegion& cold = cache_->cold();
+  constexpr size_t kAhead = 8;  // slot records are touched at random: start loading them a few releases ahead
+  for (size_t i = 0; i < acquired_cold_.size(); ++i) {
+    if (i + kAhead < acquired_cold_.size()) cold.PrefetchSlot(acquired_cold_[i + kAhead]);
+    if (acquired_cold_[i] >= 0) cold.Release(acquired_cold_[i]);
   }
   for (int32_t c : touched_clusters_) cluster_slot_[c] = -1;
   acquired_hot_.clear();
