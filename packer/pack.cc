@@ -61,11 +61,15 @@ int64_t HotCount(const profiler::FfnProfile& ffn, double hot_fraction) {
   return n;
 }
 
+NeuronOrder EffectiveOrder(const profiler::FfnProfile& ffn, NeuronOrder order) {
+  return ffn.coact_k > 0 ? order : NeuronOrder::kHotness;
+}
+
 std::vector<int32_t> OrderNeurons(const profiler::FfnProfile& ffn, int64_t hot_count, NeuronOrder order) {
   const std::vector<int32_t> rank = ByPopularity(ffn);
   const auto n = static_cast<size_t>(ffn.n_neurons);
   const auto hot = static_cast<size_t>(std::clamp<int64_t>(hot_count, 0, ffn.n_neurons));
-  if (order == NeuronOrder::kHotness || ffn.coact_k <= 0) return rank;
+  if (EffectiveOrder(ffn, order) == NeuronOrder::kHotness) return rank;
   std::vector<int32_t> out(rank.begin(), rank.begin() + static_cast<std::ptrdiff_t>(hot));
   std::vector<uint8_t> placed(n, 0);  // hot neurons count as placed: chains run over cold neurons only
   for (size_t k = 0; k < hot; ++k) placed[static_cast<size_t>(rank[k])] = 1;
@@ -326,7 +330,6 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
   m.n_experts = hp.n_experts;
   m.layout = layout;
   m.bundle_hash = kDefaultBundleHash;
-  m.order = NeuronOrderName(options.order);
   m.hot_fraction = options.hot_fraction;
 
   const std::string tmp = out_dir + ".tmp-" + std::to_string(::getpid());
@@ -405,7 +408,7 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
     r.size = region_bytes;
     r.hot_bytes = layout.RegionBytes(r.hot_count);
     const std::vector<int32_t> neuron_of_slot = OrderNeurons(fp, r.hot_count, options.order);
-    chained = chained || (options.order == NeuronOrder::kCoactivation && fp.coact_k > 0);
+    chained = chained || EffectiveOrder(fp, options.order) == NeuronOrder::kCoactivation;
     Tables& tb = tables[i];
     tb.slot_of_neuron.assign(static_cast<size_t>(hp.n_ff), -1);
     for (size_t s = 0; s < neuron_of_slot.size(); ++s) tb.slot_of_neuron[static_cast<size_t>(neuron_of_slot[s])] = static_cast<int32_t>(s);

@@ -30,6 +30,9 @@ int64_t HotCount(const profiler::FfnProfile& ffn, double hot_fraction);
 // then repeatedly move to the current neuron's strongest unplaced cold co-activation partner; when none, start a new
 // chain). Returns a permutation of 0..n_neurons-1.
 std::vector<int32_t> OrderNeurons(const profiler::FfnProfile& ffn, int64_t hot_count, NeuronOrder order);
+// The order OrderNeurons really applies to `ffn`: kHotness for a profile without co-activation partners (coact_k 0),
+// else `order`. The manifest records it.
+NeuronOrder EffectiveOrder(const profiler::FfnProfile& ffn, NeuronOrder order);
 
 struct PackOptions {
   // Co-activation chains by default: on the SYNTHETIC 7B they cut cold-only reads per held-out token by 29% in replay
