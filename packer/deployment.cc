@@ -62,20 +62,6 @@ std::string IndexTensorPrefix(int64_t layer, int64_t expert) {
   return p;
 }
 
-GgmlType BundleDownType(GgmlType model_down_type, int64_t dim) {
-  switch (model_down_type) {
-    case GgmlType::kF32:
-    case GgmlType::kF16:
-    case GgmlType::kBF16:
-      return model_down_type;
-    case GgmlType::kQ8_0:
-    case GgmlType::kQ4_0:
-      return dim % kQBlock == 0 ? model_down_type : GgmlType::kF32;
-    default:
-      return GgmlType::kF32;  // unknown row types are rejected by the packer before this matters
-  }
-}
-
 Result<BundleLayout> MakeBundleLayout(int64_t dim, GgmlType gate_type, GgmlType up_type, GgmlType down_type) {
   if (dim <= 0) return Status::InvalidArgument("bundle layout: dim " + std::to_string(dim) + " must be positive");
   BundleLayout l;

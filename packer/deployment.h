@@ -99,9 +99,6 @@ struct BundleLayout {
 // a page, else one bundle per group padded up to a multiple of kDeployAlignment. InvalidArgument when a part's row
 // length is not a multiple of its type's block size.
 Result<BundleLayout> MakeBundleLayout(int64_t dim, GgmlType gate_type, GgmlType up_type, GgmlType down_type);
-// The type of the down column inside a bundle for a model whose down projection is `model_down_type`: F32/F16/BF16
-// unchanged (exact transposition); Q8_0/Q4_0 unchanged (column requantized) when dim % 32 == 0, else F32.
-GgmlType BundleDownType(GgmlType model_down_type, int64_t dim);
 
 // One FFN neuron set on flash (a dense layer's FFN, or one expert).
 struct RegionInfo {

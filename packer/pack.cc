@@ -318,7 +318,7 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
 
   NF_ASSIGN_OR_RETURN(RegionSource first, FindRegionSource(model, 0, hp.n_experts > 0 ? 0 : -1, hp.n_experts, hp.dim, hp.n_ff, false));
   NF_ASSIGN_OR_RETURN(BundleLayout layout, MakeBundleLayout(hp.dim, first.gate_type, first.up_type,
-                                                            BundleDownType(first.down_type, hp.dim)));
+                                                            ColumnType(first.down_type, hp.dim)));
   Manifest m;
   m.model_name = hp.name;
   m.model_hash = model_hash;
@@ -394,7 +394,7 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
     const profiler::FfnProfile& fp = *profile.Find(layer, expert);
     NF_ASSIGN_OR_RETURN(RegionSource src, FindRegionSource(model, layer, expert, hp.n_experts, hp.dim, hp.n_ff, true));
     if (src.gate_type != layout.gate_type || src.up_type != layout.up_type ||
-        BundleDownType(src.down_type, hp.dim) != layout.down_type) {
+        ColumnType(src.down_type, hp.dim) != layout.down_type) {
       return Status::Unsupported(model_path + ": layer " + std::to_string(layer) +
                                  " FFN types differ from layer 0's; a deployment has one bundle layout");
     }

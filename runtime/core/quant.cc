@@ -144,6 +144,20 @@ Status CheckRowLength(GgmlType type, int64_t n, const char* what) {
 
 }  // namespace
 
+GgmlType ColumnType(GgmlType row_type, int64_t column_len) {
+  switch (row_type) {
+    case GgmlType::kF32:
+    case GgmlType::kF16:
+    case GgmlType::kBF16:
+      return row_type;
+    case GgmlType::kQ8_0:
+    case GgmlType::kQ4_0:
+      return column_len % kQBlock == 0 ? row_type : GgmlType::kF32;
+    default:
+      return GgmlType::kF32;  // callers reject unknown row types before this matters
+  }
+}
+
 bool IsRowType(GgmlType type) {
   switch (type) {
     case GgmlType::kF32:

@@ -41,6 +41,12 @@ void DequantizeRowQ4_0(const BlockQ4_0* x, float* y, int64_t n);
 // True for the row types QuantizeRow / DequantizeRow and the kernels handle: F32, F16, BF16, Q8_0, Q4_0.
 bool IsRowType(GgmlType type);
 
+// The type a matrix of `row_type` rows keeps when it is stored by column (columns of `column_len` values): the
+// FFN down projection of the sparse engines (one column per neuron, read on its own). F32/F16/BF16 unchanged (exact
+// transposition); Q8_0/Q4_0 unchanged (each column requantized) when column_len % 32 == 0, else F32. The packer
+// (bundle down columns) and the in-memory sparse FFN both follow it, so the two compute the same function.
+GgmlType ColumnType(GgmlType row_type, int64_t column_len);
+
 // Converts `n` floats to a row of `type` (F32, F16, BF16, Q8_0, Q4_0), bit-identical to ggml's reference quantizers; Unsupported for other types, InvalidArgument
 // when n is not a multiple of the block size.
 Status QuantizeRow(GgmlType type, const float* x, void* dst, int64_t n);

@@ -72,18 +72,20 @@ Status SparseFfn::BuildTransposedDown() {
     if (down.rows != dim || down.cols != n_ff) {
       return Status::Internal("layer " + std::to_string(l) + ": ffn_down is not dim x n_ff");
     }
-    // Exact for float types. Quantized types go through floats and are requantized by column to Q8_0: requantizing
-    // Q4_0 to Q4_0 across rows of different scales costs up to half a 4-bit step per weight (logits off by ~10% on a
-    // test model); Q8_0 keeps that rounding ~16x smaller for 1.9x the bytes of a Q4_0 down.
-    GgmlType out_type = down.type;
-    const bool quantized = down.type == GgmlType::kQ8_0 || down.type == GgmlType::kQ4_0;
-    if (quantized) out_type = dim % 32 == 0 ? GgmlType::kQ8_0 : GgmlType::kF32;  // a block needs 32 values per row
+    // The columns in the type a deployment's bundles keep (ColumnType): float types exact; Q8_0/Q4_0 requantized
+    // by column (for Q4_0 that adds up to half a 4-bit step of the new scale per weight). The offloaded FFN reads the
+    // packer's columns of the same type, so the two engines compute the same function, at the same bytes per neuron.
+    const GgmlType out_type = ColumnType(down.type, dim);
+    if (!IsRowType(down.type)) {
+      return Status::Unsupported("layer " + std::to_string(l) + ": ffn_down type " +
+                                 std::string(GgmlTypeName(down.type)) + " has no sparse column form");
+    }
     for (int64_t r = 0; r < dim; ++r) {
       NF_RETURN_IF_ERROR(DequantizeRow(down.type, static_cast<const uint8_t*>(down.data) + down.row_bytes * r,
                                        row.data(), n_ff));
       for (int64_t c = 0; c < n_ff; ++c) t[static_cast<size_t>(c * dim + r)] = row[static_cast<size_t>(c)];
     }
-    const size_t rb = static_cast<size_t>(*RowBytes(out_type, static_cast<uint64_t>(dim)));  // dim % 32 == 0 checked above
+    const size_t rb = static_cast<size_t>(*RowBytes(out_type, static_cast<uint64_t>(dim)));  // ColumnType fits dim
     std::vector<uint8_t>& bytes = down_t_bytes_[static_cast<size_t>(g)];
     bytes.resize(rb * static_cast<size_t>(n_ff));
     for (int64_t c = 0; c < n_ff; ++c) {
@@ -111,7 +113,10 @@ uint64_t SparseFfn::extra_bytes() const {
 }
 
 Result<bool> SparseFfn::Forward(int64_t layer, int64_t expert, const Activation& x, float* out) {
-  if (x.n() > 1 && !options_.sparse_prefill) return false;
+  if (x.n() > 1 && !options_.sparse_prefill && expert < 0 && x.n() >= options_.batched_prefill_min_tokens) {
+    ForwardPrefill(layer, expert, x, out);
+    return true;
+  }
   if (x.n() == 1) {
     ForwardToken(layer, expert, x, 0, out);
   } else {
@@ -122,6 +127,46 @@ Result<bool> SparseFfn::Forward(int64_t layer, int64_t expert, const Activation&
     }
   }
   return true;
+}
+
+void SparseFfn::ForwardPrefill(int64_t layer, int64_t expert, const Activation& x, float* out) {
+  const LlamaHparams& hp = model_.hparams();
+  const LayerWeights& L = model_.layers()[static_cast<size_t>(layer)];
+  const MatrixView gate = expert >= 0 ? L.Expert(L.gate, L.expert_stride_gate, expert) : L.gate;
+  const MatrixView up = expert >= 0 ? L.Expert(L.up, L.expert_stride_up, expert) : L.up;
+  const size_t group = static_cast<size_t>(layer * std::max<int64_t>(1, hp.n_experts) + std::max<int64_t>(0, expert));
+  const int64_t n_ff = hp.n_ff, dim = hp.dim;
+  // Oracle: the token path's threshold; predictor: every neuron with h != 0 (the predictor guesses decode's active
+  // set, not the prompt's), as runtime/sparse/offload_prefill.cc.
+  const float thr = predictor_ == nullptr ? thresholds_[static_cast<size_t>(layer)] : 0.0f;
+  constexpr int64_t kTile = 32;  // tokens per GEMM: bounds the scratch (Gemm rows equal Gemv rows for any tile)
+  const size_t need = static_cast<size_t>(std::min(kTile, x.n()) * n_ff);
+  if (prefill_gate_.size() < need) {
+    prefill_gate_.resize(need);
+    prefill_up_.resize(need);
+  }
+  for (int64_t t0 = 0; t0 < x.n(); t0 += kTile) {
+    const int64_t tn = std::min(kTile, x.n() - t0);
+    token_act_.Set(x.f32() + t0 * dim, tn, dim);
+    const MatrixView ws[2] = {gate, up};
+    float* const ys[2] = {prefill_gate_.data(), prefill_up_.data()};
+    GemmMany(ws, token_act_, ys, pool_);
+    for (int64_t t = 0; t < tn; ++t) {
+      used_.clear();
+      for (int64_t i = 0; i < n_ff; ++i) {
+        const size_t idx = static_cast<size_t>(t * n_ff + i);
+        float ga = 0.0f;
+        const float h = ActivateNeuron(hp.activation, prefill_gate_[idx], prefill_up_[idx], &ga);
+        if (std::fabs(ga) > thr && h != 0.0f) {
+          hidden_[used_.size()] = h;
+          used_.push_back(static_cast<int32_t>(i));
+        }
+      }
+      float* y = out + (t0 + t) * dim;
+      std::fill(y, y + dim, 0.0f);
+      AccumulateRows(down_t_[group], used_, hidden_.data(), y, pool_);
+    }
+  }
 }
 
 void SparseFfn::ForwardToken(int64_t layer, int64_t expert, const Activation& x, int64_t token, float* out) {

@@ -9,10 +9,11 @@
 //               "active" test of runtime/engine/predictor.h to what it computed, so a predicted-but-inactive neuron
 //               contributes nothing, exactly as in oracle mode)
 //   out       = sum over i in A with hidden_i != 0 of hidden_i * down[:, i]  (AccumulateRows on a transposed copy)
-// The transposed copy of ffn_down (n_ff rows of dim) is made at construction: F32/F16/BF16 exactly; Q8_0/Q4_0 are
-// dequantized and requantized per column to Q8_0 (one extra rounding of each weight, |error| <= half a Q8_0 step of
-// the new block; Q4_0 -> Q4_0 would cost half a 4-bit step, visibly worse). The dense path instead quantizes the
-// hidden vector to Q8_0, so the two differ by rounding either way.
+// The transposed copy of ffn_down (n_ff rows of dim) is made at construction in ColumnType (runtime/core/quant.h), the
+// type a deployment's bundles keep: F32/F16/BF16 exactly; Q8_0/Q4_0 dequantized and requantized per column to the same
+// type (one extra rounding of each weight, |error| <= half a step of the new block's scale), exactly as the packer
+// does, so the offloaded FFN computes the same function from the same bytes. The dense path instead quantizes the
+// hidden vector to Q8_0, so the two differ by rounding.
 // MoE (oracle mode only): the same per (layer, expert), with that expert's rows and its own transposed down.
 #pragma once
 
@@ -30,14 +31,23 @@ namespace nflash {
 
 enum class SparseMode { kOracle, kPredictor };
 
+// Batches of at least this many tokens prefill by GEMM over every neuron (SparseFfn::ForwardPrefill and the offloaded
+// runtime's batched prefill); shorter ones, and an MoE expert's tokens, token by token through the decode path. The
+// offloaded runtime picks it for I/O cost (runtime/sparse/offload_ffn.h); the in-memory engine uses the same rule so
+// that, for one prompt, the two compute the same function.
+inline constexpr int64_t kDefaultBatchedPrefillMinTokens = 64;
+
 struct SparseFfnOptions {
   SparseMode mode = SparseMode::kOracle;
   // The "active" threshold per layer (n_layers items; empty: 0 for every layer, the ReLU/dReLU exact zeros). In
   // predictor mode, empty means the predictor file's thresholds.
   std::vector<float> activation_threshold;
   // Also run batched prefill (x.n() > 1) token by token through the sparse path (perplexity with only predicted
-  // neurons); false: prefill returns to the dense path.
+  // neurons); false: batches of batched_prefill_min_tokens or more compute every neuron by GEMM with the down
+  // projection through the column copy (ForwardPrefill), shorter ones (and MoE experts) go token by token, as in the
+  // offloaded runtime.
   bool sparse_prefill = false;
+  int64_t batched_prefill_min_tokens = kDefaultBatchedPrefillMinTokens;
   // Predictor mode: also compute every gate row to count the exact active set and the recall (costs a dense gate
   // GEMV per token: for measurements, not for speed).
   bool measure_recall = false;
@@ -74,19 +84,23 @@ class SparseFfn : public FfnBackend {
   Status BuildTransposedDown();
   // expert: -1 for a dense FFN, else the MoE expert whose rows to use.
   void ForwardToken(int64_t layer, int64_t expert, const Activation& x, int64_t token, float* out);
+  // Batched prefill without sparse_prefill: gate and up of every neuron by GEMM, then per token the neurons with
+  // |act(gate)| > threshold (oracle; predictor: 0) and h != 0 through AccumulateRows on the column copy.
+  void ForwardPrefill(int64_t layer, int64_t expert, const Activation& x, float* out);
 
   const Model& model_;
   const Predictor* predictor_;
   SparseFfnOptions options_;
   ThreadPool* pool_;
   std::vector<float> thresholds_;
-  std::vector<std::vector<uint8_t>> down_t_bytes_;  // per layer x expert: (n_ff, dim) in the model's down type
+  std::vector<std::vector<uint8_t>> down_t_bytes_;  // per layer x expert: (n_ff, dim) in ColumnType of the model's down type
   std::vector<MatrixView> down_t_;
   std::vector<SparseFfnLayerStats> stats_;
   // Scratch (sized at construction: no allocation per token).
   PredictorScratch pred_scratch_;
   std::vector<int32_t> rows_, used_;
   std::vector<float> gate_all_, gate_, up_, hidden_;
+  std::vector<float> prefill_gate_, prefill_up_;  // token tile x n_ff (ForwardPrefill)
   Activation token_act_;
 };
 

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "packer/deployment.h"
+#include "runtime/engine/sparse_ffn.h"
 #include "runtime/core/file.h"
 #include "runtime/core/thread_pool.h"
 #include "runtime/engine/context.h"
@@ -51,11 +52,11 @@
 
 namespace nflash::sparse {
 
-// Shorter batches prefill token by token through the decode path (OffloadOptions::batched_prefill_min_tokens): a
-// batched prefill streams every FFN byte of the model (1376 MiB for the SYNTHETIC 16-layer 7B), which on this
-// project's machine costs about what ~50 decode-path tokens do (74 tokens: 1.82 s batched against 2.35 s token by
-// token), while the decode path reads only the misses of a warm cache.
-inline constexpr int64_t kDefaultBatchedPrefillMinTokens = 64;
+// Shorter batches prefill token by token through the decode path (OffloadOptions::batched_prefill_min_tokens, default
+// kDefaultBatchedPrefillMinTokens in runtime/engine/sparse_ffn.h): a batched prefill streams every FFN byte of the
+// model (1376 MiB for the SYNTHETIC 16-layer 7B), which on this project's machine costs about what ~50 decode-path
+// tokens do (74 tokens: 1.82 s batched against 2.35 s token by token), while the decode path reads only the misses of
+// a warm cache. The in-memory SparseFfn follows the same rule, so both engines compute the same prompt.
 
 enum class OffloadMode { kFull, kLlmFlash };
 const char* OffloadModeName(OffloadMode mode);

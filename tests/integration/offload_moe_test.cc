@@ -1,14 +1,13 @@
-// MoE through the flash-offloaded runtime (issue 6): a synthetic 4-expert top-2 model (F32 and Q8_0) goes through
-// synth -> profile -> pack -> offload. With the oracle active set and small caches, greedy decode gives the same text
-// as `nflash run --sparse oracle` and, for F32, as `nflash run` (dense); through the library, logits bitwise equal to
-// the in-memory sparse FFN (F32: the dense engine's tokens too), and per (layer, expert) group exactly the tokens the
+// MoE through the flash-offloaded runtime (issue 6): a synthetic 4-expert top-2 model (F32, Q8_0 and Q4_0) goes
+// through synth -> profile -> pack -> offload. With the oracle active set and small caches, greedy decode gives the same
+// text as `nflash run --sparse oracle` and, for F32, as `nflash run` (dense); through the library, logits bitwise equal
+// to the in-memory sparse FFN (F32: the dense engine's tokens too), and per (layer, expert) group exactly the tokens the
 // router sent there: every decode step touches (and reads for) only the top-k experts the router picked.
 //
-// Q8_0 against dense: the sparse paths requantize each down column to Q8_0 (runtime/engine/sparse_ffn.h) while the
-// dense path quantizes the hidden vector, so logits differ by rounding, and a random model's flat logits turn that
-// into a different greedy token after ~20 steps; the offloaded FFN must equal the sparse one bit for bit instead.
-// Q4_0 is not tested here: the packer keeps Q4_0 down columns (packer::BundleDownType) where the sparse FFN
-// requantizes to Q8_0, so the two differ by rounding for dense models as well (not an MoE matter).
+// Quantized against dense: both sparse paths requantize each down column in the model's type (ColumnType in
+// runtime/core/quant.h) while the dense path quantizes the hidden vector, so logits differ by rounding, and a random
+// model's flat logits turn that into a different greedy token after ~20 steps; the offloaded FFN must equal the sparse
+// one bit for bit instead.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -52,7 +51,7 @@ class OffloadMoeTest : public ::testing::TestWithParam<std::string> {
  protected:
   static void SetUpTestSuite() {
     dir_ = new testing::TempDir();
-    for (const std::string type : {"f32", "q8_0"}) {
+    for (const std::string type : {"f32", "q8_0", "q4_0"}) {
       const std::string model = ModelPath(type), prof = dir_->File(type + ".prof");
       auto r = testing::RunCommand(Nflash() + " -q synth --shape custom --dim 128 --ffn 384 --heads 4 --layers " +
                                    std::to_string(kLayers) + " --experts " + std::to_string(kExperts) + " --top-k " +
@@ -252,7 +251,7 @@ TEST_P(OffloadMoeTest, ReadsOnlyForRoutedExpertsAndLogitsEqualSparseFfn) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Types, OffloadMoeTest, ::testing::Values("f32", "q8_0"));
+INSTANTIATE_TEST_SUITE_P(Types, OffloadMoeTest, ::testing::Values("f32", "q8_0", "q4_0"));
 
 }  // namespace
 }  // namespace nflash::sparse

@@ -184,8 +184,8 @@ TEST(PackerLayoutTest, SmallBundlesSharePagesBigOnesArePadded) {
   EXPECT_EQ(big->bundle_bytes, 6912u);
   EXPECT_EQ(big->slots_per_group, 1);
   EXPECT_EQ(big->group_bytes, 8192u);
-  EXPECT_EQ(BundleDownType(GgmlType::kQ4_0, 48), GgmlType::kF32);
-  EXPECT_EQ(BundleDownType(GgmlType::kQ8_0, 64), GgmlType::kQ8_0);
+  EXPECT_EQ(ColumnType(GgmlType::kQ4_0, 48), GgmlType::kF32);
+  EXPECT_EQ(ColumnType(GgmlType::kQ8_0, 64), GgmlType::kQ8_0);
   EXPECT_FALSE(MakeBundleLayout(48, GgmlType::kQ8_0, GgmlType::kQ8_0, GgmlType::kF32).ok());
 }
 
