@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -93,7 +94,11 @@ class SparseFfn : public FfnBackend {
   SparseFfnOptions options_;
   ThreadPool* pool_;
   std::vector<float> thresholds_;
-  std::vector<std::vector<uint8_t>> down_t_bytes_;  // per layer x expert: (n_ff, dim) in ColumnType of the model's down type
+  struct FreeDeleter {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, FreeDeleter> down_t_block_;  // every group's (n_ff, dim) columns in ColumnType, 2 MiB aligned
+  size_t down_t_block_bytes_ = 0;
   std::vector<MatrixView> down_t_;
   std::vector<SparseFfnLayerStats> stats_;
   // Scratch (sized at construction: no allocation per token).
