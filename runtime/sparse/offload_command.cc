@@ -105,6 +105,11 @@ Status RunOffload(const OffloadFlags& f) {
   const int64_t room = ctx.n_ctx() - static_cast<int64_t>(ids.size());
   if (room <= 0) return Status::InvalidArgument("the prompt does not fit the context (" + std::to_string(ctx.n_ctx()) + ")");
   const int64_t n = std::min(f.n_predict, room);
+  if (n < f.n_predict) {
+    NF_LOG(Warning) << "the context holds " << ctx.n_ctx() << " tokens" << (f.plan.empty() ? "" : " (the plan's)")
+                    << ": " << ids.size() << " of prompt leave room for " << n << " of the " << f.n_predict
+                    << " tokens asked for";
+  }
 
   const auto t0 = Clock::now();
   NF_RETURN_IF_ERROR(ctx.Eval(ids, false));
