@@ -2,7 +2,6 @@
 #include "runtime/core/kernels.h"
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -351,13 +350,6 @@ void AccumulateRowPtrs(const MatrixView& shape, std::span<const uint8_t* const> 
   CheckOrDie(ValidateMatrix(w, "weights"));
   const RowSet rs{nullptr, w.row_bytes, nullptr, rows.data()};
   AccumulateRowSet(w, rs, w.rows, a, y, pool);
-}
-
-void RmsNorm(const float* x, const float* w, int64_t n, float eps, float* out) {
-  double ss = 0;
-  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
-  const float scale = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(n)) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * w[i];
 }
 
 }  // namespace nflash

@@ -114,7 +114,4 @@ void GemvRowPtrs(const MatrixView& shape, std::span<const uint8_t* const> rows, 
 void AccumulateRowPtrs(const MatrixView& shape, std::span<const uint8_t* const> rows, const float* a, float* y,
                        ThreadPool* pool);
 
-// out[i] = x[i] / sqrt(mean(x^2) + eps) * w[i] for i < n (the sum of squares in double). out may be x.
-void RmsNorm(const float* x, const float* w, int64_t n, float eps, float* out);
-
 }  // namespace nflash

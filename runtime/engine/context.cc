@@ -14,6 +14,13 @@
 namespace nflash {
 namespace {
 
+void RmsNorm(const float* x, const float* w, int64_t n, float eps, float* out) {
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float scale = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(n)) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * w[i];
+}
+
 // gate <- act(gate); hidden = gate * up (silu, relu) or gate * relu(up) (drelu).
 void ApplyFfnActivation(FfnActivation a, int64_t count, float* gate, const float* up, float* hidden) {
   for (int64_t i = 0; i < count; ++i) hidden[i] = ActivateNeuron(a, gate[i], up[i], &gate[i]);
@@ -238,7 +245,6 @@ Status InferenceContext::Eval(std::span<const int32_t> tokens, bool all_logits) 
 
   for (int64_t l = 0; l < hp_.n_layers; ++l) {
     const LayerWeights& L = model_.layers()[static_cast<size_t>(l)];
-    if (ffn_backend_ != nullptr) ffn_backend_->BeforeLayer(l, x_.data(), n);
     for (int64_t t = 0; t < n; ++t) RmsNorm(x_.data() + t * dim, L.attn_norm, dim, hp_.norm_eps, xn_.data() + t * dim);
     act_.Set(xn_.data(), n, dim);
     {

@@ -33,13 +33,6 @@ class FfnBackend {
  public:
   virtual ~FfnBackend() = default;
   virtual Result<bool> Forward(int64_t layer, int64_t expert, const Activation& x, float* out) = 0;
-  // Called at the start of every layer, before its attention, with the residual stream (n tokens of dim floats): a
-  // hint (e.g. to start reading the layer's probable FFN weights while attention computes). Must not change results.
-  virtual void BeforeLayer(int64_t layer, const float* residual, int64_t n) {
-    (void)layer;
-    (void)residual;
-    (void)n;
-  }
 };
 
 // Thread-safety: not thread-safe; one context per sequence. The model and pool must outlive it.

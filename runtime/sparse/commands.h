@@ -38,7 +38,6 @@ struct RuntimeFlags {
   std::string two_phase = "off";
   int64_t lookahead = -1;
   double lookahead_keep = kDefaultLookaheadKeep;
-  std::string lookahead_from = "ffn";
   std::string cold_pool = "per-layer";
   std::string hot_policy = "pinned";
   std::string plan;
@@ -48,7 +47,7 @@ struct RuntimeFlags {
 
 // Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
 // --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter,
-// --two-phase, --lookahead, --lookahead-keep, --lookahead-from, --cold-pool, --cold-protected, --no-cold-overflow and --plan.
+// --two-phase, --lookahead, --lookahead-keep, --cold-pool, --cold-protected, --no-cold-overflow and --plan.
 void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);
 
 // The options of SparseRuntime::Open for `f`: the context is f.ctx, or `default_ctx` when f.ctx is 0 (<= 0: the

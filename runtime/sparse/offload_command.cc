@@ -310,7 +310,6 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->two_phase = f.two_phase != "off";
   o->lookahead_slots = f.lookahead;
   o->lookahead_keep = f.lookahead_keep;
-  o->lookahead_before_attention = f.lookahead_from == "attention";
   if (f.cold_pool != "per-layer" && f.cold_pool != "shared") {
     return Status::InvalidArgument("--cold-pool " + f.cold_pool + ": expected per-layer or shared");
   }
@@ -380,11 +379,6 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_option("--lookahead", flags->lookahead,
                   "Bundles read ahead for the next layer while one runs (full mode, dense models, whole bundles): "
                   "-1 auto (n_ff/8), 0 off")
-      ->capture_default_str();
-  cmd->add_option("--lookahead-from", flags->lookahead_from,
-                  "Where a layer's lookahead guess starts: ffn (during the previous layer's FFN, from its input) or "
-                  "attention (at the layer's start, from the residual stream before its attention)")
-      ->check(CLI::IsMember({"ffn", "attention"}))
       ->capture_default_str();
   cmd->add_option("--lookahead-keep", flags->lookahead_keep,
                   "With a predictor: the share of the lookahead's candidates read ahead, largest logits first (1: all)")

@@ -144,9 +144,6 @@ struct OffloadOptions {
   // With a predictor: the share of the lookahead's candidates read ahead, those with the largest predictor logits (the
   // likeliest to be active); 1: all of them.
   double lookahead_keep = kDefaultLookaheadKeep;
-  // Where layer l's lookahead starts: false, during layer l-1's FFN from that FFN's input; true, at the start of
-  // layer l (BeforeLayer), from the residual stream before layer l's attention (see "Lookahead").
-  bool lookahead_before_attention = false;
 };
 
 // Lookahead (full mode, dense models, whole-bundle reads). A layer's reads cannot start before its active set is known
@@ -162,9 +159,6 @@ struct OffloadOptions {
 // the layer did not need stay in the cache as ordinary (unpinned) entries. If the pins leave a miss of layer l+1 no
 // slot, the lookahead is settled first (its pins released). The active set itself is still computed exactly from
 // layer l+1's real input, so results are bitwise those without lookahead; only what is read, and when, changes.
-// With lookahead_before_attention the guess for layer l+1 is made later and from a closer input: at the start of
-// layer l+1, from the residual stream after layer l's FFN, normalised with ffn_norm[l+1] (only layer l+1's attention
-// output is missing), and its reads overlap layer l+1's attention instead of layer l's FFN.
 // Cache counters: a bundle read ahead counts as a miss when its read is issued, used or not.
 
 // Two-phase loading (predictor mode, OffloadOptions::two_phase). A predictor guesses A; ReLU then zeroes a large share
@@ -278,8 +272,6 @@ class OffloadFfn : public FfnBackend {
   ~OffloadFfn() override;
 
   Result<bool> Forward(int64_t layer, int64_t expert, const Activation& x, float* out) override;
-  // With lookahead_before_attention, one decode token: starts layer `layer`'s lookahead from the residual stream.
-  void BeforeLayer(int64_t layer, const float* residual, int64_t n) override;
 
   const NeuronCache& cache() const { return *cache_; }
   const std::vector<OffloadGroupStats>& stats() const { return stats_; }
@@ -400,9 +392,6 @@ class OffloadFfn : public FfnBackend {
   Status InitLookahead();
   // Layer `layer` runs with FFN input x: selects layer+1's probable cold misses and appends their reads to the I/O job.
   void IssueLookahead(int64_t layer, const Activation& x);
-  // Selects layer `next`'s probable cold misses from la_x_ (its normalised FFN input, or a guess of it) and submits
-  // their reads.
-  void LookaheadFor(int64_t next);
   // Waits for the reads of lookahead set `b` and verifies them: a bundle an item took is retried once (then an
   // error); the others are released into the cache, or dropped when bad. The set is empty afterwards.
   Status SettleLookahead(int b);

@@ -73,26 +73,10 @@ size_t OffloadFfn::SubmitReads(std::span<const ReadRequest> requests, std::span<
 void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   const int64_t next = layer + 1;
   const LlamaHparams& hp = model_.hparams();
-  if (la_slots_ == 0 || next >= hp.n_layers || options_.lookahead_before_attention) return;
-  const size_t dim = static_cast<size_t>(hp.dim);
-  const float* scale = la_scale_.data() + static_cast<size_t>(layer) * dim;
-  for (size_t i = 0; i < dim; ++i) la_x_[i] = x.f32()[i] * scale[i];
-  LookaheadFor(next);
-}
-
-void OffloadFfn::BeforeLayer(int64_t layer, const float* residual, int64_t n) {
-  if (n != 1 || la_slots_ == 0 || !options_.lookahead_before_attention || pending_buf_ >= 0) return;
-  const LlamaHparams& hp = model_.hparams();
-  if (la_layer_[layer % 2] == layer) return;  // already read ahead
-  RmsNorm(residual, model_.layers()[static_cast<size_t>(layer)].ffn_norm, hp.dim, hp.norm_eps, la_x_.data());
-  LookaheadFor(layer);
-}
-
-void OffloadFfn::LookaheadFor(int64_t next) {
-  const LlamaHparams& hp = model_.hparams();
+  if (la_slots_ == 0 || next >= hp.n_layers) return;
   const uint64_t t0 = SteadyNowNs();
   const int b = static_cast<int>(next % 2);
-  if (la_layer_[b] >= 0) DropLookahead(next - 1);  // a stale one (not expected: each layer settles its own)
+  if (la_layer_[b] >= 0) DropLookahead(layer);  // a stale one (not expected: each layer settles its own)
   SlotRegion& cold = cache_->cold();
   const int64_t g = next;
   // At most half of the next layer's cold partition (or of the shared pool): the rest stays for its other misses and
@@ -103,6 +87,9 @@ void OffloadFfn::LookaheadFor(int64_t next) {
   if (limit <= 0) return;
   const packer::RegionInfo& region = *deploy_.Region(next, -1);
   const packer::BundleLayout& lay = deploy_.layout();
+  const size_t dim = static_cast<size_t>(hp.dim);
+  const float* scale = la_scale_.data() + static_cast<size_t>(layer) * dim;
+  for (size_t i = 0; i < dim; ++i) la_x_[i] = x.f32()[i] * scale[i];
   la_act_.Set(la_x_.data(), 1, hp.dim);
 
   // Candidates: neurons the next layer would have to read if active (Resolve's cold path, not cached now).

@@ -163,7 +163,6 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.two_phase = options.two_phase;
   oo.lookahead_slots = options.lookahead_slots;
   oo.lookahead_keep = options.lookahead_keep;
-  oo.lookahead_before_attention = options.lookahead_before_attention;
   // The cache arena registered with the ring, so reads into it skip per-request page pinning.
   const uint64_t arena_bytes = rt->split_.hot_bytes + rt->split_.cold_bytes;
   if (arena_bytes > 0) {

@@ -71,8 +71,6 @@ struct SparseRuntimeOptions {
   int64_t lookahead_slots = -1;
   // OffloadOptions::lookahead_keep.
   double lookahead_keep = kDefaultLookaheadKeep;
-  // OffloadOptions::lookahead_before_attention.
-  bool lookahead_before_attention = false;
   // Tests: wraps the flash file (fault injection through the File abstraction).
   std::function<std::shared_ptr<const ReadableFile>(std::shared_ptr<const ReadableFile>)> wrap_flash;
 };

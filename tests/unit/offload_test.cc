@@ -291,7 +291,6 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     int64_t per_layer_slots = 40;
     int64_t hot = 1;
     bool prefill_in_cache = false;  // batched prefill in lent cold slots (the lookahead's pins dropped first)
-    bool before_attention = false;  // the guess from the residual before the layer's attention (BeforeLayer)
   };
   const Config configs[] = {
       {false, 0, false, true}, {false, -1, false, true}, {false, 3, false, false},
@@ -304,15 +303,12 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
       {false, -1, true, true, false, 12, 0},
       {false, -1, true, true, false, 40, 1, true},
       {false, 3, false, true, false, 40, 0, true},
-      // From the residual stream before each layer's attention (layer 0 too).
-      {false, -1, false, true, false, 40, 1, false, true}, {true, -1, false, false, false, 40, 1, false, true},
-      {false, 3, true, true, false, 12, 0, false, true}, {false, -1, true, true, false, 40, 1, true, true},
   };
   for (const Config& c : configs) {
     SCOPED_TRACE(std::string(c.predictor ? "predictor" : "oracle") + " lookahead " + std::to_string(c.lookahead) +
                  (c.per_layer ? " per-layer cold slots" : " shared cold pool") +
                  (c.batched_prefill ? "" : " token prefill") + (c.shared_from_per_layer ? " (shared)" : "") +
-                 (c.prefill_in_cache ? " prefill in cache" : "") + (c.before_attention ? " before attention" : ""));
+                 (c.prefill_in_cache ? " prefill in cache" : ""));
     SparseRuntimeOptions o;
     o.active_set = c.predictor ? ActiveSetSource::kAuto : ActiveSetSource::kOracle;
     o.lookahead_slots = c.lookahead;
@@ -321,7 +317,6 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     o.batched_prefill_min_tokens = 2;  // the prompt is short
     o.shared_cold_pool = c.shared_from_per_layer;
     o.prefill_in_cache = c.prefill_in_cache;
-    o.lookahead_before_attention = c.before_attention;
     if (c.per_layer) {
       o.cold_slots_per_group.assign(5, c.per_layer_slots);
     } else {
@@ -348,13 +343,8 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
       EXPECT_GE(2.5 * static_cast<double>(st.prefetch_used), static_cast<double>(st.prefetched));
       EXPECT_LE(st.prefetch_used, st.missed) << "a neuron read ahead and used is a miss served early";
       EXPECT_LE(st.prefetch_bytes, st.bytes_read);
-      // At most `cap` bundles per layer and token (layers 1..4 read ahead of; before attention layer 0 too).
+      // At most `cap` bundles per layer and token (4 layers read ahead of per token: layers 1..4).
       EXPECT_LE(st.prefetched, cap * st.tokens);
-      if (c.before_attention) {
-        EXPECT_GT((*rt)->ffn().stats()[0].prefetched, 0) << "layer 0 is read ahead of from the embedding";
-      } else {
-        EXPECT_EQ((*rt)->ffn().stats()[0].prefetched, 0);
-      }
     }
     EXPECT_EQ(st.retries, 0);
     const SlotRegion& cold = (*rt)->ffn().cache().cold();
