@@ -44,6 +44,7 @@ struct SparseFlags {
   int64_t calib_tokens = 8192;
   bool measure_recall = false;
   bool skip_hash = false;
+  int64_t prefill_batch_min = kDefaultBatchedPrefillMinTokens;
 };
 
 void AddSparseOptions(CLI::App* sub, SparseFlags* s) {
@@ -81,6 +82,7 @@ Result<SparseSetup> SetupSparse(const SparseFlags& s, const ModelSource& src, co
   SparseFfnOptions o;
   o.mode = s.mode == "predictor" ? SparseMode::kPredictor : SparseMode::kOracle;
   o.sparse_prefill = sparse_prefill;
+  o.batched_prefill_min_tokens = s.prefill_batch_min;
   o.measure_recall = s.measure_recall;
   if (o.mode == SparseMode::kPredictor && s.predictor.empty()) {
     return Status::InvalidArgument("--sparse predictor needs --predictor FILE");
@@ -465,6 +467,11 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
   sub->add_option("--stop", f->stop, "Stop when the text contains this string (repeatable)");
   sub->add_flag("--json", f->json, "Print a JSON summary (with the text) instead of streaming");
   AddSparseOptions(sub, &f->sparse);
+  sub->add_option("--prefill-batch-min", f->sparse.prefill_batch_min,
+                  "--sparse: prompts of at least this many tokens prefill by GEMM over every neuron, shorter ones token "
+                  "by token through the sparse path (as `nflash offload --prefill-batch-min`, same default)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   sub->callback([f, action] { *action = [f] { return RunGenerate(*f); }; });
 }
 

@@ -9,6 +9,8 @@
 
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include "packer/deployment.h"
 #include "runtime/core/file.h"
 #include "runtime/core/gguf.h"
@@ -169,6 +171,27 @@ TEST_F(PackCliTest, PredictorIsShippedVerbatimAndHashed) {
   ASSERT_EQ(p.exit_code, 0) << p.output;
   EXPECT_EQ(*ReadWholeFile(pred), *ReadWholeFile(dir + "/predictor.gguf"));
   EXPECT_EQ(RunCommand(Nflash() + " verify " + dir).exit_code, 0);
+  // The in-memory sparse run with this predictor and the offloaded run print the same text, for a prompt prefilled
+  // token by token through the predictor (default: the prompt is short) and by GEMM over every neuron
+  // (--prefill-batch-min 2, in both). The two prefills differ (the predictor misses neurons), so the texts do too.
+  std::string texts[2];
+  for (int batched = 0; batched < 2; ++batched) {
+    const std::string common = std::string(" -p \"Once upon a time, there was a little\" -n 40 -t 1 --json") +
+                               (batched ? " --prefill-batch-min 2" : "");
+    auto text = [](const testing::CommandResult& r) -> std::string {
+      auto j = nlohmann::json::parse(r.output, nullptr, false);
+      return j.is_discarded() || !j.contains("text") ? "(no JSON text) " + r.output : j["text"].get<std::string>();
+    };
+    auto run = RunCommand(Nflash() + " -q run -m " + Model("f32") + " --temp 0 --sparse predictor --predictor " + pred +
+                              common,
+                          /*capture_stderr=*/false);
+    auto off = RunCommand(Nflash() + " -q offload -d " + dir + " --cold-slots 40" + common, /*capture_stderr=*/false);
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    ASSERT_EQ(off.exit_code, 0) << off.output;
+    texts[batched] = text(run);
+    EXPECT_EQ(text(off), texts[batched]) << (batched ? "batched prefill" : "token-by-token prefill");
+  }
+  EXPECT_NE(texts[0], texts[1]);
   // A modified predictor is caught by verify's hash check.
   {
     std::fstream f(dir + "/predictor.gguf", std::ios::in | std::ios::out | std::ios::binary);
