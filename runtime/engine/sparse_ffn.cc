@@ -72,9 +72,12 @@ Status SparseFfn::BuildTransposedDown() {
   std::vector<size_t> offset;
   for (int64_t g = 0; g < hp.n_layers * per_layer; ++g) {
     const LayerWeights& L = model_.layers()[static_cast<size_t>(g / per_layer)];
-    const GgmlType out_type = ColumnType(L.down.type, dim);
-    auto rb = RowBytes(out_type, static_cast<uint64_t>(dim));
-    if (!rb) return Status::Internal("layer " + std::to_string(g / per_layer) + ": no row size for the transposed ffn_down");
+    if (!IsRowType(L.down.type)) {
+      return Status::Unsupported("layer " + std::to_string(g / per_layer) + ": ffn_down type " +
+                                 std::string(GgmlTypeName(L.down.type)) + " has no sparse column form");
+    }
+    auto rb = RowBytes(ColumnType(L.down.type, dim), static_cast<uint64_t>(dim));
+    if (!rb) return Status::Internal("layer " + std::to_string(g / per_layer) + ": no row size for ffn_down columns");
     offset.push_back(total);
     total += static_cast<size_t>(*rb) * static_cast<size_t>(n_ff);
   }
@@ -100,10 +103,6 @@ Status SparseFfn::BuildTransposedDown() {
     // by column (for Q4_0 that adds up to half a 4-bit step of the new scale per weight). The offloaded FFN reads the
     // packer's columns of the same type, so the two engines compute the same function, at the same bytes per neuron.
     const GgmlType out_type = ColumnType(down.type, dim);
-    if (!IsRowType(down.type)) {
-      return Status::Unsupported("layer " + std::to_string(l) + ": ffn_down type " +
-                                 std::string(GgmlTypeName(down.type)) + " has no sparse column form");
-    }
     for (int64_t r = 0; r < dim; ++r) {
       NF_RETURN_IF_ERROR(DequantizeRow(down.type, static_cast<const uint8_t*>(down.data) + down.row_bytes * r,
                                        row.data(), n_ff));
@@ -129,11 +128,7 @@ void SparseFfn::ResetStats() {
   }
 }
 
-uint64_t SparseFfn::extra_bytes() const {
-  uint64_t b = 0;
-  b += down_t_block_bytes_;
-  return b;
-}
+uint64_t SparseFfn::extra_bytes() const { return down_t_block_bytes_; }
 
 Result<bool> SparseFfn::Forward(int64_t layer, int64_t expert, const Activation& x, float* out) {
   if (x.n() > 1 && !options_.sparse_prefill && expert < 0 && x.n() >= options_.batched_prefill_min_tokens) {
