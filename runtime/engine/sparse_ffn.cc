@@ -138,11 +138,15 @@ Result<bool> SparseFfn::Forward(int64_t layer, int64_t expert, const Activation&
   if (x.n() == 1) {
     ForwardToken(layer, expert, x, 0, out);
   } else {
+    // A short prompt through the token path: the statistics stay those of decode (as before, when such prompts ran
+    // the dense path), unless every batch is meant to be counted (sparse_prefill: perplexity).
+    count_stats_ = options_.sparse_prefill;
     const int64_t dim = x.cols();
     for (int64_t t = 0; t < x.n(); ++t) {
       token_act_.Set(x.f32() + t * dim, 1, dim);
       ForwardToken(layer, expert, token_act_, 0, out + t * dim);
     }
+    count_stats_ = true;
   }
   return true;
 }
@@ -196,7 +200,8 @@ void SparseFfn::ForwardToken(int64_t layer, int64_t expert, const Activation& x,
   const size_t group = static_cast<size_t>(layer * std::max<int64_t>(1, hp.n_experts) + std::max<int64_t>(0, expert));
   const int64_t n_ff = hp.n_ff, dim = hp.dim;
   const float thr = thresholds_[static_cast<size_t>(layer)];
-  SparseFfnLayerStats& st = stats_[static_cast<size_t>(layer)];
+  SparseFfnLayerStats uncounted;
+  SparseFfnLayerStats& st = count_stats_ ? stats_[static_cast<size_t>(layer)] : uncounted;
   st.tokens += 1;
   float ga = 0.0f;
   const bool need_all_gates = predictor_ == nullptr || options_.measure_recall;

@@ -106,6 +106,7 @@ class SparseFfn : public FfnBackend {
   std::vector<int32_t> rows_, used_;
   std::vector<float> gate_all_, gate_, up_, hidden_;
   std::vector<float> prefill_gate_, prefill_up_;  // token tile x n_ff (ForwardPrefill)
+  bool count_stats_ = true;                       // false while a prompt without sparse_prefill runs token by token
   Activation token_act_;
 };
 

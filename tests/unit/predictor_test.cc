@@ -433,5 +433,50 @@ TEST(SparseFfnTest, OracleCloseToDenseOnQuantizedModel) {
   }
 }
 
+// The sparse FFN's statistics describe decode: a prompt (token by token below batched_prefill_min_tokens, by GEMM
+// above) is not counted unless sparse_prefill asks for every batch (perplexity).
+TEST(SparseFfnTest, StatisticsCountDecodeTokensOnly) {
+  testing::TempDir dir;
+  converter::SynthOptions o;
+  o.shape = "custom";
+  o.dim = 64;
+  o.ffn = 128;
+  o.layers = 2;
+  o.heads = 4;
+  o.vocab = 300;
+  o.context = 128;
+  o.type = GgmlType::kF32;
+  o.threads = 1;
+  auto src = converter::BuildSyntheticModel(o, nullptr);
+  ASSERT_TRUE(src.ok()) << src.status().ToString();
+  converter::WriteOptions w;
+  w.path = dir.File("synth.gguf");
+  w.type = GgmlType::kF32;
+  w.progress = false;
+  ASSERT_TRUE(converter::WriteModelGguf(*src, w).ok());
+  auto model = Model::Load(w.path, LoadOptions());
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  ThreadPool pool(2);
+  for (const int prompt_len : {5, 70}) {
+    for (const bool sparse_prefill : {false, true}) {
+      SCOPED_TRACE("prompt " + std::to_string(prompt_len) + (sparse_prefill ? " sparse_prefill" : ""));
+      SparseFfnOptions so;
+      so.sparse_prefill = sparse_prefill;
+      auto ffn = SparseFfn::Create(**model, nullptr, so, &pool);
+      ASSERT_TRUE(ffn.ok()) << ffn.status().ToString();
+      InferenceContext ctx(**model, &pool, 0);
+      ctx.SetFfnBackend(ffn->get());
+      std::vector<int32_t> prompt;
+      for (int i = 0; i < prompt_len; ++i) prompt.push_back((i * 13 + 1) % 300);
+      ASSERT_TRUE(ctx.Eval(prompt, false).ok());
+      for (int32_t t : {3, 5, 7}) ASSERT_TRUE(ctx.Eval({&t, 1}, false).ok());
+      for (const SparseFfnLayerStats& st : (*ffn)->stats()) {
+        EXPECT_EQ(st.tokens, sparse_prefill ? prompt_len + 3 : 3);
+        EXPECT_GT(st.computed, 0);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace nflash
