@@ -40,9 +40,11 @@ constexpr int64_t kKeyBlock = 64;
 // Float index, within one layer's key cache of n_ctx positions, of element i of KV head kvh's key at position p. The
 // last block holds n_ctx mod 64 positions when n_ctx is not a multiple of 64: its rows are that wide, so the cache is
 // exactly n_ctx * kv_dim floats per layer, as KvCacheBytes accounts it.
+// Positions in the key block that starts at position `start` (a multiple of kKeyBlock): the row width of its keys.
+inline int64_t KeyBlockWidth(int64_t n_ctx, int64_t start) { return std::min(kKeyBlock, n_ctx - start); }
 inline int64_t KeyCacheIndex(int64_t n_ctx, int64_t head_dim, int64_t kvh, int64_t p, int64_t i) {
-  const int64_t block = p / kKeyBlock, width = std::min(kKeyBlock, n_ctx - block * kKeyBlock);
-  return kvh * n_ctx * head_dim + block * kKeyBlock * head_dim + i * width + (p - block * kKeyBlock);
+  const int64_t start = p / kKeyBlock * kKeyBlock;
+  return kvh * n_ctx * head_dim + start * head_dim + i * KeyBlockWidth(n_ctx, start) + (p - start);
 }
 // Below this many multiply-adds (~50 microseconds on one core) an attention call runs on the calling thread: waking
 // the pool costs more than it saves (stories260K decode: 8 heads of 8 dims).
@@ -89,7 +91,7 @@ size_t AttentionScratchFloats(int64_t head_dim, int64_t group) {
   for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, keys - k0);
     const float* kt = a.kc + KeyCacheIndex(a.n_ctx, hd, kvh, k0, 0);  // (head_dim, width): the block's keys
-    const int64_t width = std::min(kKeyBlock, a.n_ctx - k0);
+    const int64_t width = KeyBlockWidth(a.n_ctx, k0);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = t0 + r / a.group, h = kvh * a.group + r % a.group;
       const int64_t len = a.pos + t + 1;  // causal: this query sees keys [0, len)
@@ -302,8 +304,10 @@ void InferenceContext::Attention(int64_t layer, int64_t n) {
     rotate(q_.data() + t * q_dim, hp_.n_heads);
     rotate(k_.data() + t * kv_dim, hp_.n_kv_heads);
     const float* kt = k_.data() + t * kv_dim;
+    const int64_t width = KeyBlockWidth(n_ctx_, (pos_ + t) / kKeyBlock * kKeyBlock);  // element i is i rows down
     for (int64_t h = 0; h < hp_.n_kv_heads; ++h) {
-      for (int64_t i = 0; i < hd; ++i) kc[KeyCacheIndex(n_ctx_, hd, h, pos_ + t, i)] = kt[h * hd + i];
+      float* dst = kc + KeyCacheIndex(n_ctx_, hd, h, pos_ + t, 0);
+      for (int64_t i = 0; i < hd; ++i) dst[i * width] = kt[h * hd + i];
     }
     std::memcpy(vc + (pos_ + t) * kv_dim, v_.data() + t * kv_dim, sizeof(float) * kv_dim);
   }

@@ -132,7 +132,7 @@ uint64_t SparseFfn::extra_bytes() const { return down_t_block_bytes_; }
 
 Result<bool> SparseFfn::Forward(int64_t layer, int64_t expert, const Activation& x, float* out) {
   if (x.n() > 1 && !options_.sparse_prefill && expert < 0 && x.n() >= options_.batched_prefill_min_tokens) {
-    ForwardPrefill(layer, expert, x, out);
+    ForwardPrefill(layer, x, out);
     return true;
   }
   if (x.n() == 1) {
@@ -151,12 +151,9 @@ Result<bool> SparseFfn::Forward(int64_t layer, int64_t expert, const Activation&
   return true;
 }
 
-void SparseFfn::ForwardPrefill(int64_t layer, int64_t expert, const Activation& x, float* out) {
+void SparseFfn::ForwardPrefill(int64_t layer, const Activation& x, float* out) {
   const LlamaHparams& hp = model_.hparams();
   const LayerWeights& L = model_.layers()[static_cast<size_t>(layer)];
-  const MatrixView gate = expert >= 0 ? L.Expert(L.gate, L.expert_stride_gate, expert) : L.gate;
-  const MatrixView up = expert >= 0 ? L.Expert(L.up, L.expert_stride_up, expert) : L.up;
-  const size_t group = static_cast<size_t>(layer * std::max<int64_t>(1, hp.n_experts) + std::max<int64_t>(0, expert));
   const int64_t n_ff = hp.n_ff, dim = hp.dim;
   // Oracle: the token path's threshold; predictor: every neuron with h != 0 (the predictor guesses decode's active
   // set, not the prompt's), as runtime/sparse/offload_prefill.cc.
@@ -170,7 +167,7 @@ void SparseFfn::ForwardPrefill(int64_t layer, int64_t expert, const Activation& 
   for (int64_t t0 = 0; t0 < x.n(); t0 += kTile) {
     const int64_t tn = std::min(kTile, x.n() - t0);
     token_act_.Set(x.f32() + t0 * dim, tn, dim);
-    const MatrixView ws[2] = {gate, up};
+    const MatrixView ws[2] = {L.gate, L.up};
     float* const ys[2] = {prefill_gate_.data(), prefill_up_.data()};
     GemmMany(ws, token_act_, ys, pool_);
     for (int64_t t = 0; t < tn; ++t) {
@@ -186,7 +183,7 @@ void SparseFfn::ForwardPrefill(int64_t layer, int64_t expert, const Activation& 
       }
       float* y = out + (t0 + t) * dim;
       std::fill(y, y + dim, 0.0f);
-      AccumulateRows(down_t_[group], used_, hidden_.data(), y, pool_);
+      AccumulateRows(down_t_[static_cast<size_t>(layer)], used_, hidden_.data(), y, pool_);  // dense: group = layer
     }
   }
 }

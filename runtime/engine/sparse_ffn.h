@@ -85,9 +85,9 @@ class SparseFfn : public FfnBackend {
   Status BuildTransposedDown();
   // expert: -1 for a dense FFN, else the MoE expert whose rows to use.
   void ForwardToken(int64_t layer, int64_t expert, const Activation& x, int64_t token, float* out);
-  // Batched prefill without sparse_prefill: gate and up of every neuron by GEMM, then per token the neurons with
-  // |act(gate)| > threshold (oracle; predictor: 0) and h != 0 through AccumulateRows on the column copy.
-  void ForwardPrefill(int64_t layer, int64_t expert, const Activation& x, float* out);
+  // Batched prefill of a dense layer without sparse_prefill: gate and up of every neuron by GEMM, then per token the
+  // neurons with |act(gate)| > threshold (oracle; predictor: 0) and h != 0 through AccumulateRows on the column copy.
+  void ForwardPrefill(int64_t layer, const Activation& x, float* out);
 
   const Model& model_;
   const Predictor* predictor_;

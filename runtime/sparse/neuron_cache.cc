@@ -288,10 +288,6 @@ void SlotRegion::Abandon(int32_t s) {
   p.free_top = s;
 }
 
-int32_t SlotRegion::Find(int64_t group, int64_t unit) const {
-  return slot_of_key_[group * config_.units_per_group + unit];
-}
-
 CacheCounters SlotRegion::TotalCounters() const {
   CacheCounters t;
   for (const auto& c : counters_) t += c;

@@ -94,12 +94,12 @@ class SlotRegion {
   // The slot's data could not be loaded: unmaps the unit, frees the slot (which must be pinned exactly once).
   void Abandon(int32_t slot);
   // The slot holding (group, unit), or -1; no side effects (no counting, no recency change).
-  int32_t Find(int64_t group, int64_t unit) const;
+  int32_t Find(int64_t group, int64_t unit) const {
+    return slot_of_key_[static_cast<size_t>(group * config_.units_per_group + unit)];
+  }
   // Starts loading the slot record of a held unit into the cache (a hint, no effect on the state): Acquire touches it
   // at random, and a batch of lookups issued after a pass of these overlaps its cache misses.
-  void Prefetch(int64_t group, int64_t unit) const {
-    PrefetchSlot(slot_of_key_[static_cast<size_t>(group * config_.units_per_group + unit)]);
-  }
+  void Prefetch(int64_t group, int64_t unit) const { PrefetchSlot(Find(group, unit)); }
   // The same for a slot (Release of many slots: a few ahead of the one released).
   void PrefetchSlot(int32_t s) const {
     if (s >= 0) __builtin_prefetch(&slots_[static_cast<size_t>(s)], 1);

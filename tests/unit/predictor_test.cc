@@ -17,6 +17,7 @@
 #include "runtime/engine/predictor.h"
 #include "runtime/engine/sparse_ffn.h"
 #include "tests/test_util.h"
+#include "tests/unit/offload_test_util.h"
 
 namespace nflash {
 namespace {
@@ -446,15 +447,7 @@ TEST(SparseFfnTest, StatisticsCountDecodeTokensOnly) {
   o.vocab = 300;
   o.context = 128;
   o.type = GgmlType::kF32;
-  o.threads = 1;
-  auto src = converter::BuildSyntheticModel(o, nullptr);
-  ASSERT_TRUE(src.ok()) << src.status().ToString();
-  converter::WriteOptions w;
-  w.path = dir.File("synth.gguf");
-  w.type = GgmlType::kF32;
-  w.progress = false;
-  ASSERT_TRUE(converter::WriteModelGguf(*src, w).ok());
-  auto model = Model::Load(w.path, LoadOptions());
+  auto model = sparse::WriteSyntheticModel(o, dir.File("synth.gguf"));
   ASSERT_TRUE(model.ok()) << model.status().ToString();
   ThreadPool pool(2);
   for (const int prompt_len : {5, 70}) {
