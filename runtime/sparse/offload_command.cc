@@ -117,7 +117,7 @@ Status RunOffload(const OffloadFlags& f) {
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   rt.ffn().ResetStats();  // decode figures only
   uint64_t wait0 = rt.ffn().io_wait_ns();
-  uint64_t submit0 = rt.reader() ? rt.reader()->Counters().submit_cpu_ns : 0;
+  io::IoCounters io0 = rt.reader() ? rt.reader()->Counters() : io::IoCounters{};
   const int64_t warmup = std::min<int64_t>(f.warmup, n - 1);
   std::vector<int32_t> out;
   std::vector<double> lat_ms;
@@ -130,7 +130,7 @@ Status RunOffload(const OffloadFlags& f) {
       // The warm-up steps filled the caches: measure from here (steady state, what the planner predicts).
       rt.ffn().ResetStats();
       wait0 = rt.ffn().io_wait_ns();
-      submit0 = rt.reader() ? rt.reader()->Counters().submit_cpu_ns : 0;
+      io0 = rt.reader() ? rt.reader()->Counters() : io::IoCounters{};
       lat_ms.clear();
       miss_rate.clear();
       t1 = Clock::now();
@@ -193,7 +193,8 @@ Status RunOffload(const OffloadFlags& f) {
       {"requests_per_token", static_cast<double>(st.requests) / steps},
       {"scattered_requests_per_token", static_cast<double>(st.scattered_requests) / steps},
       {"io_wait_ms_per_token", io_wait_ms / steps},
-      {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns - submit0) / 1e6},
+      {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns - io0.submit_cpu_ns) / 1e6},
+      {"io_submit_calls_per_token", static_cast<double>(ioc.submit_calls - io0.submit_calls) / steps},
       {"retries", st.retries},
       {"two_phase", rt.ffn().two_phase()},
       {"lookahead_slots", rt.ffn().lookahead_slots()},

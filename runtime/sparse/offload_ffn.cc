@@ -235,9 +235,9 @@ Status OffloadFfn::Init() {
   used_down_.reserve(n_ff);
   used_rows_.reserve(n_ff);
   used_hidden_.reserve(n_ff);
-  gate_ptrs_.reserve(n_ff);
+  gate_ptrs_.reserve(2 * n_ff);  // gate and up rows when fused (ComputeItems)
   up_ptrs_.reserve(n_ff);
-  gate_out_.resize(n_ff);
+  gate_out_.resize(2 * n_ff);
   up_out_.resize(n_ff);
   down_ptr_.resize(n_ff);
   InitTwoPhase();
@@ -573,22 +573,27 @@ void OffloadFfn::ComputeItems(std::span<const int32_t> items, const Activation& 
   // GemvRowPtrs per part runs the multi-row tiles over bundles scattered across the cache and staging, the same
   // arithmetic per row as RowDot / the in-memory GemvRows (bit for bit) at several times the speed of one RowDot
   // per row.
+  // With gate and up of one type (the packer's bundles), each item's gate and up rows, adjacent in its bundle, go
+  // one after the other into one list: one parallel pass that streams each bundle's first two parts in order
+  // (results per row as with two lists).
+  const bool fused = lay.gate_type == lay.up_type && lay.gate_bytes == lay.up_bytes;
   gate_ptrs_.clear();
   up_ptrs_.clear();
   for (int32_t k : items) {
     if (!oracle_ && !gate_known_[k]) gate_ptrs_.push_back(bundle_[k] + lay.gate_offset);
-    up_ptrs_.push_back(bundle_[k] + lay.up_offset);
+    (fused ? gate_ptrs_ : up_ptrs_).push_back(bundle_[k] + lay.up_offset);
   }
   if (!gate_ptrs_.empty()) {
     GemvRowPtrs(PartShape(lay, lay.gate_type, lay.gate_bytes), gate_ptrs_, x, gate_out_.data(), pool_);
   }
-  GemvRowPtrs(PartShape(lay, lay.up_type, lay.up_bytes), up_ptrs_, x, up_out_.data(), pool_);
-  size_t gi = 0;
+  if (!fused) GemvRowPtrs(PartShape(lay, lay.up_type, lay.up_bytes), up_ptrs_, x, up_out_.data(), pool_);
+  size_t gi = 0;  // in gate_out_
   for (size_t j = 0; j < items.size(); ++j) {
     const int32_t k = items[j];
     const float gate = oracle_ ? gate_all_[active_[k]] : gate_known_[k] ? gate_item_[k] : gate_out_[gi++];
+    const float up = fused ? gate_out_[gi++] : up_out_[j];
     float ga = 0.0f;
-    const float h = ActivateNeuron(act, gate, up_out_[j], &ga);
+    const float h = ActivateNeuron(act, gate, up, &ga);
     const bool use = std::fabs(ga) > threshold && h != 0.0f;
     used_flag_[k] = use;
     hidden_[k] = h;
