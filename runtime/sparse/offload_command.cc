@@ -33,6 +33,7 @@ struct OffloadFlags : RuntimeFlags {
   int64_t warmup = 0;
   bool json = false;
   std::string hw;  // hw.json: report the speed floors
+  std::string trace_active;  // every active set of the decode path, one line each (OffloadFfn::SetActiveTrace)
 };
 
 // plan.json (`nflash plan`) -> runtime options: the plan's memory limit, context, threads, queue depth, chunk size,
@@ -100,6 +101,11 @@ Status RunOffload(const OffloadFlags& f) {
   ThreadPool pool(threads);
   NF_ASSIGN_OR_RETURN(std::unique_ptr<SparseRuntime> opened, OpenRuntime(f, o, &pool));
   SparseRuntime& rt = *opened;
+  std::unique_ptr<AtomicFileWriter> trace;
+  if (!f.trace_active.empty()) {
+    NF_ASSIGN_OR_RETURN(trace, AtomicFileWriter::Create(f.trace_active, /*overwrite=*/true));
+    rt.ffn().SetActiveTrace(trace.get());
+  }
   const LlamaHparams& hp = rt.model().hparams();
   InferenceContext& ctx = rt.context();
   const int64_t room = ctx.n_ctx() - static_cast<int64_t>(ids.size());
@@ -151,6 +157,10 @@ Status RunOffload(const OffloadFlags& f) {
     }
   }
   text += detok.Finish();
+  if (trace) {
+    rt.ffn().SetActiveTrace(nullptr);
+    NF_RETURN_IF_ERROR(trace->Commit());
+  }
   const auto t2 = Clock::now();
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
   const double steps = std::max<double>(1.0, static_cast<double>(lat_ms.size()));
@@ -409,6 +419,10 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--hw", flags->hw, "Hardware profile (nflash profile-hw): also report the compute and I/O floors "
                                      "per token and the measured time's ratio to them (docs/planner.md, Floors)")
       ->check(CLI::ExistingFile);
+  cmd->add_option("--trace-active", flags->trace_active,
+                  "Write every active set of the decode path (prompt and generated tokens) to this file: one line per "
+                  "layer step, the layer then the active neuron indices (for cache-policy studies: "
+                  "scripts/cache_policy_sim.py)");
   cmd->callback([flags, action] { *action = [flags] { return RunOffload(*flags); }; });
 }
 

@@ -677,6 +677,16 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     options_.predictor->Predict(layer, x, 0, &pred_scratch_, &active_, pool_);
   }
 
+  if (active_trace_ != nullptr) {
+    trace_line_ = std::to_string(group);
+    for (int32_t n : active_) {
+      trace_line_ += ' ';
+      trace_line_ += std::to_string(n);
+    }
+    trace_line_ += '\n';
+    NF_RETURN_IF_ERROR(active_trace_->Append(trace_line_.data(), trace_line_.size()));
+  }
+
   // 2. Cache lookups and the reads the misses need.
   if (Status resolved = Resolve(group, *region); !resolved.ok()) {
     AbandonPending();  // nothing was submitted for this layer; drop what it pinned

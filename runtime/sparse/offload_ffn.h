@@ -277,6 +277,10 @@ class OffloadFfn : public FfnBackend {
   const std::vector<OffloadGroupStats>& stats() const { return stats_; }
   OffloadGroupStats TotalStats() const;
   void ResetStats();
+  // Records every active set of the decode path (a token's layer or expert, after the predictor or the oracle): one
+  // text line each, the group (layer x max(1, n_experts) + expert) then the neuron indices, ascending, separated by
+  // spaces. For cache-policy studies (scripts/cache_policy_sim.py). nullptr: off. The writer must outlive its use.
+  void SetActiveTrace(AtomicFileWriter* trace) { active_trace_ = trace; }
   // Nanoseconds the compute thread waited for reads (full: blocked on chunks; llmflash: inside the blocking reads).
   uint64_t io_wait_ns() const;
   // Bytes this backend holds besides the cache arena: scratch, staging for misses without a slot, oracle gate rows.
@@ -413,6 +417,8 @@ class OffloadFfn : public FfnBackend {
   const Model& model_;
   std::shared_ptr<const ReadableFile> flash_;
   OffloadOptions options_;
+  AtomicFileWriter* active_trace_ = nullptr;
+  std::string trace_line_;
   ThreadPool* pool_;
   int64_t n_groups_ = 0, n_experts_ = 0;
   int64_t cluster_neurons_ = 0;   // neurons (slots) per hot cluster

@@ -3,9 +3,13 @@
 // a budget below the fixed part exits with 2 and names the minimum.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <sstream>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "tests/test_util.h"
 
@@ -77,6 +81,60 @@ TEST_F(OffloadCliTest, BudgetBelowTheFixedPartIsAUsageError) {
   EXPECT_NE(r.output.find("unknown unit"), std::string::npos) << r.output;
   r = testing::RunCommand(Nflash() + " offload -d " + Deploy() + " --mode dense");
   EXPECT_EQ(r.exit_code, 2) << r.output;
+}
+
+// --trace-active: one line per layer step of the decode path (the prompt token by token, layer by layer, then each
+// generated token's layers), ascending neuron indices. The oracle's sets are the exact ReLU zeros' complement, so their
+// share of the FFN must be near the model README's measurement (86.4% exact zeros over the calibration text), and the
+// decode lines must add up to the run's own active-neuron count.
+TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {
+  const std::string trace = dir_->File("active.txt");
+  const int n = 12;
+  auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n " +
+                                   std::to_string(n) + " --trace-active " + trace,
+                               /*capture_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.output;
+  const int64_t prompt = j["prompt_tokens"].get<int64_t>();
+  ASSERT_LT(prompt, 64) << "a short prompt runs token by token through the decode path";
+  constexpr int64_t kLayers = 5, kFf = 172;  // stories260K-relu (README)
+  std::ifstream in(trace);
+  ASSERT_TRUE(in) << trace;
+  std::vector<std::vector<int64_t>> lines;
+  std::vector<int64_t> groups;
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream ls(line);
+    int64_t g = -1;
+    ls >> g;
+    groups.push_back(g);
+    lines.emplace_back();
+    for (int64_t v; ls >> v;) lines.back().push_back(v);
+  }
+  ASSERT_EQ(static_cast<int64_t>(lines.size()), (prompt + n) * kLayers);
+  int64_t active = 0, decode_active = 0;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const int64_t prefill_lines = prompt * kLayers;
+    const int64_t want = static_cast<int64_t>(i) < prefill_lines ? static_cast<int64_t>(i) / prompt
+                                                                 : (static_cast<int64_t>(i) - prefill_lines) % kLayers;
+    ASSERT_EQ(groups[i], want) << "line " << i;
+    for (size_t k = 0; k < lines[i].size(); ++k) {
+      ASSERT_GE(lines[i][k], 0);
+      ASSERT_LT(lines[i][k], kFf);
+      if (k > 0) {
+        ASSERT_LT(lines[i][k - 1], lines[i][k]) << "line " << i;
+      }
+    }
+    active += static_cast<int64_t>(lines[i].size());
+    if (static_cast<int64_t>(i) >= prefill_lines) decode_active += static_cast<int64_t>(lines[i].size());
+  }
+  const double share = static_cast<double>(active) / static_cast<double>(lines.size() * kFf);
+  EXPECT_GT(share, 0.08);
+  EXPECT_LT(share, 0.20);
+  EXPECT_NEAR(static_cast<double>(decode_active) / n, j["active_neurons_per_token"].get<double>(), 1e-9);
+  for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(trace).parent_path())) {
+    EXPECT_EQ(e.path().filename().string().rfind("active.txt.tmp", 0), std::string::npos) << "left behind: " << e.path();
+  }
 }
 
 }  // namespace

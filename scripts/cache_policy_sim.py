@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""Replays an active-set trace (`nflash offload --trace-active FILE`) through cache policies of a given size and
+prints each policy's miss rate over the last decode tokens: what the cold region could gain from another policy.
+
+The cache is one pool of SLOTS neuron bundles over every layer (the runtime's per-layer partitions plus its overflow
+pool behave close to that: SYNTHETIC 7B trace, runtime 0.085 against 0.084 here). A miss is an active neuron that is
+not cached when its layer runs; a layer's own active neurons are never evicted while it runs (they are pinned).
+
+Policies: lru (the runtime's default), slru-P (segmented LRU with a protected share P, --cold-protected P), arc,
+tinylfu (LRU admitting a miss only when it was used more often than the victim; aged: counts halved every 4 x SLOTS
+uses), and belady (evicts the bundle whose next use is furthest away: the optimum for this trace, which needs the
+future).
+
+Dense models only (every layer appears once per token). Example:
+    nflash offload -d s7b16r.deploy --plan plan.json -n 40 --warmup 8 --json --trace-active trace.txt > run.json
+    scripts/cache_policy_sim.py trace.txt --slots 71681 --measure-tokens 19
+"""
+import argparse
+import collections
+import heapq
+import sys
+
+
+def read_trace(path):
+    steps = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            fields = line.split()
+            if not fields:
+                sys.exit(f"{path}:{number}: empty line (expected: group neuron...)")
+            try:
+                steps.append((int(fields[0]), [int(v) for v in fields[1:]]))
+            except ValueError:
+                sys.exit(f"{path}:{number}: not a list of integers")
+    return steps
+
+
+def lru(capacity):
+    cache = collections.OrderedDict()
+
+    def step(keys):
+        misses = 0
+        for k in keys:
+            if k in cache:
+                cache.move_to_end(k)
+            else:
+                misses += 1
+                cache[k] = True
+        while len(cache) > capacity:
+            cache.popitem(last=False)  # the step's own keys are the most recent: never evicted here
+        return misses
+
+    return step
+
+
+def slru(capacity, protected_share):
+    probation, protected = collections.OrderedDict(), collections.OrderedDict()
+    protected_cap = int(capacity * protected_share)
+
+    def step(keys):
+        misses = 0
+        for k in keys:
+            if k in protected:
+                protected.move_to_end(k)
+            elif k in probation:
+                del probation[k]
+                protected[k] = True
+                while len(protected) > protected_cap:
+                    demoted, _ = protected.popitem(last=False)
+                    probation[demoted] = True
+            else:
+                misses += 1
+                probation[k] = True
+        current = set(keys)
+        while len(probation) + len(protected) > capacity:
+            segment = probation if probation else protected
+            victim = next(iter(segment))
+            if victim in current:  # pinned: every older key is gone already, so evict from the other end of the LRU
+                segment = protected if segment is probation else probation
+                victim = next(k for k in segment if k not in current)
+            del segment[victim]
+        return misses
+
+    return step
+
+
+def arc(capacity):
+    t1, t2, b1, b2 = (collections.OrderedDict() for _ in range(4))
+    target = [0]
+
+    def replace(key):
+        if t1 and (len(t1) > target[0] or (key in b2 and len(t1) == target[0])):
+            old, _ = t1.popitem(last=False)
+            b1[old] = True
+        elif t2:
+            old, _ = t2.popitem(last=False)
+            b2[old] = True
+        else:
+            old, _ = t1.popitem(last=False)
+            b1[old] = True
+
+    def step(keys):
+        misses = 0
+        for k in keys:
+            if k in t1:
+                del t1[k]
+                t2[k] = True
+                continue
+            if k in t2:
+                t2.move_to_end(k)
+                continue
+            misses += 1
+            if k in b1:
+                target[0] = min(capacity, target[0] + max(1, len(b2) // max(1, len(b1))))
+                replace(k)
+                del b1[k]
+                t2[k] = True
+            elif k in b2:
+                target[0] = max(0, target[0] - max(1, len(b1) // max(1, len(b2))))
+                replace(k)
+                del b2[k]
+                t2[k] = True
+            else:
+                if len(t1) + len(b1) == capacity:
+                    if len(t1) < capacity:
+                        b1.popitem(last=False)
+                        replace(k)
+                    else:
+                        t1.popitem(last=False)
+                elif len(t1) + len(t2) + len(b1) + len(b2) >= capacity:
+                    if len(t1) + len(t2) + len(b1) + len(b2) >= 2 * capacity:
+                        b2.popitem(last=False)
+                    replace(k)
+                t1[k] = True
+        return misses
+
+    return step
+
+
+def tinylfu(capacity, halve_every=0):
+    # LRU whose misses are admitted only when used more often (so far) than the LRU victim; a rejected bundle is read
+    # for the step and not cached. halve_every > 0: every count is halved after that many uses (aging).
+    cache = collections.OrderedDict()
+    counts = collections.Counter()
+    uses = [0]
+
+    def step(keys):
+        misses = 0
+        current = set(keys)
+        for k in keys:
+            counts[k] += 1
+            uses[0] += 1
+            if halve_every and uses[0] % halve_every == 0:
+                for key in list(counts):
+                    counts[key] //= 2
+            if k in cache:
+                cache.move_to_end(k)
+                continue
+            misses += 1
+            if len(cache) < capacity:
+                cache[k] = True
+                continue
+            victim = next((v for v in cache if v not in current), None)
+            if victim is None or counts[k] <= counts[victim]:
+                continue
+            del cache[victim]
+            cache[k] = True
+        return misses
+
+    return step
+
+
+def belady(capacity, trace_keys):
+    never = len(trace_keys)
+    next_use = [None] * len(trace_keys)
+    following = {}
+    for i in range(len(trace_keys) - 1, -1, -1):
+        next_use[i] = [following.get(k, never) for k in trace_keys[i]]
+        for k in trace_keys[i]:
+            following[k] = i
+    cache, heap = {}, []
+    position = [0]
+
+    def step(keys):
+        i = position[0]
+        position[0] += 1
+        misses = 0
+        for k, use in zip(keys, next_use[i]):
+            if k not in cache:
+                misses += 1
+            cache[k] = use
+            heapq.heappush(heap, (-use, k))
+        while len(cache) > capacity:  # the step's keys are used at i, before every other key's next use
+            use, k = heapq.heappop(heap)
+            if cache.get(k) == -use:
+                del cache[k]
+        return misses
+
+    return step
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", help="file written by nflash offload --trace-active")
+    ap.add_argument("--slots", type=int, required=True, help="cache size in neuron bundles (the run's cold_slots)")
+    ap.add_argument("--measure-tokens", type=int, default=0,
+                    help="miss rate over the last N tokens (0: every step); earlier steps only warm the cache")
+    ap.add_argument("--slru", type=float, action="append", default=[], help="protected share(s) for slru")
+    args = ap.parse_args()
+    if args.slots <= 0:
+        sys.exit("--slots must be positive")
+    steps = read_trace(args.trace)
+    groups = max(g for g, _ in steps) + 1
+    keys = [[(g, n) for n in active] for g, active in steps]
+    first = 0 if args.measure_tokens <= 0 else max(0, len(steps) - args.measure_tokens * groups)
+    measured_active = sum(len(k) for k in keys[first:])
+    if measured_active == 0:
+        sys.exit("no active neurons in the measured steps")
+    policies = [("lru", lru(args.slots))]
+    policies += [(f"slru-{p:g}", slru(args.slots, p)) for p in (args.slru or [0.5])]
+    policies += [("arc", arc(args.slots)), ("tinylfu", tinylfu(args.slots)),
+                 ("tinylfu, aged", tinylfu(args.slots, 4 * args.slots)), ("belady (optimum)", belady(args.slots, keys))]
+    print(f"{len(steps)} steps, {groups} layers, {args.slots} slots; measured: the last {len(steps) - first} steps, "
+          f"{measured_active} active neurons")
+    for name, policy in policies:
+        misses = 0
+        for i, k in enumerate(keys):
+            m = policy(k)
+            if i >= first:
+                misses += m
+        print(f"  {name:18s} miss rate {misses / measured_active:.4f}  ({misses} misses)")
+
+
+if __name__ == "__main__":
+    main()
