@@ -48,12 +48,9 @@ struct ProcCounters {
 
 ProcCounters ReadProcCounters() {
   ProcCounters c;
+  c.cpu_s = ProcessCpuSeconds();
   rusage ru{};
-  if (::getrusage(RUSAGE_SELF, &ru) == 0) {
-    c.cpu_s = static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
-              static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
-    c.majflt = static_cast<uint64_t>(ru.ru_majflt);
-  }
+  if (::getrusage(RUSAGE_SELF, &ru) == 0) c.majflt = static_cast<uint64_t>(ru.ru_majflt);
   std::ifstream io("/proc/self/io");
   for (std::string key; io >> key;) {
     uint64_t v = 0;

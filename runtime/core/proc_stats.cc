@@ -1,5 +1,7 @@
-// Reads VmRSS / VmHWM from /proc/self/status.
+// Reads VmRSS / VmHWM from /proc/self/status and the CPU time from getrusage.
 #include "runtime/core/proc_stats.h"
+
+#include <sys/resource.h>
 
 #include <cstdio>
 #include <cstring>
@@ -18,6 +20,13 @@ ProcessMemory ReadProcessMemory() {
   }
   std::fclose(f);
   return m;
+}
+
+double ProcessCpuSeconds() {
+  rusage ru{};
+  if (::getrusage(RUSAGE_SELF, &ru) != 0) return 0.0;
+  return static_cast<double>(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+         static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
 }
 
 }  // namespace nflash

@@ -1,4 +1,4 @@
-// What the kernel says about this process: resident memory now and at its peak (/proc/self/status).
+// What the kernel says about this process: resident memory now and at its peak (/proc/self/status), CPU time.
 #pragma once
 
 #include <cstdint>
@@ -11,5 +11,7 @@ struct ProcessMemory {
 };
 // Zeros when /proc is not readable.
 ProcessMemory ReadProcessMemory();
+// User + system CPU time of every thread of this process so far (getrusage), in seconds; 0 when unavailable.
+double ProcessCpuSeconds();
 
 }  // namespace nflash

@@ -26,8 +26,8 @@ struct RuntimeFlags {
   int64_t hot_slots = 0, cold_slots = 0;
   double hot_fraction = kDefaultHotFraction;
   int64_t cluster_groups = 0;
-  int64_t chunk_requests = 16;
-  unsigned queue_depth = io::kDefaultQueueDepth;
+  int64_t chunk_requests = 0;  // 0: not given (kDefaultChunkRequests, or the plan's)
+  unsigned queue_depth = 0;     // 0: not given (io::kDefaultQueueDepth, or the plan's)
   bool buffered = false;
   bool token_prefill = false;
   bool prefill_in_cache = false;
@@ -42,8 +42,11 @@ struct RuntimeFlags {
   std::string hot_policy = "pinned";
   std::string plan;
   int64_t ctx = 0;  // -c: each command registers it (what 0 means differs)
-  int threads = 0;  // -t: each command registers it
+  int threads = 0;  // -t: each command registers it (0: all cores, or the plan's)
 };
+
+// Reads per pipeline chunk without --chunk-requests or a plan.
+inline constexpr int64_t kDefaultChunkRequests = 16;
 
 // Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
 // --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter,
@@ -51,8 +54,9 @@ struct RuntimeFlags {
 void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);
 
 // The options of SparseRuntime::Open for `f`: the context is f.ctx, or `default_ctx` when f.ctx is 0 (<= 0: the
-// model's), unless --plan sets it; `*threads` becomes f.threads or the plan's compute threads. InvalidArgument for a
-// bad flag value or --plan combined with the flags it sets.
+// model's), unless --plan sets it; `*threads` becomes f.threads or the plan's compute threads. With --plan, -t,
+// --queue-depth and --chunk-requests, when given, replace the plan's values (logged); InvalidArgument for a bad flag
+// value or --plan combined with the memory, cache-size or context flags.
 Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRuntimeOptions* o, int* threads);
 
 // SparseRuntime::Open(f.deploy, o, pool), warning when --two-phase on does not apply.

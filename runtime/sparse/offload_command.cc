@@ -124,6 +124,7 @@ Status RunOffload(const OffloadFlags& f) {
   rt.ffn().ResetStats();  // decode figures only
   uint64_t wait0 = rt.ffn().io_wait_ns();
   io::IoCounters io0 = rt.reader() ? rt.reader()->Counters() : io::IoCounters{};
+  double cpu0 = ProcessCpuSeconds();
   const int64_t warmup = std::min<int64_t>(f.warmup, n - 1);
   std::vector<int32_t> out;
   std::vector<double> lat_ms;
@@ -137,6 +138,7 @@ Status RunOffload(const OffloadFlags& f) {
       rt.ffn().ResetStats();
       wait0 = rt.ffn().io_wait_ns();
       io0 = rt.reader() ? rt.reader()->Counters() : io::IoCounters{};
+      cpu0 = ProcessCpuSeconds();
       lat_ms.clear();
       miss_rate.clear();
       t1 = Clock::now();
@@ -163,6 +165,7 @@ Status RunOffload(const OffloadFlags& f) {
   }
   const auto t2 = Clock::now();
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
+  const double decode_cpu_s = ProcessCpuSeconds() - cpu0;  // every thread: compute, pool, I/O
   const double steps = std::max<double>(1.0, static_cast<double>(lat_ms.size()));
   const OffloadGroupStats st = rt.ffn().TotalStats();
   const CacheCounters hot = rt.ffn().cache().hot().TotalCounters();
@@ -205,6 +208,11 @@ Status RunOffload(const OffloadFlags& f) {
       {"io_wait_ms_per_token", io_wait_ms / steps},
       {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns - io0.submit_cpu_ns) / 1e6},
       {"io_submit_calls_per_token", static_cast<double>(ioc.submit_calls - io0.submit_calls) / steps},
+      {"compute_threads", pool.NumThreads()},
+      {"queue_depth", rt.reader() ? static_cast<int64_t>(rt.reader()->queue_depth()) : int64_t{0}},
+      {"chunk_requests", rt.ffn().chunk_requests()},
+      {"cpu_ms_per_token", decode_cpu_s * 1e3 / steps},
+      {"cpu_util", decode_s > 0 ? decode_cpu_s / decode_s : 0.0},
       {"retries", st.retries},
       {"two_phase", rt.ffn().two_phase()},
       {"lookahead_slots", rt.ffn().lookahead_slots()},
@@ -246,9 +254,11 @@ Status RunOffload(const OffloadFlags& f) {
   std::printf("%s\n\n", text.c_str());
   std::printf("%s", rt.Accounting().c_str());
   std::printf("  %-18s %12s\n", "peak RSS", FormatBytes(mem.peak_rss_bytes).c_str());
-  std::printf("decode (%s, %s): %zu tokens, %.2f tok/s; per token P50 %.2f ms, P90 %.2f ms, P99 %.2f ms\n",
+  std::printf("decode (%s, %s): %zu tokens, %.2f tok/s; per token P50 %.2f ms, P90 %.2f ms, P99 %.2f ms; CPU %.1f ms "
+              "per token (%.2f cores busy)\n",
               f.mode.c_str(), rt.predictor() ? "predictor" : "oracle", lat_ms.size(),
-              j["decode_tok_s"].get<double>(), Percentile(lat_ms, 0.5), Percentile(lat_ms, 0.9), Percentile(lat_ms, 0.99));
+              j["decode_tok_s"].get<double>(), Percentile(lat_ms, 0.5), Percentile(lat_ms, 0.9), Percentile(lat_ms, 0.99),
+              j["cpu_ms_per_token"].get<double>(), j["cpu_util"].get<double>());
   std::printf("cache: hot hit rate %.3f (%d slots), cold hit rate %.3f (%d slots); per token: %.1f active neurons "
               "(miss rate mean %.3f, P99 %.3f), %.3f MB read in %.1f requests, %.3f ms waiting for I/O; %lld "
               "retries%s\n",
@@ -306,8 +316,8 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->cold_slots = f.cold_slots;
   o->hot_fraction = f.hot_fraction;
   o->cluster_groups = f.cluster_groups;
-  o->chunk_requests = f.chunk_requests;
-  o->io.queue_depth = f.queue_depth;
+  o->chunk_requests = f.chunk_requests > 0 ? f.chunk_requests : kDefaultChunkRequests;
+  o->io.queue_depth = f.queue_depth > 0 ? f.queue_depth : io::kDefaultQueueDepth;
   o->io.buffered = f.buffered;
   o->batched_prefill = !f.token_prefill;
   o->prefill_in_cache = f.prefill_in_cache;
@@ -333,6 +343,20 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
                                      "--cold-slots and --ctx");
     }
     NF_RETURN_IF_ERROR(ApplyPlan(f.plan, f.deploy, o, threads));
+    // Settings that do not change the memory: a flag given on the command line wins over the plan (a comparison
+    // against the plan's choice).
+    if (f.threads > 0) {
+      NF_LOG(Info) << "-t " << f.threads << " replaces the plan's " << *threads << " compute thread(s)";
+      *threads = f.threads;
+    }
+    if (f.queue_depth > 0) {
+      NF_LOG(Info) << "--queue-depth " << f.queue_depth << " replaces the plan's " << o->io.queue_depth;
+      o->io.queue_depth = f.queue_depth;
+    }
+    if (f.chunk_requests > 0) {
+      NF_LOG(Info) << "--chunk-requests " << f.chunk_requests << " replaces the plan's " << o->chunk_requests;
+      o->chunk_requests = f.chunk_requests;
+    }
   }
   return Status::Ok();
 }
@@ -358,8 +382,13 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "pool, LRU per cluster, filled on demand)")
       ->capture_default_str();
   cmd->add_option("--cluster-groups", flags->cluster_groups, "Hot cluster size in flash groups (0: 64 KiB)");
-  cmd->add_option("--chunk-requests", flags->chunk_requests, "Reads per pipeline chunk");
-  cmd->add_option("--queue-depth", flags->queue_depth, "io_uring queue depth");
+  cmd->add_option("--chunk-requests", flags->chunk_requests,
+                  "Reads per pipeline chunk (default " + std::to_string(kDefaultChunkRequests) +
+                      "; replaces the plan's)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--queue-depth", flags->queue_depth,
+                  "io_uring queue depth (default " + std::to_string(io::kDefaultQueueDepth) + "; replaces the plan's)")
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--buffered", flags->buffered, "Read through the page cache (no O_DIRECT): a comparison only");
   cmd->add_flag("--token-prefill", flags->token_prefill,
                 "Prefill token by token through the decode path instead of whole layers (no prefill buffers): a "
@@ -413,7 +442,7 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
                   "Decode steps not measured (of the -n): the figures then describe warm caches")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("-c,--ctx", flags->ctx, "Context size (0: prompt + max tokens, capped at the model's)");
-  cmd->add_option("-t,--threads", flags->threads, "Compute threads (0: all cores)");
+  cmd->add_option("-t,--threads", flags->threads, "Compute threads (0: all cores, or the plan's; replaces the plan's)");
   AddRuntimeOptions(cmd, flags.get());
   cmd->add_flag("--json", flags->json, "Print the result as JSON");
   cmd->add_option("--hw", flags->hw, "Hardware profile (nflash profile-hw): also report the compute and I/O floors "

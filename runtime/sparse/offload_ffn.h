@@ -287,6 +287,7 @@ class OffloadFfn : public FfnBackend {
   uint64_t scratch_bytes() const;
   uint64_t oracle_bytes() const;
   int64_t hot_cluster_neurons() const { return cluster_neurons_; }
+  int64_t chunk_requests() const { return options_.chunk_requests; }
   OffloadMode mode() const { return options_.mode; }
   // Whether two-phase loading is in effect (requested, predictor mode and a layout that allows it).
   bool two_phase() const { return two_phase_; }

@@ -136,6 +136,23 @@ TEST_F(PlanCliTest, TheRuntimeFollowsThePlanAndRefusesOneForAnotherDeployment) {
   for (const RegionPlan& rp : p->regions) planned_cold += rp.cold_slots;
   EXPECT_GE(j.value("cold_slots", int64_t{-1}), planned_cold) << j.dump();
   EXPECT_EQ(j.value("generated", 0), 24) << j.dump();
+  EXPECT_EQ(j.value("compute_threads", -1), p->compute_threads) << j.dump();
+  EXPECT_EQ(j.value("queue_depth", -1), p->queue_depth) << j.dump();
+  EXPECT_EQ(j.value("chunk_requests", -1), p->cluster_neurons) << j.dump();
+  // Threads, queue depth and chunk size given on the command line replace the plan's (the memory stays the plan's).
+  const int threads = p->compute_threads == 1 ? 2 : 1;
+  const int depth = p->queue_depth == 8 ? 4 : 8;
+  auto flags = RunCommand(Nflash() + " offload -d " + tmp_->File("deploy") + " --plan " + plan + " -n 4 --json -t " +
+                              std::to_string(threads) + " --queue-depth " + std::to_string(depth) +
+                              " --chunk-requests 3",
+                          /*capture_stderr=*/false);
+  ASSERT_EQ(flags.exit_code, 0) << flags.output;
+  auto jf = nlohmann::json::parse(flags.output.substr(flags.output.find('{')), nullptr, false);
+  ASSERT_FALSE(jf.is_discarded()) << flags.output;
+  EXPECT_EQ(jf.value("compute_threads", -1), threads) << jf.dump();
+  EXPECT_EQ(jf.value("queue_depth", -1), depth) << jf.dump();
+  EXPECT_EQ(jf.value("chunk_requests", -1), 3) << jf.dump();
+  EXPECT_EQ(jf.value("memory_budget", uint64_t{0}), p->memory_limit_bytes) << jf.dump();
 
   // The same model packed in the other order (popularity; the default is co-activation chains) is another
   // deployment: refused, exit 2.
