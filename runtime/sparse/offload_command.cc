@@ -329,7 +329,6 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
     return Status::InvalidArgument("--two-phase " + f.two_phase + ": expected on, off or auto");
   }
   o->two_phase = f.two_phase != "off";
-  o->lookahead_slots = f.lookahead;
   o->lookahead_keep = f.lookahead_keep;
   if (f.cold_pool != "per-layer" && f.cold_pool != "shared") {
     return Status::InvalidArgument("--cold-pool " + f.cold_pool + ": expected per-layer or shared");
@@ -358,6 +357,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
       o->chunk_requests = f.chunk_requests;
     }
   }
+  o->lookahead_slots = AutoLookahead(f.lookahead, *threads);
   return Status::Ok();
 }
 
@@ -418,7 +418,7 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "passes (predictor mode, one bundle per flash group; auto/on fall back to whole bundles otherwise)");
   cmd->add_option("--lookahead", flags->lookahead,
                   "Bundles read ahead for the next layer while one runs (full mode, dense models, whole bundles): "
-                  "-1 auto (n_ff/8), 0 off")
+                  "-1 auto (n_ff/8 when a core is left beyond the compute threads, else off), 0 off")
       ->capture_default_str();
   cmd->add_option("--lookahead-keep", flags->lookahead_keep,
                   "With a predictor: the share of the lookahead's candidates read ahead, largest logits first (1: all)")

@@ -183,4 +183,14 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
 
 std::string SparseRuntime::Accounting() const { return DescribeAccounting(budget_, fixed_, split_); }
 
+int64_t AutoLookahead(int64_t flag, int compute_threads) {
+  if (flag >= 0) return flag;
+  const int cores = ThreadPool::HardwareThreads();
+  const int threads = compute_threads > 0 ? compute_threads : cores;
+  if (threads < cores) return -1;
+  NF_LOG(Info) << "lookahead off: the " << threads << " compute thread(s) take every core of " << cores
+               << " (--lookahead N reads ahead anyway)";
+  return 0;
+}
+
 }  // namespace nflash::sparse

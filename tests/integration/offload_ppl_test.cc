@@ -160,9 +160,10 @@ TEST_F(OffloadPplTest, OffloadReportsFloors) {
   EXPECT_NEAR(j["floor_ratio"].get<double>(), j["token_ms_mean"].get<double>() / floor, 1e-9);
   EXPECT_GT(j["floor_ratio"].get<double>(), 0.0);
 
-  // With lookahead, bundles read ahead and not used are left out of the floor: it is at most that of all bytes read.
+  // With lookahead (n_ff / 8, given: auto depends on the machine's cores), bundles read ahead and not used are left
+  // out of the floor: it is at most that of all bytes read.
   auto la = RunCommand(Nflash() + " -q offload -d " + tmp_->File("deploy") + " --active-set oracle --hot-slots 1 " +
-                           "--cold-slots 64 -n 24 -t 1 --hw " + tmp_->File("hw.json") + " --json",
+                           "--cold-slots 64 -n 24 -t 1 --lookahead 21 --hw " + tmp_->File("hw.json") + " --json",
                        /*capture_stderr=*/false);
   ASSERT_EQ(la.exit_code, 0) << la.output;
   auto jl = nlohmann::json::parse(la.output, nullptr, false);

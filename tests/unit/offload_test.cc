@@ -399,6 +399,19 @@ TEST_F(OffloadTest, LookaheadKeepsTheLikeliestGuesses) {
               static_cast<long long>(some.prefetch_used), static_cast<long long>(some.prefetched));
 }
 
+// --lookahead -1 (auto) reads ahead only when a core is left beyond the compute threads; a given value is kept.
+TEST(AutoLookaheadTest, OnlyWithACoreToSpare) {
+  const int cores = ThreadPool::HardwareThreads();
+  EXPECT_EQ(AutoLookahead(0, 1), 0);
+  EXPECT_EQ(AutoLookahead(7, cores), 7);
+  EXPECT_EQ(AutoLookahead(-1, cores), 0);
+  EXPECT_EQ(AutoLookahead(-1, 0), 0) << "0 threads means every core";
+  EXPECT_EQ(AutoLookahead(-1, cores + 2), 0);
+  if (cores > 1) {
+    EXPECT_EQ(AutoLookahead(-1, cores - 1), -1);
+  }
+}
+
 // A layer without cold room to read ahead into (a plan's pinned regions) gets no guesses, and the oracle does not pay
 // for a gate GEMV it cannot use: layer 2's partition is empty, layer 3's holds 1 slot (cap 0); layers 1 and 4 read
 // ahead as usual. Results stay those of the in-memory sparse FFN.
