@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 namespace nflash::planner {
 
@@ -208,6 +209,24 @@ PrefillPrediction EvaluatePrefill(const HardwareParams& hw, const ModelParams& m
   p.total_s = std::max(p.compute_s, p.io_s - p.exposed_io_s) + p.exposed_io_s;
   p.tokens_per_s = p.total_s > 0 ? n / p.total_s : 0.0;
   return p;
+}
+
+int BurstQueueDepth(const HardwareParams& hw, const ModelParams& model, const PlanSettings& settings,
+                    const Prediction& prediction) {
+  const int qd = settings.queue_depth;
+  if (settings.compute_threads + settings.io_threads <= hw.cores) return qd;  // a spare core refills at once
+  // Expected misses per layer (a layer's experts are read in one burst too).
+  std::map<int64_t, double> per_layer;
+  for (size_t r = 0; r < model.ffns.size() && r < prediction.layer_served.size(); ++r) {
+    const FfnParams& f = model.ffns[r];
+    const double active = f.route_fraction * f.active_fraction * static_cast<double>(f.n_neurons);
+    per_layer[f.layer] += active * (1.0 - prediction.layer_served[r]);
+  }
+  double burst = 0;
+  for (const auto& [layer, misses] : per_layer) burst = std::max(burst, misses);
+  int depth = qd;
+  while (depth < kMaxBurstQueueDepth && depth < burst) depth *= 2;
+  return std::max(qd, std::min(depth, kMaxBurstQueueDepth));
 }
 
 }  // namespace nflash::planner

@@ -140,6 +140,19 @@ PrefillPrediction EvaluatePrefill(const HardwareParams& hw, const ModelParams& m
 // steady load each region keeps about an even share).
 Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const PlanSettings& settings);
 
+// Deepest queue the planner sets for bursts (BurstQueueDepth).
+inline constexpr int kMaxBurstQueueDepth = 256;
+// The queue depth to run `settings` with: settings.queue_depth, raised (to a power of two, at most
+// kMaxBurstQueueDepth) to hold a layer's expected misses (`prediction`, from Evaluate of `settings`) when the I/O
+// thread shares the cores with the compute threads. A layer's misses are submitted together; beyond the depth, each
+// further read waits for the I/O thread to reap a completion and refill, and on a machine without a spare core the I/O
+// thread waits for a core the compute threads hold while they compute the layer's hits. The throughput and latency
+// the profile measures at that depth stay what the prediction uses (a deeper queue only removes the refills).
+// SYNTHETIC 7B at 1392M on 2 vCPUs (~120 misses per layer): depth 128 against 64, I/O wait 10.5 -> 7.6 ms per token
+// in each of 14 interleaved runs, faster in 11 (docs/results.md, eleventh run).
+int BurstQueueDepth(const HardwareParams& hw, const ModelParams& model, const PlanSettings& settings,
+                    const Prediction& prediction);
+
 // Each region's neurons held in memory (hot + cold, as in `settings`) all pinned hot or all one LRU cold partition,
 // whichever the measured curves serve more of: Pop(x) or H(x) at the region's fraction x (ties: hot). Under the
 // cost model a mix never serves more than the better pure choice (served <= max(P, H)(h + c)), and the pure choices

@@ -54,7 +54,7 @@ struct PlanFlags {
 void FillSolution(const SolveResult& solved, const HardwareParams& hw, const ModelParams& model, Plan* plan) {
   plan->compute_threads = solved.settings.compute_threads;
   plan->io_threads = solved.settings.io_threads;
-  plan->queue_depth = solved.settings.queue_depth;
+  plan->queue_depth = BurstQueueDepth(hw, model, solved.settings, solved.prediction);
   plan->cluster_neurons = solved.settings.cluster_neurons;
   plan->regions.clear();
   for (size_t r = 0; r < model.ffns.size(); ++r) {

@@ -131,6 +131,36 @@ TEST(CostModelTest, QueueDepthIsNotCappedByTheClusterAndOracleComputesOnlyUpAndD
   EXPECT_NEAR(Evaluate(hw, m, s).io_s, 2048e-6, 1e-12);
 }
 
+// Without a spare core the plan's queue holds a layer's expected misses (a power of two, at most 256); with one, or
+// when the solver's depth holds them already, the depth stays.
+TEST(CostModelTest, BurstQueueDepthHoldsALayersMissesWithoutASpareCore) {
+  HardwareParams hw = Hw();  // 2 cores
+  ModelParams m = OneRegion(Linear(), Zero());
+  PlanSettings s;
+  s.compute_threads = 2;
+  s.io_threads = 1;
+  s.queue_depth = 16;
+  s.cluster_neurons = 32;
+  s.hot_neurons = {0};
+  s.cold_slots = {0};
+  Prediction p = Evaluate(hw, m, s);
+  ASSERT_NEAR(p.reads_per_token, 100.0, 1e-9);  // 10% of 1000 neurons, none served
+  EXPECT_EQ(BurstQueueDepth(hw, m, s, p), 128);
+  s.queue_depth = 256;
+  EXPECT_EQ(BurstQueueDepth(hw, m, s, p), 256);
+  s.queue_depth = 16;
+  hw.cores = 3;  // the I/O thread has its own core
+  EXPECT_EQ(BurstQueueDepth(hw, m, s, p), 16);
+  hw.cores = 2;
+  s.hot_neurons = {900};  // P(0.9) = 0.9 served: 10 misses fit a depth of 16
+  p = Evaluate(hw, m, s);
+  EXPECT_EQ(BurstQueueDepth(hw, m, s, p), 16);
+  m.ffns[0].n_neurons = 100000;  // 10000 misses: capped
+  s.hot_neurons = {0};
+  p = Evaluate(hw, m, s);
+  EXPECT_EQ(BurstQueueDepth(hw, m, s, p), kMaxBurstQueueDepth);
+}
+
 TEST(CostModelTest, ServedFractionTakesTheTighterBound) {
   const HardwareParams hw = Hw();
   // P(h + c) = 0.6 at 0.6; P(0.2) + H(0.4) = 0.2 + 0.1: the sum bound is tighter.
