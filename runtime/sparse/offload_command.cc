@@ -450,8 +450,8 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
       ->check(CLI::ExistingFile);
   cmd->add_option("--trace-active", flags->trace_active,
                   "Write every active set of the decode path (prompt and generated tokens) to this file: one line per "
-                  "layer step, the layer then the active neuron indices (for cache-policy studies: "
-                  "scripts/cache_policy_sim.py)");
+                  "layer step, the layer then the active neuron indices; a prompt prefilled in batches (--prefill-batch-min) "
+                  "has no lines (for cache-policy studies: scripts/cache_policy_sim.py)");
   cmd->callback([flags, action] { *action = [flags] { return RunOffload(*flags); }; });
 }
 
