@@ -148,8 +148,9 @@ inline constexpr int kMaxBurstQueueDepth = 256;
 // further read waits for the I/O thread to reap a completion and refill, and on a machine without a spare core the I/O
 // thread waits for a core the compute threads hold while they compute the layer's hits. The throughput and latency
 // the profile measures at that depth stay what the prediction uses (a deeper queue only removes the refills).
-// SYNTHETIC 7B at 1392M on 2 vCPUs (~120 misses per layer): depth 128 against 64, I/O wait 10.5 -> 7.6 ms per token
-// in each of 14 interleaved runs, faster in 11 (docs/results.md, eleventh run).
+// SYNTHETIC 7B at 1392M on 2 vCPUs (~120 misses per layer): depths 128 and 256 against 64 waited less for I/O in all
+// 14 interleaved runs and were faster in 11; the re-made plan (256) against itself at 64 was faster in 5 of 5 pairs
+// (docs/results.md, eleventh run).
 int BurstQueueDepth(const HardwareParams& hw, const ModelParams& model, const PlanSettings& settings,
                     const Prediction& prediction);
 

@@ -77,7 +77,7 @@ struct SparseRuntimeOptions {
 
 // The lookahead that `--lookahead` (`flag`, -1: auto) asks for, with `compute_threads` compute threads (0: every
 // core): auto reads ahead (-1, n_ff / 8 bundles) only when the machine has a core beyond the compute threads. The
-// lookahead trades CPU (a second predictor pass per layer, ~35% more read requests, their verification) for I/O
+// lookahead trades CPU (a second predictor pass per layer, 16% more read requests, their verification) for I/O
 // wait; where the compute threads take every core it is that CPU that is short (SYNTHETIC 7B at 1392M on 2 vCPUs:
 // 12 ms more CPU per token for ~5 ms less wait, 3% slower), so auto turns it off there (logged).
 int64_t AutoLookahead(int64_t flag, int compute_threads);
