@@ -37,11 +37,11 @@ constexpr int64_t kQueryTile = 16;
 // cost as much as the QK work itself in decode, one query row per block: ~10% of a SYNTHETIC 7B decode token.)
 constexpr int64_t kKeyBlock = 64;
 
+// Positions in the key block that starts at position `start` (a multiple of kKeyBlock): the row width of its keys.
+inline int64_t KeyBlockWidth(int64_t n_ctx, int64_t start) { return std::min(kKeyBlock, n_ctx - start); }
 // Float index, within one layer's key cache of n_ctx positions, of element i of KV head kvh's key at position p. The
 // last block holds n_ctx mod 64 positions when n_ctx is not a multiple of 64: its rows are that wide, so the cache is
 // exactly n_ctx * kv_dim floats per layer, as KvCacheBytes accounts it.
-// Positions in the key block that starts at position `start` (a multiple of kKeyBlock): the row width of its keys.
-inline int64_t KeyBlockWidth(int64_t n_ctx, int64_t start) { return std::min(kKeyBlock, n_ctx - start); }
 inline int64_t KeyCacheIndex(int64_t n_ctx, int64_t head_dim, int64_t kvh, int64_t p, int64_t i) {
   const int64_t start = p / kKeyBlock * kKeyBlock;
   return kvh * n_ctx * head_dim + start * head_dim + i * KeyBlockWidth(n_ctx, start) + (p - start);

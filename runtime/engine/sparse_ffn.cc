@@ -136,17 +136,15 @@ Result<bool> SparseFfn::Forward(int64_t layer, int64_t expert, const Activation&
     return true;
   }
   if (x.n() == 1) {
-    ForwardToken(layer, expert, x, 0, out);
+    ForwardToken(layer, expert, x, 0, out, /*counted=*/true);
   } else {
     // A short prompt through the token path: the statistics stay those of decode (as before, when such prompts ran
     // the dense path), unless every batch is meant to be counted (sparse_prefill: perplexity).
-    count_stats_ = options_.sparse_prefill;
     const int64_t dim = x.cols();
     for (int64_t t = 0; t < x.n(); ++t) {
       token_act_.Set(x.f32() + t * dim, 1, dim);
-      ForwardToken(layer, expert, token_act_, 0, out + t * dim);
+      ForwardToken(layer, expert, token_act_, 0, out + t * dim, options_.sparse_prefill);
     }
-    count_stats_ = true;
   }
   return true;
 }
@@ -188,7 +186,8 @@ void SparseFfn::ForwardPrefill(int64_t layer, const Activation& x, float* out) {
   }
 }
 
-void SparseFfn::ForwardToken(int64_t layer, int64_t expert, const Activation& x, int64_t token, float* out) {
+void SparseFfn::ForwardToken(int64_t layer, int64_t expert, const Activation& x, int64_t token, float* out,
+                             bool counted) {
   const LlamaHparams& hp = model_.hparams();
   const LayerWeights& L = model_.layers()[static_cast<size_t>(layer)];
   // MoE: this expert's rows (stats stay per layer, summed over the experts' token-expert pairs).
@@ -198,7 +197,7 @@ void SparseFfn::ForwardToken(int64_t layer, int64_t expert, const Activation& x,
   const int64_t n_ff = hp.n_ff, dim = hp.dim;
   const float thr = thresholds_[static_cast<size_t>(layer)];
   SparseFfnLayerStats uncounted;
-  SparseFfnLayerStats& st = count_stats_ ? stats_[static_cast<size_t>(layer)] : uncounted;
+  SparseFfnLayerStats& st = counted ? stats_[static_cast<size_t>(layer)] : uncounted;
   st.tokens += 1;
   float ga = 0.0f;
   const bool need_all_gates = predictor_ == nullptr || options_.measure_recall;

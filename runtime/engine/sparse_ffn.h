@@ -84,7 +84,8 @@ class SparseFfn : public FfnBackend {
   SparseFfn(const Model& model, const Predictor* predictor, const SparseFfnOptions& options, ThreadPool* pool);
   Status BuildTransposedDown();
   // expert: -1 for a dense FFN, else the MoE expert whose rows to use.
-  void ForwardToken(int64_t layer, int64_t expert, const Activation& x, int64_t token, float* out);
+  // `counted`: whether it enters the statistics (decode tokens; prompt tokens only with sparse_prefill).
+  void ForwardToken(int64_t layer, int64_t expert, const Activation& x, int64_t token, float* out, bool counted);
   // Batched prefill of a dense layer without sparse_prefill: gate and up of every neuron by GEMM, then per token the
   // neurons with |act(gate)| > threshold (oracle; predictor: 0) and h != 0 through AccumulateRows on the column copy.
   void ForwardPrefill(int64_t layer, const Activation& x, float* out);
@@ -106,7 +107,6 @@ class SparseFfn : public FfnBackend {
   std::vector<int32_t> rows_, used_;
   std::vector<float> gate_all_, gate_, up_, hidden_;
   std::vector<float> prefill_gate_, prefill_up_;  // token tile x n_ff (ForwardPrefill)
-  bool count_stats_ = true;                       // false while a prompt without sparse_prefill runs token by token
   Activation token_act_;
 };
 

@@ -48,7 +48,6 @@ struct RuntimeFlags {
 // Reads per pipeline chunk without --chunk-requests or a plan.
 inline constexpr int64_t kDefaultChunkRequests = 16;
 
-
 // Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
 // --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter,
 // --two-phase, --lookahead, --lookahead-keep, --cold-pool, --cold-protected, --no-cold-overflow and --plan.

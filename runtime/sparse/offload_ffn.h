@@ -40,23 +40,17 @@
 #include <vector>
 
 #include "packer/deployment.h"
-#include "runtime/engine/sparse_ffn.h"
 #include "runtime/core/file.h"
 #include "runtime/core/thread_pool.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
 #include "runtime/engine/predictor.h"
+#include "runtime/engine/sparse_ffn.h"
 #include "runtime/io/direct_reader.h"
 #include "runtime/sparse/io_worker.h"
 #include "runtime/sparse/neuron_cache.h"
 
 namespace nflash::sparse {
-
-// Shorter batches prefill token by token through the decode path (OffloadOptions::batched_prefill_min_tokens, default
-// kDefaultBatchedPrefillMinTokens in runtime/engine/sparse_ffn.h): a batched prefill streams every FFN byte of the
-// model (1376 MiB for the SYNTHETIC 16-layer 7B), which on this project's machine costs about what ~50 decode-path
-// tokens do (74 tokens: 1.82 s batched against 2.35 s token by token), while the decode path reads only the misses of
-// a warm cache. The in-memory SparseFfn follows the same rule, so both engines compute the same prompt.
 
 enum class OffloadMode { kFull, kLlmFlash };
 const char* OffloadModeName(OffloadMode mode);
@@ -130,7 +124,11 @@ struct OffloadOptions {
   // buffers' memory for good (or, when a plan fills the memory, instead of token-by-token prefill). Needs a cold
   // region of PrefillBufferBytes at least (else prefill runs token by token).
   bool prefill_in_cache = false;
-  // Batches of fewer tokens than this go token by token through the decode path even with batched_prefill.
+  // Batches of fewer tokens than this go token by token through the decode path even with batched_prefill: a batched
+  // prefill streams every FFN byte of the model (1376 MiB for the SYNTHETIC 16-layer 7B), which on this project's
+  // machine costs about what ~50 decode-path tokens do (74 tokens: 1.82 s batched against 2.35 s token by token),
+  // while the decode path reads only the misses of a warm cache. The default (runtime/engine/sparse_ffn.h) is the
+  // in-memory SparseFfn's too, so both engines compute the same prompt.
   int64_t batched_prefill_min_tokens = kDefaultBatchedPrefillMinTokens;
   // Two-phase loading of cold misses (see "Two-phase loading" below): the gate page first, the up+down part only for
   // neurons whose gate passes the activation test. Applies only with a predictor and a layout of one bundle per

@@ -428,7 +428,9 @@ TEST(SparseFfnTest, OracleCloseToDenseOnQuantizedModel) {
     EXPECT_GT(max_abs, 0.1);
     EXPECT_GT(max_diff, 0.0) << GgmlTypeName(type);  // requantized: not the dense function
     EXPECT_LT(max_diff, quant_diff) << GgmlTypeName(type) << ": max |logit| " << max_abs;
-    if (type == GgmlType::kQ8_0) EXPECT_LT(max_diff, 0.05 * max_abs);
+    if (type == GgmlType::kQ8_0) {
+      EXPECT_LT(max_diff, 0.05 * max_abs);
+    }
     const SparseFfnLayerStats& s = (*ffn)->stats()[0];
     EXPECT_LT(static_cast<double>(s.active) / static_cast<double>(s.tokens * 256), 0.3);  // synth: ~10% active
   }
