@@ -186,7 +186,7 @@ Status RunPlan(const PlanFlags& f) {
     NF_ASSIGN_OR_RETURN(auto rt, sparse::SparseRuntime::Open(f.deploy, ro, &pool));
     fixed = rt->fixed();
     n_ctx = rt->context().n_ctx();
-    slot_bytes = sparse::OffloadFfn::ColdSlotBytes(rt->deployment());
+    slot_bytes = rt->cold_slot_bytes();
   }
   NF_ASSIGN_OR_RETURN(ModelParams model,
                       ModelParamsFromDeployment(*deployment, profile, profile_path, fixed.Total(), slot_bytes));

@@ -508,9 +508,11 @@ std::vector<ReadRequest> CoalesceRequests(std::span<const ReadRequest> requests,
   return out;
 }
 
-void RequestBuilder::Reset(size_t max_bytes, bool scatter) {
+void RequestBuilder::Reset(size_t max_bytes, bool scatter, void* gap_sink, size_t gap_bytes) {
   max_bytes_ = max_bytes;
   scatter_ = scatter;
+  gap_sink_ = scatter ? gap_sink : nullptr;
+  gap_bytes_ = gap_sink_ != nullptr ? gap_bytes : 0;
   last_mergeable_ = false;
   requests_.clear();
   pieces_.clear();
@@ -533,6 +535,15 @@ size_t RequestBuilder::Add(uint64_t offset, size_t size, void* dst, bool mergeab
         last.size += size;
         return requests_.size() - 1;
       }
+    }
+    const uint64_t end = last.offset + last.size;
+    if (offset > end && offset - end <= gap_bytes_ && last.size + (offset - end) + size <= max_bytes_ &&
+        n_pieces + 2 <= kMaxScatterPieces) {
+      const size_t gap = static_cast<size_t>(offset - end);
+      pieces_.push_back(ReadPiece{gap_sink_, gap});
+      pieces_.push_back(ReadPiece{dst, size});
+      last.size += gap + size;
+      return requests_.size() - 1;
     }
   }
   first_piece_.push_back(static_cast<uint32_t>(pieces_.size()));

@@ -169,7 +169,9 @@ std::vector<ReadRequest> CoalesceRequests(std::span<const ReadRequest> requests,
 // one piece come out plain (n_pieces 0). Thread-safety: not thread-safe.
 class RequestBuilder {
  public:
-  void Reset(size_t max_bytes, bool scatter);
+  // `gap_sink` (with `scatter`): a range that starts at most `gap_bytes` after the previous one ends still merges with
+  // it, the bytes between read into gap_sink (a piece of its own: memory nobody reads, which every request may share).
+  void Reset(size_t max_bytes, bool scatter, void* gap_sink = nullptr, size_t gap_bytes = 0);
   // `mergeable` false keeps the range a request of its own, e.g. a page read that must end where the page does.
   // Returns the index of the request the range went to.
   size_t Add(uint64_t offset, size_t size, void* dst, bool mergeable = true);
@@ -180,6 +182,8 @@ class RequestBuilder {
   size_t max_bytes_ = 0;
   bool scatter_ = true;
   bool last_mergeable_ = false;
+  void* gap_sink_ = nullptr;
+  size_t gap_bytes_ = 0;
   std::vector<ReadRequest> requests_;
   std::vector<ReadPiece> pieces_;
   std::vector<uint32_t> first_piece_;  // per request: its first piece in pieces_

@@ -33,6 +33,7 @@ struct RuntimeFlags {
   bool prefill_in_cache = false;
   int64_t prefill_batch_min = kDefaultBatchedPrefillMinTokens;
   bool no_scatter = false;
+  uint64_t slot_alignment = 0;
   bool no_cold_overflow = false;
   double cold_protected = kDefaultColdProtectedFraction;
   std::string two_phase = "off";
@@ -49,7 +50,7 @@ struct RuntimeFlags {
 inline constexpr int64_t kDefaultChunkRequests = 16;
 
 // Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
-// --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter,
+// --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter, --slot-alignment,
 // --two-phase, --lookahead, --lookahead-keep, --cold-pool, --cold-protected, --no-cold-overflow and --plan.
 void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);
 

@@ -58,9 +58,9 @@ Status CheckRegion(const RegionConfig& c, const char* name, int64_t* total_slots
     slots = c.shared_slots;
   }
   if (slots > 0 && c.unit_bytes == 0) return bad("unit_bytes is 0 but the region has " + std::to_string(slots) + " slots");
-  if (c.slot_stride % kSlotAlignment != 0 || (c.slot_stride != 0 && c.slot_stride < c.unit_bytes)) {
+  if (c.slot_stride % kMinSlotAlignment != 0 || (c.slot_stride != 0 && c.slot_stride < c.unit_bytes)) {
     return bad("slot_stride " + std::to_string(c.slot_stride) + " must be a multiple of " +
-               std::to_string(kSlotAlignment) + " and >= unit_bytes " + std::to_string(c.unit_bytes));
+               std::to_string(kMinSlotAlignment) + " and >= unit_bytes " + std::to_string(c.unit_bytes));
   }
   *total_slots = slots;
   return Status::Ok();
@@ -343,7 +343,7 @@ Result<std::unique_ptr<NeuronCache>> NeuronCache::Create(const NeuronCacheConfig
     }
     cache->arena_ = external;
   } else if (a.total > 0) {
-    cache->arena_ = static_cast<uint8_t*>(std::aligned_alloc(kSlotAlignment, a.total));
+    cache->arena_ = static_cast<uint8_t*>(std::aligned_alloc(kSlotAlignment, AlignSlot(a.total)));
     if (cache->arena_ == nullptr) {
       return Status::ResourceExhausted("neuron cache: cannot allocate an arena of " + std::to_string(a.total) +
                                        " bytes");

@@ -15,8 +15,11 @@
 namespace nflash::sparse {
 
 // O_DIRECT needs buffers, offsets and sizes aligned to the logical block size; 4 KiB is the page size and covers every
-// block device this project targets (512 B and 4 KiB sectors), so slots are multiples of it.
+// block device this project targets (512 B and 4 KiB sectors): the default slot alignment, and the arena's.
 inline constexpr size_t kSlotAlignment = 4096;
+// The smallest slot stride unit: 512 B, the smallest logical block size, where the device's direct-I/O alignment
+// (statx STATX_DIOALIGN) allows it (OffloadFfn's cold slots: ColdReadBytes).
+inline constexpr size_t kMinSlotAlignment = 512;
 
 // Hit/miss accounting of one group (a layer, or one expert of a layer) of one region.
 struct CacheCounters {

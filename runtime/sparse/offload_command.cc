@@ -227,6 +227,7 @@ Status RunOffload(const OffloadFlags& f) {
       {"accounted_bytes", rt.fixed().Total() + rt.split().hot_bytes + rt.split().cold_bytes},
       {"hot_slots", rt.split().hot_slots},
       {"cold_slots", rt.split().cold_slots},
+      {"cold_slot_bytes", rt.cold_slot_bytes()},
       {"peak_rss_bytes", mem.peak_rss_bytes},
       {"tokens", out},
       {"text", text},
@@ -323,6 +324,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->prefill_in_cache = f.prefill_in_cache;
   o->batched_prefill_min_tokens = f.prefill_batch_min;
   o->scatter_reads = !f.no_scatter;
+  o->slot_alignment = f.slot_alignment;
   o->cold_overflow = !f.no_cold_overflow;
   o->cold_protected_fraction = f.cold_protected;
   if (f.two_phase != "on" && f.two_phase != "off" && f.two_phase != "auto") {
@@ -413,6 +415,12 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_flag("--no-scatter", flags->no_scatter,
                 "Merge only reads whose cache slots are adjacent in memory, not flash neighbours into one scattered "
                 "read (readv): a comparison only");
+  cmd->add_option("--slot-alignment", flags->slot_alignment,
+                  "Cold cache slots are a bundle rounded up to this many bytes (a power of two, 512-4096); 0: the "
+                  "flash file's direct-I/O alignment (statx, e.g. 512 on a virtio disk). 4096 keeps whole 4 KiB-aligned "
+                  "groups: a comparison")
+      ->check(CLI::IsMember({0, 512, 1024, 2048, 4096}))
+      ->capture_default_str();
   cmd->add_option("--two-phase", flags->two_phase,
                   "on, off or auto: read a cold neuron's gate page first and its up+down part only when the gate "
                   "passes (predictor mode, one bundle per flash group; auto/on fall back to whole bundles otherwise)");

@@ -39,7 +39,10 @@ Result<HotPolicy> ParseHotPolicy(const std::string& name) {
   return Status::InvalidArgument("hot policy \"" + name + "\": expected pinned or lru");
 }
 
-uint64_t OffloadFfn::ColdSlotBytes(const packer::Deployment& d) { return AlignSlot(ColdReadBytes(d.layout())); }
+uint64_t OffloadFfn::ColdSlotBytes(const packer::Deployment& d, uint64_t dio_alignment) {
+  const packer::BundleLayout& lay = d.layout();
+  return lay.slots_per_group == 1 ? ColdReadBytes(lay, dio_alignment) : AlignSlot(lay.bundle_bytes);
+}
 
 uint64_t OffloadFfn::HotSlotBytes(const packer::Deployment& d, int64_t cluster_groups) {
   return static_cast<uint64_t>(ClusterGroups(d.layout(), cluster_groups)) * d.layout().group_bytes;
@@ -62,12 +65,12 @@ int64_t OffloadFfn::StagingSlots(int64_t n_ff, int64_t cold_slots, const std::ve
   return std::max<int64_t>(0, n_ff - std::max<int64_t>(0, smallest));
 }
 
-uint64_t OffloadFfn::EstimateScratchBytes(const packer::Deployment& d) {
+uint64_t OffloadFfn::EstimateScratchBytes(const packer::Deployment& d, uint64_t dio_alignment) {
   const auto& m = d.manifest();
   const uint64_t n_ff = static_cast<uint64_t>(m.n_ff);
   // Staging for a whole group of misses without a cold slot (the most StagingSlots can ask for; the runtime gives
   // what a shared cold pool makes unnecessary back to that pool), and the per-neuron arrays (kPerNeuronScratchBytes).
-  return n_ff * ColdSlotBytes(d) + n_ff * kPerNeuronScratchBytes;
+  return n_ff * ColdSlotBytes(d, dio_alignment) + n_ff * kPerNeuronScratchBytes;
 }
 
 uint64_t OffloadFfn::EstimateOracleBytes(const packer::Deployment& d, bool oracle) {
@@ -82,6 +85,7 @@ OffloadFfn::OffloadFfn(const packer::Deployment& deployment, const Model& model,
 OffloadFfn::~OffloadFfn() {
   io_.reset();  // joins the I/O thread before the buffers it may write go away
   std::free(staging_);
+  std::free(gap_sink_);
 }
 
 Result<std::unique_ptr<OffloadFfn>> OffloadFfn::Create(const packer::Deployment& deployment, const Model& model,
@@ -136,7 +140,13 @@ Status OffloadFfn::Init() {
   const int64_t k = ClusterGroups(lay, options_.cluster_groups);
   cluster_neurons_ = k * lay.slots_per_group;
   cluster_bytes_ = static_cast<uint64_t>(k) * lay.group_bytes;
-  cold_stride_ = ColdSlotBytes(deploy_);
+  cold_read_ = ColdReadBytes(lay, options_.dio_alignment);
+  cold_stride_ = ColdSlotBytes(deploy_, options_.dio_alignment);
+  if (lay.slots_per_group == 1 && cold_read_ < lay.group_bytes) {
+    gap_bytes_ = static_cast<size_t>(lay.group_bytes - cold_read_);
+    gap_sink_ = static_cast<uint8_t*>(std::aligned_alloc(kSlotAlignment, AlignSlot(gap_bytes_)));
+    if (gap_sink_ == nullptr) return Status::ResourceExhausted("cannot allocate the read gap buffer");
+  }
   const bool pinned = options_.hot_policy == HotPolicy::kPinned;
   int64_t max_clusters = 0;
   for (const auto& r : m.regions) {
@@ -190,7 +200,7 @@ Status OffloadFfn::Init() {
   }
   cc.cold.n_groups = n_groups_;
   cc.cold.units_per_group = hp.n_ff;
-  cc.cold.unit_bytes = ColdReadBytes(lay);
+  cc.cold.unit_bytes = cold_read_;
   cc.cold.slot_stride = cold_stride_;
   cc.cold.slots_per_group = options_.cold_slots_per_group;
   cc.cold.shared_slots = options_.cold_slots;
@@ -210,7 +220,7 @@ Status OffloadFfn::Init() {
   const size_t n_ff = static_cast<size_t>(hp.n_ff);
   staging_slots_ = options_.cold_overflow_slots > 0 ? 0 : staging_needed;
   staging_ = static_cast<uint8_t*>(
-      std::aligned_alloc(kSlotAlignment, std::max<size_t>(1, static_cast<size_t>(staging_slots_)) * cold_stride_));
+      std::aligned_alloc(kSlotAlignment, AlignSlot(std::max<size_t>(1, static_cast<size_t>(staging_slots_)) * cold_stride_)));
   if (staging_ == nullptr) return Status::ResourceExhausted("cannot allocate the miss staging buffer");
   active_.reserve(n_ff);
   gate_all_.resize(n_ff);
@@ -452,7 +462,7 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
       if (l.slot >= 0) cold_complete_[static_cast<size_t>(l.slot)] = 0;
       item_unit_[k] = two_phase_ ? add_unit(false, n, offset, kTwoPhasePageBytes, dst, l.slot, acq, Phase::kGate,
                                             static_cast<int32_t>(k))
-                                 : add_unit(false, n, offset, static_cast<size_t>(ColdReadBytes(lay)), dst, l.slot,
+                                 : add_unit(false, n, offset, static_cast<size_t>(cold_read_), dst, l.slot,
                                             acq, Phase::kWhole, static_cast<int32_t>(k));
     }
   }
@@ -463,7 +473,8 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
   std::sort(unit_order_.begin(), unit_order_.end(),
             [&](int32_t a, int32_t b) { return units_[a].offset < units_[b].offset; });
   // (llmflash reads unit by unit, blocking: one request each, never merged.)
-  request_builder_.Reset(options_.mode == OffloadMode::kFull ? options_.max_request_bytes : 0, options_.scatter_reads);
+  request_builder_.Reset(options_.mode == OffloadMode::kFull ? options_.max_request_bytes : 0, options_.scatter_reads,
+                         gap_sink_, gap_bytes_);
   for (int32_t u : unit_order_) {
     const Unit& x = units_[u];
     // A gate page is never merged: its request must end where the page does (the rest comes only if needed).

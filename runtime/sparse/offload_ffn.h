@@ -142,6 +142,9 @@ struct OffloadOptions {
   // With a predictor: the share of the lookahead's candidates read ahead, those with the largest predictor logits (the
   // likeliest to be active); 1: all of them.
   double lookahead_keep = kDefaultLookaheadKeep;
+  // The flash file's direct-I/O alignment (DirectReader::alignment, from statx): sizes the cold slots (ColdReadBytes).
+  // kSlotAlignment keeps them whole 4 KiB-aligned groups.
+  uint64_t dio_alignment = kSlotAlignment;
 };
 
 // Lookahead (full mode, dense models, whole-bundle reads). A layer's reads cannot start before its active set is known
@@ -214,10 +217,16 @@ inline MatrixView PartShape(const packer::BundleLayout& lay, GgmlType type, uint
   return MatrixView{type, nullptr, 0, lay.dim, static_cast<size_t>(bytes)};
 }
 
-// A cold neuron is read as its whole group when the group holds only it (an aligned O_DIRECT read straight into the
-// slot), else as its exact bundle (the reader bounces it through an aligned buffer).
-inline uint64_t ColdReadBytes(const packer::BundleLayout& layout) {
-  return layout.slots_per_group == 1 ? layout.group_bytes : layout.bundle_bytes;
+// A cold neuron whose group holds only it is read as its bundle rounded up to `dio_alignment`, the device's direct-I/O
+// alignment (at least kMinSlotAlignment, at most its group): an aligned O_DIRECT read from the group's start straight
+// into the slot. The rest of the group is padding to the packer's 4 KiB alignment and is not read, nor kept: on a
+// disk with 512-byte blocks a 6912-byte Q4_0 bundle of a 7B model takes a 7168-byte slot instead of its 8192-byte
+// group, so the same memory caches 14% more neurons (SYNTHETIC 7B trace, LRU: miss rate 0.084 -> 0.063). Bundles
+// sharing a group are read as their exact bytes (the reader bounces them through an aligned buffer).
+inline uint64_t ColdReadBytes(const packer::BundleLayout& layout, uint64_t dio_alignment = kSlotAlignment) {
+  if (layout.slots_per_group != 1) return layout.bundle_bytes;
+  const uint64_t a = std::max<uint64_t>(dio_alignment, kMinSlotAlignment);
+  return std::min<uint64_t>(layout.group_bytes, (layout.bundle_bytes + a - 1) / a * a);
 }
 
 // Requests of `requests` that are scattered reads.
@@ -292,11 +301,12 @@ class OffloadFfn : public FfnBackend {
 
   // What Create will allocate, for the memory budget before the cache is sized: staging + compact down + scratch
   // (per_token_bytes) and oracle gate rows (0 with a predictor).
-  static uint64_t EstimateScratchBytes(const packer::Deployment& deployment);
+  static uint64_t EstimateScratchBytes(const packer::Deployment& deployment, uint64_t dio_alignment = kSlotAlignment);
   static uint64_t EstimateOracleBytes(const packer::Deployment& deployment, bool oracle);
   // Slot sizes of the two regions for `cluster_groups` (0: default).
   static uint64_t HotSlotBytes(const packer::Deployment& deployment, int64_t cluster_groups);
-  static uint64_t ColdSlotBytes(const packer::Deployment& deployment);
+  // `dio_alignment`: the flash file's direct-I/O alignment (DirectReader::alignment; see ColdReadBytes).
+  static uint64_t ColdSlotBytes(const packer::Deployment& deployment, uint64_t dio_alignment = kSlotAlignment);
   // Hot clusters of all groups and cold-eligible neurons of all groups (the most each region could use).
   // kLru: clusters of the packer's hot part of each region; kPinned: clusters covering whole regions (any slot may be
   // pinned: slots are in popularity order).
@@ -422,7 +432,12 @@ class OffloadFfn : public FfnBackend {
   int64_t n_groups_ = 0, n_experts_ = 0;
   int64_t cluster_neurons_ = 0;   // neurons (slots) per hot cluster
   uint64_t cluster_bytes_ = 0;    // bytes per hot cluster read
-  uint64_t cold_stride_ = 0;
+  uint64_t cold_read_ = 0;     // bytes read per cold bundle (ColdReadBytes)
+  uint64_t cold_stride_ = 0;   // and its slot stride (ColdSlotBytes)
+  // Merged reads of flash neighbours skip the padding between two bundles (their group's unread tail) into this
+  // buffer: bytes nobody reads, shared by all requests (io::RequestBuilder::Reset).
+  uint8_t* gap_sink_ = nullptr;
+  size_t gap_bytes_ = 0;
   std::vector<int64_t> pinned_;     // kPinned: clusters of each group held in the hot region (slots < pinned * cluster)
   int64_t staging_slots_ = 0;       // misses that can go without a cold slot in one group (StagingSlots)
   std::unique_ptr<NeuronCache> cache_;

@@ -143,9 +143,9 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   la_slot_[b].clear();
   la_item_[b].clear();
   io::RequestBuilder& builder = la_builder_[b];
-  builder.Reset(options_.max_request_bytes, options_.scatter_reads);
+  builder.Reset(options_.max_request_bytes, options_.scatter_reads, gap_sink_, gap_bytes_);
   ends.clear();
-  const size_t size = static_cast<size_t>(ColdReadBytes(lay));
+  const size_t size = static_cast<size_t>(cold_read_);
   for (int32_t n : la_pick_) {
     if (!cold.CanPlace(g)) break;  // every slot pinned: the rest is read on demand
     // Never from the overflow pool: it must keep room for the misses of the layer being computed.
@@ -183,7 +183,7 @@ Status OffloadFfn::SettleLookahead(int b) {
   const packer::RegionInfo& region = *deploy_.Region(layer, -1);
   const packer::BundleLayout& lay = deploy_.layout();
   SlotRegion& cold = cache_->cold();
-  const size_t size = static_cast<size_t>(ColdReadBytes(lay));
+  const size_t size = static_cast<size_t>(cold_read_);
   const std::vector<int32_t>& neurons = la_neurons_[b];
   OffloadGroupStats& st = stats_[static_cast<size_t>(layer)];
   Status first_error;

@@ -248,7 +248,7 @@ void OffloadFfn::WarmColdRegion(int64_t group, const packer::RegionInfo& region,
     }
   }
   const packer::BundleLayout& lay = deploy_.layout();
-  const size_t size = static_cast<size_t>(ColdReadBytes(lay));
+  const size_t size = static_cast<size_t>(cold_read_);
   const CacheCounters before = cold.counters(group);  // warming is not a token's lookups
   for (auto it = warm_rows_.rbegin(); it != warm_rows_.rend(); ++it) {
     const int32_t n = *it;

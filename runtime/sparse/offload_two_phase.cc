@@ -24,12 +24,12 @@ void OffloadFfn::InitTwoPhase() {
           " bytes share each flash page, so a gate part has no page of its own";
   } else if (lay.gate_offset + lay.gate_bytes > kTwoPhasePageBytes) {
     why = "the gate part (" + std::to_string(lay.gate_bytes) + " bytes) does not fit the group's first page";
-  } else if (lay.group_bytes <= kTwoPhasePageBytes) {
+  } else if (cold_read_ <= kTwoPhasePageBytes) {
     why = "a whole bundle (" + std::to_string(lay.bundle_bytes) + " bytes) is one page: the gate page is the bundle";
   } else {
     two_phase_ = true;
     NF_LOG(Info) << "two-phase loading: gate page " << kTwoPhasePageBytes << " bytes, then up+down "
-                 << lay.group_bytes - kTwoPhasePageBytes << " bytes for neurons whose gate passes";
+                 << cold_read_ - kTwoPhasePageBytes << " bytes for neurons whose gate passes";
     return;
   }
   NF_LOG(Info) << "two-phase loading off (whole bundles are read): " << why;
@@ -53,7 +53,7 @@ void OffloadFfn::ComputeGates(std::span<const int32_t> items, const Activation& 
     gate_known_[items[j]] = 1;
   }
   OffloadGroupStats& st = stats_[static_cast<size_t>(group)];
-  const size_t rest = static_cast<size_t>(lay.group_bytes - kTwoPhasePageBytes);
+  const size_t rest = static_cast<size_t>(cold_read_ - kTwoPhasePageBytes);
   for (int32_t k : items) {
     float ga = 0.0f;
     ActivateNeuron(act, gate_item_[k], 0.0f, &ga);

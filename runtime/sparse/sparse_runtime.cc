@@ -48,13 +48,22 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   rt->flash_ = options.wrap_flash ? options.wrap_flash(flash) : flash;
 
   rt->ctx_ = std::make_unique<InferenceContext>(*rt->model_, pool, options.n_ctx);
+  // Cold slots at the file's direct-I/O alignment (a non-direct reader has no requirement: kSlotAlignment keeps its
+  // slots what they would be with O_DIRECT on a 4 KiB device).
+  const uint64_t dio_alignment =
+      options.slot_alignment > 0 ? options.slot_alignment
+                                 : (reader_raw->direct_io() ? reader_raw->alignment() : kSlotAlignment);
+  if (dio_alignment > kSlotAlignment || (dio_alignment & (dio_alignment - 1)) != 0) {
+    return Status::InvalidArgument("slot alignment " + std::to_string(dio_alignment) + " for " + d.flash_path() +
+                                   ": expected a power of two up to " + std::to_string(kSlotAlignment));
+  }
 
   // The fixed part and the cache split.
   FixedMemory& f = rt->fixed_;
   f.resident_weights = d.manifest().resident_bytes;
   f.kv_cache = KvCacheBytes(hp.n_layers, rt->ctx_->n_ctx(), hp.kv_dim());
   const uint64_t ctx_state = rt->ctx_->state_bytes();
-  f.scratch = (ctx_state > f.kv_cache ? ctx_state - f.kv_cache : 0) + OffloadFfn::EstimateScratchBytes(d);
+  f.scratch = (ctx_state > f.kv_cache ? ctx_state - f.kv_cache : 0) + OffloadFfn::EstimateScratchBytes(d, dio_alignment);
   // Index tables of every region: slot_of_neuron, neuron_of_slot (4 bytes each), two hashes (8 bytes each).
   f.scratch += static_cast<uint64_t>(d.manifest().regions.size()) * static_cast<uint64_t>(hp.n_ff) * 24;
   f.predictor = oracle ? OffloadFfn::EstimateOracleBytes(d, true) : rt->predictor_->PredictorBytes();
@@ -62,7 +71,13 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   shape.n_groups = static_cast<int64_t>(d.manifest().regions.size());
   shape.hot_slot_bytes = OffloadFfn::HotSlotBytes(d, options.cluster_groups);
   shape.hot_clusters = OffloadFfn::HotClusterCount(d, options.cluster_groups, options.hot_policy);
-  shape.cold_slot_bytes = OffloadFfn::ColdSlotBytes(d);
+  shape.cold_slot_bytes = OffloadFfn::ColdSlotBytes(d, dio_alignment);
+  rt->cold_slot_bytes_ = shape.cold_slot_bytes;
+  if (d.layout().slots_per_group == 1 && shape.cold_slot_bytes < d.layout().group_bytes) {
+    NF_LOG(Info) << "cold slots of " << shape.cold_slot_bytes << " bytes: the " << d.layout().bundle_bytes
+                 << "-byte bundle rounded up to " << dio_alignment << " bytes (direct-I/O alignment of "
+                 << d.flash_path() << "), not its " << d.layout().group_bytes << "-byte flash group";
+  }
   shape.cold_neurons = shape.n_groups * hp.n_ff;
   for (const auto& [per_group, what] : {std::pair{&options.cold_slots_per_group, "cold"},
                                         std::pair{&options.hot_slots_per_group, "hot"}}) {
@@ -163,10 +178,11 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.two_phase = options.two_phase;
   oo.lookahead_slots = options.lookahead_slots;
   oo.lookahead_keep = options.lookahead_keep;
+  oo.dio_alignment = dio_alignment;
   // The cache arena registered with the ring, so reads into it skip per-request page pinning.
   const uint64_t arena_bytes = rt->split_.hot_bytes + rt->split_.cold_bytes;
   if (arena_bytes > 0) {
-    auto arena = reader_raw->CreateArena(kSlotAlignment, arena_bytes / kSlotAlignment);
+    auto arena = reader_raw->CreateArena(kSlotAlignment, AlignSlot(arena_bytes) / kSlotAlignment);
     if (arena.ok()) {
       rt->arena_ = std::move(arena).value();
       oo.arena = rt->arena_->data();

@@ -71,6 +71,10 @@ struct SparseRuntimeOptions {
   int64_t lookahead_slots = -1;
   // OffloadOptions::lookahead_keep.
   double lookahead_keep = kDefaultLookaheadKeep;
+  // Cold slots are the bundle rounded up to this alignment (OffloadOptions::dio_alignment, ColdReadBytes); 0: the flash
+  // file's direct-I/O alignment (statx; 4096 when unknown or without O_DIRECT). kSlotAlignment: whole 4 KiB groups (a
+  // comparison).
+  uint64_t slot_alignment = 0;
   // Tests: wraps the flash file (fault injection through the File abstraction).
   std::function<std::shared_ptr<const ReadableFile>(std::shared_ptr<const ReadableFile>)> wrap_flash;
 };
@@ -98,6 +102,8 @@ class SparseRuntime {
   const io::DirectReader* reader() const { return reader_; }
   const FixedMemory& fixed() const { return fixed_; }
   const CacheSplit& split() const { return split_; }
+  // Bytes of one cold slot (OffloadFfn::ColdSlotBytes at the alignment in effect).
+  uint64_t cold_slot_bytes() const { return cold_slot_bytes_; }
   uint64_t budget() const { return budget_; }
   // The accounting table (memory_budget.h) of what this runtime holds.
   std::string Accounting() const;
@@ -108,6 +114,7 @@ class SparseRuntime {
   std::unique_ptr<Model> model_;
   std::unique_ptr<Predictor> predictor_;
   std::shared_ptr<const ReadableFile> flash_;
+  uint64_t cold_slot_bytes_ = 0;
   const io::DirectReader* reader_ = nullptr;
   std::unique_ptr<io::AlignedArena> arena_;
   std::unique_ptr<InferenceContext> ctx_;

@@ -244,6 +244,68 @@ TEST(RequestBuilderTest, MergesFlashNeighboursAsPiecesOrPlainReads) {
   }
 }
 
+// Ranges a short gap apart (the unread tail of a flash group) merge into one scattered read whose gap piece goes to
+// the sink; longer gaps, a range beyond max_bytes and builders without a sink start new reads.
+TEST(RequestBuilderTest, MergesAcrossGapsIntoTheSink) {
+  std::vector<uint8_t> buf(300), sink(8);
+  uint8_t* b = buf.data();
+  RequestBuilder rb;
+  rb.Reset(100, true, sink.data(), 8);
+  EXPECT_EQ(rb.Add(0, 20, b + 100), 0u);
+  EXPECT_EQ(rb.Add(28, 20, b), 0u);        // 8 bytes after: gap piece + piece
+  EXPECT_EQ(rb.Add(48, 20, b + 20), 0u);   // adjacent in file and memory: the last piece grows
+  EXPECT_EQ(rb.Add(77, 20, b + 200), 1u);  // 9 bytes after: too far
+  EXPECT_EQ(rb.Add(100, 20, b + 50), 1u);  // 3 after
+  EXPECT_EQ(rb.Add(125, 30, b + 250), 1u); // 5 after, 20 + 3 + 20 + 5 + 30 = 78 <= 100
+  EXPECT_EQ(rb.Add(160, 30, b + 150), 2u); // 83 + 5 + 30 > 100: a new read
+  const std::vector<ReadRequest>& r = rb.Finish();
+  ASSERT_EQ(r.size(), 3u);
+  EXPECT_EQ(r[0].offset, 0u);
+  EXPECT_EQ(r[0].size, 68u);
+  ASSERT_EQ(r[0].n_pieces, 3u);
+  EXPECT_EQ(r[0].pieces[0].dst, b + 100);
+  EXPECT_EQ(r[0].pieces[1].dst, sink.data());
+  EXPECT_EQ(r[0].pieces[1].size, 8u);
+  EXPECT_EQ(r[0].pieces[2].dst, b);
+  EXPECT_EQ(r[0].pieces[2].size, 40u);
+  EXPECT_EQ(r[1].offset, 77u);
+  EXPECT_EQ(r[1].size, 78u);
+  ASSERT_EQ(r[1].n_pieces, 5u);
+  EXPECT_EQ(r[1].pieces[1].dst, sink.data());
+  EXPECT_EQ(r[1].pieces[1].size, 3u);
+  EXPECT_EQ(r[1].pieces[3].size, 5u);
+  EXPECT_EQ(r[2].n_pieces, 0u);
+  // Without scatter, a sink is ignored: gaps never merge.
+  rb.Reset(100, false, sink.data(), 8);
+  EXPECT_EQ(rb.Add(0, 20, b), 0u);
+  EXPECT_EQ(rb.Add(28, 20, b + 20), 1u);
+}
+
+// Through the reader: 7168-byte bundles 8192 apart (512-byte aligned, as on a disk with 512-byte blocks), merged
+// across their 1024-byte tails, land in their slots with the file's bytes.
+TEST_F(DirectReaderTest, GapMergedReadsLandInTheirSlots) {
+  auto reader = Open();
+  ASSERT_NE(reader, nullptr);
+  auto arena = reader->CreateArena(7168, 8);
+  ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+  std::vector<uint8_t> tail(4096 + 4096);
+  uint8_t* sink_buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(tail.data()) + 4095) & ~uintptr_t{4095});
+  RequestBuilder rb;
+  rb.Reset(size_t{256} << 10, true, sink_buf, 1024);
+  const int order[] = {5, 0, 7, 2, 1, 6, 3, 4};  // slots: never adjacent in file order
+  for (int i = 0; i < 8; ++i) rb.Add(16384 + static_cast<uint64_t>(i) * 8192, 7168, (*arena)->Slot(order[i]));
+  const std::vector<ReadRequest>& reqs = rb.Finish();
+  ASSERT_EQ(reqs.size(), 1u);
+  EXPECT_EQ(reqs[0].size, 8u * 8192 - 1024);
+  ASSERT_TRUE(reader->ReadBatch(reqs).ok());
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(std::memcmp((*arena)->Slot(order[i]), bytes_.data() + 16384 + i * 8192, 7168), 0) << i;
+  }
+  // Every piece is 512-byte aligned: straight into the slots where the device allows it, else bounced.
+  const bool aligned = !reader->direct_io() || reader->alignment() <= 512;
+  EXPECT_EQ(reader->Counters().bounce_reads == 0, aligned) << "direct-I/O alignment " << reader->alignment();
+}
+
 // Scattered reads (one readv into pieces anywhere in memory) deliver the file's bytes in order to each piece: aligned
 // pieces straight into arena slots, unaligned ones through a bounce buffer; a short read that stops inside a piece
 // and an EIO are resumed and retried; through the io_uring batch, the progress stream and ReadableFile's default.

@@ -619,7 +619,7 @@ TEST(NeuronCacheTest, RejectsInvalidConfigs) {
   expect_invalid(c, "slots_per_group[1] = -2");
   c.cold = Region(2, 10, {}, 4);
   c.cold.slot_stride = 5000;
-  expect_invalid(c, "slot_stride 5000 must be a multiple of 4096");
+  expect_invalid(c, "slot_stride 5000 must be a multiple of 512");
   c.cold = Region(2, 10, {}, 4);
   c.cold.slot_stride = 4096;  // < unit_bytes (3456 fits, so use a larger unit)
   c.cold.unit_bytes = 4097;

@@ -457,7 +457,7 @@ TEST_F(OffloadTest, OverflowPoolCachesForLayersBeyondTheirPartitions) {
     ASSERT_TRUE(SameLogits(*run, *sparse_));
     const SlotRegion& cold = (*rt)->ffn().cache().cold();
     EXPECT_EQ(cold.SlotCount(), 121 + (overflow ? 172 : 0)) << "the pool: n_ff minus the smallest partition (0)";
-    EXPECT_EQ((*rt)->ffn().scratch_bytes() < 172 * OffloadFfn::ColdSlotBytes((*rt)->deployment()), overflow)
+    EXPECT_EQ((*rt)->ffn().scratch_bytes() < 172 * (*rt)->cold_slot_bytes(), overflow)
         << "the pool replaces the staging";
     const uint64_t hits2 = cold.counters(2).hits, hits3 = cold.counters(3).hits;
     EXPECT_EQ(cold.counters(2).bypasses, overflow ? 0u : cold.counters(2).misses);
@@ -483,7 +483,7 @@ TEST_F(OffloadTest, OverflowPoolTakesWhatTheBudgetLeaves) {
   ASSERT_TRUE(free_rt.ok()) << free_rt.status().ToString();
   SparseRuntime& a = **free_rt;
   EXPECT_EQ(a.ffn().cache().cold().SlotCount(), 50 + (172 - 10)) << "no budget: the pool is the staging";
-  const uint64_t slot = OffloadFfn::ColdSlotBytes(a.deployment());
+  const uint64_t slot = a.cold_slot_bytes();
   const uint64_t accounted = a.fixed().Total() + a.split().hot_bytes + a.split().cold_bytes;
   // The budget check counts a whole layer of staging (172 slots) before the pool replaces it (162): 10 slots more.
   o.memory_budget = accounted + 15 * slot + 100;

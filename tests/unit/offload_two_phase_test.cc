@@ -173,8 +173,12 @@ class OffloadTwoPhaseTest : public ::testing::Test {
     return steps;
   }
 
-  static SparseRuntimeOptions Options(OffloadMode mode, bool two_phase, int64_t hot, int64_t cold, int64_t chunk) {
+  // `slot_alignment`: cold slots are the bundle rounded up to it (kPage: whole groups; 512: what a disk with 512-byte
+  // blocks allows, so the up+down part read in phase 2 ends before the group does).
+  static SparseRuntimeOptions Options(OffloadMode mode, bool two_phase, int64_t hot, int64_t cold, int64_t chunk,
+                                      uint64_t slot_alignment = kPage) {
     SparseRuntimeOptions o;
+    o.slot_alignment = slot_alignment;
     o.mode = mode;
     o.active_set = ActiveSetSource::kPredictor;
     o.batched_prefill = false;  // the reference runs the prompt through the predictor, token by token
@@ -235,6 +239,37 @@ TEST_F(OffloadTwoPhaseTest, LayoutAndSelection) {
   EXPECT_FALSE((*oracle)->ffn().two_phase());
 }
 
+// Cold slots hold the bundle rounded up to the slot alignment, not its whole 4 KiB-aligned group: under one memory
+// budget, 512-byte alignment caches more neurons (the tokens are the same: BitwiseEqualToInMemorySparseForEveryCacheSize).
+TEST_F(OffloadTwoPhaseTest, SmallerSlotsCacheMoreNeuronsInTheSameBudget) {
+  auto d = packer::Deployment::Open(DeployDir());
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  const uint64_t bundle = (*d)->layout().bundle_bytes;
+  const uint64_t read512 = (bundle + 511) / 512 * 512;
+  ASSERT_LT(read512, kGroup);
+  SparseRuntimeOptions o = Options(OffloadMode::kFull, false, 0, 0, 16);
+  auto probe = SparseRuntime::Open(DeployDir(), o, pool_);
+  ASSERT_TRUE(probe.ok()) << probe.status().ToString();
+  o.memory_budget = (*probe)->fixed().Total() + 100 * kGroup;  // room for well under the 256 neurons
+  int64_t slots[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    const uint64_t align = i == 0 ? kPage : 512;
+    SCOPED_TRACE("slot alignment " + std::to_string(align));
+    o.slot_alignment = align;
+    auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    EXPECT_EQ((*rt)->cold_slot_bytes(), i == 0 ? kGroup : read512);
+    const CacheSplit& s = (*rt)->split();
+    EXPECT_EQ(s.cold_bytes, static_cast<uint64_t>(s.cold_slots) * (*rt)->cold_slot_bytes());
+    EXPECT_LE((*rt)->fixed().Total() + s.hot_bytes + s.cold_bytes, o.memory_budget);
+    EXPECT_EQ((*rt)->ffn().cache().cold().SlotCount(), s.cold_slots);
+    slots[i] = s.cold_slots;
+  }
+  EXPECT_GT(slots[1], slots[0]);
+  // The same cold share of the budget holds kGroup / read512 times as many slots at 512 (rounded down).
+  EXPECT_GE(slots[1], slots[0] * static_cast<int64_t>(kGroup) / static_cast<int64_t>(read512));
+}
+
 TEST_F(OffloadTwoPhaseTest, BitwiseEqualToInMemorySparseForEveryCacheSize) {
   ASSERT_TRUE(ref_);
   struct Config {
@@ -249,12 +284,16 @@ TEST_F(OffloadTwoPhaseTest, BitwiseEqualToInMemorySparseForEveryCacheSize) {
       {OffloadMode::kLlmFlash, 1, 20, 16},
       {OffloadMode::kLlmFlash, 1000, 100000, 16},
   };
+  auto d = packer::Deployment::Open(DeployDir());
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  const uint64_t bundle = (*d)->layout().bundle_bytes;
   for (const Config& c : configs) {
-    for (bool two_phase : {true, false}) {
+    for (auto [two_phase, align] : {std::pair{true, kPage}, std::pair{false, kPage}, std::pair{true, uint64_t{512}},
+                                    std::pair{false, uint64_t{512}}}) {
       SCOPED_TRACE(std::string(OffloadModeName(c.mode)) + " hot " + std::to_string(c.hot) + " cold " +
                    std::to_string(c.cold) + " chunk " + std::to_string(c.chunk) + " two-phase " +
-                   (two_phase ? "on" : "off"));
-      auto rt = SparseRuntime::Open(DeployDir(), Options(c.mode, two_phase, c.hot, c.cold, c.chunk), pool_);
+                   (two_phase ? "on" : "off") + " slot alignment " + std::to_string(align));
+      auto rt = SparseRuntime::Open(DeployDir(), Options(c.mode, two_phase, c.hot, c.cold, c.chunk, align), pool_);
       ASSERT_TRUE(rt.ok()) << rt.status().ToString();
       ASSERT_EQ((*rt)->ffn().two_phase(), two_phase);
       auto got = RunTokens((*rt)->context(), model_->hparams().n_vocab, prompt_);
@@ -267,7 +306,10 @@ TEST_F(OffloadTwoPhaseTest, BitwiseEqualToInMemorySparseForEveryCacheSize) {
         EXPECT_GT(st.updown_requests, 0);
         EXPECT_GT(st.updown_skipped, 0) << "the random predictor guesses many neurons whose ReLU gate is 0";
         EXPECT_EQ(st.gate_bytes, static_cast<uint64_t>(st.gate_requests) * kPage);
-        EXPECT_EQ(st.updown_bytes, static_cast<uint64_t>(st.updown_requests) * (kGroup - kPage));
+        // Phase 2 reads from the page after the gate's to the bundle's end rounded up to the alignment.
+        const uint64_t read = (bundle + align - 1) / align * align;
+        ASSERT_LE(read, kGroup);
+        EXPECT_EQ(st.updown_bytes, static_cast<uint64_t>(st.updown_requests) * (read - kPage));
       } else {
         EXPECT_EQ(st.gate_requests + st.updown_requests + st.updown_skipped, 0);
       }
@@ -295,10 +337,17 @@ TEST_F(OffloadTwoPhaseTest, BytesReadMatchAnIndependentCount) {
   }
   ASSERT_GT(active, 0);
   ASSERT_LT(active, predicted);
-  for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
-    SCOPED_TRACE(OffloadModeName(mode));
+  auto d = packer::Deployment::Open(DeployDir());
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  const uint64_t bundle = (*d)->layout().bundle_bytes;
+  for (auto [mode, align] : {std::pair{OffloadMode::kFull, kPage}, std::pair{OffloadMode::kLlmFlash, kPage},
+                             std::pair{OffloadMode::kFull, uint64_t{512}}, std::pair{OffloadMode::kLlmFlash, uint64_t{512}}}) {
+    SCOPED_TRACE(std::string(OffloadModeName(mode)) + " slot alignment " + std::to_string(align));
+    // A cold read: the bundle rounded up to the alignment (the whole group at kPage).
+    const uint64_t read = (bundle + align - 1) / align * align;
+    ASSERT_EQ(read == kGroup, align == kPage) << "a bundle of " << bundle << " bytes leaves a tail to skip at 512";
     {
-      auto rt = SparseRuntime::Open(DeployDir(), Options(mode, true, 0, 0, 16), pool_);
+      auto rt = SparseRuntime::Open(DeployDir(), Options(mode, true, 0, 0, 16, align), pool_);
       ASSERT_TRUE(rt.ok()) << rt.status().ToString();
       ASSERT_TRUE(RunTokens((*rt)->context(), model_->hparams().n_vocab, prompt_).ok());
       const OffloadGroupStats st = (*rt)->ffn().TotalStats();
@@ -308,15 +357,27 @@ TEST_F(OffloadTwoPhaseTest, BytesReadMatchAnIndependentCount) {
       EXPECT_EQ(st.updown_skipped, predicted - active);
       EXPECT_EQ(st.requests, predicted + active);
       EXPECT_EQ(st.bytes_read,
-                static_cast<uint64_t>(predicted) * kPage + static_cast<uint64_t>(active) * (kGroup - kPage));
-      // Whole-bundle reads for comparison: one group per predicted neuron.
-      auto whole = SparseRuntime::Open(DeployDir(), Options(mode, false, 0, 0, 16), pool_);
+                static_cast<uint64_t>(predicted) * kPage + static_cast<uint64_t>(active) * (read - kPage));
+      // Whole-bundle reads for comparison: one read per predicted neuron (without merges across the unread tails).
+      SparseRuntimeOptions o = Options(mode, false, 0, 0, 16, align);
+      o.scatter_reads = false;
+      auto whole = SparseRuntime::Open(DeployDir(), o, pool_);
       ASSERT_TRUE(whole.ok());
       ASSERT_TRUE(RunTokens((*whole)->context(), model_->hparams().n_vocab, prompt_).ok());
-      EXPECT_EQ((*whole)->ffn().TotalStats().bytes_read, static_cast<uint64_t>(predicted) * kGroup);
+      EXPECT_EQ((*whole)->ffn().TotalStats().bytes_read, static_cast<uint64_t>(predicted) * read);
+      // Flash neighbours merged into scattered reads: the tail between two of them is read too (into a sink).
+      auto merged = SparseRuntime::Open(DeployDir(), Options(mode, false, 0, 0, 16, align), pool_);
+      ASSERT_TRUE(merged.ok());
+      ASSERT_TRUE(RunTokens((*merged)->context(), model_->hparams().n_vocab, prompt_).ok());
+      const OffloadGroupStats ms = (*merged)->ffn().TotalStats();
+      EXPECT_GE(ms.bytes_read, static_cast<uint64_t>(predicted) * read);
+      EXPECT_LE(ms.bytes_read, static_cast<uint64_t>(predicted) * kGroup);
+      EXPECT_EQ(ms.bytes_read - static_cast<uint64_t>(predicted) * read,
+                static_cast<uint64_t>(predicted - ms.requests) * (kGroup - read))
+          << "each merge of two neighbours reads one tail";
     }
     {
-      auto rt = SparseRuntime::Open(DeployDir(), Options(mode, true, 0, 100000, 16), pool_);
+      auto rt = SparseRuntime::Open(DeployDir(), Options(mode, true, 0, 100000, 16, align), pool_);
       ASSERT_TRUE(rt.ok()) << rt.status().ToString();
       ASSERT_TRUE(RunTokens((*rt)->context(), model_->hparams().n_vocab, prompt_).ok());
       const OffloadGroupStats st = (*rt)->ffn().TotalStats();
