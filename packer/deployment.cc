@@ -356,9 +356,25 @@ Result<std::unique_ptr<Deployment>> Deployment::Open(const std::string& dir, con
     if (!m.predictor_hash.empty()) NF_RETURN_IF_ERROR(CheckFileHash(d->predictor_path(), m.predictor_hash, manifest_path));
   }
 
+  std::vector<ByteRange> holes;
+  if (options.resident_in_memory && options.embedding_on_flash) {
+    // Where token_embd.weight lies: the metadata only (a few KiB through pread).
+    NF_ASSIGN_OR_RETURN(GgufFile probe, GgufFile::OpenPath(d->resident_path(), /*use_mmap=*/false));
+    const GgufTensorInfo* emb = probe.FindTensor("token_embd.weight");
+    if (emb != nullptr && probe.FindTensor("output.weight") != nullptr) {
+      d->embedding_range_ = ByteRange{probe.data_offset() + emb->offset, emb->n_bytes};
+      holes.push_back(d->embedding_range_);
+    }
+  }
   NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> resident_file,
-                      options.resident_in_memory ? ReadFileDirect(d->resident_path())
+                      options.resident_in_memory ? ReadFileDirect(d->resident_path(), holes)
                                                  : OpenMmapFile(d->resident_path()));
+  d->resident_memory_bytes_ = m.resident_bytes;
+  if (d->embedding_range_.size > 0) {
+    const uint64_t b = (d->embedding_range_.offset + 4095) / 4096 * 4096;
+    const uint64_t e = (d->embedding_range_.offset + d->embedding_range_.size) / 4096 * 4096;
+    d->resident_memory_bytes_ -= e > b ? e - b : 0;
+  }
   NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::Open(std::shared_ptr<const ReadableFile>(std::move(resident_file))));
   d->resident_ = std::make_shared<const GgufFile>(std::move(resident));
   const GgufFile& rf = *d->resident_;

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/core/file.h"
 #include "runtime/core/ggml_type.h"
 #include "runtime/core/gguf.h"
 #include "runtime/core/kernels.h"
@@ -144,12 +145,7 @@ struct Manifest {
   std::vector<RegionInfo> regions;  // layer-major, experts in order; tables filled by Deployment::Open
 };
 
-// A byte range of ffn.bin.
-struct ByteRange {
-  uint64_t offset = 0;
-  uint64_t size = 0;
-};
-
+// Byte ranges of ffn.bin: nflash::ByteRange (runtime/core/file.h).
 // One bundle's parts as 1-row matrices (type = the part's type, cols = dim) pointing into a bundle buffer.
 struct BundleView {
   MatrixView gate, up, down;
@@ -167,6 +163,9 @@ class Deployment {
     // Read resident.gguf with O_DIRECT into anonymous memory (ReadFileDirect: what the runtime computes from) instead
     // of mapping it (enough for tools that only read its metadata and index tensors).
     bool resident_in_memory = false;
+    // With resident_in_memory: leave token_embd.weight on flash when the model has its own output.weight (a token
+    // needs one row of it; tied embeddings are the output head and stay in memory). embedding_range() says where.
+    bool embedding_on_flash = false;
   };
   // Parses manifest.json, checks schema version, shapes, that every region lies inside ffn.bin (whose size must match
   // exactly), opens resident.gguf (mmap, or read into memory) and loads/validates the index tables (permutations, lengths). Errors name the
@@ -184,6 +183,10 @@ class Deployment {
   // resident.gguf (mmapped): bind attention, embeddings, norms and output head from it like Model::Load does.
   const GgufFile& resident() const { return *resident_; }
   std::shared_ptr<const GgufFile> resident_shared() const { return resident_; }
+  // token_embd.weight's bytes in resident.gguf when they were left on flash (Options::embedding_on_flash), else size 0.
+  ByteRange embedding_range() const { return embedding_range_; }
+  // Bytes of resident.gguf held in memory: the file less the whole pages of embedding_range.
+  uint64_t resident_memory_bytes() const { return resident_memory_bytes_; }
 
   // The region of (layer, expert) (expert -1 for dense FFNs), or nullptr.
   const RegionInfo* Region(int64_t layer, int64_t expert) const;
@@ -205,6 +208,8 @@ class Deployment {
   std::string dir_;
   Manifest manifest_;
   std::shared_ptr<const GgufFile> resident_;
+  ByteRange embedding_range_;
+  uint64_t resident_memory_bytes_ = 0;
   std::vector<int64_t> region_index_;  // layer * max(1, n_experts) + max(0, expert) -> index in regions, or -1
 };
 

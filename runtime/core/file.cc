@@ -65,9 +65,26 @@ class MappedFile final : public ReadableFile {
   ~MappedFile() override {
     if (mapped_ > 0) ::munmap(base_, mapped_);
   }
+  // Bytes not in memory (page-aligned, sorted), read through `source` when asked for.
+  void SetHoles(std::vector<ByteRange> holes, std::unique_ptr<ReadableFile> source) {
+    holes_ = std::move(holes);
+    hole_source_ = std::move(source);
+  }
   Status ReadAt(uint64_t offset, size_t size, void* dst) const override {
     NF_RETURN_IF_ERROR(CheckRange(path_, size_, offset, size));
-    std::memcpy(dst, data_ + offset, size);
+    auto* out = static_cast<uint8_t*>(dst);
+    const uint64_t end = offset + size;
+    uint64_t at = offset;
+    for (const ByteRange& h : holes_) {
+      if (h.offset + h.size <= at) continue;
+      if (h.offset >= end) break;
+      if (h.offset > at) std::memcpy(out + (at - offset), data_ + at, static_cast<size_t>(h.offset - at));
+      at = std::max(at, h.offset);
+      const uint64_t stop = std::min(end, h.offset + h.size);
+      NF_RETURN_IF_ERROR(hole_source_->ReadAt(at, static_cast<size_t>(stop - at), out + (at - offset)));
+      at = stop;
+    }
+    if (at < end) std::memcpy(out + (at - offset), data_ + at, static_cast<size_t>(end - at));
     return Status::Ok();
   }
   uint64_t Size() const override { return size_; }
@@ -80,6 +97,8 @@ class MappedFile final : public ReadableFile {
   size_t mapped_;
   const uint8_t* data_;
   uint64_t size_;
+  std::vector<ByteRange> holes_;  // not in memory (page-aligned, PROT_NONE)
+  std::unique_ptr<ReadableFile> hole_source_;
 };
 
 Result<std::pair<int, uint64_t>> OpenForRead(const std::string& path) {
@@ -174,8 +193,10 @@ constexpr size_t kDirectBlockBytes = 4096;
 constexpr size_t kDirectChunkBytes = size_t{8} << 20;
 
 // The whole of `fd` (`size` bytes; `direct`: opened O_DIRECT, so reads are whole blocks into aligned memory) read
-// into anonymous memory, 2 MiB-aligned when large so that huge pages can back it.
-Result<std::unique_ptr<ReadableFile>> ReadWholeFd(const std::string& path, int fd, uint64_t size, bool direct) {
+// into anonymous memory, 2 MiB-aligned when large so that huge pages can back it; the whole blocks inside `holes`
+// are skipped (ReadFileDirect).
+Result<std::unique_ptr<ReadableFile>> ReadWholeFd(const std::string& path, int fd, uint64_t size, bool direct,
+                                                  std::span<const ByteRange> holes = {}) {
   // Whole blocks (O_DIRECT reads end on one), plus room to align the start to a huge page.
   const size_t length = (size + kDirectBlockBytes - 1) / kDirectBlockBytes * kDirectBlockBytes;
   const size_t mapped = length == 0 ? 0 : length + (length >= kHugePageBytes ? kHugePageBytes : 0);
@@ -191,10 +212,44 @@ Result<std::unique_ptr<ReadableFile>> ReadWholeFd(const std::string& path, int f
     data = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(base) + align - 1) / align * align);
     AdviseHugePages(data, length);
   }
+  // The holes' whole blocks, in file order.
+  std::vector<ByteRange> skip;
+  uint64_t prev_end = 0;
+  for (const ByteRange& h : holes) {
+    if (h.offset < prev_end || h.offset + h.size > size) {
+      return Status::InvalidArgument(path + ": hole [" + std::to_string(h.offset) + ", " +
+                                     std::to_string(h.offset + h.size) + ") is out of order or beyond the file's " +
+                                     std::to_string(size) + " bytes");
+    }
+    prev_end = h.offset + h.size;
+    const uint64_t b = (h.offset + kDirectBlockBytes - 1) / kDirectBlockBytes * kDirectBlockBytes;
+    const uint64_t e = (h.offset + h.size) / kDirectBlockBytes * kDirectBlockBytes;
+    if (e > b) skip.push_back(ByteRange{b, e - b});
+  }
+  for (const ByteRange& h : skip) {
+    // Never huge pages (a 2 MiB page at an edge would make part of the hole resident), never accessible.
+    (void)::madvise(data + h.offset, h.size, MADV_NOHUGEPAGE);
+    if (::mprotect(data + h.offset, h.size, PROT_NONE) != 0) {
+      const int err = errno;
+      ::munmap(base, mapped);
+      return Status::FromErrno(path + ": cannot protect the bytes left out of memory", err);
+    }
+  }
   auto file = std::make_unique<MappedFile>(path, base, mapped, data, size);
+  if (!skip.empty()) {
+    NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> source, OpenPreadFile(path));
+    file->SetHoles(skip, std::move(source));
+  }
   size_t done = 0;
+  size_t next_hole = 0;
   while (done < size) {
-    const size_t want = std::min(kDirectChunkBytes, length - done);
+    if (next_hole < skip.size() && done >= skip[next_hole].offset) {
+      done = static_cast<size_t>(skip[next_hole].offset + skip[next_hole].size);
+      ++next_hole;
+      continue;
+    }
+    const size_t until = next_hole < skip.size() ? static_cast<size_t>(skip[next_hole].offset) : length;
+    const size_t want = std::min(kDirectChunkBytes, until - done);
     const ssize_t n = ::pread(fd, data + done, want, static_cast<off_t>(done));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
@@ -221,13 +276,15 @@ void AdviseHugePages(void* p, size_t bytes) {
   if (end > begin) (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 }
 
-Result<std::unique_ptr<ReadableFile>> ReadFileDirect(const std::string& path) {
+Result<std::unique_ptr<ReadableFile>> ReadFileDirect(const std::string& path) { return ReadFileDirect(path, {}); }
+
+Result<std::unique_ptr<ReadableFile>> ReadFileDirect(const std::string& path, std::span<const ByteRange> holes) {
   NF_ASSIGN_OR_RETURN(auto fd_size, OpenForRead(path));
   const auto [fd, size] = fd_size;
   // O_DIRECT where the filesystem takes it; tmpfs refuses it (EINVAL) and is read buffered.
   const int flags = ::fcntl(fd, F_GETFL);
   const bool direct = flags >= 0 && ::fcntl(fd, F_SETFL, flags | O_DIRECT) == 0;
-  Result<std::unique_ptr<ReadableFile>> file = ReadWholeFd(path, fd, size, direct);
+  Result<std::unique_ptr<ReadableFile>> file = ReadWholeFd(path, fd, size, direct, holes);
   ::close(fd);
   return file;
 }

@@ -67,6 +67,16 @@ Result<std::unique_ptr<ReadableFile>> OpenMmapFile(const std::string& path);
 // resident: the pages cannot be dropped and re-read behind the process's back as mapped file pages can, and 2 MiB
 // pages spare the TLB misses of scattered row reads.
 Result<std::unique_ptr<ReadableFile>> ReadFileDirect(const std::string& path);
+// A byte range of a file.
+struct ByteRange {
+  uint64_t offset = 0;
+  uint64_t size = 0;
+};
+// ReadFileDirect, except the whole 4 KiB blocks inside each of `holes` (e.g. a tensor the caller reads from the file
+// on demand): never read into memory, never resident. Data() still spans the whole file, but those pages are
+// inaccessible (PROT_NONE: a stray access faults instead of reading zeros); ReadAt reads bytes there from the file
+// (pread). Holes must be sorted and disjoint.
+Result<std::unique_ptr<ReadableFile>> ReadFileDirect(const std::string& path, std::span<const ByteRange> holes);
 // Advises transparent huge pages (madvise MADV_HUGEPAGE) for the 2 MiB-aligned part of [p, p + bytes): for memory read
 // at scattered places. Advice only: where THP is off or the kernel refuses, nothing changes.
 void AdviseHugePages(void* p, size_t bytes);

@@ -241,7 +241,14 @@ Status InferenceContext::Eval(std::span<const int32_t> tokens, bool all_logits) 
   const int64_t dim = hp_.dim;
   const MatrixView& emb = model_.token_embd();
   for (int64_t t = 0; t < n; ++t) {
-    const auto* row = static_cast<const uint8_t*>(emb.data) + emb.row_bytes * static_cast<size_t>(tokens[t]);
+    const uint8_t* row = nullptr;
+    if (embedding_source_) {
+      embedding_row_.resize(emb.row_bytes);
+      NF_RETURN_IF_ERROR(embedding_source_(tokens[t], embedding_row_.data()));
+      row = embedding_row_.data();
+    } else {
+      row = static_cast<const uint8_t*>(emb.data) + emb.row_bytes * static_cast<size_t>(tokens[t]);
+    }
     NF_RETURN_IF_ERROR(DequantizeRow(emb.type, row, x_.data() + t * dim, dim));
   }
 

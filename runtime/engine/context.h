@@ -53,6 +53,10 @@ class InferenceContext {
   void SetFfnObserver(FfnObserver observer) { observer_ = std::move(observer); }
   // nullptr: the dense FFN. The backend must outlive its use; the observer sees only FFNs the dense path ran.
   void SetFfnBackend(FfnBackend* backend) { ffn_backend_ = backend; }
+  // Where token embedding rows come from when the model's token_embd is not in memory (e.g. read from flash): fills
+  // the row of `token` (token_embd's row_bytes) into `row`. Empty: token_embd's memory.
+  using EmbeddingSource = std::function<Status(int32_t token, uint8_t* row)>;
+  void SetEmbeddingSource(EmbeddingSource source) { embedding_source_ = std::move(source); }
   // Bytes held by the KV cache and scratch buffers.
   uint64_t state_bytes() const;
 
@@ -70,6 +74,8 @@ class InferenceContext {
   int64_t pos_ = 0;
   FfnObserver observer_;
   FfnBackend* ffn_backend_ = nullptr;
+  EmbeddingSource embedding_source_;
+  std::vector<uint8_t> embedding_row_;
   // Per layer: keys in blocks of 64 positions, transposed (KeyCacheIndex in context.cc); values (n_ctx, kv_dim).
   std::vector<float> k_cache_, v_cache_;
   // Batch scratch, sized for the largest batch seen.

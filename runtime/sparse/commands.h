@@ -34,6 +34,7 @@ struct RuntimeFlags {
   int64_t prefill_batch_min = kDefaultBatchedPrefillMinTokens;
   bool no_scatter = false;
   uint64_t slot_alignment = 0;
+  bool resident_embedding = false;
   bool no_cold_overflow = false;
   double cold_protected = kDefaultColdProtectedFraction;
   std::string two_phase = "off";
@@ -50,7 +51,7 @@ struct RuntimeFlags {
 inline constexpr int64_t kDefaultChunkRequests = 16;
 
 // Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
-// --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter, --slot-alignment,
+// --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter, --slot-alignment, --resident-embedding,
 // --two-phase, --lookahead, --lookahead-keep, --cold-pool, --cold-protected, --no-cold-overflow and --plan.
 void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);
 

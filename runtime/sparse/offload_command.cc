@@ -196,6 +196,7 @@ Status RunOffload(const OffloadFlags& f) {
       {"token_ms_p50", Percentile(lat_ms, 0.5)},
       {"token_ms_p90", Percentile(lat_ms, 0.9)},
       {"token_ms_p99", Percentile(lat_ms, 0.99)},
+      {"token_latencies_ms", lat_ms},
       {"token_ms_mean", token_ms_mean},
       {"hot_hit_rate", hot.HitRate()},
       {"cold_hit_rate", cold.HitRate()},
@@ -325,6 +326,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->batched_prefill_min_tokens = f.prefill_batch_min;
   o->scatter_reads = !f.no_scatter;
   o->slot_alignment = f.slot_alignment;
+  o->embedding_on_flash = !f.resident_embedding;
   o->cold_overflow = !f.no_cold_overflow;
   o->cold_protected_fraction = f.cold_protected;
   if (f.two_phase != "on" && f.two_phase != "off" && f.two_phase != "auto") {
@@ -421,6 +423,9 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "groups: a comparison")
       ->check(CLI::IsMember({0, 512, 1024, 2048, 4096}))
       ->capture_default_str();
+  cmd->add_flag("--resident-embedding", flags->resident_embedding,
+                "Hold token_embd in memory instead of reading one row per token from flash (models with their own "
+                "output head; tied embeddings always stay): a comparison");
   cmd->add_option("--two-phase", flags->two_phase,
                   "on, off or auto: read a cold neuron's gate page first and its up+down part only when the gate "
                   "passes (predictor mode, one bundle per flash group; auto/on fall back to whole bundles otherwise)");

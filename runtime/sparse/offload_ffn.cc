@@ -284,7 +284,7 @@ Status OffloadFfn::LoadOracleGates() {
     auto& bytes = oracle_gate_bytes_[g];
     bytes.resize(static_cast<size_t>(n_ff) * lay.gate_bytes);
     for (int64_t n = 0; n < n_ff; ++n) {
-      const packer::ByteRange r = deploy_.GateRange(layer, expert, n);
+      const ByteRange r = deploy_.GateRange(layer, expert, n);
       reqs[n] = ReadRequest{r.offset, static_cast<size_t>(r.size), bytes.data() + n * lay.gate_bytes};
     }
     Status batch = flash_->ReadBatch(reqs);

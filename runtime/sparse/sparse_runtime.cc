@@ -22,6 +22,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   std::unique_ptr<SparseRuntime> rt(new SparseRuntime());
   packer::Deployment::Options open_options;
   open_options.resident_in_memory = true;  // resident weights by O_DIRECT, like the FFN: never the page cache
+  open_options.embedding_on_flash = options.embedding_on_flash;
   NF_ASSIGN_OR_RETURN(rt->deploy_, packer::Deployment::Open(deploy_dir, open_options));
   const packer::Deployment& d = *rt->deploy_;
   LoadOptions lo;
@@ -48,6 +49,15 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   rt->flash_ = options.wrap_flash ? options.wrap_flash(flash) : flash;
 
   rt->ctx_ = std::make_unique<InferenceContext>(*rt->model_, pool, options.n_ctx);
+  if (d.embedding_range().size > 0) {
+    // One row per token from flash, O_DIRECT like every other weight.
+    NF_ASSIGN_OR_RETURN(std::unique_ptr<io::DirectReader> emb_reader, io::DirectReader::Open(d.resident_path()));
+    const MatrixView& emb = rt->model_->token_embd();
+    NF_ASSIGN_OR_RETURN(rt->embedding_, FlashEmbedding::Create(std::move(emb_reader), d.embedding_range(), emb.rows,
+                                                               emb.row_bytes));
+    const FlashEmbedding* e = rt->embedding_.get();
+    rt->ctx_->SetEmbeddingSource([e](int32_t token, uint8_t* row) { return e->Row(token, row); });
+  }
   // Cold slots at the file's direct-I/O alignment (a non-direct reader has no requirement: kSlotAlignment keeps its
   // slots what they would be with O_DIRECT on a 4 KiB device).
   const uint64_t dio_alignment =
@@ -60,10 +70,11 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
 
   // The fixed part and the cache split.
   FixedMemory& f = rt->fixed_;
-  f.resident_weights = d.manifest().resident_bytes;
+  f.resident_weights = d.resident_memory_bytes();
   f.kv_cache = KvCacheBytes(hp.n_layers, rt->ctx_->n_ctx(), hp.kv_dim());
   const uint64_t ctx_state = rt->ctx_->state_bytes();
-  f.scratch = (ctx_state > f.kv_cache ? ctx_state - f.kv_cache : 0) + OffloadFfn::EstimateScratchBytes(d, dio_alignment);
+  f.scratch = (ctx_state > f.kv_cache ? ctx_state - f.kv_cache : 0) + OffloadFfn::EstimateScratchBytes(d, dio_alignment) +
+              (rt->embedding_ ? rt->embedding_->memory_bytes() : 0);
   // Index tables of every region: slot_of_neuron, neuron_of_slot (4 bytes each), two hashes (8 bytes each).
   f.scratch += static_cast<uint64_t>(d.manifest().regions.size()) * static_cast<uint64_t>(hp.n_ff) * 24;
   f.predictor = oracle ? OffloadFfn::EstimateOracleBytes(d, true) : rt->predictor_->PredictorBytes();

@@ -16,6 +16,7 @@
 #include "runtime/engine/model.h"
 #include "runtime/engine/predictor.h"
 #include "runtime/io/direct_reader.h"
+#include "runtime/sparse/flash_embedding.h"
 #include "runtime/sparse/memory_budget.h"
 #include "runtime/sparse/offload_ffn.h"
 
@@ -75,6 +76,9 @@ struct SparseRuntimeOptions {
   // file's direct-I/O alignment (statx; 4096 when unknown or without O_DIRECT). kSlotAlignment: whole 4 KiB groups (a
   // comparison).
   uint64_t slot_alignment = 0;
+  // Read token embedding rows from flash (FlashEmbedding) instead of holding token_embd in memory, when the model has
+  // its own output head (tied embeddings are the head and stay resident); false: resident (a comparison).
+  bool embedding_on_flash = true;
   // Tests: wraps the flash file (fault injection through the File abstraction).
   std::function<std::shared_ptr<const ReadableFile>(std::shared_ptr<const ReadableFile>)> wrap_flash;
 };
@@ -102,6 +106,8 @@ class SparseRuntime {
   const io::DirectReader* reader() const { return reader_; }
   const FixedMemory& fixed() const { return fixed_; }
   const CacheSplit& split() const { return split_; }
+  // Token embedding rows read from flash; nullptr when token_embd is in memory.
+  const FlashEmbedding* embedding() const { return embedding_.get(); }
   // Bytes of one cold slot (OffloadFfn::ColdSlotBytes at the alignment in effect).
   uint64_t cold_slot_bytes() const { return cold_slot_bytes_; }
   uint64_t budget() const { return budget_; }
@@ -115,6 +121,7 @@ class SparseRuntime {
   std::unique_ptr<Predictor> predictor_;
   std::shared_ptr<const ReadableFile> flash_;
   uint64_t cold_slot_bytes_ = 0;
+  std::unique_ptr<FlashEmbedding> embedding_;
   const io::DirectReader* reader_ = nullptr;
   std::unique_ptr<io::AlignedArena> arena_;
   std::unique_ptr<InferenceContext> ctx_;

@@ -1,6 +1,7 @@
 // DirectReader (O_DIRECT + io_uring): bytes equal to what was written for aligned and unaligned random requests,
 // batches larger than the queue depth, coalescing, short reads, EIO retry and failure, the page-cache fallback.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <sys/statfs.h>
 #include <unistd.h>
 
@@ -550,6 +551,55 @@ TEST(ReadFileDirectTest, WholeFileIntoMemoryAtEverySize) {
   auto missing = ReadFileDirect("/nonexistent/resident.gguf");
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("/nonexistent/resident.gguf"), std::string::npos);
+}
+
+// ReadFileDirect with holes (a tensor left on flash): the bytes outside them are the file's; the whole pages inside are
+// never resident (mincore, an independent view of the page tables); ReadAt across a hole still returns the file's
+// bytes; partial pages at a hole's edges are read as usual; holes out of order are refused.
+TEST(ReadFileDirectTest, HolesAreNeitherReadNorResident) {
+  TempDir dir;
+  const size_t n = (size_t{5} << 20) + 1234;
+  const std::vector<uint8_t> bytes = RandomBytes(n, 99);
+  const std::string path = dir.File("resident.bin");
+  nflash::testing::WriteBytes(path, bytes);
+  const ByteRange holes[] = {{100000, size_t{3} << 20}, {(size_t{4} << 20) + 10, 5000}};
+  auto f = ReadFileDirect(path, holes);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  const uint8_t* data = (*f)->Data();
+  ASSERT_NE(data, nullptr);
+  const size_t page = 4096;
+  auto outside = [&](size_t i) {
+    for (const ByteRange& h : holes) {
+      const size_t b = (h.offset + page - 1) / page * page, e = (h.offset + h.size) / page * page;
+      if (i >= b && i < e) return false;
+    }
+    return true;
+  };
+  size_t compared = 0;
+  for (size_t i = 0; i < n; i += 997) {
+    if (!outside(i)) continue;
+    ASSERT_EQ(data[i], bytes[i]) << "byte " << i;
+    ++compared;
+  }
+  EXPECT_GT(compared, 1000u);
+  // The first hole's whole pages: [102400, 3245728 rounded down) are not resident; a page just before is.
+  const size_t b = (100000 + page - 1) / page * page, e = (100000 + (size_t{3} << 20)) / page * page;
+  std::vector<unsigned char> vec((e - b) / page);
+  ASSERT_EQ(mincore(const_cast<uint8_t*>(data + b), e - b, vec.data()), 0);
+  EXPECT_EQ(std::count_if(vec.begin(), vec.end(), [](unsigned char c) { return (c & 1) != 0; }), 0);
+  unsigned char before = 0;
+  ASSERT_EQ(mincore(const_cast<uint8_t*>(data + b - page), page, &before), 0);
+  EXPECT_EQ(before & 1, 1);
+  // ReadAt across both edges of the first hole, and inside the second.
+  for (auto [off, len] : {std::pair<size_t, size_t>{90000, 20000}, {e - 100, 5000}, {(size_t{4} << 20) + 5, 5010}}) {
+    std::vector<uint8_t> out(len);
+    ASSERT_TRUE((*f)->ReadAt(off, len, out.data()).ok()) << off;
+    EXPECT_EQ(0, std::memcmp(out.data(), bytes.data() + off, len)) << off;
+  }
+  const ByteRange unsorted[] = {{8192, 4096}, {0, 4096}};
+  EXPECT_FALSE(ReadFileDirect(path, unsorted).ok());
+  const ByteRange beyond[] = {{n - 10, 100}};
+  EXPECT_FALSE(ReadFileDirect(path, beyond).ok());
 }
 
 TEST(DirectReaderOpenTest, MissingFileAndBadQueueDepth) {

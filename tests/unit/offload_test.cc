@@ -497,6 +497,19 @@ TEST_F(OffloadTest, OverflowPoolTakesWhatTheBudgetLeaves) {
   EXPECT_EQ(b.split().unused_bytes, o.memory_budget - total);
 }
 
+// stories260K-relu ties its embeddings to the output head (llama2.c shared classifier): token_embd stays resident.
+TEST_F(OffloadTest, TiedEmbeddingsStayResident) {
+  SparseRuntimeOptions o;
+  o.active_set = ActiveSetSource::kOracle;
+  ASSERT_TRUE(o.embedding_on_flash);
+  auto rt = Open(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  EXPECT_EQ((*rt)->deployment().resident().FindTensor("output.weight"), nullptr);
+  EXPECT_EQ((*rt)->embedding(), nullptr);
+  EXPECT_EQ((*rt)->deployment().embedding_range().size, 0u);
+  EXPECT_EQ((*rt)->fixed().resident_weights, (*rt)->deployment().manifest().resident_bytes);
+}
+
 TEST_F(OffloadTest, MemoryBudgetRefusesBelowTheFixedPart) {
   SparseRuntimeOptions o;
   o.active_set = ActiveSetSource::kOracle;

@@ -239,6 +239,38 @@ TEST_F(OffloadTwoPhaseTest, LayoutAndSelection) {
   EXPECT_FALSE((*oracle)->ffn().two_phase());
 }
 
+// The synthetic model has its own output head, so token_embd stays on flash by default: one row read per token, the
+// same logits as the in-memory sparse FFN, and the embedding's whole pages out of the resident memory.
+TEST_F(OffloadTwoPhaseTest, EmbeddingRowsFromFlashGiveTheSameLogits) {
+  ASSERT_TRUE(ref_);
+  auto d = packer::Deployment::Open(DeployDir());
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  const GgufTensorInfo* emb = (*d)->resident().FindTensor("token_embd.weight");
+  ASSERT_NE(emb, nullptr);
+  ASSERT_NE((*d)->resident().FindTensor("output.weight"), nullptr);
+  const uint64_t at = (*d)->resident().data_offset() + emb->offset;
+  const uint64_t whole_pages = ((at + emb->n_bytes) / 4096 - (at + 4095) / 4096) * 4096;
+  ASSERT_GT(whole_pages, 0u);
+  uint64_t resident[2] = {0, 0};
+  for (bool on_flash : {true, false}) {
+    SCOPED_TRACE(on_flash ? "embedding on flash" : "embedding resident");
+    SparseRuntimeOptions o = Options(OffloadMode::kFull, false, 1000, 100000, 16);
+    o.embedding_on_flash = on_flash;
+    auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    ASSERT_EQ((*rt)->embedding() != nullptr, on_flash);
+    auto got = RunTokens((*rt)->context(), model_->hparams().n_vocab, prompt_);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    ExpectReferenceLogits(*got);
+    if (on_flash) {
+      EXPECT_EQ((*rt)->embedding()->rows_read(), prompt_.size() + got->size()) << "one row per Eval";
+    }
+    resident[on_flash ? 0 : 1] = (*rt)->fixed().resident_weights;
+  }
+  EXPECT_EQ(resident[1], (*d)->manifest().resident_bytes);
+  EXPECT_EQ(resident[1] - resident[0], whole_pages);
+}
+
 // Cold slots hold the bundle rounded up to the slot alignment, not its whole 4 KiB-aligned group: under one memory
 // budget, 512-byte alignment caches more neurons (the tokens are the same: BitwiseEqualToInMemorySparseForEveryCacheSize).
 TEST_F(OffloadTwoPhaseTest, SmallerSlotsCacheMoreNeuronsInTheSameBudget) {
