@@ -168,7 +168,8 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
     p.reads_per_token += missed;
     active_total += active;
     served_total += active * served;
-    p.memory_bytes += static_cast<uint64_t>(s.hot_neurons.at(r) + s.cold_slots.at(r)) * f.slot_bytes;
+    p.memory_bytes += static_cast<uint64_t>(s.hot_neurons.at(r)) * f.HotSlotBytes() +
+                      static_cast<uint64_t>(s.cold_slots.at(r)) * f.slot_bytes;
   }
   p.token_s = p.attention_s + p.predictor_s;
   for (double t : p.layer_token_s) p.token_s += t;

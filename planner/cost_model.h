@@ -66,7 +66,9 @@ struct FfnParams {
   uint64_t compute_bytes = 0;     // bytes computed per active neuron (0: bundle_bytes; up + down when the gate
                                   // values come from elsewhere, e.g. the oracle's dense gate GEMV)
   uint64_t read_bytes = 0;        // bytes one missed neuron costs to read (bundle rounded to the flash alignment)
-  uint64_t slot_bytes = 0;        // memory one cached neuron takes
+  uint64_t slot_bytes = 0;        // memory one cached (cold) neuron takes
+  uint64_t hot_slot_bytes = 0;    // memory one neuron of the hot region takes (0: slot_bytes); whole flash groups
+  uint64_t HotSlotBytes() const { return hot_slot_bytes > 0 ? hot_slot_bytes : slot_bytes; }
   Curve popularity;               // share of activations covered by the hottest x of the neurons
   Curve lru_hit;                  // hit rate of an LRU cache holding x of the neurons
   uint64_t ComputeBytes() const { return compute_bytes > 0 ? compute_bytes : bundle_bytes; }

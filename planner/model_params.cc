@@ -29,7 +29,7 @@ Curve CurveFrom(const std::vector<float>& y) {
 
 Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployment, const profiler::ModelProfile& profile,
                                               const std::string& profile_path, uint64_t fixed_bytes,
-                                              uint64_t slot_bytes) {
+                                              const NeuronSizes& sizes) {
   const packer::Manifest& man = deployment.manifest();
   NF_ASSIGN_OR_RETURN(uint64_t profile_hash, HashFile(profile_path));
   if (HashToHex(profile_hash) != man.profile_hash) {
@@ -101,8 +101,9 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
       // (an expert's gate rows only for the tokens routed to it)
       m.predictor_bytes += static_cast<uint64_t>(static_cast<double>(r.n_neurons * layout.gate_bytes) * f.route_fraction);
     }
-    f.read_bytes = layout.group_bytes;  // a miss reads the (4 KiB-aligned) group holding the bundle
-    f.slot_bytes = slot_bytes;
+    f.read_bytes = sizes.read;  // the bundle rounded up to the direct-I/O alignment, or its whole group
+    f.slot_bytes = sizes.cold_slot;
+    f.hot_slot_bytes = sizes.hot_slot;
     f.popularity = CurveFrom(fp->popularity);
     f.lru_hit = CurveFrom(fp->lru_hit_rate);
     if (f.active_fraction >= 1.0) {

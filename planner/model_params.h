@@ -12,13 +12,20 @@
 
 namespace nflash::planner {
 
+// The runtime's per-neuron sizes (SparseRuntime::cold_slot_bytes, OffloadFfn::HotSlotBytes / its cluster).
+struct NeuronSizes {
+  uint64_t cold_slot = 0;  // a cold slot
+  uint64_t hot_slot = 0;   // a neuron's share of a hot cluster slot (whole flash groups)
+  uint64_t read = 0;       // bytes a cold miss reads
+};
+
 // `n_ctx`: the context length the KV cache is sized for (<= 0: the model's). `fixed_bytes`: resident image + KV
-// cache + scratch as the runtime counts them, and `slot_bytes` the memory one cached neuron takes in the runtime's
-// cache (the caller passes the runtime's figures so both agree).
+// cache + scratch as the runtime counts them, and `sizes` what one neuron takes in the runtime's cache and what a
+// miss reads (the caller passes the runtime's figures so both agree).
 // InvalidArgument when the profile is not the one the deployment was packed from (hash) or their shapes differ.
 Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployment, const profiler::ModelProfile& profile,
                                               const std::string& profile_path, uint64_t fixed_bytes,
-                                              uint64_t slot_bytes);
+                                              const NeuronSizes& sizes);
 
 // hw.json (docs/hw-profile.md) for the model's weight type `type_name` (e.g. "q4_0"): GEMV and sparse-FFN throughput
 // per thread count, memory bandwidth, random reads by size and queue depth, sequential reads, GEMM throughput.

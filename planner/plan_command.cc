@@ -175,7 +175,7 @@ Status RunPlan(const PlanFlags& f) {
   // was refused by a 2-thread runtime for the 45 KB of its second thread's scratch).
   sparse::FixedMemory fixed;
   int64_t n_ctx = 0;
-  uint64_t slot_bytes = 0;
+  NeuronSizes sizes;
   {
     ThreadPool pool(limits.cores > 0 ? std::min(limits.cores, raw_hw.cores) : raw_hw.cores);
     sparse::SparseRuntimeOptions ro;
@@ -186,10 +186,14 @@ Status RunPlan(const PlanFlags& f) {
     NF_ASSIGN_OR_RETURN(auto rt, sparse::SparseRuntime::Open(f.deploy, ro, &pool));
     fixed = rt->fixed();
     n_ctx = rt->context().n_ctx();
-    slot_bytes = rt->cold_slot_bytes();
+    const packer::BundleLayout& lay = rt->deployment().layout();
+    sizes.cold_slot = rt->cold_slot_bytes();
+    sizes.hot_slot = sparse::OffloadFfn::HotSlotBytes(rt->deployment(), 0) /
+                     static_cast<uint64_t>(std::max<int64_t>(1, rt->ffn().hot_cluster_neurons()));
+    sizes.read = lay.slots_per_group == 1 ? rt->cold_slot_bytes() : lay.group_bytes;
   }
   NF_ASSIGN_OR_RETURN(ModelParams model,
-                      ModelParamsFromDeployment(*deployment, profile, profile_path, fixed.Total(), slot_bytes));
+                      ModelParamsFromDeployment(*deployment, profile, profile_path, fixed.Total(), sizes));
   NF_ASSIGN_OR_RETURN(uint64_t deploy_hash, HashFile(f.deploy + "/" + packer::kManifestFileName));
   NF_ASSIGN_OR_RETURN(uint64_t hw_hash, HashFile(f.hw));
   Calibration calibration;

@@ -103,7 +103,8 @@ Encoding Encode(z3::context& ctx, Sink& add, const HardwareParams& hw, const Mod
     add.add(layer >= compute + pipeline);
     add.add(layer >= io + pipeline);
     token = token + layer;
-    memory = memory + (h + c) * Real(ctx, n * static_cast<double>(f.slot_bytes) / kMiB);
+    memory = memory + h * Real(ctx, n * static_cast<double>(f.HotSlotBytes()) / kMiB) +
+             c * Real(ctx, n * static_cast<double>(f.slot_bytes) / kMiB);
   }
   e.token_us = token;
   e.memory_mib = memory;

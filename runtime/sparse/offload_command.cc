@@ -64,11 +64,15 @@ Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, Sp
                                      std::to_string(regions[r].layer));
     }
     const int64_t hot = pinned ? rp.hot_neurons : std::min(rp.hot_neurons, regions[r].hot_count);
-    // Pinned: whole clusters only (rounding down keeps the plan's memory; the remainder becomes cold slots).
+    // Pinned: whole clusters only (rounding down keeps the plan's memory). The memory of the hot neurons left over
+    // (and, with LRU, of those beyond the packer's hot part) is not turned into this group's cold slots: a cold slot
+    // may take more or less than a neuron's share of a cluster (4 KiB against 1 KiB for small bundles sharing a
+    // group; 7168 against 8192 bytes for a 7B bundle at 512-byte alignment). Under the plan's budget the runtime gives
+    // whatever the partitions leave to the shared overflow pool, at the real slot size.
     const int64_t clusters = pinned ? hot / cluster : (hot + cluster - 1) / cluster;
     o->hot_slots += clusters;
     if (pinned) o->hot_slots_per_group[r] = clusters;
-    o->cold_slots_per_group[r] = rp.cold_slots + (rp.hot_neurons - (pinned ? clusters * cluster : hot));
+    o->cold_slots_per_group[r] = rp.cold_slots;
   }
   o->memory_budget = plan.memory_limit_bytes;
   o->n_ctx = plan.n_ctx;

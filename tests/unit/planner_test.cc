@@ -301,6 +301,29 @@ TEST(PlannerTest, MemoryLimitedPlanUsesAllTheMemoryItHas) {
   EXPECT_NEAR(r.prediction.served_fraction, 0.6, 1e-9);
 }
 
+// Hot neurons take whole flash groups, cold slots the bundle rounded to the direct-I/O alignment (e.g. 8192 against
+// 7168 bytes): Evaluate and the solver count each at its own size, so a plan never asks the runtime for more memory
+// than the limit.
+TEST(PlannerTest, HotAndColdNeuronsAreCountedAtTheirOwnSizes) {
+  const HardwareParams hw = Hw();
+  ModelParams m = OneRegion(Linear(), Zero());
+  m.ffns[0].hot_slot_bytes = 8192;
+  m.ffns[0].slot_bytes = 7168;
+  PlanSettings s;
+  s.compute_threads = 1;
+  s.queue_depth = 64;
+  s.cluster_neurons = 32;
+  s.hot_neurons = {96};
+  s.cold_slots = {200};
+  EXPECT_EQ(Evaluate(hw, m, s).memory_bytes, (1u << 20) + 96u * 8192u + 200u * 7168u);
+  const uint64_t limit = (1u << 20) + 400u * 7168u;
+  SolveResult r;
+  ASSERT_NO_FATAL_FAILURE(SolveWithin(hw, m, limit, &r));
+  EXPECT_LE(r.prediction.memory_bytes, limit);
+  EXPECT_EQ(r.prediction.memory_bytes, (1u << 20) + static_cast<uint64_t>(r.settings.hot_neurons[0]) * 8192u +
+                                           static_cast<uint64_t>(r.settings.cold_slots[0]) * 7168u);
+}
+
 TEST(PlannerTest, MemoryBelowTheFixedPartIsExplained) {
   const HardwareParams hw = Hw();
   const ModelParams m = OneRegion(Linear(), Zero());
