@@ -185,8 +185,14 @@ PlanSettings PureRegionSplits(const ModelParams& model, const PlanSettings& sett
     const int64_t held = settings.hot_neurons.at(r) + settings.cold_slots.at(r);
     const double x = f.n_neurons > 0 ? static_cast<double>(held) / static_cast<double>(f.n_neurons) : 0.0;
     const bool lru = f.lru_hit.At(x) > f.popularity.At(x);
-    out.hot_neurons[r] = lru ? 0 : held;
-    out.cold_slots[r] = lru ? held : 0;
+    // The region's memory, held in one way: as many neurons as it buys at that way's size (a hot neuron's share of
+    // whole flash groups and a cold slot may differ), never more than the region has.
+    const uint64_t bytes = static_cast<uint64_t>(settings.hot_neurons.at(r)) * f.HotSlotBytes() +
+                           static_cast<uint64_t>(settings.cold_slots.at(r)) * f.slot_bytes;
+    const uint64_t unit = lru ? f.slot_bytes : f.HotSlotBytes();
+    const int64_t n = unit > 0 ? std::min<int64_t>(f.n_neurons, static_cast<int64_t>(bytes / unit)) : held;
+    out.hot_neurons[r] = lru ? 0 : n;
+    out.cold_slots[r] = lru ? n : 0;
   }
   return out;
 }

@@ -162,7 +162,8 @@ int BurstQueueDepth(const HardwareParams& hw, const ModelParams& model, const Pl
 // are the only splits the curves measure exactly: P(h) + H(c) credits a cold partition beside the hot one with the
 // LRU hit rate of the whole access stream, while it only sees the accesses the hot neurons do not serve (below a
 // token's working set an LRU thrashes: the profile's H is near 0 there). The solver's linear relaxation takes H's
-// concave hull and so favours small cold partitions beside large hot ones; this step removes them.
+// concave hull and so favours small cold partitions beside large hot ones; this step removes them. Each region keeps
+// its memory: the neurons it holds are those its bytes buy at the chosen way's size (capped at the region's neurons).
 PlanSettings PureRegionSplits(const ModelParams& model, const PlanSettings& settings);
 
 }  // namespace nflash::planner

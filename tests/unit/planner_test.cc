@@ -316,6 +316,17 @@ TEST(PlannerTest, HotAndColdNeuronsAreCountedAtTheirOwnSizes) {
   s.hot_neurons = {96};
   s.cold_slots = {200};
   EXPECT_EQ(Evaluate(hw, m, s).memory_bytes, (1u << 20) + 96u * 8192u + 200u * 7168u);
+  // Made pure, the region keeps its 2220032 bytes: 271 hot neurons (popularity wins here) ...
+  const PlanSettings hot = PureRegionSplits(m, s);
+  EXPECT_EQ(hot.hot_neurons[0], 271);
+  EXPECT_EQ(hot.cold_slots[0], 0);
+  // ... or 309 cold slots where the LRU curve serves more.
+  ModelParams lru = OneRegion(Zero(), Linear());
+  lru.ffns[0].hot_slot_bytes = 8192;
+  lru.ffns[0].slot_bytes = 7168;
+  const PlanSettings cold = PureRegionSplits(lru, s);
+  EXPECT_EQ(cold.hot_neurons[0], 0);
+  EXPECT_EQ(cold.cold_slots[0], 309);
   const uint64_t limit = (1u << 20) + 400u * 7168u;
   SolveResult r;
   ASSERT_NO_FATAL_FAILURE(SolveWithin(hw, m, limit, &r));
