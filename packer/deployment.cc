@@ -370,11 +370,7 @@ Result<std::unique_ptr<Deployment>> Deployment::Open(const std::string& dir, con
                       options.resident_in_memory ? ReadFileDirect(d->resident_path(), holes)
                                                  : OpenMmapFile(d->resident_path()));
   d->resident_memory_bytes_ = m.resident_bytes;
-  if (d->embedding_range_.size > 0) {
-    const uint64_t b = (d->embedding_range_.offset + 4095) / 4096 * 4096;
-    const uint64_t e = (d->embedding_range_.offset + d->embedding_range_.size) / 4096 * 4096;
-    d->resident_memory_bytes_ -= e > b ? e - b : 0;
-  }
+  d->resident_memory_bytes_ -= InnerBlocks(d->embedding_range_).size;  // the pages ReadFileDirect left out
   NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::Open(std::shared_ptr<const ReadableFile>(std::move(resident_file))));
   d->resident_ = std::make_shared<const GgufFile>(std::move(resident));
   const GgufFile& rf = *d->resident_;

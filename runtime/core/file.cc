@@ -222,9 +222,8 @@ Result<std::unique_ptr<ReadableFile>> ReadWholeFd(const std::string& path, int f
                                      std::to_string(size) + " bytes");
     }
     prev_end = h.offset + h.size;
-    const uint64_t b = (h.offset + kDirectBlockBytes - 1) / kDirectBlockBytes * kDirectBlockBytes;
-    const uint64_t e = (h.offset + h.size) / kDirectBlockBytes * kDirectBlockBytes;
-    if (e > b) skip.push_back(ByteRange{b, e - b});
+    const ByteRange inner = InnerBlocks(h, kDirectBlockBytes);
+    if (inner.size > 0) skip.push_back(inner);
   }
   for (const ByteRange& h : skip) {
     // Never huge pages (a 2 MiB page at an edge would make part of the hole resident), never accessible.

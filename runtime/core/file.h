@@ -72,6 +72,12 @@ struct ByteRange {
   uint64_t offset = 0;
   uint64_t size = 0;
 };
+// The whole `block`-byte blocks inside `r` (size 0 when there are none): what ReadFileDirect leaves out for a hole.
+inline ByteRange InnerBlocks(ByteRange r, uint64_t block = 4096) {
+  const uint64_t b = (r.offset + block - 1) / block * block;
+  const uint64_t e = (r.offset + r.size) / block * block;
+  return e > b ? ByteRange{b, e - b} : ByteRange{b, 0};
+}
 // ReadFileDirect, except the whole 4 KiB blocks inside each of `holes` (e.g. a tensor the caller reads from the file
 // on demand): never read into memory, never resident. Data() still spans the whole file, but those pages are
 // inaccessible (PROT_NONE: a stray access faults instead of reading zeros); ReadAt reads bytes there from the file

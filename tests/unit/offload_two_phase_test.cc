@@ -249,7 +249,7 @@ TEST_F(OffloadTwoPhaseTest, EmbeddingRowsFromFlashGiveTheSameLogits) {
   ASSERT_NE(emb, nullptr);
   ASSERT_NE((*d)->resident().FindTensor("output.weight"), nullptr);
   const uint64_t at = (*d)->resident().data_offset() + emb->offset;
-  const uint64_t whole_pages = ((at + emb->n_bytes) / 4096 - (at + 4095) / 4096) * 4096;
+  const uint64_t whole_pages = ((at + emb->n_bytes) / 4096 - (at + 4095) / 4096) * 4096;  // counted here by hand
   ASSERT_GT(whole_pages, 0u);
   uint64_t resident[2] = {0, 0};
   for (bool on_flash : {true, false}) {
