@@ -42,6 +42,9 @@ constexpr uint64_t kGroup = 8192;
 constexpr uint64_t kPage = 4096;
 constexpr size_t kDecode = 5;
 
+// What a cold miss reads and a cold slot holds, counted here by hand: the bundle rounded up to the slot alignment.
+uint64_t ColdBytes(uint64_t bundle, uint64_t align) { return (bundle + align - 1) / align * align; }
+
 // Records the FFN input of every token and layer, then forwards to the in-memory sparse FFN: what the offloaded
 // runtime sees too when their logits are bitwise equal.
 class RecordingFfn : public FfnBackend {
@@ -277,7 +280,7 @@ TEST_F(OffloadTwoPhaseTest, SmallerSlotsCacheMoreNeuronsInTheSameBudget) {
   auto d = packer::Deployment::Open(DeployDir());
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   const uint64_t bundle = (*d)->layout().bundle_bytes;
-  const uint64_t read512 = (bundle + 511) / 512 * 512;
+  const uint64_t read512 = ColdBytes(bundle, 512);
   ASSERT_LT(read512, kGroup);
   SparseRuntimeOptions o = Options(OffloadMode::kFull, false, 0, 0, 16);
   auto probe = SparseRuntime::Open(DeployDir(), o, pool_);
@@ -339,7 +342,7 @@ TEST_F(OffloadTwoPhaseTest, BitwiseEqualToInMemorySparseForEveryCacheSize) {
         EXPECT_GT(st.updown_skipped, 0) << "the random predictor guesses many neurons whose ReLU gate is 0";
         EXPECT_EQ(st.gate_bytes, static_cast<uint64_t>(st.gate_requests) * kPage);
         // Phase 2 reads from the page after the gate's to the bundle's end rounded up to the alignment.
-        const uint64_t read = (bundle + align - 1) / align * align;
+        const uint64_t read = ColdBytes(bundle, align);
         ASSERT_LE(read, kGroup);
         EXPECT_EQ(st.updown_bytes, static_cast<uint64_t>(st.updown_requests) * (read - kPage));
       } else {
@@ -376,7 +379,7 @@ TEST_F(OffloadTwoPhaseTest, BytesReadMatchAnIndependentCount) {
                              std::pair{OffloadMode::kFull, uint64_t{512}}, std::pair{OffloadMode::kLlmFlash, uint64_t{512}}}) {
     SCOPED_TRACE(std::string(OffloadModeName(mode)) + " slot alignment " + std::to_string(align));
     // A cold read: the bundle rounded up to the alignment (the whole group at kPage).
-    const uint64_t read = (bundle + align - 1) / align * align;
+    const uint64_t read = ColdBytes(bundle, align);
     ASSERT_EQ(read == kGroup, align == kPage) << "a bundle of " << bundle << " bytes leaves a tail to skip at 512";
     {
       auto rt = SparseRuntime::Open(DeployDir(), Options(mode, true, 0, 0, 16, align), pool_);

@@ -50,6 +50,17 @@ ModelParams OneRegion(Curve popularity, Curve lru) {
   return m;
 }
 
+// One compute thread, queue depth 64, clusters of 32, and the given split of OneRegion's neurons.
+PlanSettings OneRegionSettings(int64_t hot, int64_t cold) {
+  PlanSettings s;
+  s.compute_threads = 1;
+  s.queue_depth = 64;
+  s.cluster_neurons = 32;
+  s.hot_neurons = {hot};
+  s.cold_slots = {cold};
+  return s;
+}
+
 // Solves `m` with no limit but `memory_bytes` and expects a plan (a fatal failure otherwise).
 void SolveWithin(const HardwareParams& hw, const ModelParams& m, uint64_t memory_bytes, SolveResult* out) {
   UserLimits limits;
@@ -89,12 +100,7 @@ TEST(HardwareTest, ReadThroughputInterpolatesInLogSize) {
 TEST(CostModelTest, HandComputedBreakdown) {
   const HardwareParams hw = Hw();
   const ModelParams m = OneRegion(Linear(), Zero());
-  PlanSettings s;
-  s.compute_threads = 1;
-  s.queue_depth = 64;
-  s.cluster_neurons = 32;
-  s.hot_neurons = {500};
-  s.cold_slots = {0};
+  PlanSettings s = OneRegionSettings(500, 0);
   const Prediction p = Evaluate(hw, m, s);
   // attention 1e6 B / 1e9 B/s = 1000 us; compute 100 neurons * 1000 B / 1e9 = 100 us; served P(0.5) = 0.5 so 50
   // misses * 4096 B / 1e8 B/s = 2048 us; pipeline 100/32 * 5 us + 0.5 * (40 us latency + 32 * 4096 / 1e8 s)
@@ -309,12 +315,7 @@ TEST(PlannerTest, HotAndColdNeuronsAreCountedAtTheirOwnSizes) {
   ModelParams m = OneRegion(Linear(), Zero());
   m.ffns[0].hot_slot_bytes = 8192;
   m.ffns[0].slot_bytes = 7168;
-  PlanSettings s;
-  s.compute_threads = 1;
-  s.queue_depth = 64;
-  s.cluster_neurons = 32;
-  s.hot_neurons = {96};
-  s.cold_slots = {200};
+  const PlanSettings s = OneRegionSettings(96, 200);
   EXPECT_EQ(Evaluate(hw, m, s).memory_bytes, (1u << 20) + 96u * 8192u + 200u * 7168u);
   // Made pure, the region keeps its 2220032 bytes: 271 hot neurons (popularity wins here) ...
   const PlanSettings hot = PureRegionSplits(m, s);
