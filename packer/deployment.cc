@@ -14,13 +14,13 @@
 #include "runtime/core/json_fields.h"
 #include "runtime/core/log.h"
 #include "runtime/core/quant.h"
+#include "runtime/core/round.h"
 
 namespace nflash::packer {
 namespace {
 
 using Json = nlohmann::json;
 
-uint64_t AlignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
 std::string RegionName(int64_t layer, int64_t expert) {
   std::string s = "layer " + std::to_string(layer);
@@ -89,7 +89,7 @@ Result<BundleLayout> MakeBundleLayout(int64_t dim, GgmlType gate_type, GgmlType 
     l.group_bytes = kDeployAlignment;
   } else {
     l.slots_per_group = 1;
-    l.group_bytes = AlignUp(l.bundle_bytes, kDeployAlignment);
+    l.group_bytes = RoundUp<uint64_t>(l.bundle_bytes, kDeployAlignment);
   }
   return l;
 }

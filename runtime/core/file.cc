@@ -12,6 +12,8 @@
 #include <cstring>
 #include <mutex>
 
+#include "runtime/core/round.h"
+
 namespace nflash {
 namespace {
 
@@ -198,7 +200,7 @@ constexpr size_t kDirectChunkBytes = size_t{8} << 20;
 Result<std::unique_ptr<ReadableFile>> ReadWholeFd(const std::string& path, int fd, uint64_t size, bool direct,
                                                   std::span<const ByteRange> holes = {}) {
   // Whole blocks (O_DIRECT reads end on one), plus room to align the start to a huge page.
-  const size_t length = (size + kDirectBlockBytes - 1) / kDirectBlockBytes * kDirectBlockBytes;
+  const size_t length = RoundUp(size, kDirectBlockBytes);
   const size_t mapped = length == 0 ? 0 : length + (length >= kHugePageBytes ? kHugePageBytes : 0);
   void* base = nullptr;
   uint8_t* data = nullptr;
@@ -209,7 +211,7 @@ Result<std::unique_ptr<ReadableFile>> ReadWholeFd(const std::string& path, int f
       return Status::FromErrno("cannot allocate " + std::to_string(mapped) + " bytes to hold " + path, err);
     }
     const uintptr_t align = length >= kHugePageBytes ? kHugePageBytes : kDirectBlockBytes;
-    data = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(base) + align - 1) / align * align);
+    data = reinterpret_cast<uint8_t*>(RoundUp(reinterpret_cast<uintptr_t>(base), align));
     AdviseHugePages(data, length);
   }
   // The holes' whole blocks, in file order.
@@ -270,7 +272,7 @@ Result<std::unique_ptr<ReadableFile>> ReadWholeFd(const std::string& path, int f
 }  // namespace
 
 void AdviseHugePages(void* p, size_t bytes) {
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
+  const uintptr_t begin = RoundUp<uintptr_t>(reinterpret_cast<uintptr_t>(p), kHugePageBytes);
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) / kHugePageBytes * kHugePageBytes;
   if (end > begin) (void)::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 }

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/core/round.h"
 #include "runtime/core/status.h"
 
 namespace nflash {
@@ -74,7 +75,7 @@ struct ByteRange {
 };
 // The whole `block`-byte blocks inside `r` (size 0 when there are none): what ReadFileDirect leaves out for a hole.
 inline ByteRange InnerBlocks(ByteRange r, uint64_t block = 4096) {
-  const uint64_t b = (r.offset + block - 1) / block * block;
+  const uint64_t b = RoundUp(r.offset, block);
   const uint64_t e = (r.offset + r.size) / block * block;
   return e > b ? ByteRange{b, e - b} : ByteRange{b, 0};
 }

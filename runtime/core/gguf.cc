@@ -10,6 +10,8 @@
 #include <new>
 #include <stdexcept>
 
+#include "runtime/core/round.h"
+
 namespace nflash {
 namespace {
 
@@ -85,7 +87,6 @@ void PutValue(std::vector<uint8_t>* dst, const GgufValue& value) {
 constexpr uint64_t kMinEncodedBytes[kGgufTypeCount] = {1, 1, 2, 2, 4, 4, 4, 1, 8, 12, 8, 8, 8};
 uint64_t MinEncodedBytes(GgufType type) { return kMinEncodedBytes[static_cast<uint32_t>(type)]; }
 
-uint64_t PadUp(uint64_t x, uint64_t alignment) { return (x + alignment - 1) / alignment * alignment; }
 bool IsPowerOfTwo(uint64_t x) { return x != 0 && (x & (x - 1)) == 0; }
 
 // A name or key from the file, quoted for a message: at most 80 bytes, non-printable bytes escaped.
@@ -455,7 +456,7 @@ Status Parser::Parse(uint32_t* version, uint32_t* alignment, uint64_t* data_offs
 
   // 4. Padding, 5. data: the data section starts at the next multiple of the alignment. Every tensor must lie inside
   // the file; the padding after the last tensor (and after the directory when there is no data) is not required.
-  *data_offset = PadUp(pos_, *alignment);
+  *data_offset = RoundUp<uint64_t>(pos_, *alignment);
   for (size_t i = 0; i < tensors->size(); ++i) {
     const GgufTensorInfo& t = (*tensors)[i];
     if (t.n_bytes == 0) continue;  // a zero-size tensor has no bytes to check
@@ -726,7 +727,7 @@ Status GgufWriter::Begin(const std::string& path, bool overwrite) {
     if (t.n_bytes > UINT64_MAX - offset - alignment_) {
       return Status::InvalidArgument(path + ": the data section would exceed 2^64 bytes at tensor " + Quote(t.name));
     }
-    offset += PadUp(t.n_bytes, alignment_);
+    offset += RoundUp<uint64_t>(t.n_bytes, alignment_);
   }
 
   std::vector<uint8_t> head;

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "runtime/core/kernels_internal.h"
+#include "runtime/core/round.h"
 
 namespace nflash {
 namespace {
@@ -105,7 +106,7 @@ void ForEachChunk(ThreadPool* pool, int64_t n, int64_t chunk, const Fn& fn) {
 int64_t RowGrain(const MatrixView& w, int64_t n_tokens) {
   const int64_t bytes = static_cast<int64_t>(w.row_bytes) * std::max<int64_t>(1, n_tokens);
   const int64_t rows = std::max<int64_t>(1, kMinChunkBytes / std::max<int64_t>(1, bytes));
-  return (rows + kRowGrain - 1) / kRowGrain * kRowGrain;
+  return RoundUp<int64_t>(rows, kRowGrain);
 }
 
 void DotRowsParallel(const MatrixView& w, const RowSet& rs, int64_t count, const TokenSet& x, float* y,
@@ -136,7 +137,7 @@ void AccumulateRowSet(const MatrixView& w, const RowSet& rs, int64_t count, cons
   // Columns per chunk so that a chunk streams at least kMinChunkBytes of the selected rows.
   const int64_t bytes_per_col = std::max<int64_t>(1, static_cast<int64_t>(w.row_bytes) * count / w.cols);
   const int64_t min_cols = std::max<int64_t>(1, kMinChunkBytes / bytes_per_col);
-  const int64_t grain = (min_cols + kColGrain - 1) / kColGrain * kColGrain;
+  const int64_t grain = RoundUp<int64_t>(min_cols, kColGrain);
   if (pool == nullptr || pool->NumThreads() == 1 || w.cols <= grain) {
     k.accumulate(w.type, rs, count, a, 0, w.cols, y);
     return;

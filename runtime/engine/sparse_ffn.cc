@@ -9,6 +9,7 @@
 
 #include "runtime/core/file.h"
 #include "runtime/core/quant.h"
+#include "runtime/core/round.h"
 
 namespace nflash {
 
@@ -82,7 +83,7 @@ Status SparseFfn::BuildTransposedDown() {
     total += static_cast<size_t>(*rb) * static_cast<size_t>(n_ff);
   }
   constexpr size_t kHuge = size_t{2} << 20;
-  const size_t alloc = std::max(kHuge, (total + kHuge - 1) / kHuge * kHuge);
+  const size_t alloc = std::max(kHuge, RoundUp(total, kHuge));
   down_t_block_.reset(static_cast<uint8_t*>(std::aligned_alloc(kHuge, alloc)));
   if (down_t_block_ == nullptr) {
     return Status::ResourceExhausted("sparse FFN: cannot allocate " + std::to_string(alloc) +

@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "runtime/core/log.h"
+#include "runtime/core/round.h"
 
 namespace nflash::io {
 namespace {
@@ -44,7 +45,7 @@ struct FreeDeleter {
 using AlignedBuffer = std::unique_ptr<uint8_t, FreeDeleter>;
 
 AlignedBuffer AllocAligned(size_t alignment, size_t bytes) {
-  const size_t rounded = (bytes + alignment - 1) / alignment * alignment;
+  const size_t rounded = RoundUp(bytes, alignment);
   return AlignedBuffer(static_cast<uint8_t*>(std::aligned_alloc(alignment, std::max(rounded, alignment))));
 }
 
@@ -91,7 +92,7 @@ Result<std::unique_ptr<AlignedArena>> AlignedArena::Create(size_t slot_bytes, si
     return Status::InvalidArgument("arena alignment must be a power of two, got " + std::to_string(alignment));
   }
   if (slot_bytes == 0 || num_slots == 0) return Status::InvalidArgument("arena with zero slots or zero-byte slots");
-  const size_t slot = (slot_bytes + alignment - 1) / alignment * alignment;
+  const size_t slot = RoundUp(slot_bytes, alignment);
   if (num_slots > SIZE_MAX / slot) return Status::ResourceExhausted("arena size overflows");
   auto* p = static_cast<uint8_t*>(std::aligned_alloc(alignment, slot * num_slots));
   if (p == nullptr) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "runtime/core/checksum.h"
+#include "runtime/core/round.h"
 
 namespace nflash::sparse {
 
@@ -59,7 +60,7 @@ Result<std::unique_ptr<FlashEmbedding>> FlashEmbedding::Create(std::shared_ptr<c
     // The rows' bytes widened to whole blocks (up to the file's end).
     const uint64_t first = range.offset + static_cast<uint64_t>(r) * row_bytes;
     const uint64_t begin = first / kBlock * kBlock;
-    const uint64_t end = std::min(e->file_->Size(), (first + static_cast<uint64_t>(n) * row_bytes + kBlock - 1) / kBlock * kBlock);
+    const uint64_t end = std::min(e->file_->Size(), RoundUp<uint64_t>(first + static_cast<uint64_t>(n) * row_bytes, kBlock));
     NF_RETURN_IF_ERROR(e->file_->ReadAt(begin, static_cast<size_t>(end - begin), buf.data));
     const uint8_t* rows_at = buf.data + (first - begin);
     for (int64_t i = 0; i < n; ++i) e->hashes_[static_cast<size_t>(r + i)] = Xxh3(rows_at + i * row_bytes, row_bytes);

@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "runtime/core/round.h"
 #include "runtime/core/status.h"
 
 namespace nflash::sparse {
@@ -223,6 +224,6 @@ class NeuronCache {
 };
 
 // Rounds `bytes` up to a multiple of kSlotAlignment.
-constexpr size_t AlignSlot(size_t bytes) { return (bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment; }
+constexpr size_t AlignSlot(size_t bytes) { return RoundUp(bytes, kSlotAlignment); }
 
 }  // namespace nflash::sparse

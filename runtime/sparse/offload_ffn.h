@@ -41,6 +41,7 @@
 
 #include "packer/deployment.h"
 #include "runtime/core/file.h"
+#include "runtime/core/round.h"
 #include "runtime/core/thread_pool.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
@@ -226,7 +227,7 @@ inline MatrixView PartShape(const packer::BundleLayout& lay, GgmlType type, uint
 inline uint64_t ColdReadBytes(const packer::BundleLayout& layout, uint64_t dio_alignment = kSlotAlignment) {
   if (layout.slots_per_group != 1) return layout.bundle_bytes;
   const uint64_t a = std::max<uint64_t>(dio_alignment, kMinSlotAlignment);
-  return std::min<uint64_t>(layout.group_bytes, (layout.bundle_bytes + a - 1) / a * a);
+  return std::min<uint64_t>(layout.group_bytes, RoundUp<uint64_t>(layout.bundle_bytes, a));
 }
 
 // Requests of `requests` that are scattered reads.

@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "runtime/core/file.h"
+#include "runtime/core/round.h"
 #include "runtime/core/status.h"
 #include "tests/test_util.h"
 
@@ -49,6 +50,16 @@ std::vector<uint8_t> Pattern(size_t n) {
   std::vector<uint8_t> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(i * 7 + 3);
   return v;
+}
+
+TEST(RoundTest, RoundUpToMultiples) {
+  EXPECT_EQ(RoundUp<uint64_t>(0, 4096), 0u);
+  EXPECT_EQ(RoundUp<uint64_t>(1, 4096), 4096u);
+  EXPECT_EQ(RoundUp<uint64_t>(4096, 4096), 4096u);
+  EXPECT_EQ(RoundUp<uint64_t>(6912, 512), 7168u);  // a 7B Q4_0 bundle at the disk's 512-byte alignment: 14 * 512
+  EXPECT_EQ(RoundUp<int64_t>(33, 32), 64);
+  EXPECT_EQ(RoundUp<uint64_t>(uint64_t{1} << 40 | 1, 2u << 20), (uint64_t{1} << 40) + (2u << 20));
+  static_assert(RoundUp(10, 3) == 12);
 }
 
 TEST(FileTest, PreadMmapAndMemoryAgree) {
