@@ -64,9 +64,10 @@ TEST_F(BenchCliTest, DenseGridAsJson) {
       const double p50 = row["token_ms_p50"], p99 = row["token_ms_p99"];
       EXPECT_GT(p50, 0.0);
       EXPECT_GE(p99, p50);
-      // 16 steps at tok_s: the median step cannot be far from the mean step (1000 / tok_s ms).
-      EXPECT_LT(p50, 5.0 * 1000.0 / mean) << row.dump();
-      EXPECT_GT(p50, 0.2 * 1000.0 / mean) << row.dump();
+      // 16 steps timed inside the run that gives tok_s: 9 of them (ranks 8-16) take at least the median, so the
+      // median step is at most 16/9 of the mean step (1000 / tok_s ms). (No lower bound holds: one step slowed by a
+      // busy host raises the mean alone; a bound of 0.2x failed once while the machine was busy.)
+      EXPECT_LE(p50, 16.0 / 9.0 * 1000.0 / mean * 1.001) << row.dump();
     } else {
       EXPECT_EQ(row["test"], "pp32");
     }
