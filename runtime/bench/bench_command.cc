@@ -204,8 +204,9 @@ void RegisterBenchCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--tests", f->tests, "Tests: ppN (prefill N tokens in one batch), tgN (N decode steps)");
   cmd->add_option("--prompt-tokens", f->prompt_tokens, "tg tests: prompt tokens prefilled (not timed) first");
   cmd->add_option("--lookahead", f->lookahead,
-                  "full mode: bundles read ahead for the next layer (-1 auto: n_ff/8 when a core is left beyond the "
-                  "compute threads, else off; 0 off: the pipeline without lookahead)")
+                  "full mode: bundles read ahead for the next layer (-1 auto: n_ff/8, from the start when a core is left "
+                  "beyond the compute threads, else adaptive: on once waiting for reads takes 15% of 8 tokens; 0 off: "
+                  "the pipeline without lookahead)")
       ->capture_default_str();
   cmd->add_option("-r,--repetitions", f->repetitions, "Runs of each test per row (mean and sd over them)");
   cmd->add_option("--warmup", f->warmup, "Untimed runs of each test before the repetitions (0: measure the cold start)");

@@ -139,7 +139,9 @@ Status OpenEngine(const RowSpec& s, int64_t n_ctx, Engine* e, std::string* unava
   o.mode = s.mode == BenchMode::kFull ? sparse::OffloadMode::kFull : sparse::OffloadMode::kLlmFlash;
   o.memory_budget = s.memory_budget;
   o.n_ctx = n_ctx;
-  o.lookahead_slots = sparse::AutoLookahead(s.lookahead, s.threads);
+  const sparse::LookaheadChoice lookahead = sparse::AutoLookahead(s.lookahead, s.threads);
+  o.lookahead_slots = lookahead.slots;
+  o.lookahead_adaptive = lookahead.adaptive;
   if (s.mode == BenchMode::kBundles) {
     // Bundles only: no hot clusters and 0 cold slots per region, given explicitly so that a budget is still checked
     // against the fixed part but not split into caches.

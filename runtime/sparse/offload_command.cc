@@ -221,6 +221,7 @@ Status RunOffload(const OffloadFlags& f) {
       {"retries", st.retries},
       {"two_phase", rt.ffn().two_phase()},
       {"lookahead_slots", rt.ffn().lookahead_slots()},
+      {"lookahead_started_token", rt.ffn().lookahead_started_token()},
       {"prefetched_per_token", static_cast<double>(st.prefetched) / steps},
       {"prefetch_used_per_token", static_cast<double>(st.prefetch_used) / steps},
       {"gate_requests_per_token", static_cast<double>(st.gate_requests) / steps},
@@ -273,7 +274,13 @@ Status RunOffload(const OffloadFlags& f) {
               static_cast<double>(st.bytes_read) / 1e6 / steps, static_cast<double>(st.requests) / steps,
               io_wait_ms / steps, static_cast<long long>(st.retries),
               rt.reader() && !rt.reader()->direct_io() ? " (O_DIRECT refused: reads went through the page cache)" : "");
-  if (rt.ffn().lookahead_slots() > 0) {
+  if (rt.ffn().lookahead_slots() > 0 && !rt.ffn().lookahead_on()) {
+    std::printf("lookahead adaptive, never on: waiting for reads stayed under its share of the time\n");
+  } else if (rt.ffn().lookahead_slots() > 0) {
+    if (rt.ffn().lookahead_started_token() > 0) {
+      std::printf("lookahead adaptive, on after %lld tokens (the statistics cover the whole run)\n",
+                  static_cast<long long>(rt.ffn().lookahead_started_token()));
+    }
     std::printf("lookahead (%lld bundles per layer at most), per token: %.1f bundles read ahead, %.1f of them used "
                 "(%.1f%% of the misses); %.3f ms choosing them, %.3f ms verifying them\n",
                 static_cast<long long>(rt.ffn().lookahead_slots()), static_cast<double>(st.prefetched) / steps,
@@ -365,7 +372,9 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
       o->chunk_requests = f.chunk_requests;
     }
   }
-  o->lookahead_slots = AutoLookahead(f.lookahead, *threads);
+  const LookaheadChoice lookahead = AutoLookahead(f.lookahead, *threads);
+  o->lookahead_slots = lookahead.slots;
+  o->lookahead_adaptive = lookahead.adaptive;
   return Status::Ok();
 }
 
@@ -435,7 +444,8 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "passes (predictor mode, one bundle per flash group; auto/on fall back to whole bundles otherwise)");
   cmd->add_option("--lookahead", flags->lookahead,
                   "Bundles read ahead for the next layer while one runs (full mode, dense models, whole bundles): "
-                  "-1 auto (n_ff/8 when a core is left beyond the compute threads, else off), 0 off")
+                  "-1 auto (n_ff/8; from the start when a core is left beyond the compute threads, else adaptive: on once "
+                  "waiting for reads takes 15% of 8 tokens), 0 off")
       ->capture_default_str();
   cmd->add_option("--lookahead-keep", flags->lookahead_keep,
                   "With a predictor: the share of the lookahead's candidates read ahead, largest logits first (1: all)")

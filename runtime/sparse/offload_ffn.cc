@@ -347,6 +347,7 @@ Result<bool> OffloadFfn::Forward(int64_t layer, int64_t expert, const Activation
     return true;
   }
   if (batched_prefill() && expert < 0 && x.n() >= options_.batched_prefill_min_tokens) {
+    ResetLookaheadWindow();  // a batched prefill's time and reads are not decode's
     NF_RETURN_IF_ERROR(ForwardBatch(layer, x, out));
     return true;
   }
@@ -670,6 +671,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   if (pending_buf_ >= 0) CancelPrefetch();
   ReclaimPrefillMemory();  // the slots a batched prefill borrowed serve the cache again
   // This layer's lookahead (read during the previous layer) serves its misses; any other is stale.
+  if (la_slots_ > 0 && !la_on_ && group == 0) WatchIoWait();
   if (la_slots_ > 0) {
     DropLookahead(layer);
     la_current_ = la_layer_[layer % 2] == layer ? static_cast<int>(layer % 2) : -1;
@@ -719,7 +721,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     if (!requests_.empty()) io_open_ = true;
     // The next layer's probable misses, queued behind this layer's (the I/O thread reads them while this layer and
     // the next one's attention compute).
-    if (lookahead && expert < 0) IssueLookahead(layer, x);
+    if (lookahead && expert < 0 && la_on_) IssueLookahead(layer, x);
     ComputeItems(ready_items_, x, thr);  // cache hits: while the first reads are in flight
     status = ConsumeLookahead();
     if (status.ok()) ComputeItems(la_items_, x, thr);

@@ -76,6 +76,14 @@ Result<HotPolicy> ParseHotPolicy(const std::string& name);
 // attention); the top 40% by logit, ~80% used and faster than both.
 inline constexpr double kDefaultLookaheadKeep = 0.4;
 
+// Adaptive lookahead (OffloadOptions::lookahead_adaptive): the share of a window's time spent waiting for reads at
+// which the lookahead turns on, and the window in decode tokens. On 2 vCPUs both ways were measured: on a virtio disk
+// of ~70k IOPS (8 KiB reads at queue depth 64: 581 MB/s) the SYNTHETIC 7B waited 14-18 ms of 61-76 ms per token
+// without lookahead (~24%) and decoded ~10% faster with it; on one twice as fast it waited 2.5-8 ms of 40-56 ms
+// (<= 15%) and the lookahead's CPU cost more than the wait it hid (docs/results.md).
+inline constexpr double kDefaultLookaheadWaitShare = 0.15;
+inline constexpr int64_t kDefaultLookaheadWindowTokens = 8;
+
 // Default share of the cold region's protected segment (see OffloadOptions::cold_protected_fraction).
 inline constexpr double kDefaultColdProtectedFraction = 0.0;
 
@@ -143,6 +151,14 @@ struct OffloadOptions {
   // With a predictor: the share of the lookahead's candidates read ahead, those with the largest predictor logits (the
   // likeliest to be active); 1: all of them.
   double lookahead_keep = kDefaultLookaheadKeep;
+  // Adaptive: the lookahead is set up (lookahead_slots) but starts off; it turns on, for good, at the first window of
+  // lookahead_window_tokens tokens whose I/O wait is at least lookahead_wait_share of their wall time (the first
+  // window, which warms the cache, is not judged). For a machine
+  // whose compute threads take every core, where the lookahead's CPU (a second predictor pass per layer, more
+  // requests) only pays when reads keep the compute waiting.
+  bool lookahead_adaptive = false;
+  double lookahead_wait_share = kDefaultLookaheadWaitShare;
+  int64_t lookahead_window_tokens = kDefaultLookaheadWindowTokens;
   // The flash file's direct-I/O alignment (DirectReader::alignment, from statx): sizes the cold slots (ColdReadBytes).
   // kSlotAlignment keeps them whole 4 KiB-aligned groups.
   uint64_t dio_alignment = kSlotAlignment;
@@ -322,6 +338,10 @@ class OffloadFfn : public FfnBackend {
   // Bundles read ahead per layer at most that `options` give for this deployment (0 when lookahead does not apply).
   static int64_t LookaheadSlots(const packer::Deployment& deployment, const OffloadOptions& options);
   int64_t lookahead_slots() const { return la_slots_; }
+  // Whether the lookahead reads ahead now (adaptive: once the I/O wait turned it on), and after how many tokens it
+  // started (0: from the start; -1: never).
+  bool lookahead_on() const { return la_slots_ > 0 && la_on_; }
+  int64_t lookahead_started_token() const { return la_slots_ > 0 && la_on_ ? la_started_token_ : -1; }
   bool batched_prefill() const { return prefill_block_bytes_ > 0; }
   // Batched prefill runs in cold slots lent for the prompt (OffloadOptions::prefill_in_cache).
   bool prefill_in_cache() const { return prefill_in_cache_; }
@@ -415,6 +435,14 @@ class OffloadFfn : public FfnBackend {
   void DropLookahead(int64_t keep_layer);
   // After Drain (an error): drops every lookahead bundle no item took (their contents are unknown).
   void ForgetLookahead();
+  // Adaptive lookahead: called at each token's first layer; turns the lookahead on when the last window's I/O wait
+  // reached its share. ResetLookaheadWindow starts over, with a window that is not judged (after a batched prefill,
+  // whose time is not decode's).
+  void WatchIoWait();
+  void ResetLookaheadWindow() {
+    la_window_t0_ = 0;
+    la_window_judged_ = false;
+  }
   // Submits reads to the I/O thread: a new job, or appended to the open one (a lookahead is pending); returns the
   // first chunk's index in the job.
   size_t SubmitReads(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
@@ -500,6 +528,13 @@ class OffloadFfn : public FfnBackend {
   // and cold slot of each of its bundles (file order; slot -1 once settled), the reverse map (n_ff, -1), its
   // requests and chunk ends, and per bundle the item of the current token that took it (-1: none).
   int64_t la_slots_ = 0;
+  bool la_on_ = true;             // false while an adaptive lookahead waits for its trigger
+  int64_t la_tokens_ = 0;         // tokens seen by WatchIoWait
+  int64_t la_started_token_ = 0;  // la_tokens_ when it turned on
+  int64_t la_window_tokens_ = 0;  // tokens in the current window
+  uint64_t la_window_t0_ = 0;     // its start (0: none yet), and the I/O wait then
+  uint64_t la_window_wait0_ = 0;
+  bool la_window_judged_ = false;  // false: the current window warms the cache and is not judged
   int64_t la_layer_[2] = {-1, -1};
   size_t la_first_chunk_[2] = {0, 0};
   std::vector<int32_t> la_neurons_[2];

@@ -189,6 +189,8 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.two_phase = options.two_phase;
   oo.lookahead_slots = options.lookahead_slots;
   oo.lookahead_keep = options.lookahead_keep;
+  oo.lookahead_adaptive = options.lookahead_adaptive;
+  oo.lookahead_wait_share = options.lookahead_wait_share;
   oo.dio_alignment = dio_alignment;
   // The cache arena registered with the ring, so reads into it skip per-request page pinning.
   const uint64_t arena_bytes = rt->split_.hot_bytes + rt->split_.cold_bytes;
@@ -210,14 +212,16 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
 
 std::string SparseRuntime::Accounting() const { return DescribeAccounting(budget_, fixed_, split_); }
 
-int64_t AutoLookahead(int64_t flag, int compute_threads) {
-  if (flag >= 0) return flag;
+LookaheadChoice AutoLookahead(int64_t flag, int compute_threads) {
+  if (flag >= 0) return {flag, false};
   const int cores = ThreadPool::HardwareThreads();
   const int threads = compute_threads > 0 ? compute_threads : cores;
-  if (threads < cores) return -1;
-  NF_LOG(Info) << "lookahead off: the " << threads << " compute thread(s) take every core of " << cores
-               << " (--lookahead N reads ahead anyway)";
-  return 0;
+  if (threads < cores) return {-1, false};
+  NF_LOG(Info) << "lookahead adaptive: the " << threads << " compute thread(s) take every core of " << cores
+               << ", so it starts off and turns on if waiting for reads takes "
+               << static_cast<int>(kDefaultLookaheadWaitShare * 100.0 + 0.5) << "% of " << kDefaultLookaheadWindowTokens
+               << " tokens (--lookahead N: always, 0: never)";
+  return {-1, true};
 }
 
 }  // namespace nflash::sparse

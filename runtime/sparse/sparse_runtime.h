@@ -72,6 +72,9 @@ struct SparseRuntimeOptions {
   int64_t lookahead_slots = -1;
   // OffloadOptions::lookahead_keep.
   double lookahead_keep = kDefaultLookaheadKeep;
+  // OffloadOptions::lookahead_adaptive and the share of time waiting for reads that turns it on.
+  bool lookahead_adaptive = false;
+  double lookahead_wait_share = kDefaultLookaheadWaitShare;
   // Cold slots are the bundle rounded up to this alignment (OffloadOptions::dio_alignment, ColdReadBytes); 0: the flash
   // file's direct-I/O alignment (statx; 4096 when unknown or without O_DIRECT). kSlotAlignment: whole 4 KiB groups (a
   // comparison).
@@ -84,11 +87,16 @@ struct SparseRuntimeOptions {
 };
 
 // The lookahead that `--lookahead` (`flag`, -1: auto) asks for, with `compute_threads` compute threads (0: every
-// core): auto reads ahead (-1, n_ff / 8 bundles) only when the machine has a core beyond the compute threads. The
-// lookahead trades CPU (a second predictor pass per layer, 16% more read requests, their verification) for I/O
-// wait; where the compute threads take every core it is that CPU that is short (SYNTHETIC 7B at 1392M on 2 vCPUs:
-// 12 ms more CPU per token for ~5 ms less wait, 3% slower), so auto turns it off there (logged).
-int64_t AutoLookahead(int64_t flag, int compute_threads);
+// core). The lookahead trades CPU (a second predictor pass per layer, more read requests, their verification) for I/O
+// wait. With a core beyond the compute threads, auto reads ahead from the start (n_ff / 8 bundles). Where the compute
+// threads take every core, that CPU is short, and whether the trade pays depends on the disk (SYNTHETIC 7B at 1392M
+// on 2 vCPUs: 3% slower on a disk of ~140k IOPS, ~10% faster on one of ~70k): auto is then adaptive, off until
+// waiting for reads takes kDefaultLookaheadWaitShare of a window of tokens (OffloadOptions::lookahead_adaptive).
+struct LookaheadChoice {
+  int64_t slots = 0;      // OffloadOptions::lookahead_slots
+  bool adaptive = false;  // OffloadOptions::lookahead_adaptive
+};
+LookaheadChoice AutoLookahead(int64_t flag, int compute_threads);
 
 // Thread-safety: not thread-safe (one sequence). The pool must outlive it.
 class SparseRuntime {

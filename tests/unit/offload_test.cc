@@ -399,16 +399,61 @@ TEST_F(OffloadTest, LookaheadKeepsTheLikeliestGuesses) {
               static_cast<long long>(some.prefetch_used), static_cast<long long>(some.prefetched));
 }
 
-// --lookahead -1 (auto) reads ahead only when a core is left beyond the compute threads; a given value is kept.
-TEST(AutoLookaheadTest, OnlyWithACoreToSpare) {
+// --lookahead -1 (auto) reads ahead from the start when a core is left beyond the compute threads, else adaptively;
+// a given value is kept, never adaptive.
+TEST(AutoLookaheadTest, FromTheStartOnlyWithACoreToSpare) {
   const int cores = ThreadPool::HardwareThreads();
-  EXPECT_EQ(AutoLookahead(0, 1), 0);
-  EXPECT_EQ(AutoLookahead(7, cores), 7);
-  EXPECT_EQ(AutoLookahead(-1, cores), 0);
-  EXPECT_EQ(AutoLookahead(-1, 0), 0) << "0 threads means every core";
-  EXPECT_EQ(AutoLookahead(-1, cores + 2), 0);
+  auto is = [](LookaheadChoice c, int64_t slots, bool adaptive) { return c.slots == slots && c.adaptive == adaptive; };
+  EXPECT_TRUE(is(AutoLookahead(0, 1), 0, false));
+  EXPECT_TRUE(is(AutoLookahead(7, cores), 7, false));
+  EXPECT_TRUE(is(AutoLookahead(-1, cores), -1, true));
+  EXPECT_TRUE(is(AutoLookahead(-1, 0), -1, true)) << "0 threads means every core";
+  EXPECT_TRUE(is(AutoLookahead(-1, cores + 2), -1, true));
   if (cores > 1) {
-    EXPECT_EQ(AutoLookahead(-1, cores - 1), -1);
+    EXPECT_TRUE(is(AutoLookahead(-1, cores - 1), -1, false));
+  }
+}
+
+// An adaptive lookahead reads nothing ahead until a window of tokens waited for reads for its share of the time: with
+// a share of 0 it turns on after the first judged window (then reads ahead, with the results unchanged); with a share above
+// 1 it never does. The token it started at is reported.
+TEST_F(OffloadTest, AdaptiveLookaheadTurnsOnWhenReadsKeepComputeWaiting) {
+  ASSERT_TRUE(predicted_);
+  for (double share : {0.0, 1.5}) {
+    SCOPED_TRACE("wait share " + std::to_string(share));
+    SparseRuntimeOptions o;
+    o.active_set = ActiveSetSource::kAuto;
+    o.batched_prefill = false;  // token by token: the same logits as the in-memory sparse run from the first token
+    o.hot_slots = 1;
+    o.cold_slots = 60;  // small: misses every token, so there is something to read ahead
+    o.lookahead_slots = -1;
+    o.lookahead_adaptive = true;
+    o.lookahead_wait_share = share;
+    auto rt = SparseRuntime::Open(dir_->File("deploy-pred"), o, pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    const OffloadFfn& ffn = (*rt)->ffn();
+    ASSERT_GT(ffn.lookahead_slots(), 0);
+    EXPECT_FALSE(ffn.lookahead_on()) << "adaptive: off at the start";
+    const size_t steps = std::min<size_t>(20, predicted_->tokens.size());
+    auto run = Greedy((*rt)->context(), n_vocab_, steps);
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    ASSERT_TRUE(SameLogits(*run, *predicted_));
+    const OffloadGroupStats st = ffn.TotalStats();
+    EXPECT_GT(st.missed, 0);
+    if (share > 1.0) {
+      EXPECT_FALSE(ffn.lookahead_on());
+      EXPECT_EQ(ffn.lookahead_started_token(), -1);
+      EXPECT_EQ(st.prefetched, 0);
+      continue;
+    }
+    ASSERT_TRUE(ffn.lookahead_on());
+    // The first token (of the prompt, which runs token by token) opens the first window, which warms the cache and
+    // is not judged; the token that closes the second turns the lookahead on.
+    EXPECT_EQ(ffn.lookahead_started_token(), 2 * kDefaultLookaheadWindowTokens);
+    EXPECT_GT(st.prefetched, 0);
+    // Only that token and the later ones read ahead: at most `cap` bundles for each of layers 1..4 of each of them.
+    const int64_t later = static_cast<int64_t>(kPrompt.size() + steps) - 2 * kDefaultLookaheadWindowTokens;
+    EXPECT_LE(st.prefetched, ffn.lookahead_slots() * 4 * later);
   }
 }
 
