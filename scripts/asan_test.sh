@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the readers' test suites (and the io_uring reader's) with AddressSanitizer + UndefinedBehaviorSanitizer and runs them: every corrupt-input
-# test must be rejected cleanly, without a sanitizer report. Usage: scripts/asan_test.sh [BUILD_DIR] (default build-asan)
+# Builds the readers' test suites (and the io_uring reader's) with AddressSanitizer + UndefinedBehaviorSanitizer and
+# runs them: every corrupt-input test must be rejected cleanly, without a sanitizer report.
+# Usage: scripts/asan_test.sh [BUILD_DIR] (default build-asan)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build-asan}
