@@ -671,7 +671,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   if (pending_buf_ >= 0) CancelPrefetch();
   ReclaimPrefillMemory();  // the slots a batched prefill borrowed serve the cache again
   // This layer's lookahead (read during the previous layer) serves its misses; any other is stale.
-  if (la_slots_ > 0 && !la_on_ && group == 0) WatchIoWait();
+  if (la_slots_ > 0 && !la_on_ && group == 0) WatchTokenStart();
   if (la_slots_ > 0) {
     DropLookahead(layer);
     la_current_ = la_layer_[layer % 2] == layer ? static_cast<int>(layer % 2) : -1;
@@ -775,6 +775,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   std::fill(out, out + hp.dim, 0.0f);
   AccumulateRowPtrs(PartShape(lay, lay.down_type, lay.down_bytes), used_down_, used_hidden_.data(), out, pool_);
   ReleaseAll();  // after the accumulation: the down columns were read from the pinned slots
+  if (la_slots_ > 0 && !la_on_ && group + 1 == n_groups_) WatchTokenEnd();
   return Status::Ok();
 }
 

@@ -77,10 +77,10 @@ Result<HotPolicy> ParseHotPolicy(const std::string& name);
 inline constexpr double kDefaultLookaheadKeep = 0.4;
 
 // Adaptive lookahead (OffloadOptions::lookahead_adaptive): the share of a window's time spent waiting for reads at
-// which the lookahead turns on, and the window in decode tokens. On 2 vCPUs both ways were measured: on a virtio disk
-// of ~70k IOPS (8 KiB reads at queue depth 64: 581 MB/s) the SYNTHETIC 7B waited 14-18 ms of 61-76 ms per token
-// without lookahead (~24%) and decoded ~10% faster with it; on one twice as fast it waited 2.5-8 ms of 40-56 ms
-// (<= 15%) and the lookahead's CPU cost more than the wait it hid (docs/results.md).
+// which the lookahead turns on, and the window in tokens. On 2 vCPUs both ways were measured: on a virtio disk of
+// ~70k IOPS (8 KiB reads at queue depth 64: 581 MB/s) the SYNTHETIC 7B waited 14-18 ms of 61-76 ms per token without
+// lookahead (~24%) and decoded faster with it (median +3.5%, 8 of 14 pairs); on one twice as fast it waited 2.5-8 ms
+// of 40-56 ms (<= 15%) and the lookahead's CPU cost more than the wait it hid (~3% slower; docs/results.md).
 inline constexpr double kDefaultLookaheadWaitShare = 0.15;
 inline constexpr int64_t kDefaultLookaheadWindowTokens = 8;
 
@@ -152,10 +152,10 @@ struct OffloadOptions {
   // likeliest to be active); 1: all of them.
   double lookahead_keep = kDefaultLookaheadKeep;
   // Adaptive: the lookahead is set up (lookahead_slots) but starts off; it turns on, for good, at the first window of
-  // lookahead_window_tokens tokens whose I/O wait is at least lookahead_wait_share of their wall time (the first
-  // window, which warms the cache, is not judged). For a machine
-  // whose compute threads take every core, where the lookahead's CPU (a second predictor pass per layer, more
-  // requests) only pays when reads keep the compute waiting.
+  // lookahead_window_tokens tokens whose I/O wait is at least lookahead_wait_share of their time (each token's time
+  // from its first layer's FFN to its last one's end, so that idle time between requests does not count; the first
+  // window, which warms the cache, is not judged). For a machine whose compute threads take every core, where the
+  // lookahead's CPU (a second predictor pass per layer, more requests) only pays when reads keep the compute waiting.
   bool lookahead_adaptive = false;
   double lookahead_wait_share = kDefaultLookaheadWaitShare;
   int64_t lookahead_window_tokens = kDefaultLookaheadWindowTokens;
@@ -435,12 +435,16 @@ class OffloadFfn : public FfnBackend {
   void DropLookahead(int64_t keep_layer);
   // After Drain (an error): drops every lookahead bundle no item took (their contents are unknown).
   void ForgetLookahead();
-  // Adaptive lookahead: called at each token's first layer; turns the lookahead on when the last window's I/O wait
-  // reached its share. ResetLookaheadWindow starts over, with a window that is not judged (after a batched prefill,
-  // whose time is not decode's).
-  void WatchIoWait();
+  // Adaptive lookahead: WatchTokenStart at a token's first layer, WatchTokenEnd after its last one (which turns the
+  // lookahead on when a full window's I/O wait reached its share). ResetLookaheadWindow starts over, with a window
+  // that is not judged (after a batched prefill, whose time is not decode's).
+  void WatchTokenStart();
+  void WatchTokenEnd();
   void ResetLookaheadWindow() {
-    la_window_t0_ = 0;
+    la_token_t0_ = 0;
+    la_window_tokens_ = 0;
+    la_window_ns_ = 0;
+    la_window_wait_ns_ = 0;
     la_window_judged_ = false;
   }
   // Submits reads to the I/O thread: a new job, or appended to the open one (a lookahead is pending); returns the
@@ -529,11 +533,13 @@ class OffloadFfn : public FfnBackend {
   // requests and chunk ends, and per bundle the item of the current token that took it (-1: none).
   int64_t la_slots_ = 0;
   bool la_on_ = true;             // false while an adaptive lookahead waits for its trigger
-  int64_t la_tokens_ = 0;         // tokens seen by WatchIoWait
+  int64_t la_tokens_ = 0;         // tokens whose last layer ran while it watched
   int64_t la_started_token_ = 0;  // la_tokens_ when it turned on
-  int64_t la_window_tokens_ = 0;  // tokens in the current window
-  uint64_t la_window_t0_ = 0;     // its start (0: none yet), and the I/O wait then
-  uint64_t la_window_wait0_ = 0;
+  uint64_t la_token_t0_ = 0;      // the current token's start (0: none) and the I/O wait then
+  uint64_t la_token_wait0_ = 0;
+  int64_t la_window_tokens_ = 0;  // the current window: tokens, their time, their I/O wait
+  uint64_t la_window_ns_ = 0;
+  uint64_t la_window_wait_ns_ = 0;
   bool la_window_judged_ = false;  // false: the current window warms the cache and is not judged
   int64_t la_layer_[2] = {-1, -1};
   size_t la_first_chunk_[2] = {0, 0};
