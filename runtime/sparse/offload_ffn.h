@@ -79,7 +79,7 @@ inline constexpr double kDefaultLookaheadKeep = 0.4;
 // Adaptive lookahead (OffloadOptions::lookahead_adaptive): the share of a window's time spent waiting for reads at
 // which the lookahead turns on, and the window in tokens. On 2 vCPUs both ways were measured: on a virtio disk of
 // ~70k IOPS (8 KiB reads at queue depth 64: 581 MB/s) the SYNTHETIC 7B waited 14-18 ms of 61-76 ms per token without
-// lookahead (~24%) and decoded faster with it (median +3.5%, 8 of 14 pairs); on one twice as fast it waited 2.5-8 ms
+// lookahead (~24%) and decoded faster with it (median +5%, 13 of 20 pairs); on one twice as fast it waited 2.5-8 ms
 // of 40-56 ms (<= 15%) and the lookahead's CPU cost more than the wait it hid (~3% slower; docs/results.md).
 inline constexpr double kDefaultLookaheadWaitShare = 0.15;
 inline constexpr int64_t kDefaultLookaheadWindowTokens = 8;
