@@ -255,6 +255,7 @@ Status InferenceContext::Eval(std::span<const int32_t> tokens, bool all_logits) 
   for (int64_t l = 0; l < hp_.n_layers; ++l) {
     const LayerWeights& L = model_.layers()[static_cast<size_t>(l)];
     for (int64_t t = 0; t < n; ++t) RmsNorm(x_.data() + t * dim, L.attn_norm, dim, hp_.norm_eps, xn_.data() + t * dim);
+    if (ffn_backend_ != nullptr) ffn_backend_->BeforeAttention(l, xn_.data(), n);
     act_.Set(xn_.data(), n, dim);
     {
       // One parallel loop for the three projections of the same input.

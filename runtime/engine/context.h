@@ -33,6 +33,13 @@ class FfnBackend {
  public:
   virtual ~FfnBackend() = default;
   virtual Result<bool> Forward(int64_t layer, int64_t expert, const Activation& x, float* out) = 0;
+  // Before layer `layer`'s attention, with its normalised input (rmsnorm(x) * attn_norm, n tokens): a backend may
+  // start work for that layer's FFN early (e.g. reads it will probably need). Must not change any result.
+  virtual void BeforeAttention(int64_t layer, const float* xn, int64_t n) {
+    (void)layer;
+    (void)xn;
+    (void)n;
+  }
 };
 
 // Thread-safety: not thread-safe; one context per sequence. The model and pool must outlive it.

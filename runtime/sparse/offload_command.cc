@@ -222,6 +222,7 @@ Status RunOffload(const OffloadFlags& f) {
       {"two_phase", rt.ffn().two_phase()},
       {"lookahead_slots", rt.ffn().lookahead_slots()},
       {"lookahead_started_token", rt.ffn().lookahead_started_token()},
+      {"lookahead_source", LookaheadSourceName(rt.ffn().options().lookahead_source)},
       {"prefetched_per_token", static_cast<double>(st.prefetched) / steps},
       {"prefetch_used_per_token", static_cast<double>(st.prefetch_used) / steps},
       {"gate_requests_per_token", static_cast<double>(st.gate_requests) / steps},
@@ -281,8 +282,9 @@ Status RunOffload(const OffloadFlags& f) {
       std::printf("lookahead adaptive, on after %lld tokens (the statistics cover the whole run)\n",
                   static_cast<long long>(rt.ffn().lookahead_started_token()));
     }
-    std::printf("lookahead (%lld bundles per layer at most), per token: %.1f bundles read ahead, %.1f of them used "
+    std::printf("lookahead (%s, %lld bundles per layer at most), per token: %.1f bundles read ahead, %.1f of them used "
                 "(%.1f%% of the misses); %.3f ms choosing them, %.3f ms verifying them\n",
+                LookaheadSourceName(rt.ffn().options().lookahead_source),
                 static_cast<long long>(rt.ffn().lookahead_slots()), static_cast<double>(st.prefetched) / steps,
                 static_cast<double>(st.prefetch_used) / steps,
                 st.missed > 0 ? 100.0 * static_cast<double>(st.prefetch_used) / static_cast<double>(st.missed) : 0.0,
@@ -345,6 +347,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   }
   o->two_phase = f.two_phase != "off";
   o->lookahead_keep = f.lookahead_keep;
+  NF_ASSIGN_OR_RETURN(o->lookahead_source, ParseLookaheadSource(f.lookahead_source));
   if (f.cold_pool != "per-layer" && f.cold_pool != "shared") {
     return Status::InvalidArgument("--cold-pool " + f.cold_pool + ": expected per-layer or shared");
   }
@@ -446,6 +449,11 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "Bundles read ahead for the next layer while one runs (full mode, dense models, whole bundles): "
                   "-1 auto (n_ff/8; from the start when a core is left beyond the compute threads, else adaptive: on once "
                   "waiting for reads takes 15% of 8 tokens), 0 off")
+      ->capture_default_str();
+  cmd->add_option("--lookahead-source", flags->lookahead_source,
+                  "Where a layer's guess comes from: next-layer (during the previous layer's FFN, from its input) or "
+                  "same-layer (before the layer's attention, from its input)")
+      ->check(CLI::IsMember({"next-layer", "same-layer"}))
       ->capture_default_str();
   cmd->add_option("--lookahead-keep", flags->lookahead_keep,
                   "With a predictor: the share of the lookahead's candidates read ahead, largest logits first (1: all)")

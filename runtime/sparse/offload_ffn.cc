@@ -721,7 +721,9 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     if (!requests_.empty()) io_open_ = true;
     // The next layer's probable misses, queued behind this layer's (the I/O thread reads them while this layer and
     // the next one's attention compute).
-    if (lookahead && expert < 0 && la_on_) IssueLookahead(layer, x);
+    if (lookahead && expert < 0 && la_on_ && options_.lookahead_source == LookaheadSource::kNextLayer) {
+      IssueLookahead(layer, x);
+    }
     ComputeItems(ready_items_, x, thr);  // cache hits: while the first reads are in flight
     status = ConsumeLookahead();
     if (status.ok()) ComputeItems(la_items_, x, thr);

@@ -76,6 +76,14 @@ Result<HotPolicy> ParseHotPolicy(const std::string& name);
 // attention); the top 40% by logit, ~80% used and faster than both.
 inline constexpr double kDefaultLookaheadKeep = 0.4;
 
+// Where the lookahead's guess for a layer comes from (OffloadOptions::lookahead_source). kNextLayer: during layer l's
+// FFN, from l's FFN input, for layer l+1 (the guess spans l's FFN and l+1's attention). kSameLayer: before layer l's
+// attention, from l's attention input, for layer l itself (it spans only l's attention, and starts reads when the
+// disk has nothing else queued).
+enum class LookaheadSource : uint8_t { kNextLayer, kSameLayer };
+const char* LookaheadSourceName(LookaheadSource source);
+Result<LookaheadSource> ParseLookaheadSource(const std::string& name);
+
 // Adaptive lookahead (OffloadOptions::lookahead_adaptive): the share of a window's time spent waiting for reads at
 // which the lookahead turns on, and the window in tokens. On 2 vCPUs both ways were measured: on a virtio disk of
 // ~70k IOPS (8 KiB reads at queue depth 64: 581 MB/s) the SYNTHETIC 7B waited 14-18 ms of 61-76 ms per token without
@@ -157,6 +165,7 @@ struct OffloadOptions {
   // window, which warms the cache, is not judged). For a machine whose compute threads take every core, where the
   // lookahead's CPU (a second predictor pass per layer, more requests) only pays when reads keep the compute waiting.
   bool lookahead_adaptive = false;
+  LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
   double lookahead_wait_share = kDefaultLookaheadWaitShare;
   int64_t lookahead_window_tokens = kDefaultLookaheadWindowTokens;
   // The flash file's direct-I/O alignment (DirectReader::alignment, from statx): sizes the cold slots (ColdReadBytes).
@@ -295,6 +304,7 @@ class OffloadFfn : public FfnBackend {
                                                     const OffloadOptions& options, ThreadPool* pool);
   ~OffloadFfn() override;
 
+  void BeforeAttention(int64_t layer, const float* xn, int64_t n) override;
   Result<bool> Forward(int64_t layer, int64_t expert, const Activation& x, float* out) override;
 
   const NeuronCache& cache() const { return *cache_; }
@@ -338,6 +348,7 @@ class OffloadFfn : public FfnBackend {
   // Bundles read ahead per layer at most that `options` give for this deployment (0 when lookahead does not apply).
   static int64_t LookaheadSlots(const packer::Deployment& deployment, const OffloadOptions& options);
   int64_t lookahead_slots() const { return la_slots_; }
+  const OffloadOptions& options() const { return options_; }
   // Whether the lookahead reads ahead now (adaptive: once the I/O wait turned it on), and after how many tokens it
   // started (0: from the start; -1: never).
   bool lookahead_on() const { return la_slots_ > 0 && la_on_; }
@@ -426,6 +437,8 @@ class OffloadFfn : public FfnBackend {
   Status InitLookahead();
   // Layer `layer` runs with FFN input x: selects layer+1's probable cold misses and appends their reads to the I/O job.
   void IssueLookahead(int64_t layer, const Activation& x);
+  // The guess for layer `target` from la_act_ (set by the caller): slots, requests, submission.
+  void IssueGuess(int64_t target, uint64_t t0);
   // Waits for the reads of lookahead set `b` and verifies them: a bundle an item took is retried once (then an
   // error); the others are released into the cache, or dropped when bad. The set is empty afterwards.
   Status SettleLookahead(int b);
@@ -532,6 +545,7 @@ class OffloadFfn : public FfnBackend {
   // and cold slot of each of its bundles (file order; slot -1 once settled), the reverse map (n_ff, -1), its
   // requests and chunk ends, and per bundle the item of the current token that took it (-1: none).
   int64_t la_slots_ = 0;
+  std::vector<float> la_self_scale_;  // kSameLayer: ffn_norm[l] / attn_norm[l], per layer
   bool la_on_ = true;             // false while an adaptive lookahead waits for its trigger
   int64_t la_tokens_ = 0;         // tokens whose last layer ran while it watched
   int64_t la_started_token_ = 0;  // la_tokens_ when it turned on

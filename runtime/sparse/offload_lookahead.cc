@@ -64,6 +64,12 @@ Status OffloadFfn::InitLookahead() {
       la_scale_[static_cast<size_t>(l) * dim + i] = w[i] != 0.0f ? w1[i] / w[i] : 0.0f;
     }
   }
+  la_self_scale_.assign(static_cast<size_t>(hp.n_layers) * dim, 0.0f);
+  for (int64_t l = 0; l < hp.n_layers; ++l) {
+    const float* a = layers[static_cast<size_t>(l)].attn_norm;
+    const float* f = layers[static_cast<size_t>(l)].ffn_norm;
+    for (size_t i = 0; i < dim; ++i) la_self_scale_[static_cast<size_t>(l) * dim + i] = a[i] != 0.0f ? f[i] / a[i] : 0.0f;
+  }
   return Status::Ok();
 }
 
@@ -101,13 +107,42 @@ size_t OffloadFfn::SubmitReads(std::span<const ReadRequest> requests, std::span<
   return io_open_ ? io_->Append(requests, chunk_ends) : io_->Start(requests, chunk_ends);
 }
 
+const char* LookaheadSourceName(LookaheadSource source) {
+  return source == LookaheadSource::kSameLayer ? "same-layer" : "next-layer";
+}
+
+Result<LookaheadSource> ParseLookaheadSource(const std::string& name) {
+  if (name == "next-layer") return LookaheadSource::kNextLayer;
+  if (name == "same-layer") return LookaheadSource::kSameLayer;
+  return Status::InvalidArgument("lookahead source \"" + name + "\": expected next-layer or same-layer");
+}
+
+void OffloadFfn::BeforeAttention(int64_t layer, const float* xn, int64_t n) {
+  if (options_.lookahead_source != LookaheadSource::kSameLayer || n != 1 || la_slots_ == 0 || !la_on_) return;
+  const uint64_t t0 = SteadyNowNs();
+  const size_t dim = static_cast<size_t>(model_.hparams().dim);
+  const float* scale = la_self_scale_.data() + static_cast<size_t>(layer) * dim;
+  for (size_t i = 0; i < dim; ++i) la_x_[i] = xn[i] * scale[i];
+  la_act_.Set(la_x_.data(), 1, model_.hparams().dim);
+  IssueGuess(layer, t0);
+}
+
 void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   const int64_t next = layer + 1;
   const LlamaHparams& hp = model_.hparams();
   if (la_slots_ == 0 || next >= hp.n_layers) return;
   const uint64_t t0 = SteadyNowNs();
+  const size_t dim = static_cast<size_t>(hp.dim);
+  const float* scale = la_scale_.data() + static_cast<size_t>(layer) * dim;
+  for (size_t i = 0; i < dim; ++i) la_x_[i] = x.f32()[i] * scale[i];
+  la_act_.Set(la_x_.data(), 1, hp.dim);
+  IssueGuess(next, t0);
+}
+
+void OffloadFfn::IssueGuess(int64_t next, uint64_t t0) {
+  const LlamaHparams& hp = model_.hparams();
   const int b = static_cast<int>(next % 2);
-  if (la_layer_[b] >= 0) DropLookahead(layer);  // a stale one (not expected: each layer settles its own)
+  if (la_layer_[b] >= 0) DropLookahead(next);  // a stale one (not expected: each layer settles its own)
   SlotRegion& cold = cache_->cold();
   const int64_t g = next;
   // At most half of the next layer's cold partition (or of the shared pool): the rest stays for its other misses and
@@ -118,10 +153,6 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   if (limit <= 0) return;
   const packer::RegionInfo& region = *deploy_.Region(next, -1);
   const packer::BundleLayout& lay = deploy_.layout();
-  const size_t dim = static_cast<size_t>(hp.dim);
-  const float* scale = la_scale_.data() + static_cast<size_t>(layer) * dim;
-  for (size_t i = 0; i < dim; ++i) la_x_[i] = x.f32()[i] * scale[i];
-  la_act_.Set(la_x_.data(), 1, hp.dim);
 
   // Candidates: neurons the next layer would have to read if active (Resolve's cold path, not cached now).
   auto cold_candidate = [&](int32_t n) { return !HotPath(g, region, region.slot_of_neuron[n]) && cold.Find(g, n) < 0; };

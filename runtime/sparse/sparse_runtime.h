@@ -75,6 +75,8 @@ struct SparseRuntimeOptions {
   // OffloadOptions::lookahead_adaptive and the share of time waiting for reads that turns it on.
   bool lookahead_adaptive = false;
   double lookahead_wait_share = kDefaultLookaheadWaitShare;
+  // OffloadOptions::lookahead_source.
+  LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
   // Cold slots are the bundle rounded up to this alignment (OffloadOptions::dio_alignment, ColdReadBytes); 0: the flash
   // file's direct-I/O alignment (statx; 4096 when unknown or without O_DIRECT). kSlotAlignment: whole 4 KiB groups (a
   // comparison).

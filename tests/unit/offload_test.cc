@@ -399,6 +399,45 @@ TEST_F(OffloadTest, LookaheadKeepsTheLikeliestGuesses) {
               static_cast<long long>(some.prefetch_used), static_cast<long long>(some.prefetched));
 }
 
+// The same-layer lookahead guesses each layer from its attention input, before the attention: the first layer gets
+// guesses too (the next-layer source never reads ahead into it), layers without cold room get none, most guesses
+// are used, and the results stay bitwise those of the in-memory sparse FFN (predictor and oracle).
+TEST_F(OffloadTest, SameLayerLookaheadChangesReadsNotResults) {
+  ASSERT_TRUE(predicted_ && sparse_);
+  for (bool predictor : {true, false}) {
+    SCOPED_TRACE(predictor ? "predictor" : "oracle");
+    SparseRuntimeOptions o;
+    o.active_set = predictor ? ActiveSetSource::kAuto : ActiveSetSource::kOracle;
+    o.batched_prefill = false;
+    o.lookahead_slots = -1;
+    o.lookahead_source = LookaheadSource::kSameLayer;
+    o.hot_slots = 1;
+    o.cold_slots_per_group = {40, 40, 0, 40, 40};
+    auto rt = SparseRuntime::Open(predictor ? dir_->File("deploy-pred") : DeployDir(), o, pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    const GreedyRun& ref = predictor ? *predicted_ : *sparse_;
+    auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(16, ref.tokens.size()));
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    ASSERT_TRUE(SameLogits(*run, ref));
+    const std::vector<OffloadGroupStats>& st = (*rt)->ffn().stats();
+    ASSERT_EQ(st.size(), 5u);
+    EXPECT_GT(st[0].prefetched, 0) << "the first layer is guessed from its own attention input";
+    EXPECT_EQ(st[2].prefetched, 0) << "no cold slots";
+    const OffloadGroupStats t = (*rt)->ffn().TotalStats();
+    EXPECT_GT(t.prefetch_used, 0);
+    EXPECT_LE(t.prefetch_used, t.prefetched);
+    EXPECT_LE(t.prefetch_used, t.missed);
+    EXPECT_EQ(t.retries, 0);
+    const SlotRegion& cold = (*rt)->ffn().cache().cold();
+    for (int32_t s = 0; s < cold.SlotCount(); ++s) ASSERT_EQ(cold.PinCount(s), 0) << "slot " << s << " still pinned";
+    std::printf("same-layer lookahead (%s): %lld read ahead, %lld used, %lld missed\n", predictor ? "predictor" : "oracle",
+                static_cast<long long>(t.prefetched), static_cast<long long>(t.prefetch_used),
+                static_cast<long long>(t.missed));
+  }
+  EXPECT_TRUE(ParseLookaheadSource("same-layer").ok());
+  EXPECT_FALSE(ParseLookaheadSource("previous").ok());
+}
+
 // --lookahead -1 (auto) reads ahead from the start when a core is left beyond the compute threads, else adaptively;
 // a given value is kept, never adaptive.
 TEST(AutoLookaheadTest, FromTheStartOnlyWithACoreToSpare) {
