@@ -437,8 +437,9 @@ class OffloadFfn : public FfnBackend {
   Status InitLookahead();
   // Layer `layer` runs with FFN input x: selects layer+1's probable cold misses and appends their reads to the I/O job.
   void IssueLookahead(int64_t layer, const Activation& x);
-  // The guess for layer `target` from la_act_ (set by the caller): slots, requests, submission.
-  void IssueGuess(int64_t target, uint64_t t0);
+  // The guess for layer `next` from la_act_ (set by the caller) while layer `current` runs (the same layer for the
+  // same-layer source): slots, requests, submission. `t0`: when the caller started (lookahead_ns).
+  void IssueGuess(int64_t next, int64_t current, uint64_t t0);
   // Waits for the reads of lookahead set `b` and verifies them: a bundle an item took is retried once (then an
   // error); the others are released into the cache, or dropped when bad. The set is empty afterwards.
   Status SettleLookahead(int b);

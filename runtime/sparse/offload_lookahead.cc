@@ -124,7 +124,7 @@ void OffloadFfn::BeforeAttention(int64_t layer, const float* xn, int64_t n) {
   const float* scale = la_self_scale_.data() + static_cast<size_t>(layer) * dim;
   for (size_t i = 0; i < dim; ++i) la_x_[i] = xn[i] * scale[i];
   la_act_.Set(la_x_.data(), 1, model_.hparams().dim);
-  IssueGuess(layer, t0);
+  IssueGuess(layer, layer, t0);
 }
 
 void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
@@ -136,13 +136,13 @@ void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   const float* scale = la_scale_.data() + static_cast<size_t>(layer) * dim;
   for (size_t i = 0; i < dim; ++i) la_x_[i] = x.f32()[i] * scale[i];
   la_act_.Set(la_x_.data(), 1, hp.dim);
-  IssueGuess(next, t0);
+  IssueGuess(next, layer, t0);
 }
 
-void OffloadFfn::IssueGuess(int64_t next, uint64_t t0) {
+void OffloadFfn::IssueGuess(int64_t next, int64_t current, uint64_t t0) {
   const LlamaHparams& hp = model_.hparams();
   const int b = static_cast<int>(next % 2);
-  if (la_layer_[b] >= 0) DropLookahead(next);  // a stale one (not expected: each layer settles its own)
+  if (la_layer_[b] >= 0) DropLookahead(current);  // a stale one (not expected: each layer settles its own)
   SlotRegion& cold = cache_->cold();
   const int64_t g = next;
   // At most half of the next layer's cold partition (or of the shared pool): the rest stays for its other misses and
