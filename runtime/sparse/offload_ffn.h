@@ -546,7 +546,7 @@ class OffloadFfn : public FfnBackend {
   // and cold slot of each of its bundles (file order; slot -1 once settled), the reverse map (n_ff, -1), its
   // requests and chunk ends, and per bundle the item of the current token that took it (-1: none).
   int64_t la_slots_ = 0;
-  std::vector<float> la_self_scale_;  // kSameLayer: ffn_norm[l] / attn_norm[l], per layer
+  std::vector<float> la_self_scale_;  // kSameLayer: n_layers x dim, ffn_norm[l] / attn_norm[l]
   bool la_on_ = true;             // false while an adaptive lookahead waits for its trigger
   int64_t la_tokens_ = 0;         // tokens whose last layer ran while it watched
   int64_t la_started_token_ = 0;  // la_tokens_ when it turned on
@@ -568,7 +568,7 @@ class OffloadFfn : public FfnBackend {
   int la_current_ = -1;                  // set the current token's Resolve uses (-1: none)
   std::vector<int32_t> la_items_;        // items served by a read ahead
   std::vector<uint8_t> la_taken_;        // per item: served by a read ahead (set by Resolve when a set was current)
-  std::vector<float> la_scale_;          // (n_layers - 1) x dim: ffn_norm[l+1] / ffn_norm[l]
+  std::vector<float> la_scale_;          // kNextLayer: (n_layers - 1) x dim, ffn_norm[l+1] / ffn_norm[l]
   std::vector<float> la_x_;              // the rescaled input
   Activation la_act_;
   std::vector<int32_t> la_rows_;         // candidates (oracle: rows whose gate is computed)

@@ -54,21 +54,19 @@ Status OffloadFfn::InitLookahead() {
   la_score_.resize(static_cast<size_t>(hp.n_ff));
   la_pick_.reserve(static_cast<size_t>(hp.n_ff));
   la_x_.resize(dim);
-  la_scale_.assign(static_cast<size_t>(hp.n_layers - 1) * dim, 0.0f);
+  // The guess's input: layer l's FFN input rescaled to layer l+1's (next-layer), or layer l's attention input
+  // rescaled to its FFN input (same-layer). rmsnorm(h) * w1 = (rmsnorm(h) * w) * (w1 / w); a zero weight loses that
+  // coordinate (it stays 0).
   const auto& layers = model_.layers();
-  for (int64_t l = 0; l + 1 < hp.n_layers; ++l) {
-    const float* w = layers[static_cast<size_t>(l)].ffn_norm;
-    const float* w1 = layers[static_cast<size_t>(l + 1)].ffn_norm;
-    for (size_t i = 0; i < dim; ++i) {
-      // rmsnorm(h) * w1 = (rmsnorm(h) * w) * (w1 / w); a zero weight loses that coordinate (it stays 0).
-      la_scale_[static_cast<size_t>(l) * dim + i] = w[i] != 0.0f ? w1[i] / w[i] : 0.0f;
-    }
-  }
-  la_self_scale_.assign(static_cast<size_t>(hp.n_layers) * dim, 0.0f);
-  for (int64_t l = 0; l < hp.n_layers; ++l) {
-    const float* a = layers[static_cast<size_t>(l)].attn_norm;
-    const float* f = layers[static_cast<size_t>(l)].ffn_norm;
-    for (size_t i = 0; i < dim; ++i) la_self_scale_[static_cast<size_t>(l) * dim + i] = a[i] != 0.0f ? f[i] / a[i] : 0.0f;
+  const bool next_layer = options_.lookahead_source == LookaheadSource::kNextLayer;
+  std::vector<float>& scale = next_layer ? la_scale_ : la_self_scale_;
+  const int64_t n_scales = next_layer ? hp.n_layers - 1 : hp.n_layers;
+  scale.assign(static_cast<size_t>(n_scales) * dim, 0.0f);
+  for (int64_t l = 0; l < n_scales; ++l) {
+    const LayerWeights& lw = layers[static_cast<size_t>(l)];
+    const float* w = next_layer ? lw.ffn_norm : lw.attn_norm;
+    const float* w1 = next_layer ? layers[static_cast<size_t>(l + 1)].ffn_norm : lw.ffn_norm;
+    for (size_t i = 0; i < dim; ++i) scale[static_cast<size_t>(l) * dim + i] = w[i] != 0.0f ? w1[i] / w[i] : 0.0f;
   }
   return Status::Ok();
 }
