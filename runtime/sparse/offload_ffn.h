@@ -160,14 +160,13 @@ struct OffloadOptions {
   // likeliest to be active); 1: all of them.
   double lookahead_keep = kDefaultLookaheadKeep;
   // Adaptive: the lookahead is set up (lookahead_slots) but starts off; it turns on, for good, at the first window of
-  // lookahead_window_tokens tokens whose I/O wait is at least lookahead_wait_share of their time (each token's time
+  // kDefaultLookaheadWindowTokens tokens whose I/O wait is at least lookahead_wait_share of their time (each token's time
   // from its first layer's FFN to its last one's end, so that idle time between requests does not count; the first
   // window, which warms the cache, is not judged). For a machine whose compute threads take every core, where the
   // lookahead's CPU (a second predictor pass per layer, more requests) only pays when reads keep the compute waiting.
   bool lookahead_adaptive = false;
   LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
   double lookahead_wait_share = kDefaultLookaheadWaitShare;
-  int64_t lookahead_window_tokens = kDefaultLookaheadWindowTokens;
   // The flash file's direct-I/O alignment (DirectReader::alignment, from statx): sizes the cold slots (ColdReadBytes).
   // kSlotAlignment keeps them whole 4 KiB-aligned groups.
   uint64_t dio_alignment = kSlotAlignment;
@@ -437,9 +436,10 @@ class OffloadFfn : public FfnBackend {
   Status InitLookahead();
   // Layer `layer` runs with FFN input x: selects layer+1's probable cold misses and appends their reads to the I/O job.
   void IssueLookahead(int64_t layer, const Activation& x);
-  // The guess for layer `next` from la_act_ (set by the caller) while layer `current` runs (the same layer for the
-  // same-layer source): slots, requests, submission. `t0`: when the caller started (lookahead_ns).
-  void IssueGuess(int64_t next, int64_t current, uint64_t t0);
+  // The guess for layer `next` while layer `current` runs (the same layer for the same-layer source), from `input`
+  // (current's FFN or attention input, dim floats) rescaled by la_scale_: slots, requests, submission. `t0`: when the
+  // caller started (lookahead_ns).
+  void IssueGuess(int64_t next, int64_t current, const float* input, uint64_t t0);
   // Waits for the reads of lookahead set `b` and verifies them: a bundle an item took is retried once (then an
   // error); the others are released into the cache, or dropped when bad. The set is empty afterwards.
   Status SettleLookahead(int b);
@@ -546,7 +546,6 @@ class OffloadFfn : public FfnBackend {
   // and cold slot of each of its bundles (file order; slot -1 once settled), the reverse map (n_ff, -1), its
   // requests and chunk ends, and per bundle the item of the current token that took it (-1: none).
   int64_t la_slots_ = 0;
-  std::vector<float> la_self_scale_;  // kSameLayer: n_layers x dim, ffn_norm[l] / attn_norm[l]
   bool la_on_ = true;             // false while an adaptive lookahead waits for its trigger
   int64_t la_tokens_ = 0;         // tokens whose last layer ran while it watched
   int64_t la_started_token_ = 0;  // la_tokens_ when it turned on
@@ -568,7 +567,8 @@ class OffloadFfn : public FfnBackend {
   int la_current_ = -1;                  // set the current token's Resolve uses (-1: none)
   std::vector<int32_t> la_items_;        // items served by a read ahead
   std::vector<uint8_t> la_taken_;        // per item: served by a read ahead (set by Resolve when a set was current)
-  std::vector<float> la_scale_;          // kNextLayer: (n_layers - 1) x dim, ffn_norm[l+1] / ffn_norm[l]
+  std::vector<float> la_scale_;          // per layer l x dim: ffn_norm[l+1] / ffn_norm[l] (next-layer, up to
+                                         // n_layers - 2) or ffn_norm[l] / attn_norm[l] (same-layer)
   std::vector<float> la_x_;              // the rescaled input
   Activation la_act_;
   std::vector<int32_t> la_rows_;         // candidates (oracle: rows whose gate is computed)

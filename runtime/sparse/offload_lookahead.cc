@@ -59,14 +59,13 @@ Status OffloadFfn::InitLookahead() {
   // coordinate (it stays 0).
   const auto& layers = model_.layers();
   const bool next_layer = options_.lookahead_source == LookaheadSource::kNextLayer;
-  std::vector<float>& scale = next_layer ? la_scale_ : la_self_scale_;
   const int64_t n_scales = next_layer ? hp.n_layers - 1 : hp.n_layers;
-  scale.assign(static_cast<size_t>(n_scales) * dim, 0.0f);
+  la_scale_.assign(static_cast<size_t>(n_scales) * dim, 0.0f);
   for (int64_t l = 0; l < n_scales; ++l) {
     const LayerWeights& lw = layers[static_cast<size_t>(l)];
     const float* w = next_layer ? lw.ffn_norm : lw.attn_norm;
     const float* w1 = next_layer ? layers[static_cast<size_t>(l + 1)].ffn_norm : lw.ffn_norm;
-    for (size_t i = 0; i < dim; ++i) scale[static_cast<size_t>(l) * dim + i] = w[i] != 0.0f ? w1[i] / w[i] : 0.0f;
+    for (size_t i = 0; i < dim; ++i) la_scale_[static_cast<size_t>(l) * dim + i] = w[i] != 0.0f ? w1[i] / w[i] : 0.0f;
   }
   return Status::Ok();
 }
@@ -82,7 +81,7 @@ void OffloadFfn::WatchTokenEnd() {
   la_window_ns_ += SteadyNowNs() - la_token_t0_;
   la_window_wait_ns_ += io_wait_ns() - la_token_wait0_;
   la_token_t0_ = 0;
-  if (++la_window_tokens_ < options_.lookahead_window_tokens) return;
+  if (++la_window_tokens_ < kDefaultLookaheadWindowTokens) return;
   const double share =
       la_window_ns_ > 0 ? static_cast<double>(la_window_wait_ns_) / static_cast<double>(la_window_ns_) : 0.0;
   // The first window after the start or a batched prefill is not judged: its tokens fill a cold cache (SYNTHETIC 7B:
@@ -117,28 +116,22 @@ Result<LookaheadSource> ParseLookaheadSource(const std::string& name) {
 
 void OffloadFfn::BeforeAttention(int64_t layer, const float* xn, int64_t n) {
   if (options_.lookahead_source != LookaheadSource::kSameLayer || n != 1 || la_slots_ == 0 || !la_on_) return;
-  const uint64_t t0 = SteadyNowNs();
-  const size_t dim = static_cast<size_t>(model_.hparams().dim);
-  const float* scale = la_self_scale_.data() + static_cast<size_t>(layer) * dim;
-  for (size_t i = 0; i < dim; ++i) la_x_[i] = xn[i] * scale[i];
-  la_act_.Set(la_x_.data(), 1, model_.hparams().dim);
-  IssueGuess(layer, layer, t0);
+  IssueGuess(layer, layer, xn, SteadyNowNs());
 }
 
 void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {
   const int64_t next = layer + 1;
   const LlamaHparams& hp = model_.hparams();
   if (la_slots_ == 0 || next >= hp.n_layers) return;
-  const uint64_t t0 = SteadyNowNs();
-  const size_t dim = static_cast<size_t>(hp.dim);
-  const float* scale = la_scale_.data() + static_cast<size_t>(layer) * dim;
-  for (size_t i = 0; i < dim; ++i) la_x_[i] = x.f32()[i] * scale[i];
-  la_act_.Set(la_x_.data(), 1, hp.dim);
-  IssueGuess(next, layer, t0);
+  IssueGuess(next, layer, x.f32(), SteadyNowNs());
 }
 
-void OffloadFfn::IssueGuess(int64_t next, int64_t current, uint64_t t0) {
+void OffloadFfn::IssueGuess(int64_t next, int64_t current, const float* input, uint64_t t0) {
   const LlamaHparams& hp = model_.hparams();
+  const size_t dim = static_cast<size_t>(hp.dim);
+  const float* scale = la_scale_.data() + static_cast<size_t>(current) * dim;
+  for (size_t i = 0; i < dim; ++i) la_x_[i] = input[i] * scale[i];
+  la_act_.Set(la_x_.data(), 1, hp.dim);
   const int b = static_cast<int>(next % 2);
   if (la_layer_[b] >= 0) DropLookahead(current);  // a stale one (not expected: each layer settles its own)
   SlotRegion& cold = cache_->cold();

@@ -92,7 +92,7 @@ struct SparseRuntimeOptions {
 // core). The lookahead trades CPU (a second predictor pass per layer, more read requests, their verification) for I/O
 // wait. With a core beyond the compute threads, auto reads ahead from the start (n_ff / 8 bundles). Where the compute
 // threads take every core, that CPU is short, and whether the trade pays depends on the disk (SYNTHETIC 7B at 1392M
-// on 2 vCPUs: 3% slower on a disk of ~140k IOPS, ~10% faster on one of ~70k): auto is then adaptive, off until
+// on 2 vCPUs: ~3% slower on a disk of ~140k IOPS, median +5% on one of ~70k): auto is then adaptive, off until
 // waiting for reads takes kDefaultLookaheadWaitShare of a window of tokens (OffloadOptions::lookahead_adaptive).
 struct LookaheadChoice {
   int64_t slots = 0;      // OffloadOptions::lookahead_slots
