@@ -21,7 +21,7 @@ std::string PlanToJson(const Plan& p) {
                  {"cores", p.cores},
                  {"min_tokens_per_s", p.min_tokens_per_s},
                  {"objective", p.objective}};
-  j["settings"] = {{"fixed_bytes", p.fixed_bytes},         {"n_ctx", p.n_ctx},
+  j["settings"] = {{"fixed_bytes", p.fixed_bytes},         {"n_ctx", p.n_ctx}, {"kv_type", p.kv_type},
                    {"compute_threads", p.compute_threads}, {"io_threads", p.io_threads},
                    {"queue_depth", p.queue_depth},         {"cluster_neurons", p.cluster_neurons}};
   json regions = json::array();
@@ -81,6 +81,11 @@ Result<Plan> ParsePlan(const std::string& text, const std::string& source) {
   NF_ASSIGN_OR_RETURN(const JsonFields set, root.Object("settings"));
   NF_RETURN_IF_ERROR(set.Get("fixed_bytes", &p.fixed_bytes));
   NF_RETURN_IF_ERROR(set.Get("n_ctx", &p.n_ctx));
+  if (set.Has("kv_type")) NF_RETURN_IF_ERROR(set.Get("kv_type", &p.kv_type));
+  if (p.kv_type != "f32" && p.kv_type != "f16") {  // KvTypeName's names
+    return Status::Corruption(source + ": field 'settings.kv_type': expected \"f32\" or \"f16\", found \"" + p.kv_type +
+                              "\"");
+  }
   NF_RETURN_IF_ERROR(set.Get("compute_threads", &p.compute_threads));
   NF_RETURN_IF_ERROR(set.Get("io_threads", &p.io_threads));
   NF_RETURN_IF_ERROR(set.Get("queue_depth", &p.queue_depth));

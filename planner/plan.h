@@ -56,6 +56,7 @@ struct Plan {
   // Settings.
   uint64_t fixed_bytes = 0;  // resident image + KV cache + scratch, as the planner counted them
   int n_ctx = 0;             // context length the KV cache was sized for
+  std::string kv_type = "f32";  // and its element type (KvTypeName); plans without the field are f32
   int compute_threads = 1;
   int io_threads = 1;
   int queue_depth = 32;

@@ -38,6 +38,7 @@ struct PlanFlags {
   double min_speed = 0;
   std::string objective = "speed";
   int n_ctx = 0;
+  std::string kv_type = "f32";
   std::string output;
   bool explain = false;
   bool force = false;
@@ -180,6 +181,7 @@ Status RunPlan(const PlanFlags& f) {
     ThreadPool pool(limits.cores > 0 ? std::min(limits.cores, raw_hw.cores) : raw_hw.cores);
     sparse::SparseRuntimeOptions ro;
     ro.n_ctx = f.n_ctx;
+    NF_ASSIGN_OR_RETURN(ro.kv_type, ParseKvType(f.kv_type));
     // Without the batched-prefill buffers: under a budget the runtime lends cold-cache slots for them per prompt
     // (counting them made every limit below fixed + 2 layers infeasible although the runtime ran there).
     ro.batched_prefill = false;
@@ -227,6 +229,7 @@ Status RunPlan(const PlanFlags& f) {
   plan.objective = f.objective;
   plan.fixed_bytes = fixed.Total();
   plan.n_ctx = static_cast<int>(n_ctx);
+  plan.kv_type = f.kv_type;
   FillSolution(solved, hw, model, &plan);
   plan.calibration = calibration;
   if (f.calibrate) {
@@ -276,6 +279,10 @@ void RegisterPlanCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--objective", flags->objective, "speed (fastest plan within the memory) or memory (smallest plan "
                                                    "reaching --min-speed)");
   cmd->add_option("--ctx", flags->n_ctx, "Context length the KV cache is sized for (default: the runtime's)");
+  cmd->add_option("--kv-type", flags->kv_type, "KV cache element type the plan sizes and the runtime then uses: f32 "
+                                               "or f16 (half the memory)")
+      ->check(CLI::IsMember({"f32", "f16"}))
+      ->capture_default_str();
   cmd->add_option("-o,--output", flags->output, "plan.json to write")->required();
   cmd->add_flag("--explain", flags->explain, "Print the per-token time breakdown as a table");
   cmd->add_flag("--force", flags->force, "Overwrite the output if it exists");

@@ -183,6 +183,7 @@ struct RunFlags {
   std::string prompt_file;
   int64_t n_predict = 256;
   int64_t ctx = 0;
+  std::string kv_type = "f32";
   int threads = 0;
   bool no_mmap = false;
   bool json = false;
@@ -210,8 +211,9 @@ Status RunGenerate(const RunFlags& f) {
     return Status::InvalidArgument("the prompt has " + std::to_string(ids.size()) +
                                    " tokens, more than the context size " + std::to_string(n_ctx));
   }
+  NF_ASSIGN_OR_RETURN(const KvType kv_type, ParseKvType(f.kv_type));
   ThreadPool pool(f.threads);
-  InferenceContext ctx(*lm.model, &pool, n_ctx);
+  InferenceContext ctx(*lm.model, &pool, n_ctx, kv_type);
   // Sparse decode only: the prompt's batched prefill stays dense.
   NF_ASSIGN_OR_RETURN(SparseSetup sparse, SetupSparse(f.sparse, src, lm, &pool, /*sparse_prefill=*/false));
   if (sparse.ffn) ctx.SetFfnBackend(sparse.ffn.get());
@@ -457,6 +459,10 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
   sub->add_option("-f,--file", f->prompt_file, "Read the prompt from a file")->excludes(p)->check(CLI::ExistingFile);
   sub->add_option("-n,--max-tokens", f->n_predict, "Tokens to generate at most")->check(CLI::PositiveNumber);
   sub->add_option("-c,--ctx", f->ctx, "Context size (0: prompt + max tokens, capped at the model's)");
+  sub->add_option("--kv-type", f->kv_type,
+                  "KV cache element type: f32 or f16 (half the memory; keys and values rounded to half precision)")
+      ->check(CLI::IsMember({"f32", "f16"}))
+      ->capture_default_str();
   sub->add_option("--temp", f->sampler.temperature, "Temperature (0: greedy)")->check(CLI::NonNegativeNumber);
   sub->add_option("--top-k", f->sampler.top_k, "Top-k (0: off)");
   sub->add_option("--top-p", f->sampler.top_p, "Top-p (1: off)");

@@ -7,7 +7,11 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 
+#include <immintrin.h>
+
+#include "runtime/core/float16.h"
 #include "runtime/core/kernels.h"
 #include "runtime/core/quant.h"
 
@@ -41,7 +45,7 @@ constexpr int64_t kKeyBlock = 64;
 inline int64_t KeyBlockWidth(int64_t n_ctx, int64_t start) { return std::min(kKeyBlock, n_ctx - start); }
 // Float index, within one layer's key cache of n_ctx positions, of element i of KV head kvh's key at position p. The
 // last block holds n_ctx mod 64 positions when n_ctx is not a multiple of 64: its rows are that wide, so the cache is
-// exactly n_ctx * kv_dim floats per layer, as KvCacheBytes accounts it.
+// exactly n_ctx * kv_dim elements per layer, as KvCacheBytes accounts it.
 inline int64_t KeyCacheIndex(int64_t n_ctx, int64_t head_dim, int64_t kvh, int64_t p, int64_t i) {
   const int64_t start = p / kKeyBlock * kKeyBlock;
   return kvh * n_ctx * head_dim + start * head_dim + i * KeyBlockWidth(n_ctx, start) + (p - start);
@@ -51,9 +55,11 @@ inline int64_t KeyCacheIndex(int64_t n_ctx, int64_t head_dim, int64_t kvh, int64
 constexpr double kMinParallelAttentionWork = 2e5;
 
 struct AttentionParams {
-  const float* q = nullptr;   // (n, q_stride), RoPE applied
-  const float* kc = nullptr;  // this layer's key cache in blocks (KeyCacheIndex), positions < pos + n filled
-  const float* vc = nullptr;  // (n_ctx, kv_stride)
+  const float* q = nullptr;  // (n, q_stride), RoPE applied
+  // This layer's key cache in blocks (KeyCacheIndex), positions < pos + n filled, and value cache (n_ctx, kv_stride):
+  // floats (KvType::kF32) or IEEE half bits (kF16).
+  const void* kc = nullptr;
+  const void* vc = nullptr;
   float* out = nullptr;       // (n, q_stride)
   int64_t pos = 0;            // position of query 0
   int64_t n = 0;
@@ -65,23 +71,44 @@ struct AttentionParams {
   float scale = 1.0f;         // 1 / sqrt(head_dim)
 };
 
-// Floats of one thread's scratch: scores, output accumulators, running max and sum.
-size_t AttentionScratchFloats(int64_t head_dim, int64_t group) {
+// Floats of one thread's scratch: scores, output accumulators, running max and sum; with a half cache, one key block
+// and its value rows widened to float.
+size_t AttentionScratchFloats(int64_t head_dim, int64_t group, KvType kv_type) {
   const int64_t rows = group * kQueryTile;
-  return static_cast<size_t>(rows * kKeyBlock + rows * head_dim + 2 * rows);
+  const int64_t widened = kv_type == KvType::kF16 ? 2 * kKeyBlock * head_dim : 0;
+  return static_cast<size_t>(rows * kKeyBlock + rows * head_dim + 2 * rows + widened);
+}
+
+// Half bits -> floats (exact). The F16C copy serves the AVX2 and AVX-512 attention; both give Fp16ToFp32's values.
+using WidenFn = void (*)(const uint16_t* src, int64_t n, float* dst);
+void WidenHalfScalar(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = Fp16ToFp32(src[i]);
+}
+[[gnu::target("avx2,f16c")]] void WidenHalfF16c(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (; i < n; ++i) dst[i] = Fp16ToFp32(src[i]);
 }
 
 // Queries [t0, t1) of every query head of KV head `kvh`. Each (query, head) row goes through the same operations in
 // the same order whatever the tile holds (keys past its causal limit are skipped, not masked), so a batch gives the
 // same values as token-by-token decode. Written as plain loops over contiguous floats, which the compiler vectorises
-// for the ISA of the function it is inlined into (AttendTile's per-ISA copies).
+// for the ISA of the function it is inlined into (AttendTile's per-ISA copies). T: the cache's element (float, or
+// uint16_t half bits, each block widened by `widen` into scratch before use: the same float values whatever the ISA).
+template <typename T>
 [[gnu::always_inline]] inline void AttendTileBody(const AttentionParams& a, int64_t t0, int64_t t1, int64_t kvh,
-                                                  float* scratch) {
+                                                  float* scratch, WidenFn widen) {
   const int64_t hd = a.head_dim, rows = (t1 - t0) * a.group, max_rows = a.group * kQueryTile;
   float* s = scratch;                     // (rows, kKeyBlock): scores, then probabilities
   float* o = s + max_rows * kKeyBlock;    // (rows, head_dim): unnormalised output
   float* m = o + max_rows * hd;           // (rows): running max of the scores
   float* l = m + max_rows;                // (rows): running sum of exp(score - m)
+  float* kw = l + max_rows;               // half cache: the block's keys (head_dim, width), widened
+  float* vw = kw + kKeyBlock * hd;        // and its value rows (nk, head_dim)
+  const T* kc = static_cast<const T*>(a.kc);
+  const T* vc = static_cast<const T*>(a.vc);
   for (int64_t r = 0; r < rows; ++r) {
     m[r] = -INFINITY;
     l[r] = 0.0f;
@@ -90,8 +117,21 @@ size_t AttentionScratchFloats(int64_t head_dim, int64_t group) {
   const int64_t keys = a.pos + t1;  // keys seen by the tile's last query
   for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, keys - k0);
-    const float* kt = a.kc + KeyCacheIndex(a.n_ctx, hd, kvh, k0, 0);  // (head_dim, width): the block's keys
     const int64_t width = KeyBlockWidth(a.n_ctx, k0);
+    const float* kt = nullptr;  // (head_dim, width): the block's keys
+    const float* vt = nullptr;  // value row of key k0 + j at vt + j * vstride
+    int64_t vstride = 0;
+    if constexpr (std::is_same_v<T, float>) {
+      kt = kc + KeyCacheIndex(a.n_ctx, hd, kvh, k0, 0);
+      vt = vc + k0 * a.kv_stride + kvh * hd;
+      vstride = a.kv_stride;
+    } else {
+      widen(kc + KeyCacheIndex(a.n_ctx, hd, kvh, k0, 0), hd * width, kw);
+      for (int64_t j = 0; j < nk; ++j) widen(vc + (k0 + j) * a.kv_stride + kvh * hd, hd, vw + j * hd);
+      kt = kw;
+      vt = vw;
+      vstride = hd;
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = t0 + r / a.group, h = kvh * a.group + r % a.group;
       const int64_t len = a.pos + t + 1;  // causal: this query sees keys [0, len)
@@ -124,7 +164,7 @@ size_t AttentionScratchFloats(int64_t head_dim, int64_t group) {
       }
       for (int64_t j = 0; j < nv; ++j) {
         const float p = sr[j];
-        const float* v = a.vc + (k0 + j) * a.kv_stride + kvh * hd;
+        const float* v = vt + j * vstride;
         for (int64_t i = 0; i < hd; ++i) orow[i] += p * v[i];
       }
     }
@@ -137,39 +177,61 @@ size_t AttentionScratchFloats(int64_t head_dim, int64_t group) {
   }
 }
 
-// One copy of AttendTileBody per kernel ISA (the kernels' CPU checks guard them; see kernels.h ActiveIsa).
+// One copy of AttendTileBody per kernel ISA and cache type (the kernels' CPU checks guard them; see kernels.h
+// ActiveIsa).
+template <typename T>
 [[gnu::target("avx512f,avx512vl,avx512bw,avx512dq,fma,f16c,prefer-vector-width=512")]] void AttendTileAvx512(
     const AttentionParams& a, int64_t t0, int64_t t1, int64_t kvh, float* scratch) {
-  AttendTileBody(a, t0, t1, kvh, scratch);
+  AttendTileBody<T>(a, t0, t1, kvh, scratch, WidenHalfF16c);
 }
+template <typename T>
 [[gnu::target("avx2,fma,f16c")]] void AttendTileAvx2(const AttentionParams& a, int64_t t0, int64_t t1, int64_t kvh,
                                                     float* scratch) {
-  AttendTileBody(a, t0, t1, kvh, scratch);
+  AttendTileBody<T>(a, t0, t1, kvh, scratch, WidenHalfF16c);
 }
+template <typename T>
 void AttendTileScalar(const AttentionParams& a, int64_t t0, int64_t t1, int64_t kvh, float* scratch) {
-  AttendTileBody(a, t0, t1, kvh, scratch);
+  AttendTileBody<T>(a, t0, t1, kvh, scratch, WidenHalfScalar);
 }
 
+template <typename T>
 void AttendTile(const AttentionParams& a, int64_t t0, int64_t t1, int64_t kvh, float* scratch) {
   switch (ActiveIsa()) {
     case KernelIsa::kAvx512:
-      return AttendTileAvx512(a, t0, t1, kvh, scratch);
+      return AttendTileAvx512<T>(a, t0, t1, kvh, scratch);
     case KernelIsa::kAvx2:
-      return AttendTileAvx2(a, t0, t1, kvh, scratch);
+      return AttendTileAvx2<T>(a, t0, t1, kvh, scratch);
     case KernelIsa::kScalar:
       break;
   }
-  AttendTileScalar(a, t0, t1, kvh, scratch);
+  AttendTileScalar<T>(a, t0, t1, kvh, scratch);
 }
 
 }  // namespace
 
-InferenceContext::InferenceContext(const Model& model, ThreadPool* pool, int64_t n_ctx)
-    : model_(model), hp_(model.hparams()), pool_(pool), n_ctx_(n_ctx > 0 ? n_ctx : model.hparams().context_length) {
+const char* KvTypeName(KvType type) { return type == KvType::kF16 ? "f16" : "f32"; }
+
+Result<KvType> ParseKvType(const std::string& name) {
+  if (name == "f32") return KvType::kF32;
+  if (name == "f16") return KvType::kF16;
+  return Status::InvalidArgument("KV cache type \"" + name + "\": expected f32 or f16");
+}
+
+InferenceContext::InferenceContext(const Model& model, ThreadPool* pool, int64_t n_ctx, KvType kv_type)
+    : model_(model),
+      hp_(model.hparams()),
+      pool_(pool),
+      n_ctx_(n_ctx > 0 ? n_ctx : model.hparams().context_length),
+      kv_type_(kv_type) {
   const size_t kv = static_cast<size_t>(hp_.n_layers * n_ctx_ * hp_.kv_dim());
-  k_cache_.assign(kv, 0.0f);
-  v_cache_.assign(kv, 0.0f);
-  attn_scratch_.assign(AttentionScratchFloats(hp_.head_dim, hp_.n_heads / hp_.n_kv_heads) *
+  if (kv_type_ == KvType::kF16) {
+    k_half_.assign(kv, 0);
+    v_half_.assign(kv, 0);
+  } else {
+    k_cache_.assign(kv, 0.0f);
+    v_cache_.assign(kv, 0.0f);
+  }
+  attn_scratch_.assign(AttentionScratchFloats(hp_.head_dim, hp_.n_heads / hp_.n_kv_heads, kv_type_) *
                            static_cast<size_t>(pool_->NumThreads()),
                        0.0f);
   // RoPE tables: pair i of a head rotates by (pos / scale) * theta^(-2i / head_dim) (llama2.c / GGUF convention).
@@ -191,7 +253,7 @@ uint64_t InferenceContext::state_bytes() const {
   uint64_t floats = k_cache_.size() + v_cache_.size() + attn_scratch_.size() + logits_.size() + rope_cos_.size() +
                     rope_sin_.size();
   for (const auto* v : {&x_, &xn_, &q_, &k_, &v_, &att_, &o_, &gate_, &up_, &hidden_, &ffn_out_}) floats += v->size();
-  return floats * sizeof(float);
+  return floats * sizeof(float) + (k_half_.size() + v_half_.size()) * sizeof(uint16_t);
 }
 
 void InferenceContext::EnsureBatch(int64_t n) {
@@ -293,8 +355,12 @@ Status InferenceContext::Eval(std::span<const int32_t> tokens, bool all_logits) 
 void InferenceContext::Attention(int64_t layer, int64_t n) {
   const int64_t hd = hp_.head_dim, half = hd / 2, kv_dim = hp_.kv_dim(), q_dim = hp_.q_dim();
   const int64_t group = hp_.n_heads / hp_.n_kv_heads;
-  float* kc = k_cache_.data() + layer * n_ctx_ * kv_dim;
-  float* vc = v_cache_.data() + layer * n_ctx_ * kv_dim;
+  const bool f16 = kv_type_ == KvType::kF16;
+  const int64_t layer_base = layer * n_ctx_ * kv_dim;
+  float* kc = f16 ? nullptr : k_cache_.data() + layer_base;
+  float* vc = f16 ? nullptr : v_cache_.data() + layer_base;
+  uint16_t* kh = f16 ? k_half_.data() + layer_base : nullptr;
+  uint16_t* vh = f16 ? v_half_.data() + layer_base : nullptr;
   // RoPE on q and k (consecutive pairs), then append k and v to the cache.
   for (int64_t t = 0; t < n; ++t) {
     const float* c = rope_cos_.data() + (pos_ + t) * half;
@@ -313,16 +379,26 @@ void InferenceContext::Attention(int64_t layer, int64_t n) {
     rotate(k_.data() + t * kv_dim, hp_.n_kv_heads);
     const float* kt = k_.data() + t * kv_dim;
     const int64_t width = KeyBlockWidth(n_ctx_, (pos_ + t) / kKeyBlock * kKeyBlock);  // element i is i rows down
+    const float* vt = v_.data() + t * kv_dim;
+    if (f16) {  // rounded to nearest even, as F16C and ggml store it
+      for (int64_t h = 0; h < hp_.n_kv_heads; ++h) {
+        uint16_t* dst = kh + KeyCacheIndex(n_ctx_, hd, h, pos_ + t, 0);
+        for (int64_t i = 0; i < hd; ++i) dst[i * width] = Fp32ToFp16(kt[h * hd + i]);
+      }
+      uint16_t* vdst = vh + (pos_ + t) * kv_dim;
+      for (int64_t i = 0; i < kv_dim; ++i) vdst[i] = Fp32ToFp16(vt[i]);
+      continue;
+    }
     for (int64_t h = 0; h < hp_.n_kv_heads; ++h) {
       float* dst = kc + KeyCacheIndex(n_ctx_, hd, h, pos_ + t, 0);
       for (int64_t i = 0; i < hd; ++i) dst[i * width] = kt[h * hd + i];
     }
-    std::memcpy(vc + (pos_ + t) * kv_dim, v_.data() + t * kv_dim, sizeof(float) * kv_dim);
+    std::memcpy(vc + (pos_ + t) * kv_dim, vt, sizeof(float) * kv_dim);
   }
   AttentionParams a;
   a.q = q_.data();
-  a.kc = kc;
-  a.vc = vc;
+  a.kc = f16 ? static_cast<const void*>(kh) : kc;
+  a.vc = f16 ? static_cast<const void*>(vh) : vc;
   a.out = att_.data();
   a.pos = pos_;
   a.n = n;
@@ -334,13 +410,18 @@ void InferenceContext::Attention(int64_t layer, int64_t n) {
   a.scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const int64_t tiles = (n + kQueryTile - 1) / kQueryTile;
   const int64_t items = tiles * hp_.n_kv_heads;
-  const size_t per_thread = AttentionScratchFloats(hd, group);
+  const size_t per_thread = AttentionScratchFloats(hd, group, kv_type_);
   // Work item i is (query tile, kv head); tiles are taken last first, since causal masking makes later tiles the
   // longest, so the threads finish together. Each item is computed by one thread in a fixed order, so the result
   // does not depend on the thread count.
   auto run_item = [&](int64_t i, float* scratch) {
     const int64_t tile = tiles - 1 - i / hp_.n_kv_heads, kvh = i % hp_.n_kv_heads;
-    AttendTile(a, tile * kQueryTile, std::min(n, (tile + 1) * kQueryTile), kvh, scratch);
+    const int64_t q0 = tile * kQueryTile, q1 = std::min(n, (tile + 1) * kQueryTile);
+    if (f16) {
+      AttendTile<uint16_t>(a, q0, q1, kvh, scratch);
+    } else {
+      AttendTile<float>(a, q0, q1, kvh, scratch);
+    }
   };
   // Multiply-adds of the whole call: n queries x (pos + n/2) keys on average x 2 (QK and PV) x q_dim.
   const double work = static_cast<double>(n) * static_cast<double>(pos_ + (n + 1) / 2) * 2.0 * q_dim;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "runtime/core/thread_pool.h"
@@ -42,11 +43,19 @@ class FfnBackend {
   }
 };
 
+// Element type of the KV cache. kF32: exact. kF16: half the memory (llama.cpp's default cache type); keys and values
+// are rounded to IEEE half (nearest even) as they are stored and widened exactly when read, everything else stays
+// float, so a run differs from kF32 only by that rounding.
+enum class KvType : uint8_t { kF32, kF16 };
+const char* KvTypeName(KvType type);
+Result<KvType> ParseKvType(const std::string& name);
+inline uint64_t KvElementBytes(KvType type) { return type == KvType::kF16 ? 2 : 4; }
+
 // Thread-safety: not thread-safe; one context per sequence. The model and pool must outlive it.
 class InferenceContext {
  public:
   // `n_ctx`: maximum sequence length (KV cache size); <= 0 means the model's context length.
-  InferenceContext(const Model& model, ThreadPool* pool, int64_t n_ctx);
+  InferenceContext(const Model& model, ThreadPool* pool, int64_t n_ctx, KvType kv_type = KvType::kF32);
 
   // Runs `tokens` at positions pos() .. pos()+n-1 (one batch: GEMM when n > 1, GEMV when n == 1) and advances pos().
   // Keeps the logits of the last token, or of every token when `all_logits`.
@@ -55,6 +64,7 @@ class InferenceContext {
   const float* logits(int64_t i = -1) const;
   int64_t pos() const { return pos_; }
   int64_t n_ctx() const { return n_ctx_; }
+  KvType kv_type() const { return kv_type_; }
   int64_t n_vocab() const { return hp_.n_vocab; }
   void Reset() { pos_ = 0; }
   void SetFfnObserver(FfnObserver observer) { observer_ = std::move(observer); }
@@ -83,8 +93,11 @@ class InferenceContext {
   FfnBackend* ffn_backend_ = nullptr;
   EmbeddingSource embedding_source_;
   std::vector<uint8_t> embedding_row_;
+  KvType kv_type_;
   // Per layer: keys in blocks of 64 positions, transposed (KeyCacheIndex in context.cc); values (n_ctx, kv_dim).
+  // kF32 uses k_cache_ / v_cache_, kF16 k_half_ / v_half_ (IEEE half bits).
   std::vector<float> k_cache_, v_cache_;
+  std::vector<uint16_t> k_half_, v_half_;
   // Batch scratch, sized for the largest batch seen.
   int64_t batch_cap_ = 0;
   std::vector<float> x_, xn_, q_, k_, v_, att_, o_, gate_, up_, hidden_, ffn_out_;

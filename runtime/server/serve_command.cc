@@ -51,7 +51,8 @@ Result<std::unique_ptr<Engine>> OpenDense(const ServeFlags& f) {
   src.use_mmap = !f.no_mmap;
   NF_ASSIGN_OR_RETURN(e->dense, cli::LoadModelForInference(src));
   e->pool = std::make_unique<ThreadPool>(f.runtime.threads);
-  e->dense_ctx = std::make_unique<InferenceContext>(*e->dense.model, e->pool.get(), f.runtime.ctx);
+  NF_ASSIGN_OR_RETURN(const KvType kv_type, ParseKvType(f.runtime.kv_type.empty() ? "f32" : f.runtime.kv_type));
+  e->dense_ctx = std::make_unique<InferenceContext>(*e->dense.model, e->pool.get(), f.runtime.ctx, kv_type);
   e->served.context = e->dense_ctx.get();
   e->served.tokenizer = e->dense.tokenizer.get();
   e->description = "dense engine (" + e->dense.description + ")";

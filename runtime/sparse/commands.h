@@ -44,6 +44,7 @@ struct RuntimeFlags {
   std::string cold_pool = "per-layer";
   std::string hot_policy = "pinned";
   std::string plan;
+  std::string kv_type;  // empty: f32, or the plan's
   int64_t ctx = 0;  // -c: each command registers it (what 0 means differs)
   int threads = 0;  // -t: each command registers it (0: all cores, or the plan's)
 };
@@ -53,7 +54,7 @@ inline constexpr int64_t kDefaultChunkRequests = 16;
 
 // Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
 // --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter, --slot-alignment, --resident-embedding,
-// --two-phase, --lookahead, --lookahead-keep, --cold-pool, --cold-protected, --no-cold-overflow and --plan.
+// --two-phase, --lookahead, --lookahead-keep, --cold-pool, --cold-protected, --no-cold-overflow, --kv-type and --plan.
 void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);
 
 // The options of SparseRuntime::Open for `f`: the context is f.ctx, or `default_ctx` when f.ctx is 0 (<= 0: the

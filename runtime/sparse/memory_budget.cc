@@ -80,10 +80,10 @@ std::string FormatBytes(uint64_t bytes) {
   return buf;
 }
 
-uint64_t KvCacheBytes(int64_t n_layers, int64_t n_ctx, int64_t kv_dim) {
-  constexpr uint64_t kKAndV = 2, kFloatBytes = 4;  // the engine keeps K and V as F32
+uint64_t KvCacheBytes(int64_t n_layers, int64_t n_ctx, int64_t kv_dim, uint64_t element_bytes) {
+  constexpr uint64_t kKAndV = 2;
   return static_cast<uint64_t>(n_layers) * static_cast<uint64_t>(n_ctx) * static_cast<uint64_t>(kv_dim) * kKAndV *
-         kFloatBytes;
+         element_bytes;
 }
 
 std::string FixedMemory::Describe() const {

@@ -20,8 +20,9 @@ Result<uint64_t> ParseMemorySize(std::string_view text);
 // "512 B", "3.50 KiB", "1.50 GiB": for messages (binary units, two decimals).
 std::string FormatBytes(uint64_t bytes);
 
-// KV cache bytes of the dense engine's F32 cache: K and V, n_layers x n_ctx x kv_dim floats each.
-uint64_t KvCacheBytes(int64_t n_layers, int64_t n_ctx, int64_t kv_dim);
+// KV cache bytes of the engine's cache: K and V, n_layers x n_ctx x kv_dim elements of `element_bytes` each (4 for
+// KvType::kF32, 2 for kF16: KvElementBytes).
+uint64_t KvCacheBytes(int64_t n_layers, int64_t n_ctx, int64_t kv_dim, uint64_t element_bytes);
 
 // What the process holds whatever the cache sizes: the part of the budget no plan can trade away.
 struct FixedMemory {

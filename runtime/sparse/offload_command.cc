@@ -76,6 +76,7 @@ Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, Sp
   }
   o->memory_budget = plan.memory_limit_bytes;
   o->n_ctx = plan.n_ctx;
+  NF_ASSIGN_OR_RETURN(o->kv_type, ParseKvType(plan.kv_type));
   o->io.queue_depth = static_cast<unsigned>(plan.queue_depth);
   o->chunk_requests = plan.cluster_neurons;
   *threads = plan.compute_threads;
@@ -223,6 +224,8 @@ Status RunOffload(const OffloadFlags& f) {
       {"lookahead_slots", rt.ffn().lookahead_slots()},
       {"lookahead_started_token", rt.ffn().lookahead_started_token()},
       {"lookahead_source", LookaheadSourceName(rt.ffn().options().lookahead_source)},
+      {"kv_type", KvTypeName(rt.context().kv_type())},
+      {"kv_cache_bytes", rt.fixed().kv_cache},
       {"prefetched_per_token", static_cast<double>(st.prefetched) / steps},
       {"prefetch_used_per_token", static_cast<double>(st.prefetch_used) / steps},
       {"gate_requests_per_token", static_cast<double>(st.gate_requests) / steps},
@@ -327,6 +330,9 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
     if (o->memory_budget == 0) return Status::InvalidArgument("--memory 0: give a budget, or leave --memory out");
   }
   o->n_ctx = f.ctx > 0 ? f.ctx : default_ctx;
+  if (!f.kv_type.empty()) {
+    NF_ASSIGN_OR_RETURN(o->kv_type, ParseKvType(f.kv_type));
+  }
   o->hot_slots = f.hot_slots;
   o->cold_slots = f.cold_slots;
   o->hot_fraction = f.hot_fraction;
@@ -359,7 +365,12 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
       return Status::InvalidArgument("--plan sets the memory, cache sizes and context: drop --memory, --hot-slots, "
                                      "--cold-slots and --ctx");
     }
+    const KvType asked = o->kv_type;
     NF_RETURN_IF_ERROR(ApplyPlan(f.plan, f.deploy, o, threads));
+    if (!f.kv_type.empty() && asked != o->kv_type) {  // the KV cache is part of the plan's memory
+      return Status::InvalidArgument("--kv-type " + f.kv_type + ": the plan " + f.plan + " sized its KV cache as " +
+                                     KvTypeName(o->kv_type) + " (re-plan with --kv-type " + f.kv_type + ")");
+    }
     // Settings that do not change the memory: a flag given on the command line wins over the plan (a comparison
     // against the plan's choice).
     if (f.threads > 0) {
@@ -463,8 +474,12 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "With --plan: per-layer (each layer's cold slots its own LRU, as planned) or shared (the plan's cold "
                   "slots as one LRU pool over all layers)")
       ->capture_default_str();
+  cmd->add_option("--kv-type", flags->kv_type,
+                  "KV cache element type: f32 (default) or f16 (half the memory; keys and values rounded to half "
+                  "precision)")
+      ->check(CLI::IsMember({"f32", "f16"}));
   cmd->add_option("--plan", flags->plan, "plan.json from `nflash plan` for this deployment: memory, cache sizes, "
-                                         "context, threads, queue depth")->check(CLI::ExistingFile);
+                                         "context, KV type, threads, queue depth")->check(CLI::ExistingFile);
 }
 
 void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {

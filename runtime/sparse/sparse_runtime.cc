@@ -48,7 +48,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   std::shared_ptr<const ReadableFile> flash(std::move(reader));
   rt->flash_ = options.wrap_flash ? options.wrap_flash(flash) : flash;
 
-  rt->ctx_ = std::make_unique<InferenceContext>(*rt->model_, pool, options.n_ctx);
+  rt->ctx_ = std::make_unique<InferenceContext>(*rt->model_, pool, options.n_ctx, options.kv_type);
   if (d.embedding_range().size > 0) {
     // One row per token from flash, O_DIRECT like every other weight.
     NF_ASSIGN_OR_RETURN(std::unique_ptr<io::DirectReader> emb_reader, io::DirectReader::Open(d.resident_path()));
@@ -71,7 +71,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   // The fixed part and the cache split.
   FixedMemory& f = rt->fixed_;
   f.resident_weights = d.resident_memory_bytes();
-  f.kv_cache = KvCacheBytes(hp.n_layers, rt->ctx_->n_ctx(), hp.kv_dim());
+  f.kv_cache = KvCacheBytes(hp.n_layers, rt->ctx_->n_ctx(), hp.kv_dim(), KvElementBytes(options.kv_type));
   const uint64_t ctx_state = rt->ctx_->state_bytes();
   f.scratch = (ctx_state > f.kv_cache ? ctx_state - f.kv_cache : 0) + OffloadFfn::EstimateScratchBytes(d, dio_alignment) +
               (rt->embedding_ ? rt->embedding_->memory_bytes() : 0);

@@ -48,6 +48,7 @@ struct SparseRuntimeOptions {
   HotPolicy hot_policy = HotPolicy::kPinned;
   std::vector<int64_t> hot_slots_per_group;
   int64_t n_ctx = 0;  // <= 0: the model's context length
+  KvType kv_type = KvType::kF32;
   int64_t cluster_groups = 0;
   int64_t chunk_requests = 16;
   // OffloadOptions::scatter_reads.

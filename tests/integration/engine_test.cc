@@ -109,6 +109,61 @@ TEST(EngineTest, PrefillEqualsTokenByToken) {
   }
 }
 
+// The F16 KV cache: the same published greedy ids (an independent reference: NumPy, PyTorch and llama2.c computed
+// them with an F32 cache), batched prefill equal to token-by-token decode, logits close to the F32 cache's but not
+// equal to them (the keys and values really are rounded), and half the cache memory.
+TEST(EngineTest, HalfKvCacheKeepsThePublishedIdsInHalfTheMemory) {
+  std::string readme = ReadText(testing::SharedPath("models/stories260K-relu/README.md"));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(readme, m, std::regex(R"(```\s*\n\[([0-9, ]+)\]\s*\n```)")));
+  std::vector<int32_t> expected;
+  std::stringstream ss(m[1].str());
+  for (std::string item; std::getline(ss, item, ',');) expected.push_back(std::stoi(item));
+  ASSERT_EQ(expected.size(), 100u);
+  testing::TempDir dir;
+  const std::string path = ConvertShared(dir, "models/stories260K-relu/stories260K-relu.bin", FfnActivation::kRelu,
+                                         GgmlType::kF32);
+  auto model = Model::Load(path, {});
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const LlamaHparams& hp = (*model)->hparams();
+  ThreadPool pool(2);
+  for (int64_t n_ctx : {512, 105}) {
+    for (bool batched : {true, false}) {
+      InferenceContext ctx(**model, &pool, n_ctx, KvType::kF16);
+      EXPECT_EQ(Greedy(ctx, hp.n_vocab, {1, 403, 407, 261, 378}, 100, batched), expected)
+          << "batched prompt: " << batched << ", context " << n_ctx;
+    }
+  }
+  InferenceContext f32(**model, &pool, 64), f16(**model, &pool, 64, KvType::kF16),
+      f16_single(**model, &pool, 64, KvType::kF16);
+  EXPECT_EQ(f16.kv_type(), KvType::kF16);
+  // K and V: n_layers x n_ctx x kv_dim elements each, 2 bytes instead of 4 (the scratch grows by two widened blocks
+  // per thread: 2 x 64 x head_dim floats).
+  const uint64_t kv_elements = static_cast<uint64_t>(2 * hp.n_layers * 64 * hp.kv_dim());
+  const uint64_t widened = 2ull * 64 * static_cast<uint64_t>(hp.head_dim) * 4 * static_cast<uint64_t>(pool.NumThreads());
+  EXPECT_EQ(f32.state_bytes() - f16.state_bytes(), kv_elements * 2 - widened);
+  const std::vector<int32_t> prompt = {1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426};
+  ASSERT_TRUE(f32.Eval(prompt, true).ok());
+  ASSERT_TRUE(f16.Eval(prompt, true).ok());
+  float max_f32_diff = 0, max_batch_diff = 0, max_logit = 0;
+  for (size_t t = 0; t < prompt.size(); ++t) {
+    ASSERT_TRUE(f16_single.Eval({&prompt[t], 1}, false).ok());
+    for (int64_t i = 0; i < hp.n_vocab; ++i) {
+      const float a = f16.logits(static_cast<int64_t>(t))[i];
+      max_f32_diff = std::max(max_f32_diff, std::fabs(a - f32.logits(static_cast<int64_t>(t))[i]));
+      max_batch_diff = std::max(max_batch_diff, std::fabs(a - f16_single.logits()[i]));
+      max_logit = std::max(max_logit, std::fabs(a));
+    }
+  }
+  EXPECT_LE(max_batch_diff, 1e-4f);  // as PrefillEqualsTokenByToken for the F32 cache
+  // Half precision keeps ~3 decimal digits of each key and value: logits move by a small fraction of their range.
+  EXPECT_GT(max_f32_diff, 0.0f) << "the F16 cache gave the F32 cache's logits bit for bit: is it used?";
+  EXPECT_LT(max_f32_diff, 0.01f * max_logit) << "largest |logit| " << max_logit;
+  EXPECT_FALSE(ParseKvType("q8_0").ok());
+  EXPECT_EQ(*ParseKvType("f16"), KvType::kF16);
+  EXPECT_STREQ(KvTypeName(KvType::kF32), "f32");
+}
+
 // A small random Mixtral-shape model written directly with GgufWriter (F32), independent of the converter.
 std::string WriteTinyMoe(const testing::TempDir& dir, int64_t n_exp, int64_t top_k,
                          const std::string& arch = "llama", const std::string& skip_tensor = "",

@@ -167,6 +167,47 @@ TEST_F(PlanCliTest, TheRuntimeFollowsThePlanAndRefusesOneForAnotherDeployment) {
   EXPECT_EQ(both.exit_code, 2) << both.output;
 }
 
+// --kv-type f16: the plan counts half the KV cache in its fixed part (the cache of 512 positions here is the largest
+// fixed item after the weights), the runtime follows it, and a conflicting --kv-type is refused.
+TEST_F(PlanCliTest, AHalfKvCachePlanCountsHalfTheCacheAndTheRuntimeFollows) {
+  auto f32 = Plan("--memory 3M --ctx 512", "kv32.json");
+  ASSERT_EQ(f32.exit_code, 0) << f32.output;
+  auto f16 = Plan("--memory 3M --ctx 512 --kv-type f16", "kv16.json");
+  ASSERT_EQ(f16.exit_code, 0) << f16.output;
+  auto p32 = LoadPlan(tmp_->File("kv32.json"));
+  auto p16 = LoadPlan(tmp_->File("kv16.json"));
+  ASSERT_TRUE(p32.ok() && p16.ok());
+  EXPECT_EQ(p32->kv_type, "f32");
+  EXPECT_EQ(p16->kv_type, "f16");
+  // stories260K: 5 layers x 512 positions x kv_dim 32 x (K and V): 655360 bytes as F32, half of it as F16 (the
+  // attention scratch grows by two widened key/value blocks per thread: 2 x 64 x head_dim 8 floats).
+  const uint64_t widened = 2 * 64 * 8 * 4 * static_cast<uint64_t>(p16->compute_threads);
+  EXPECT_GE(p32->fixed_bytes - p16->fixed_bytes, 327680u - 2 * widened) << p32->fixed_bytes << " " << p16->fixed_bytes;
+  EXPECT_LE(p32->fixed_bytes - p16->fixed_bytes, 327680u);
+  auto run = RunCommand(Nflash() + " offload -d " + tmp_->File("deploy") + " --plan " + tmp_->File("kv16.json") +
+                            " -n 8 --json",
+                        /*capture_stderr=*/false);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  auto j = nlohmann::json::parse(run.output.substr(run.output.find('{')), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << run.output;
+  EXPECT_EQ(j.value("kv_type", std::string()), "f16") << j.dump();
+  EXPECT_EQ(j.value("kv_cache_bytes", uint64_t{0}), 327680u) << j.dump();
+  EXPECT_LE(j.value("accounted_bytes", uint64_t{1} << 62), p16->memory_limit_bytes) << j.dump();
+  auto conflict = RunCommand(Nflash() + " offload -d " + tmp_->File("deploy") + " --plan " + tmp_->File("kv16.json") +
+                             " --kv-type f32 -n 4");
+  EXPECT_EQ(conflict.exit_code, 2) << conflict.output;
+  EXPECT_NE(conflict.output.find("sized its KV cache as f16"), std::string::npos) << conflict.output;
+  // A plan file with another type is refused by name.
+  std::ifstream in(tmp_->File("kv16.json"));
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string bad = text.str();
+  bad.replace(bad.find("\"f16\""), 5, "\"q8\"");
+  auto parsed = ParsePlan(bad, "bad.json");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_NE(parsed.status().message().find("settings.kv_type"), std::string::npos) << parsed.status().message();
+}
+
 // --calibrate runs the plan 3 times, fits the cost model to the median run and records the fit; --calibration reuses
 // it.
 TEST_F(PlanCliTest, CalibrateFitsAMeasuredRunAndIsReusable) {

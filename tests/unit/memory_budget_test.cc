@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "runtime/engine/context.h"
 #include "runtime/sparse/memory_budget.h"
 
 namespace nflash::sparse {
@@ -48,9 +49,10 @@ TEST(MemoryBudgetTest, FormatsBytes) {
 
 TEST(MemoryBudgetTest, KvCacheBytes) {
   // stories260K: 5 layers, kv_dim 32 (4 kv heads x 8), n_ctx 512: 5 * 512 * 32 * 2 * 4.
-  EXPECT_EQ(KvCacheBytes(5, 512, 32), 655360u);
-  // llama-7b: 32 layers x 2048 x 4096 x 2 x 4 = 2 GiB.
-  EXPECT_EQ(KvCacheBytes(32, 2048, 4096), 2ull << 30);
+  EXPECT_EQ(KvCacheBytes(5, 512, 32, 4), 655360u);
+  // llama-7b: 32 layers x 2048 x 4096 x 2 x 4 = 2 GiB; half of it as F16.
+  EXPECT_EQ(KvCacheBytes(32, 2048, 4096, KvElementBytes(KvType::kF32)), 2ull << 30);
+  EXPECT_EQ(KvCacheBytes(32, 2048, 4096, KvElementBytes(KvType::kF16)), 1ull << 30);
 }
 
 TEST(MemoryBudgetTest, RefusesWithTheMinimum) {

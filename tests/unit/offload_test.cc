@@ -618,6 +618,42 @@ TEST_F(OffloadTest, MemoryBudgetRefusesBelowTheFixedPart) {
   EXPECT_NE((*rt)->Accounting().find("cold region"), std::string::npos);
 }
 
+// An F16 KV cache (SparseRuntimeOptions::kv_type): the offloaded run equals, bit for bit, the in-memory sparse FFN
+// over a context with the same cache type, and the fixed part counts half the KV bytes.
+TEST_F(OffloadTest, HalfKvCacheEqualsInMemorySparseWithTheSameCache) {
+  auto model = Model::Load(dir_->File("model.gguf"), LoadOptions{});
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  SparseFfnOptions so;
+  so.mode = SparseMode::kOracle;
+  so.sparse_prefill = true;
+  auto sparse = SparseFfn::Create(**model, nullptr, so, pool_);
+  ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
+  InferenceContext ref_ctx(**model, pool_, 0, KvType::kF16);
+  ref_ctx.SetFfnBackend(sparse->get());
+  auto ref = Greedy(ref_ctx, n_vocab_, 20);
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+  EXPECT_FALSE(SameLogits(*ref, *sparse_)) << "the F16 cache gave the F32 cache's logits";
+
+  SparseRuntimeOptions o;
+  o.active_set = ActiveSetSource::kOracle;
+  o.hot_slots = 1;
+  o.cold_slots = 60;
+  auto f32 = Open(o);
+  ASSERT_TRUE(f32.ok()) << f32.status().ToString();
+  o.kv_type = KvType::kF16;
+  for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
+    SCOPED_TRACE(OffloadModeName(mode));
+    o.mode = mode;
+    auto rt = Open(o);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    EXPECT_EQ((*rt)->context().kv_type(), KvType::kF16);
+    EXPECT_EQ((*f32)->fixed().kv_cache, 2 * (*rt)->fixed().kv_cache);
+    auto run = Greedy((*rt)->context(), n_vocab_, 20);
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    ASSERT_TRUE(SameLogits(*run, *ref));
+  }
+}
+
 // Opens the runtime with the flash file wrapped in a FaultInjectingFile; `*fi` receives it (rules are added after
 // Open, which reads the oracle gate rows, so that they hit decode reads).
 Result<std::unique_ptr<SparseRuntime>> OpenWithFaults(const std::string& dir, OffloadMode mode, ThreadPool* pool,
