@@ -14,6 +14,7 @@
 
 #include "converter/readers.h"
 #include "runtime/core/gguf.h"
+#include "runtime/core/kernels.h"
 #include "runtime/core/quant.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
@@ -134,6 +135,13 @@ TEST(EngineTest, HalfKvCacheKeepsThePublishedIdsInHalfTheMemory) {
           << "batched prompt: " << batched << ", context " << n_ctx;
     }
   }
+  // Every ISA's attention (the scalar one widens with Fp16ToFp32, the others with F16C).
+  for (KernelIsa isa : {KernelIsa::kScalar, KernelIsa::kAvx2, KernelIsa::kAvx512}) {
+    if (!SetKernelIsa(isa)) continue;
+    InferenceContext ctx(**model, &pool, 128, KvType::kF16);
+    EXPECT_EQ(Greedy(ctx, hp.n_vocab, {1, 403, 407, 261, 378}, 100, true), expected) << KernelIsaName(isa);
+  }
+  SetKernelIsa(BestKernelIsa());
   InferenceContext f32(**model, &pool, 64), f16(**model, &pool, 64, KvType::kF16),
       f16_single(**model, &pool, 64, KvType::kF16);
   EXPECT_EQ(f16.kv_type(), KvType::kF16);
