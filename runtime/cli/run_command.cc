@@ -287,6 +287,7 @@ struct PplFlags {
   ModelSource source;
   std::string text_file;
   int64_t ctx = 256;
+  std::string kv_type = "f32";
   int64_t max_windows = 0;
   int threads = 0;
   bool no_mmap = false;
@@ -352,6 +353,7 @@ Result<std::unique_ptr<sparse::SparseRuntime>> OpenDeployment(const PplFlags& f,
   o.hot_slots = f.hot_slots;
   o.cold_slots = f.cold_slots;
   o.n_ctx = n_ctx;
+  NF_ASSIGN_OR_RETURN(o.kv_type, ParseKvType(f.kv_type));
   // Windows go token by token through the decode path, as `--sparse` runs them in memory (SparseFfn with
   // sparse_prefill): batched prefill computes every neuron of a layer, which is not the sparse computation.
   o.batched_prefill = false;
@@ -401,7 +403,8 @@ Status RunPerplexity(const PplFlags& f) {
     NF_ASSIGN_OR_RETURN(offloaded, OpenDeployment(f, f.ctx, &pool));
     ctx = &offloaded->context();
   } else {
-    own_ctx = std::make_unique<InferenceContext>(*lm.model, &pool, f.ctx);
+    NF_ASSIGN_OR_RETURN(const KvType kv_type, ParseKvType(f.kv_type));
+    own_ctx = std::make_unique<InferenceContext>(*lm.model, &pool, f.ctx, kv_type);
     ctx = own_ctx.get();
     // Every token goes through the sparse FFN (windows are prefilled token by token there).
     NF_ASSIGN_OR_RETURN(in_memory, SetupSparse(f.sparse, src, lm, &pool, /*sparse_prefill=*/true));
@@ -487,6 +490,9 @@ void RegisterPerplexityCommand(CLI::App& app, CommandAction* action) {
   AddModelOptions(sub, &f->source, &f->threads, &f->no_mmap, /*model_required=*/false);
   sub->add_option("-f,--file", f->text_file, "Text file")->required()->check(CLI::ExistingFile);
   sub->add_option("--ctx", f->ctx, "Window size in tokens");
+  sub->add_option("--kv-type", f->kv_type, "KV cache element type: f32 or f16")
+      ->check(CLI::IsMember({"f32", "f16"}))
+      ->capture_default_str();
   sub->add_option("--max-windows", f->max_windows, "Evaluate only the first N windows (0: all)");
   sub->add_flag("--json", f->json, "Print a JSON summary");
   AddSparseOptions(sub, &f->sparse);
