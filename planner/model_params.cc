@@ -66,8 +66,9 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
     NF_ASSIGN_OR_RETURN(predictor, Predictor::Load(deployment.predictor_path()));
   }
   auto computed_fraction = [&](const profiler::FfnProfile& fp) -> double {
-    if (predictor && fp.layer < predictor->n_layers()) {
-      const PredictorLayerInfo& info = predictor->info(fp.layer);
+    if (predictor && fp.layer < predictor->n_layers() && (fp.expert < 0) == (predictor->n_experts() == 0) &&
+        fp.expert < predictor->n_experts()) {
+      const PredictorLayerInfo& info = predictor->info(predictor->Group(fp.layer, fp.expert));
       if (info.eval_predicted_fraction >= 0) return info.eval_predicted_fraction;
       if (info.predicted_fraction >= 0) return info.predicted_fraction;
     }

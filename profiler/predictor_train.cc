@@ -52,26 +52,35 @@ struct AdamTensor {
 Result<ActivationSamples> CollectSamples(const Model& model, std::span<const int32_t> tokens, int64_t window,
                                          ThreadPool* pool) {
   const LlamaHparams& hp = model.hparams();
-  if (hp.n_experts > 0) return Status::Unsupported("predictor training for mixture-of-experts models is not done");
   if (window <= 0 || window > hp.context_length) window = hp.context_length;
   ActivationSamples s;
   s.dim = hp.dim;
   s.n_ff = hp.n_ff;
   s.n_tokens = static_cast<int64_t>(tokens.size());
-  s.x.resize(static_cast<size_t>(hp.n_layers));
-  s.gate_abs.resize(static_cast<size_t>(hp.n_layers));
-  for (int64_t l = 0; l < hp.n_layers; ++l) {
-    s.x[l].resize(static_cast<size_t>(s.n_tokens * hp.dim));
-    s.gate_abs[l].resize(static_cast<size_t>(s.n_tokens * hp.n_ff));
+  s.n_experts = hp.n_experts;
+  const int64_t per_layer = std::max<int64_t>(1, hp.n_experts);
+  const size_t n_groups = static_cast<size_t>(hp.n_layers * per_layer);
+  s.group_tokens.assign(n_groups, 0);
+  s.x.resize(n_groups);
+  s.gate_abs.resize(n_groups);
+  if (hp.n_experts == 0) {  // every layer sees every token: the sizes are known
+    for (size_t g = 0; g < n_groups; ++g) {
+      s.x[g].reserve(static_cast<size_t>(s.n_tokens * hp.dim));
+      s.gate_abs[g].reserve(static_cast<size_t>(s.n_tokens * hp.n_ff));
+    }
   }
   InferenceContext ctx(model, pool, window);
-  int64_t base = 0;
+  // Each observation's rows are its group's next tokens (MoE: ffn_input holds the routed tokens' rows, in order).
   ctx.SetFfnObserver([&](const FfnObservation& o) {
-    const size_t l = static_cast<size_t>(o.layer);
-    std::memcpy(s.x[l].data() + base * hp.dim, o.ffn_input, sizeof(float) * static_cast<size_t>(o.n_tokens * hp.dim));
-    float* g = s.gate_abs[l].data() + base * hp.n_ff;
-    for (int64_t i = 0; i < o.n_tokens * hp.n_ff; ++i) g[i] = std::fabs(o.gate_act[i]);
+    const size_t g = static_cast<size_t>(o.layer * per_layer + std::max<int64_t>(0, o.expert));
+    s.x[g].insert(s.x[g].end(), o.ffn_input, o.ffn_input + o.n_tokens * hp.dim);
+    const size_t old = s.gate_abs[g].size();
+    s.gate_abs[g].resize(old + static_cast<size_t>(o.n_tokens * hp.n_ff));
+    float* dst = s.gate_abs[g].data() + old;
+    for (int64_t i = 0; i < o.n_tokens * hp.n_ff; ++i) dst[i] = std::fabs(o.gate_act[i]);
+    s.group_tokens[g] += o.n_tokens;
   });
+  int64_t base = 0;
   for (base = 0; base < s.n_tokens; base += window) {
     const int64_t n = std::min(window, s.n_tokens - base);
     ctx.Reset();
@@ -94,8 +103,8 @@ std::vector<float> SparsityThresholds(const ActivationSamples& samples, double s
   return out;
 }
 
-std::vector<uint8_t> ActiveMask(const ActivationSamples& samples, int64_t layer, float threshold) {
-  const std::vector<float>& g = samples.gate_abs[static_cast<size_t>(layer)];
+std::vector<uint8_t> ActiveMask(const ActivationSamples& samples, int64_t group, float threshold) {
+  const std::vector<float>& g = samples.gate_abs[static_cast<size_t>(group)];
   std::vector<uint8_t> m(g.size());
   for (size_t i = 0; i < g.size(); ++i) m[i] = g[i] > threshold ? 1 : 0;
   return m;

@@ -14,25 +14,29 @@
 
 namespace nflash::profiler {
 
-// What the dense engine showed of each layer's FFN over a token stream: the normalised FFN inputs and |act(gate)|.
+// What the dense engine showed of each FFN over a token stream: the normalised FFN inputs and |act(gate)|, per group
+// (the layer for a dense model; layer x n_experts + expert for a mixture of experts, whose experts see only the tokens
+// routed to them).
 struct ActivationSamples {
-  int64_t dim = 0, n_ff = 0, n_tokens = 0;
-  std::vector<std::vector<float>> x;         // per layer: n_tokens x dim
-  std::vector<std::vector<float>> gate_abs;  // per layer: n_tokens x n_ff, |act(gate)|
+  int64_t dim = 0, n_ff = 0, n_tokens = 0;  // n_tokens: tokens run through the model
+  int64_t n_experts = 0;
+  std::vector<int64_t> group_tokens;         // per group: tokens it saw (n_tokens for a dense model)
+  std::vector<std::vector<float>> x;         // per group: group_tokens x dim
+  std::vector<std::vector<float>> gate_abs;  // per group: group_tokens x n_ff, |act(gate)|
 };
 
 // Runs `tokens` through the dense engine in windows of `window` tokens (each from an empty context; batched prefill)
-// and records every layer's FFN input and |act(gate)|. Dense (non-MoE) models only.
+// and records every FFN's input and |act(gate)| (MoE: each expert's, for the tokens the router sent it).
 Result<ActivationSamples> CollectSamples(const Model& model, std::span<const int32_t> tokens, int64_t window,
                                          ThreadPool* pool);
 
-// Per layer, the CATS threshold for `sparsity` in [0, 1): the `sparsity` quantile (nearest rank, QuantileThreshold of
+// Per group, the CATS threshold for `sparsity` in [0, 1): the `sparsity` quantile (nearest rank, QuantileThreshold of
 // profiler/activation_stats.h, as the profile) of the pooled |act(gate)| values of the layer, so that fraction of
 // neuron-token pairs is at or below it. sparsity 0 gives threshold 0.
 std::vector<float> SparsityThresholds(const ActivationSamples& samples, double sparsity);
 
-// Active masks (n_tokens x n_ff bytes, 1 = active: |act(gate)| > threshold) of one layer.
-std::vector<uint8_t> ActiveMask(const ActivationSamples& samples, int64_t layer, float threshold);
+// Active masks (group_tokens x n_ff bytes, 1 = active: |act(gate)| > threshold) of one group.
+std::vector<uint8_t> ActiveMask(const ActivationSamples& samples, int64_t group, float threshold);
 
 struct TrainOptions {
   float target_recall = 0.98f;

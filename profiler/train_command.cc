@@ -88,18 +88,40 @@ Status RunTrain(TrainFlags f) {
   NF_ASSIGN_OR_RETURN(std::vector<int32_t> ids, ReadTokens(*lm.tokenizer, f.calib_file, f.tokens));
   const auto t0 = std::chrono::steady_clock::now();
   NF_ASSIGN_OR_RETURN(ActivationSamples samples, CollectSamples(*lm.model, ids, f.window, &pool));
-  const int64_t n_val = static_cast<int64_t>(static_cast<double>(samples.n_tokens) * f.val_fraction);
-  const int64_t n_train = samples.n_tokens - n_val;
-  if (n_val < 1 || n_train < (lowrank ? 2 : f.train.batch)) {
-    return Status::InvalidArgument(f.calib_file + ": " + std::to_string(samples.n_tokens) +
-                                   " calibration tokens are too few (need a batch of " +
-                                   std::to_string(f.train.batch) + " for training plus a validation split)");
+  const int64_t per_layer = std::max<int64_t>(1, hp.n_experts);
+  const int64_t n_groups = hp.n_layers * per_layer;
+  // Each group is split into its first (1 - val_fraction) tokens for training and the rest for validation; a MoE
+  // expert sees only the tokens routed to it.
+  auto group_name = [&](int64_t g) {
+    return hp.n_experts > 0 ? "layer " + std::to_string(g / per_layer) + " expert " + std::to_string(g % per_layer)
+                            : "layer " + std::to_string(g);
+  };
+  auto split = [&](int64_t g, int64_t* n_train, int64_t* n_val) -> Status {
+    const int64_t n = samples.group_tokens[static_cast<size_t>(g)];
+    *n_val = static_cast<int64_t>(static_cast<double>(n) * f.val_fraction);
+    *n_train = n - *n_val;
+    if (*n_val < 1 || *n_train < (lowrank ? 2 : f.train.batch)) {
+      return Status::InvalidArgument(f.calib_file + ": " + group_name(g) + " saw " + std::to_string(n) + " of " +
+                                     std::to_string(samples.n_tokens) +
+                                     " calibration tokens, too few (need a batch of " +
+                                     std::to_string(lowrank ? 2 : f.train.batch) +
+                                     " for training plus a validation split): pass more --tokens");
+    }
+    return Status::Ok();
+  };
+  int64_t n_train_total = 0;
+  for (int64_t g = 0; g < n_groups; ++g) {
+    int64_t n_train = 0, n_val = 0;
+    NF_RETURN_IF_ERROR(split(g, &n_train, &n_val));
+    n_train_total += n_train;
   }
-  NF_LOG(Info) << "collected " << samples.n_tokens << " calibration tokens (" << n_train << " train, " << n_val
-               << " validation) in "
+  NF_LOG(Info) << "collected " << samples.n_tokens << " calibration tokens ("
+               << (hp.n_experts > 0 ? std::to_string(n_train_total) + " expert-token training pairs" :
+                                      std::to_string(n_train_total / n_groups) + " train")
+               << ", validation split " << f.val_fraction << ") in "
                << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s";
   const std::vector<float> thresholds =
-      silu ? SparsityThresholds(samples, f.target_sparsity) : std::vector<float>(static_cast<size_t>(hp.n_layers), 0.0f);
+      silu ? SparsityThresholds(samples, f.target_sparsity) : std::vector<float>(static_cast<size_t>(n_groups), 0.0f);
 
   std::unique_ptr<ActivationSamples> eval;
   if (!f.eval_file.empty()) {
@@ -114,16 +136,23 @@ Status RunTrain(TrainFlags f) {
   data.activation = FfnActivationName(hp.activation);
   data.dim = hp.dim;
   data.n_ff = hp.n_ff;
+  data.n_experts = hp.n_experts;
   data.target_recall = f.train.target_recall;
-  data.train_tokens = n_train;
-  std::printf("| layer | rank | act. threshold | recall | precision | predicted | true active | pred/true | bytes | "
+  data.train_tokens = hp.n_experts > 0 ? n_train_total : n_train_total / n_groups;
+  std::printf("| %s | rank | act. threshold | recall | precision | predicted | true active | pred/true | bytes | "
               "train s |%s\n",
+              hp.n_experts > 0 ? "layer/expert" : "layer",
               eval ? " held-out recall | precision | predicted | true active |" : "");
   std::printf("|---|---|---|---|---|---|---|---|---|---|%s\n", eval ? "---|---|---|---|" : "");
   double sum_recall = 0, sum_eval_recall = 0, sum_ratio = 0, sum_eval_ratio = 0;
-  for (int64_t l = 0; l < hp.n_layers; ++l) {
-    const float thr = thresholds[static_cast<size_t>(l)];
-    const std::vector<uint8_t> mask = ActiveMask(samples, l, thr);
+  int64_t n_eval_groups = 0;
+  for (int64_t g = 0; g < n_groups; ++g) {
+    const int64_t layer = g / per_layer, expert = hp.n_experts > 0 ? g % per_layer : -1;
+    int64_t n_train = 0, n_val = 0;
+    NF_RETURN_IF_ERROR(split(g, &n_train, &n_val));
+    const float thr = thresholds[static_cast<size_t>(g)];
+    const std::vector<uint8_t> mask = ActiveMask(samples, g, thr);
+    const float* x = samples.x[static_cast<size_t>(g)].data();
     bool fallback = false;
     PredictorLayerData L;
     if (lowrank) {
@@ -132,36 +161,41 @@ Status RunTrain(TrainFlags f) {
       lo.target_recall = f.train.target_recall;
       lo.max_predicted_ratio = f.train.max_predicted_ratio;
       lo.seed = f.train.seed;
-      NF_ASSIGN_OR_RETURN(L, FitLowRankLayer(lm.model->layers()[static_cast<size_t>(l)].gate, samples.x[l].data(),
-                                             mask.data(), n_train, n_val, ActivationBoundary(hp.activation, thr), lo,
-                                             &pool, &fallback));
+      const LayerWeights& W = lm.model->layers()[static_cast<size_t>(layer)];
+      const MatrixView gate = expert >= 0 ? W.Expert(W.gate, W.expert_stride_gate, expert) : W.gate;
+      NF_ASSIGN_OR_RETURN(L, FitLowRankLayer(gate, x, mask.data(), n_train, n_val, ActivationBoundary(hp.activation, thr),
+                                             lo, &pool, &fallback));
     } else {
-      NF_ASSIGN_OR_RETURN(L, TrainLayerChooseRank(samples.x[l].data(), mask.data(), n_train, n_val, hp.dim, hp.n_ff,
-                                                  f.train, &pool, &fallback));
+      NF_ASSIGN_OR_RETURN(L, TrainLayerChooseRank(x, mask.data(), n_train, n_val, hp.dim, hp.n_ff, f.train, &pool,
+                                                  &fallback));
     }
     L.info.activation_threshold = thr;
     if (fallback) {
-      NF_LOG(Warning) << "layer " << l << ": no candidate rank reached recall " << f.train.target_recall
+      NF_LOG(Warning) << group_name(g) << ": no candidate rank reached recall " << f.train.target_recall
                       << " with predicted <= " << f.train.max_predicted_ratio << "x true; using rank " << L.info.rank
                       << " (smallest predicted fraction)";
     }
-    if (eval) {
-      const std::vector<uint8_t> emask = ActiveMask(*eval, l, thr);
+    const int64_t n_eval = eval ? eval->group_tokens[static_cast<size_t>(g)] : 0;
+    if (n_eval > 0) {  // an expert the held-out text never routes to keeps -1 (not measured)
+      const std::vector<uint8_t> emask = ActiveMask(*eval, g, thr);
       const PredictionQuality q =
-          Evaluate(L, hp.dim, hp.n_ff, eval->x[l].data(), emask.data(), eval->n_tokens, &pool);
+          Evaluate(L, hp.dim, hp.n_ff, eval->x[static_cast<size_t>(g)].data(), emask.data(), n_eval, &pool);
       L.info.eval_recall = static_cast<float>(q.recall);
       L.info.eval_precision = static_cast<float>(q.precision);
       L.info.eval_predicted_fraction = static_cast<float>(q.predicted_fraction);
       L.info.eval_true_fraction = static_cast<float>(q.true_fraction);
       sum_eval_recall += q.recall;
       sum_eval_ratio += q.true_fraction > 0 ? q.predicted_fraction / q.true_fraction : 0;
+      ++n_eval_groups;
     }
     const PredictorLayerInfo& i = L.info;
     const uint64_t bytes = static_cast<uint64_t>((i.rank * hp.dim + hp.n_ff * i.rank) * (*wt == GgmlType::kF16 ? 2 : 4) +
                                                  hp.n_ff * 4);
     sum_recall += i.recall;
     sum_ratio += i.true_fraction > 0 ? i.predicted_fraction / i.true_fraction : 0;
-    std::printf("| %lld | %lld%s | %.4g | %.4f | %.4f | %.4f | %.4f | %.2f | %llu | %.1f |", static_cast<long long>(l),
+    const std::string label = hp.n_experts > 0 ? std::to_string(layer) + "/" + std::to_string(expert)
+                                               : std::to_string(layer);
+    std::printf("| %s | %lld%s | %.4g | %.4f | %.4f | %.4f | %.4f | %.2f | %llu | %.1f |", label.c_str(),
                 static_cast<long long>(i.rank), fallback ? " (fallback)" : "", i.activation_threshold, i.recall,
                 i.precision, i.predicted_fraction, i.true_fraction,
                 i.true_fraction > 0 ? i.predicted_fraction / i.true_fraction : 0.0, static_cast<unsigned long long>(bytes),
@@ -174,11 +208,13 @@ Status RunTrain(TrainFlags f) {
     std::fflush(stdout);
     data.layers.push_back(std::move(L));
   }
-  const double nl = static_cast<double>(hp.n_layers);
-  std::printf("mean over layers: validation recall %.4f, predicted/true %.2f", sum_recall / nl, sum_ratio / nl);
-  if (eval) {
+  const double ng = static_cast<double>(n_groups);
+  std::printf("mean over %s: validation recall %.4f, predicted/true %.2f", hp.n_experts > 0 ? "experts" : "layers",
+              sum_recall / ng, sum_ratio / ng);
+  if (n_eval_groups > 0) {
     std::printf("; held-out (%lld tokens of %s) recall %.4f, predicted/true %.2f", static_cast<long long>(eval->n_tokens),
-                f.eval_file.c_str(), sum_eval_recall / nl, sum_eval_ratio / nl);
+                f.eval_file.c_str(), sum_eval_recall / static_cast<double>(n_eval_groups),
+                sum_eval_ratio / static_cast<double>(n_eval_groups));
   }
   std::printf("\ntotal time %.1f s\n", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   NF_RETURN_IF_ERROR(SavePredictor(data, f.output, f.force, *wt));

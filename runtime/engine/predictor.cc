@@ -15,7 +15,11 @@ namespace {
 constexpr const char* kPrefix = "nflash.predictor.";
 
 std::string Key(const char* name) { return std::string(kPrefix) + name; }
-std::string TensorName(int64_t layer, const char* what) { return "blk." + std::to_string(layer) + "." + what; }
+// The tensor `what` of group `g`: blk.L.what (dense), blk.L.exp.E.what (MoE, g = L x n_experts + E).
+std::string TensorName(int64_t g, int64_t n_experts, const char* what) {
+  if (n_experts <= 0) return "blk." + std::to_string(g) + "." + what;
+  return "blk." + std::to_string(g / n_experts) + ".exp." + std::to_string(g % n_experts) + "." + what;
+}
 
 GgufValue FloatArray(const std::vector<float>& v) {
   GgufArray a;
@@ -47,7 +51,7 @@ Result<std::vector<double>> ReadArray(const GgufFile& f, const char* name, int64
   NF_ASSIGN_OR_RETURN(const GgufArray* a, f.GetArray(Key(name)));
   if (static_cast<int64_t>(a->items.size()) != n) {
     return Status::Corruption(f.path() + ": " + Key(name) + " has " + std::to_string(a->items.size()) +
-                              " items, expected " + std::to_string(n) + " (one per layer)");
+                              " items, expected " + std::to_string(n) + " (one per layer, or per layer and expert)");
   }
   std::vector<double> out;
   for (const GgufValue& v : a->items) {
@@ -70,7 +74,13 @@ Status SavePredictor(const PredictorData& data, const std::string& path, bool ov
   if (weight_type != GgmlType::kF32 && weight_type != GgmlType::kF16) {
     return Status::InvalidArgument("predictor weights must be F32 or F16, not " + std::string(GgmlTypeName(weight_type)));
   }
-  const int64_t n_layers = static_cast<int64_t>(data.layers.size());
+  const int64_t per_layer = std::max<int64_t>(1, data.n_experts);
+  const int64_t n_groups = static_cast<int64_t>(data.layers.size());
+  if (data.n_experts < 0 || n_groups % per_layer != 0) {
+    return Status::InvalidArgument("predictor of " + std::to_string(n_groups) + " groups for " +
+                                   std::to_string(data.n_experts) + " experts per layer");
+  }
+  const int64_t n_layers = n_groups / per_layer;
   GgufWriter w;
   w.Set("general.architecture", "nflash-predictor");
   w.Set("general.name", data.model_name + " predictor");
@@ -81,6 +91,7 @@ Status SavePredictor(const PredictorData& data, const std::string& path, bool ov
   w.Set(Key("dim"), static_cast<uint64_t>(data.dim));
   w.Set(Key("n_ff"), static_cast<uint64_t>(data.n_ff));
   w.Set(Key("n_layers"), static_cast<uint64_t>(n_layers));
+  if (data.n_experts > 0) w.Set(Key("n_experts"), static_cast<uint64_t>(data.n_experts));
   w.Set(Key("target_recall"), data.target_recall);
   w.Set(Key("train_tokens"), static_cast<uint64_t>(data.train_tokens));
   std::vector<uint32_t> rank;
@@ -118,13 +129,15 @@ Status SavePredictor(const PredictorData& data, const std::string& path, bool ov
   w.Set(Key("eval_predicted_fraction"), FloatArray(epf));
   w.Set(Key("eval_true_fraction"), FloatArray(etf));
   w.Set(Key("train_seconds"), FloatArray(secs));
-  for (int64_t l = 0; l < n_layers; ++l) {
+  const int64_t ne = data.n_experts;
+  for (int64_t l = 0; l < n_groups; ++l) {
     const PredictorLayerData& L = data.layers[static_cast<size_t>(l)];
     const uint64_t r = static_cast<uint64_t>(L.info.rank);
-    NF_RETURN_IF_ERROR(w.AddTensor(TensorName(l, "fc1.weight"), weight_type, {static_cast<uint64_t>(data.dim), r}));
-    NF_RETURN_IF_ERROR(w.AddTensor(TensorName(l, "fc2.weight"), weight_type, {r, static_cast<uint64_t>(data.n_ff)}));
+    NF_RETURN_IF_ERROR(w.AddTensor(TensorName(l, ne, "fc1.weight"), weight_type, {static_cast<uint64_t>(data.dim), r}));
+    NF_RETURN_IF_ERROR(w.AddTensor(TensorName(l, ne, "fc2.weight"), weight_type, {r, static_cast<uint64_t>(data.n_ff)}));
     if (!L.fc2_bias.empty()) {
-      NF_RETURN_IF_ERROR(w.AddTensor(TensorName(l, "fc2.bias"), GgmlType::kF32, {static_cast<uint64_t>(data.n_ff)}));
+      NF_RETURN_IF_ERROR(
+          w.AddTensor(TensorName(l, ne, "fc2.bias"), GgmlType::kF32, {static_cast<uint64_t>(data.n_ff)}));
     }
   }
   NF_RETURN_IF_ERROR(w.Begin(path, overwrite));
@@ -138,13 +151,15 @@ Status SavePredictor(const PredictorData& data, const std::string& path, bool ov
     }
     return out;
   };
-  for (int64_t l = 0; l < n_layers; ++l) {
+  for (int64_t l = 0; l < n_groups; ++l) {
     const PredictorLayerData& L = data.layers[static_cast<size_t>(l)];
     NF_ASSIGN_OR_RETURN(std::vector<uint8_t> fc1, encode(L.fc1, data.dim));
-    NF_RETURN_IF_ERROR(w.WriteTensorData(TensorName(l, "fc1.weight"), fc1));
+    NF_RETURN_IF_ERROR(w.WriteTensorData(TensorName(l, ne, "fc1.weight"), fc1));
     NF_ASSIGN_OR_RETURN(std::vector<uint8_t> fc2, encode(L.fc2, L.info.rank));
-    NF_RETURN_IF_ERROR(w.WriteTensorData(TensorName(l, "fc2.weight"), fc2));
-    if (!L.fc2_bias.empty()) NF_RETURN_IF_ERROR(w.WriteTensorData(TensorName(l, "fc2.bias"), ToBytes(L.fc2_bias)));
+    NF_RETURN_IF_ERROR(w.WriteTensorData(TensorName(l, ne, "fc2.weight"), fc2));
+    if (!L.fc2_bias.empty()) {
+      NF_RETURN_IF_ERROR(w.WriteTensorData(TensorName(l, ne, "fc2.bias"), ToBytes(L.fc2_bias)));
+    }
   }
   return w.Finish();
 }
@@ -175,10 +190,22 @@ Result<std::unique_ptr<Predictor>> Predictor::Load(const std::string& path) {
     return Status::Corruption(path + ": implausible predictor shape dim " + std::to_string(dim) + ", n_ff " +
                               std::to_string(n_ff) + ", n_layers " + std::to_string(n_layers));
   }
+  uint64_t n_experts = 0;
+  if (f.Find(Key("n_experts")) != nullptr) {
+    NF_ASSIGN_OR_RETURN(n_experts, f.GetUint(Key("n_experts")));
+    constexpr uint64_t kMaxExperts = 1024;
+    if (n_experts == 0 || n_experts > kMaxExperts) {
+      return Status::Corruption(path + ": " + Key("n_experts") + " is " + std::to_string(n_experts) +
+                                ", expected 1.." + std::to_string(kMaxExperts) + " (or no key for a dense model)");
+    }
+  }
   p->dim_ = static_cast<int64_t>(dim);
   p->n_ff_ = static_cast<int64_t>(n_ff);
+  p->n_layers_ = static_cast<int64_t>(n_layers);
+  p->n_experts_ = static_cast<int64_t>(n_experts);
   p->target_recall_ = static_cast<float>(target);
-  const int64_t nl = static_cast<int64_t>(n_layers);
+  const int64_t ne = p->n_experts_;
+  const int64_t nl = p->n_layers_ * std::max<int64_t>(1, ne);  // groups
   NF_ASSIGN_OR_RETURN(std::vector<double> rank, ReadArray(f, "rank", nl));
   NF_ASSIGN_OR_RETURN(std::vector<double> lt, ReadArray(f, "logit_threshold", nl));
   NF_ASSIGN_OR_RETURN(std::vector<double> at, ReadArray(f, "activation_threshold", nl));
@@ -204,11 +231,11 @@ Result<std::unique_ptr<Predictor>> Predictor::Load(const std::string& path) {
                     &info.train_seconds};
     for (size_t s = 0; s < stats.size(); ++s) *dst[s] = static_cast<float>(stats[s][li]);
     if (info.rank <= 0 || info.rank > static_cast<int64_t>(kMaxDim)) {
-      return Status::Corruption(path + ": layer " + std::to_string(l) + " rank " + std::to_string(info.rank));
+      return Status::Corruption(path + ": " + TensorName(l, ne, "fc1.weight") + ": rank " + std::to_string(info.rank));
     }
     auto load = [&](const char* what, int64_t rows, int64_t cols, std::vector<uint8_t>* bytes,
                     MatrixView* view) -> Status {
-      const std::string name = TensorName(l, what);
+      const std::string name = TensorName(l, ne, what);
       const GgufTensorInfo* t = f.FindTensor(name);
       if (t == nullptr) return Status::Corruption(path + ": missing tensor " + name);
       if (t->type != GgmlType::kF32 && t->type != GgmlType::kF16) {
@@ -229,7 +256,7 @@ Result<std::unique_ptr<Predictor>> Predictor::Load(const std::string& path) {
     NF_RETURN_IF_ERROR(load("fc1.weight", info.rank, p->dim_, &L.fc1_bytes, &L.fc1));
     NF_RETURN_IF_ERROR(load("fc2.weight", p->n_ff_, info.rank, &L.fc2_bytes, &L.fc2));
     L.fc2_bias.assign(static_cast<size_t>(p->n_ff_), 0.0f);
-    if (const GgufTensorInfo* b = f.FindTensor(TensorName(l, "fc2.bias"))) {
+    if (const GgufTensorInfo* b = f.FindTensor(TensorName(l, ne, "fc2.bias"))) {
       if (b->type != GgmlType::kF32 || b->n_elements != n_ff) {
         return Status::Corruption(path + ": tensor " + b->name + " must be F32 with " + std::to_string(n_ff) +
                                   " elements");
@@ -249,6 +276,13 @@ Result<std::unique_ptr<Predictor>> Predictor::FromData(const PredictorData& data
   p->activation_ = data.activation;
   p->dim_ = data.dim;
   p->n_ff_ = data.n_ff;
+  p->n_experts_ = data.n_experts;
+  const int64_t per_layer = std::max<int64_t>(1, data.n_experts);
+  if (data.n_experts < 0 || data.layers.size() % static_cast<size_t>(per_layer) != 0) {
+    return Status::InvalidArgument("predictor of " + std::to_string(data.layers.size()) + " groups for " +
+                                   std::to_string(data.n_experts) + " experts per layer");
+  }
+  p->n_layers_ = static_cast<int64_t>(data.layers.size()) / per_layer;
   p->target_recall_ = data.target_recall;
   p->layers_.resize(data.layers.size());
   for (size_t l = 0; l < data.layers.size(); ++l) {
@@ -278,6 +312,9 @@ Status Predictor::CheckForModel(const Model& model, const std::string& model_has
   if (hp.dim != dim_) return mismatch("dim", std::to_string(hp.dim), std::to_string(dim_));
   if (hp.n_ff != n_ff_) return mismatch("n_ff", std::to_string(hp.n_ff), std::to_string(n_ff_));
   if (hp.n_layers != n_layers()) return mismatch("layers", std::to_string(hp.n_layers), std::to_string(n_layers()));
+  if (hp.n_experts != n_experts_) {
+    return mismatch("experts per layer", std::to_string(hp.n_experts), std::to_string(n_experts_));
+  }
   if (FfnActivationName(hp.activation) != activation_) {
     return mismatch("activation", FfnActivationName(hp.activation), activation_);
   }
@@ -294,8 +331,8 @@ void Predictor::PrepareScratch(PredictorScratch* scratch) const {
   scratch->logits.resize(static_cast<size_t>(n_ff_));
 }
 
-void Predictor::Logits(int64_t layer, const float* x, PredictorScratch* scratch, ThreadPool* pool) const {
-  const Layer& L = layers_[static_cast<size_t>(layer)];
+void Predictor::Logits(int64_t group, const float* x, PredictorScratch* scratch, ThreadPool* pool) const {
+  const Layer& L = layers_[static_cast<size_t>(group)];
   float* h = scratch->hidden.data();
   scratch->x_act.Set(x, 1, dim_);
   Gemv(L.fc1, scratch->x_act, h, pool);
@@ -307,10 +344,10 @@ void Predictor::Logits(int64_t layer, const float* x, PredictorScratch* scratch,
   for (int64_t i = 0; i < n_ff_; ++i) lg[i] += b[i];
 }
 
-void Predictor::Predict(int64_t layer, const Activation& x, int64_t token, PredictorScratch* scratch,
+void Predictor::Predict(int64_t group, const Activation& x, int64_t token, PredictorScratch* scratch,
                         std::vector<int32_t>* active, ThreadPool* pool) const {
-  Logits(layer, x.f32() + token * x.cols(), scratch, pool);
-  const float thr = layers_[static_cast<size_t>(layer)].info.logit_threshold;
+  Logits(group, x.f32() + token * x.cols(), scratch, pool);
+  const float thr = layers_[static_cast<size_t>(group)].info.logit_threshold;
   const float* lg = scratch->logits.data();
   active->clear();
   for (int64_t i = 0; i < n_ff_; ++i) {
@@ -318,14 +355,14 @@ void Predictor::Predict(int64_t layer, const Activation& x, int64_t token, Predi
   }
 }
 
-uint64_t Predictor::LayerBytes(int64_t layer) const {
-  const Layer& L = layers_[static_cast<size_t>(layer)];
+uint64_t Predictor::LayerBytes(int64_t group) const {
+  const Layer& L = layers_[static_cast<size_t>(group)];
   return L.fc1_bytes.size() + L.fc2_bytes.size() + L.fc2_bias.size() * sizeof(float);
 }
 
 uint64_t Predictor::PredictorBytes() const {
   uint64_t b = 0;
-  for (int64_t l = 0; l < n_layers(); ++l) b += LayerBytes(l);
+  for (int64_t g = 0; g < n_groups(); ++g) b += LayerBytes(g);
   return b;
 }
 

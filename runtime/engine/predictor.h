@@ -11,17 +11,23 @@
 // Predictor of layer l:  logits = fc2 . relu(fc1 . x) + fc2_bias;  neuron i predicted active iff logits[i] >
 // logit_threshold[l].
 //
+// Mixture-of-experts models have one predictor per (layer, expert), a "group" g = layer x n_experts + expert (the
+// deployment's region order), trained on the tokens routed to that expert; dense models have one per layer (g =
+// layer). Everything indexed "per layer" below is then per group, in group order.
+//
 // File layout (GGUF v3, general.architecture = "nflash-predictor"):
 //   tensors  blk.N.fc1.weight   (rank_N rows of dim)    F32 or F16
 //            blk.N.fc2.weight   (n_ff rows of rank_N)   F32 or F16
 //            blk.N.fc2.bias     (n_ff)                  F32; optional (absent: zero): an nflash extension to PowerInfer's
 //                                                       bias-free fc2, it carries each neuron's prior firing rate
+//            (MoE: blk.N.exp.E.fc1.weight, blk.N.exp.E.fc2.weight, blk.N.exp.E.fc2.bias for expert E of layer N)
 //   metadata nflash.predictor.schema_version u32 (kPredictorSchemaVersion; other versions are rejected)
 //            nflash.predictor.model_hash     string (HashToHex(HashFile(model file)))
 //            nflash.predictor.model_name, .activation (silu|relu|drelu)  string
 //            nflash.predictor.dim, .n_ff, .n_layers  u64
+//            nflash.predictor.n_experts     u64; only for MoE models (absent: 0, a dense model)
 //            nflash.predictor.target_recall  f32;  .train_tokens u64
-//            per layer arrays (n_layers items): .rank (u32), .logit_threshold, .activation_threshold (f32),
+//            per group arrays (n_layers x max(1, n_experts) items): .rank (u32), .logit_threshold, .activation_threshold (f32),
 //            .recall, .precision, .predicted_fraction, .true_fraction (f32, validation split of the calibration text),
 //            .eval_recall, .eval_precision, .eval_predicted_fraction, .eval_true_fraction (f32, held-out text;
 //            -1 when not measured), .train_seconds (f32)
@@ -67,6 +73,7 @@ struct PredictorData {
   std::string model_name;
   std::string activation;  // silu / relu / drelu
   int64_t dim = 0, n_ff = 0;
+  int64_t n_experts = 0;  // 0: dense (layers are the model's layers); MoE: layers are the groups, in group order
   float target_recall = 0;
   int64_t train_tokens = 0;
   std::vector<PredictorLayerData> layers;
@@ -100,24 +107,29 @@ class Predictor {
 
   // Sizes `scratch` for this predictor (call once; Predict then allocates nothing).
   void PrepareScratch(PredictorScratch* scratch) const;
-  // The predicted active neurons of `layer` for token `token` of `x` (x.cols() == dim), ascending, into `active`
-  // (cleared first; give it capacity n_ff to avoid allocation). `pool` may be nullptr.
-  void Predict(int64_t layer, const Activation& x, int64_t token, PredictorScratch* scratch,
+  // The predicted active neurons of group `group` (Group(layer, expert); the layer for a dense model) for token
+  // `token` of `x` (x.cols() == dim), ascending, into `active` (cleared first; give it capacity n_ff to avoid
+  // allocation). `pool` may be nullptr.
+  void Predict(int64_t group, const Activation& x, int64_t token, PredictorScratch* scratch,
                std::vector<int32_t>* active, ThreadPool* pool) const;
   // Logits only (n_ff floats into scratch->logits), for measurements.
-  void Logits(int64_t layer, const float* x, PredictorScratch* scratch, ThreadPool* pool) const;
+  void Logits(int64_t group, const float* x, PredictorScratch* scratch, ThreadPool* pool) const;
 
-  // Bytes of the predictor weights of all layers (what the runtime holds in memory).
+  // Bytes of the predictor weights of all groups (what the runtime holds in memory).
   uint64_t PredictorBytes() const;
-  uint64_t LayerBytes(int64_t layer) const;
-  int64_t n_layers() const { return static_cast<int64_t>(layers_.size()); }
+  uint64_t LayerBytes(int64_t group) const;
+  int64_t n_layers() const { return n_layers_; }
+  int64_t n_experts() const { return n_experts_; }
+  int64_t n_groups() const { return static_cast<int64_t>(layers_.size()); }
+  // The group of (layer, expert); expert < 0 (a dense model): the layer.
+  int64_t Group(int64_t layer, int64_t expert) const { return expert < 0 ? layer : layer * n_experts_ + expert; }
   int64_t dim() const { return dim_; }
   int64_t n_ff() const { return n_ff_; }
   const std::string& model_hash() const { return model_hash_; }
   const std::string& activation() const { return activation_; }
   float target_recall() const { return target_recall_; }
-  const PredictorLayerInfo& info(int64_t layer) const { return layers_[static_cast<size_t>(layer)].info; }
-  float activation_threshold(int64_t layer) const { return info(layer).activation_threshold; }
+  const PredictorLayerInfo& info(int64_t group) const { return layers_[static_cast<size_t>(group)].info; }
+  float activation_threshold(int64_t group) const { return info(group).activation_threshold; }
 
  private:
   struct Layer {
@@ -130,8 +142,9 @@ class Predictor {
   std::string path_;
   std::string model_hash_, model_name_, activation_;
   int64_t dim_ = 0, n_ff_ = 0;
+  int64_t n_layers_ = 0, n_experts_ = 0;
   float target_recall_ = 0;
-  std::vector<Layer> layers_;
+  std::vector<Layer> layers_;  // per group
 };
 
 }  // namespace nflash

@@ -19,11 +19,6 @@ SparseFfn::SparseFfn(const Model& model, const Predictor* predictor, const Spars
 Result<std::unique_ptr<SparseFfn>> SparseFfn::Create(const Model& model, const Predictor* predictor,
                                                      const SparseFfnOptions& options, ThreadPool* pool) {
   const LlamaHparams& hp = model.hparams();
-  // MoE: oracle mode works per (layer, expert) with the expert's rows; no predictor file format has experts yet.
-  if (hp.n_experts > 0 && options.mode == SparseMode::kPredictor) {
-    return Status::Unsupported("the sparse FFN has no predictor mode for mixture-of-experts models yet (" + hp.name +
-                               "); use the oracle");
-  }
   if (options.mode == SparseMode::kPredictor) {
     if (predictor == nullptr) return Status::InvalidArgument("sparse FFN in predictor mode needs a predictor");
     NF_RETURN_IF_ERROR(predictor->CheckForModel(model, "", hp.name));
@@ -31,16 +26,24 @@ Result<std::unique_ptr<SparseFfn>> SparseFfn::Create(const Model& model, const P
   std::unique_ptr<SparseFfn> s(new SparseFfn(model, options.mode == SparseMode::kPredictor ? predictor : nullptr,
                                              options, pool));
   const size_t nl = static_cast<size_t>(hp.n_layers);
+  // Thresholds per group (layer x expert; MoE predictors have one per expert).
+  const size_t per_layer = static_cast<size_t>(std::max<int64_t>(1, hp.n_experts));
   if (!options.activation_threshold.empty()) {
-    if (options.activation_threshold.size() != nl) {
-      return Status::InvalidArgument("sparse FFN: " + std::to_string(options.activation_threshold.size()) +
-                                     " activation thresholds for a model of " + std::to_string(nl) + " layers");
+    const size_t n = options.activation_threshold.size();
+    if (n != nl && n != nl * per_layer) {
+      return Status::InvalidArgument("sparse FFN: " + std::to_string(n) + " activation thresholds for a model of " +
+                                     std::to_string(nl) + " layers" +
+                                     (per_layer > 1 ? " of " + std::to_string(per_layer) + " experts" : std::string()));
     }
-    s->thresholds_ = options.activation_threshold;
+    for (size_t g = 0; g < nl * per_layer; ++g) {
+      s->thresholds_.push_back(options.activation_threshold[n == nl ? g / per_layer : g]);
+    }
   } else if (s->predictor_ != nullptr) {
-    for (size_t l = 0; l < nl; ++l) s->thresholds_.push_back(s->predictor_->activation_threshold(static_cast<int64_t>(l)));
+    for (size_t g = 0; g < nl * per_layer; ++g) {
+      s->thresholds_.push_back(s->predictor_->activation_threshold(static_cast<int64_t>(g)));
+    }
   } else {
-    s->thresholds_.assign(nl, 0.0f);
+    s->thresholds_.assign(nl * per_layer, 0.0f);
   }
   for (float t : s->thresholds_) {
     if (!(t >= 0.0f)) return Status::InvalidArgument("sparse FFN: activation thresholds must be >= 0");
@@ -196,7 +199,7 @@ void SparseFfn::ForwardToken(int64_t layer, int64_t expert, const Activation& x,
   const MatrixView up = expert >= 0 ? L.Expert(L.up, L.expert_stride_up, expert) : L.up;
   const size_t group = static_cast<size_t>(layer * std::max<int64_t>(1, hp.n_experts) + std::max<int64_t>(0, expert));
   const int64_t n_ff = hp.n_ff, dim = hp.dim;
-  const float thr = thresholds_[static_cast<size_t>(layer)];
+  const float thr = thresholds_[group];
   SparseFfnLayerStats uncounted;
   SparseFfnLayerStats& st = counted ? stats_[static_cast<size_t>(layer)] : uncounted;
   st.tokens += 1;
@@ -217,7 +220,7 @@ void SparseFfn::ForwardToken(int64_t layer, int64_t expert, const Activation& x,
     st.true_active += static_cast<int64_t>(rows_.size());
     st.true_positive += static_cast<int64_t>(rows_.size());
   } else {
-    predictor_->Predict(layer, x, token, &pred_scratch_, &rows_, pool_);
+    predictor_->Predict(static_cast<int64_t>(group), x, token, &pred_scratch_, &rows_, pool_);
     GemvRows(gate, rows_, x, gate_.data(), pool_);
     if (options_.measure_recall) {
       int64_t truth = 0, tp = 0;

@@ -40,8 +40,8 @@ inline constexpr int64_t kDefaultBatchedPrefillMinTokens = 64;
 
 struct SparseFfnOptions {
   SparseMode mode = SparseMode::kOracle;
-  // The "active" threshold per layer (n_layers items; empty: 0 for every layer, the ReLU/dReLU exact zeros). In
-  // predictor mode, empty means the predictor file's thresholds.
+  // The "active" threshold per layer (n_layers items) or per group (n_layers x n_experts, MoE); empty: 0 everywhere
+  // (the ReLU/dReLU exact zeros), or in predictor mode the predictor file's thresholds.
   std::vector<float> activation_threshold;
   // Also run batched prefill (x.n() > 1) token by token through the sparse path (perplexity with only predicted
   // neurons); false: batches of batched_prefill_min_tokens or more compute every neuron by GEMM with the down
@@ -78,7 +78,8 @@ class SparseFfn : public FfnBackend {
   void ResetStats();
   // Bytes of the transposed down projections this backend holds (in addition to the model).
   uint64_t extra_bytes() const;
-  float activation_threshold(int64_t layer) const { return thresholds_[static_cast<size_t>(layer)]; }
+  // Per group (layer x max(1, n_experts) + expert: the layer for a dense model).
+  float activation_threshold(int64_t group) const { return thresholds_[static_cast<size_t>(group)]; }
 
  private:
   SparseFfn(const Model& model, const Predictor* predictor, const SparseFfnOptions& options, ThreadPool* pool);

@@ -117,23 +117,24 @@ Status OffloadFfn::Init() {
   oracle_ = options_.predictor == nullptr;
   if (!oracle_) {
     const Predictor& p = *options_.predictor;
-    if (p.n_layers() != hp.n_layers || p.n_ff() != hp.n_ff || p.dim() != hp.dim) {
-      return Status::InvalidArgument("predictor shape (layers " + std::to_string(p.n_layers()) + ", n_ff " +
-                                     std::to_string(p.n_ff()) + ", dim " + std::to_string(p.dim()) +
-                                     ") does not match the deployment");
+    if (p.n_layers() != hp.n_layers || p.n_experts() != hp.n_experts || p.n_ff() != hp.n_ff || p.dim() != hp.dim) {
+      return Status::InvalidArgument("predictor shape (layers " + std::to_string(p.n_layers()) + ", experts " +
+                                     std::to_string(p.n_experts()) + ", n_ff " + std::to_string(p.n_ff()) + ", dim " +
+                                     std::to_string(p.dim()) + ") does not match the deployment (layers " +
+                                     std::to_string(hp.n_layers) + ", experts " + std::to_string(hp.n_experts) + ")");
     }
-    if (hp.n_experts > 0) return Status::Unsupported("predictor mode for MoE deployments is not implemented");
   }
   if (!options_.activation_threshold.empty() &&
       static_cast<int64_t>(options_.activation_threshold.size()) != hp.n_layers) {
     return Status::InvalidArgument("activation_threshold has " + std::to_string(options_.activation_threshold.size()) +
                                    " values, expected one per layer (" + std::to_string(hp.n_layers) + ")");
   }
-  thresholds_.resize(static_cast<size_t>(hp.n_layers));
-  for (int64_t l = 0; l < hp.n_layers; ++l) {
-    thresholds_[l] = !options_.activation_threshold.empty() ? options_.activation_threshold[l]
+  // Per group: a MoE predictor has one threshold per (layer, expert); the option gives one per layer.
+  thresholds_.resize(static_cast<size_t>(n_groups_));
+  for (int64_t g = 0; g < n_groups_; ++g) {
+    thresholds_[g] = !options_.activation_threshold.empty() ? options_.activation_threshold[g / n_experts_]
                      : oracle_                               ? 0.0f
-                                                             : options_.predictor->activation_threshold(l);
+                                                             : options_.predictor->activation_threshold(g);
   }
   if (options_.chunk_requests <= 0) return Status::InvalidArgument("chunk_requests must be > 0");
 
@@ -665,7 +666,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     return Status::Internal("deployment has no region for layer " + std::to_string(layer) + " expert " +
                             std::to_string(expert));
   }
-  const float thr = thresholds_[static_cast<size_t>(layer)];
+  const float thr = thresholds_[static_cast<size_t>(group)];
   OffloadGroupStats& st = stats_[static_cast<size_t>(group)];
   // A prefetched region nobody will use (e.g. a failed prefill) must not race with this token's reads.
   if (pending_buf_ >= 0) CancelPrefetch();
@@ -687,7 +688,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
       if (std::fabs(ga) > thr) active_.push_back(static_cast<int32_t>(i));
     }
   } else {
-    options_.predictor->Predict(layer, x, 0, &pred_scratch_, &active_, pool_);
+    options_.predictor->Predict(group, x, 0, &pred_scratch_, &active_, pool_);
   }
 
   if (active_trace_ != nullptr) {

@@ -489,7 +489,7 @@ class OffloadFfn : public FfnBackend {
   int64_t staging_slots_ = 0;       // misses that can go without a cold slot in one group (StagingSlots)
   std::unique_ptr<NeuronCache> cache_;
   std::unique_ptr<IoWorker> io_;
-  std::vector<float> thresholds_;
+  std::vector<float> thresholds_;  // per group (layer x n_experts_ + expert)
   std::vector<OffloadGroupStats> stats_;
   uint64_t sync_wait_ns_ = 0;
 

@@ -277,6 +277,47 @@ TEST(PredictorFileTest, RoundTrip) {
   EXPECT_LT((*p16)->PredictorBytes(), (*p)->PredictorBytes());
 }
 
+// A mixture-of-experts predictor: one per (layer, expert), group g = layer x n_experts + expert, stored as
+// blk.L.exp.E.*; each group's logits are its own weights' (checked against the data directly).
+TEST(PredictorFileTest, ExpertGroupsRoundTripUnderTheirOwnNames) {
+  testing::TempDir dir;
+  PredictorData d = RandomData(32, 48, 6, 11);  // 3 layers x 2 experts
+  d.n_experts = 2;
+  ASSERT_TRUE(SavePredictor(d, dir.File("moe.gguf"), false).ok());
+  auto f = GgufFile::OpenPath(dir.File("moe.gguf"));
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_NE(f->FindTensor("blk.2.exp.1.fc2.weight"), nullptr);
+  EXPECT_EQ(f->FindTensor("blk.5.fc1.weight"), nullptr);
+  auto p = Predictor::Load(dir.File("moe.gguf"));
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ((*p)->n_layers(), 3);
+  EXPECT_EQ((*p)->n_experts(), 2);
+  EXPECT_EQ((*p)->n_groups(), 6);
+  EXPECT_EQ((*p)->Group(2, 1), 5);
+  EXPECT_EQ((*p)->info((*p)->Group(1, 0)).rank, 24);  // group 2: rank 8 x 3
+  PredictorScratch scratch;
+  (*p)->PrepareScratch(&scratch);
+  std::vector<float> x(32);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::cos(static_cast<float>(i));
+  for (int64_t g = 0; g < 6; ++g) {
+    const PredictorLayerData& L = d.layers[static_cast<size_t>(g)];
+    (*p)->Logits(g, x.data(), &scratch, nullptr);
+    for (int64_t j = 0; j < 48; ++j) {
+      double h_dot = L.fc2_bias[j];
+      for (int64_t k = 0; k < L.info.rank; ++k) {
+        double s = 0;
+        for (int64_t i = 0; i < 32; ++i) s += L.fc1[k * 32 + i] * x[i];
+        h_dot += L.fc2[j * L.info.rank + k] * std::max(0.0, s);
+      }
+      EXPECT_NEAR(scratch.logits[j], h_dot, 1e-3 * (1 + std::fabs(h_dot))) << "group " << g << " neuron " << j;
+    }
+  }
+  // Groups that do not divide into layers of n_experts are refused.
+  d.layers.pop_back();
+  EXPECT_FALSE(SavePredictor(d, dir.File("bad.gguf"), false).ok());
+  EXPECT_FALSE(Predictor::FromData(d).ok());
+}
+
 TEST(PredictorFileTest, RejectsCorruptAndForeignFiles) {
   testing::TempDir dir;
   PredictorData d = RandomData(64, 96, 2, 3);
