@@ -31,6 +31,7 @@ struct BenchFlags {
   std::string tests = "pp128,pp512,tg128";
   int64_t prompt_tokens = 32;
   int64_t lookahead = -1;
+  std::string kv_type = "f32";
   int repetitions = 3;
   int warmup = 1;
   int threads = 2;
@@ -108,6 +109,7 @@ Status RunBench(const BenchFlags& f) {
     base.drop_all_caches = f.drop_caches;
     base.hw = f.hw;
     base.lookahead = f.lookahead;
+    base.kv_type = f.kv_type;
     std::vector<std::pair<uint64_t, double>> model_budgets;  // (budget, offload fraction or -1)
     for (uint64_t b : budgets) model_budgets.emplace_back(b, -1.0);
     for (double fr : fractions) {
@@ -207,6 +209,10 @@ void RegisterBenchCommand(CLI::App& app, cli::CommandAction* action) {
                   "full mode: bundles read ahead for the next layer (-1 auto: n_ff/8, from the start when a core is left "
                   "beyond the compute threads, else adaptive: on once waiting for reads takes 15% of 8 tokens; 0 off: "
                   "the pipeline without lookahead)")
+      ->capture_default_str();
+  cmd->add_option("--kv-type", f->kv_type,
+                  "KV cache element type of every row: f32 or f16 (half the memory; --offload budgets count it)")
+      ->check(CLI::IsMember({"f32", "f16"}))
       ->capture_default_str();
   cmd->add_option("-r,--repetitions", f->repetitions, "Runs of each test per row (mean and sd over them)");
   cmd->add_option("--warmup", f->warmup, "Untimed runs of each test before the repetitions (0: measure the cold start)");

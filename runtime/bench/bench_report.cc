@@ -156,7 +156,8 @@ nlohmann::json RowSpec::ToJson() const {
           {"use_cgroup", use_cgroup},
           {"drop_all_caches", drop_all_caches},
           {"hw", hw},
-          {"lookahead", lookahead}};
+          {"lookahead", lookahead},
+          {"kv_type", kv_type}};
 }
 
 Result<RowSpec> RowSpec::FromJson(const nlohmann::json& j) {
@@ -178,6 +179,7 @@ Result<RowSpec> RowSpec::FromJson(const nlohmann::json& j) {
     s.drop_all_caches = j.value("drop_all_caches", false);
     s.hw = j.value("hw", "");
     s.lookahead = j.value("lookahead", int64_t{-1});
+    s.kv_type = j.value("kv_type", std::string("f32"));
   } catch (const nlohmann::json::exception& e) {
     return Status::InvalidArgument(std::string("bench row spec: ") + e.what());
   }

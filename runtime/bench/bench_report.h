@@ -66,6 +66,7 @@ struct RowSpec {
   bool drop_all_caches = false;  // also `echo 1 > drop_caches` before the row (root)
   std::string hw;              // hw.json: sparse tg rows also report the speed floors (planner/floors.h)
   int64_t lookahead = -1;      // full mode: SparseRuntimeOptions::lookahead_slots (-1 auto, 0 off)
+  std::string kv_type = "f32";  // KV cache element type of every engine (KvTypeName)
 
   nlohmann::json ToJson() const;
   static Result<RowSpec> FromJson(const nlohmann::json& j);

@@ -125,7 +125,8 @@ Status OpenEngine(const RowSpec& s, int64_t n_ctx, Engine* e, std::string* unava
       return Status::InvalidArgument("the test needs " + std::to_string(n_ctx) + " positions; " + s.model +
                                      " has a context of " + std::to_string(hp.context_length));
     }
-    e->dense_ctx = std::make_unique<InferenceContext>(*e->dense.model, e->pool.get(), n_ctx);
+    NF_ASSIGN_OR_RETURN(const KvType kv_type, ParseKvType(s.kv_type));
+    e->dense_ctx = std::make_unique<InferenceContext>(*e->dense.model, e->pool.get(), n_ctx, kv_type);
     e->ctx = e->dense_ctx.get();
     e->tokenizer = e->dense.tokenizer.get();
     e->n_vocab = hp.n_vocab;
@@ -139,6 +140,7 @@ Status OpenEngine(const RowSpec& s, int64_t n_ctx, Engine* e, std::string* unava
   o.mode = s.mode == BenchMode::kFull ? sparse::OffloadMode::kFull : sparse::OffloadMode::kLlmFlash;
   o.memory_budget = s.memory_budget;
   o.n_ctx = n_ctx;
+  NF_ASSIGN_OR_RETURN(o.kv_type, ParseKvType(s.kv_type));
   const sparse::LookaheadChoice lookahead = sparse::AutoLookahead(s.lookahead, s.threads);
   o.lookahead_slots = lookahead.slots;
   o.lookahead_adaptive = lookahead.adaptive;
@@ -444,6 +446,7 @@ Result<uint64_t> OffloadBudget(const RowSpec& model_spec, double fraction, int64
   src.use_mmap = true;
   NF_ASSIGN_OR_RETURN(cli::LoadedModel lm, cli::LoadModelForInference(src));
   const LlamaHparams& hp = lm.model->hparams();
+  NF_ASSIGN_OR_RETURN(const KvType kv_type, ParseKvType(model_spec.kv_type));
   uint64_t ffn = 0, other = 0;
   for (const GgufTensorInfo& t : lm.model->gguf().tensors()) {
     const bool is_ffn = (t.name.find("ffn_gate") != std::string::npos && t.name.find("ffn_gate_inp") == std::string::npos) ||
@@ -452,7 +455,7 @@ Result<uint64_t> OffloadBudget(const RowSpec& model_spec, double fraction, int64
   }
   const uint64_t kept = static_cast<uint64_t>((1.0 - fraction) * static_cast<double>(ffn));
   return other + kept + sparse::KvCacheBytes(hp.n_layers, std::min<int64_t>(n_ctx, hp.context_length), hp.kv_dim(),
-                                            KvElementBytes(KvType::kF32)) +
+                                            KvElementBytes(kv_type)) +
          kOffloadOverheadBytes;
 }
 

@@ -143,6 +143,25 @@ TEST_F(BenchCliTest, SparseModesWithDeployment) {
   // default, which llmflash does not): the two modes read the same bytes.
   EXPECT_DOUBLE_EQ(j[0]["mb_read_per_token"].get<double>(), j[1]["mb_read_per_token"].get<double>());
   EXPECT_DOUBLE_EQ(j[0]["miss_rate_mean"].get<double>(), j[1]["miss_rate_mean"].get<double>());
+
+  // --kv-type f16: every row's engine gets the half cache, and an --offload budget counts it at that size (the same
+  // fraction gives a budget smaller by half the KV cache: 5 layers x 64 positions x kv_dim 32 x 2 x 2 bytes).
+  uint64_t budget[2] = {0, 0};
+  int k = 0;
+  for (const char* kv : {"f32", "f16"}) {
+    const std::string o = dir_->File(std::string("kv-") + kv + ".json");
+    r = testing::RunCommand(nf + " bench -m " + model + " --deploy " + deploy + " --modes full,in-memory --offload 0.5 " +
+                            "--tests tg8 --prompt-tokens 56 -r 1 --kv-type " + kv + " --output json -o " + o);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto rows = nlohmann::json::parse(ReadText(o));
+    ASSERT_EQ(rows.size(), 2u) << rows.dump(2);
+    for (const auto& row : rows) {
+      EXPECT_EQ(row["status"], "ok") << row.dump();
+      EXPECT_EQ(row["kv_type"], kv) << row.dump();
+    }
+    budget[k++] = rows[0]["memory_budget"].get<uint64_t>();
+  }
+  EXPECT_EQ(budget[0] - budget[1], 5u * 64 * 32 * 2 * 2) << budget[0] << " " << budget[1];
 }
 
 TEST_F(BenchCliTest, RowTimeoutKillsTheRow) {

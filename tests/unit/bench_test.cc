@@ -134,7 +134,8 @@ TEST(BenchFormat, CsvQuotesAndColumns) {
 }
 
 TEST(BenchFormat, JsonRoundTrip) {
-  const RowResult r = SampleRow(BenchMode::kLlmFlash, true);
+  RowResult r = SampleRow(BenchMode::kLlmFlash, true);
+  r.spec.kv_type = "f16";
   const auto j = nlohmann::json::parse(FormatJson({r}));
   ASSERT_TRUE(j.is_array());
   ASSERT_EQ(j.size(), 1u);
@@ -150,6 +151,8 @@ TEST(BenchFormat, JsonRoundTrip) {
   EXPECT_DOUBLE_EQ(back->p99_ms, 3.75);
   EXPECT_EQ(back->tok_s, r.tok_s);
   EXPECT_EQ(back->constraint, r.constraint);
+  EXPECT_EQ(back->spec.kv_type, "f16");
+  EXPECT_EQ(RowSpec::FromJson(nlohmann::json{{"model", "m"}, {"mode", "full"}, {"test", "tg1"}})->kv_type, "f32");
   EXPECT_FALSE(RowSpec::FromJson(nlohmann::json{{"model", "m"}, {"mode", "warp"}, {"test", "tg1"}}).ok());
   EXPECT_FALSE(RowSpec::FromJson(nlohmann::json{{"mode", "full"}}).ok());
 }
