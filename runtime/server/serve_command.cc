@@ -174,7 +174,10 @@ void RegisterServeCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->callback([f, action, cmd, first_runtime] {
     const auto options = cmd->get_options();
     for (size_t i = first_runtime; i < options.size(); ++i) {
-      if (options[i]->count() > 0) f->runtime_only.push_back(options[i]->get_name());
+      // --kv-type sizes the context of either engine.
+      if (options[i]->count() > 0 && options[i]->get_name() != "--kv-type") {
+        f->runtime_only.push_back(options[i]->get_name());
+      }
     }
     *action = [f] { return RunServe(*f); };
   });

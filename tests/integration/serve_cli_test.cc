@@ -406,6 +406,21 @@ TEST(ServeCliTest, SignalsStopTheServerWithExitCode0) {
   }
 }
 
+// --kv-type applies to the dense server too (not a -d-only flag): greedy text equals `run --kv-type f16`'s.
+TEST(ServeCliTest, HalfKvCacheServerEqualsRun) {
+  testing::TempDir dir;
+  const std::string model = dir.File("s.gguf");
+  auto r = testing::RunCommand(Nflash() + " -q convert " + Stories() + " -o " + model + " --type f32");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ServerProcess s("-m " + model + " -t 1 --kv-type f16", dir.File("serve.log"));
+  ASSERT_GT(s.port(), 0) << s.Log();
+  ASSERT_TRUE(s.WaitHealthy()) << s.Log();
+  auto c = ClientFor(s);
+  auto [status, j] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 60}, {"temperature", 0}});
+  ASSERT_EQ(status, 200) << j.dump();
+  EXPECT_EQ(kPrompt + j["content"].get<std::string>() + "\n", RunText(model, "-n 60 --temp 0 --kv-type f16"));
+}
+
 TEST(ServeCliTest, UsageErrors) {
   EXPECT_EQ(testing::RunCommand(Nflash() + " serve").exit_code, 2);
   auto r = testing::RunCommand(Nflash() + " serve -m " + Stories() + " --memory 3M");
