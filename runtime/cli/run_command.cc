@@ -123,8 +123,10 @@ Result<SparseSetup> SetupSparse(const SparseFlags& s, const ModelSource& src, co
   }
   NF_ASSIGN_OR_RETURN(out.ffn, SparseFfn::Create(*lm.model, out.predictor.get(), o, pool));
   std::string thr;
-  for (int64_t l = 0; l < hp.n_layers; ++l) thr += (l ? "," : "") + std::to_string(out.ffn->activation_threshold(l));
-  NF_LOG(Info) << "sparse FFN (" << s.mode << "), activation thresholds " << thr << "; transposed down "
+  const int64_t n_groups = hp.n_layers * std::max<int64_t>(1, hp.n_experts);  // MoE: one per (layer, expert)
+  for (int64_t g = 0; g < n_groups; ++g) thr += (g ? "," : "") + std::to_string(out.ffn->activation_threshold(g));
+  NF_LOG(Info) << "sparse FFN (" << s.mode << "), activation thresholds " << (hp.n_experts > 0 ? "per expert " : "")
+               << thr << "; transposed down "
                << out.ffn->extra_bytes() / 1048576.0 << " MiB"
                << (out.predictor ? ", predictor " + std::to_string(out.predictor->PredictorBytes()) + " bytes" : "");
   return out;
