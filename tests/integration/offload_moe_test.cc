@@ -140,6 +140,7 @@ struct Run {
   std::vector<int32_t> tokens;
   std::vector<std::vector<float>> logits;
   std::vector<Routing> routing;  // per step (with a recorder)
+  std::map<std::pair<int64_t, int64_t>, int64_t> routed;  // SparseReference: (layer, expert) -> tokens, prompt included
 };
 
 Result<Run> Greedy(InferenceContext& ctx, int64_t n_vocab, RoutingRecorder* recorder) {
@@ -156,6 +157,21 @@ Result<Run> Greedy(InferenceContext& ctx, int64_t n_vocab, RoutingRecorder* reco
   return r;
 }
 
+// The numerical reference of the offloaded runs: greedy decode through the in-memory sparse FFN (prefill too) with the
+// same active-set source (`predictor`, or the oracle when nullptr), recording the router's choices on the way.
+Result<Run> SparseReference(const nflash::Model& model, const Predictor* predictor, ThreadPool* pool) {
+  SparseFfnOptions so;
+  so.mode = predictor != nullptr ? SparseMode::kPredictor : SparseMode::kOracle;
+  so.sparse_prefill = true;
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<SparseFfn> sparse, SparseFfn::Create(model, predictor, so, pool));
+  RoutingRecorder recorder(sparse.get(), model.hparams().n_layers);
+  InferenceContext ctx(model, pool, 0);
+  ctx.SetFfnBackend(&recorder);
+  NF_ASSIGN_OR_RETURN(Run r, Greedy(ctx, model.hparams().n_vocab, &recorder));
+  r.routed = recorder.routed();
+  return r;
+}
+
 TEST_P(OffloadMoeTest, ReadsOnlyForRoutedExpertsAndLogitsEqualSparseFfn) {
   const std::string type = GetParam();
   ThreadPool pool(2);
@@ -165,20 +181,12 @@ TEST_P(OffloadMoeTest, ReadsOnlyForRoutedExpertsAndLogitsEqualSparseFfn) {
   ASSERT_EQ(hp.n_experts, kExperts);
   ASSERT_EQ(hp.n_experts_used, kTopK);
 
-  // The in-memory sparse FFN (oracle, prefill too), the numerical reference of the offloaded one, with the router's
-  // choices recorded on the way.
-  SparseFfnOptions so;
-  so.sparse_prefill = true;
-  auto sparse = SparseFfn::Create(**model, nullptr, so, &pool);
-  ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
-  RoutingRecorder recorder(sparse->get(), hp.n_layers);
-  InferenceContext sctx(**model, &pool, 0);
-  sctx.SetFfnBackend(&recorder);
-  auto ref = Greedy(sctx, hp.n_vocab, &recorder);
+  // The in-memory sparse FFN (oracle), the numerical reference of the offloaded one, with the router's choices.
+  auto ref = SparseReference(**model, nullptr, &pool);
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
   const int64_t n_tokens = static_cast<int64_t>(kPrompt.size()) + kGenerate;
   int64_t routed_total = 0;
-  for (const auto& [key, n] : recorder.routed()) routed_total += n;
+  for (const auto& [key, n] : ref->routed) routed_total += n;
   ASSERT_EQ(routed_total, kTopK * n_tokens * hp.n_layers);
   int64_t skipped = 0;  // (step, layer, expert) triples the router did not pick
   for (const Routing& r : ref->routing) {
@@ -240,8 +248,8 @@ TEST_P(OffloadMoeTest, ReadsOnlyForRoutedExpertsAndLogitsEqualSparseFfn) {
     for (int64_t layer = 0; layer < hp.n_layers; ++layer) {
       for (int64_t e = 0; e < kExperts; ++e) {
         const OffloadGroupStats& s = ffn.stats()[static_cast<size_t>(layer * kExperts + e)];
-        auto it = recorder.routed().find({layer, e});
-        EXPECT_EQ(s.tokens, it == recorder.routed().end() ? 0 : it->second) << "layer " << layer << " expert " << e;
+        auto it = ref->routed.find({layer, e});
+        EXPECT_EQ(s.tokens, it == ref->routed.end() ? 0 : it->second) << "layer " << layer << " expert " << e;
         if (s.tokens == 0) {
           EXPECT_EQ(s.bytes_read, 0u) << "layer " << layer << " expert " << e;
         }
@@ -291,15 +299,7 @@ TEST_F(OffloadMoeTest, PerExpertPredictorsPredictOnlyRoutedExpertsAndOffloadEqua
   auto model = nflash::Model::Load(ModelPath(type), LoadOptions{});
   ASSERT_TRUE(model.ok()) << model.status().ToString();
   const LlamaHparams& hp = (*model)->hparams();
-  SparseFfnOptions so;
-  so.mode = SparseMode::kPredictor;
-  so.sparse_prefill = true;
-  auto sparse = SparseFfn::Create(**model, predictor->get(), so, &pool);
-  ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
-  RoutingRecorder recorder(sparse->get(), hp.n_layers);
-  InferenceContext sctx(**model, &pool, 0);
-  sctx.SetFfnBackend(&recorder);
-  auto ref = Greedy(sctx, hp.n_vocab, &recorder);
+  auto ref = SparseReference(**model, predictor->get(), &pool);
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
 
   for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
