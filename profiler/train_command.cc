@@ -109,11 +109,11 @@ Status RunTrain(TrainFlags f) {
     }
     return Status::Ok();
   };
+  std::vector<int64_t> group_train(static_cast<size_t>(n_groups)), group_val(static_cast<size_t>(n_groups));
   int64_t n_train_total = 0;
   for (int64_t g = 0; g < n_groups; ++g) {
-    int64_t n_train = 0, n_val = 0;
-    NF_RETURN_IF_ERROR(split(g, &n_train, &n_val));
-    n_train_total += n_train;
+    NF_RETURN_IF_ERROR(split(g, &group_train[static_cast<size_t>(g)], &group_val[static_cast<size_t>(g)]));
+    n_train_total += group_train[static_cast<size_t>(g)];
   }
   NF_LOG(Info) << "collected " << samples.n_tokens << " calibration tokens ("
                << (hp.n_experts > 0 ? std::to_string(n_train_total) + " expert-token training pairs" :
@@ -148,8 +148,7 @@ Status RunTrain(TrainFlags f) {
   int64_t n_eval_groups = 0;
   for (int64_t g = 0; g < n_groups; ++g) {
     const int64_t layer = g / per_layer, expert = hp.n_experts > 0 ? g % per_layer : -1;
-    int64_t n_train = 0, n_val = 0;
-    NF_RETURN_IF_ERROR(split(g, &n_train, &n_val));
+    const int64_t n_train = group_train[static_cast<size_t>(g)], n_val = group_val[static_cast<size_t>(g)];
     const float thr = thresholds[static_cast<size_t>(g)];
     const std::vector<uint8_t> mask = ActiveMask(samples, g, thr);
     const float* x = samples.x[static_cast<size_t>(g)].data();
