@@ -380,20 +380,20 @@ void InferenceContext::Attention(int64_t layer, int64_t n) {
     const float* kt = k_.data() + t * kv_dim;
     const int64_t width = KeyBlockWidth(n_ctx_, (pos_ + t) / kKeyBlock * kKeyBlock);  // element i is i rows down
     const float* vt = v_.data() + t * kv_dim;
-    if (f16) {  // rounded to nearest even, as F16C and ggml store it
+    // The key into its block (transposed), the value as a row, each element converted to the cache's type.
+    auto append = [&](auto* keys, auto* values, auto convert) {
       for (int64_t h = 0; h < hp_.n_kv_heads; ++h) {
-        uint16_t* dst = kh + KeyCacheIndex(n_ctx_, hd, h, pos_ + t, 0);
-        for (int64_t i = 0; i < hd; ++i) dst[i * width] = Fp32ToFp16(kt[h * hd + i]);
+        auto* dst = keys + KeyCacheIndex(n_ctx_, hd, h, pos_ + t, 0);
+        for (int64_t i = 0; i < hd; ++i) dst[i * width] = convert(kt[h * hd + i]);
       }
-      uint16_t* vdst = vh + (pos_ + t) * kv_dim;
-      for (int64_t i = 0; i < kv_dim; ++i) vdst[i] = Fp32ToFp16(vt[i]);
-      continue;
+      auto* vdst = values + (pos_ + t) * kv_dim;
+      for (int64_t i = 0; i < kv_dim; ++i) vdst[i] = convert(vt[i]);
+    };
+    if (f16) {
+      append(kh, vh, Fp32ToFp16);  // rounded to nearest even, as F16C and ggml store it
+    } else {
+      append(kc, vc, [](float x) { return x; });
     }
-    for (int64_t h = 0; h < hp_.n_kv_heads; ++h) {
-      float* dst = kc + KeyCacheIndex(n_ctx_, hd, h, pos_ + t, 0);
-      for (int64_t i = 0; i < hd; ++i) dst[i * width] = kt[h * hd + i];
-    }
-    std::memcpy(vc + (pos_ + t) * kv_dim, vt, sizeof(float) * kv_dim);
   }
   AttentionParams a;
   a.q = q_.data();
