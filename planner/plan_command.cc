@@ -16,6 +16,7 @@
 #include "planner/plan.h"
 #include "planner/z3_planner.h"
 #include "profiler/profile.h"
+#include "runtime/cli/model_loader.h"
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
 #include "runtime/core/ggml_type.h"
@@ -279,9 +280,7 @@ void RegisterPlanCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--objective", flags->objective, "speed (fastest plan within the memory) or memory (smallest plan "
                                                    "reaching --min-speed)");
   cmd->add_option("--ctx", flags->n_ctx, "Context length the KV cache is sized for (default: the runtime's)");
-  cmd->add_option("--kv-type", flags->kv_type, "KV cache element type the plan sizes and the runtime then uses: f32 "
-                                               "or f16 (half the memory)")
-      ->check(CLI::IsMember({"f32", "f16"}))
+  cli::AddKvTypeOption(cmd, &flags->kv_type, "KV cache element type the plan sizes and the runtime then uses")
       ->capture_default_str();
   cmd->add_option("-o,--output", flags->output, "plan.json to write")->required();
   cmd->add_flag("--explain", flags->explain, "Print the per-token time breakdown as a table");

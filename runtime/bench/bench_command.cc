@@ -11,6 +11,7 @@
 
 #include "runtime/bench/bench_report.h"
 #include "runtime/bench/bench_runner.h"
+#include "runtime/cli/model_loader.h"
 #include "runtime/bench/cgroup.h"
 #include "runtime/bench/commands.h"
 #include "runtime/core/file.h"
@@ -210,9 +211,7 @@ void RegisterBenchCommand(CLI::App& app, cli::CommandAction* action) {
                   "beyond the compute threads, else adaptive: on once waiting for reads takes 15% of 8 tokens; 0 off: "
                   "the pipeline without lookahead)")
       ->capture_default_str();
-  cmd->add_option("--kv-type", f->kv_type,
-                  "KV cache element type of every row: f32 or f16 (half the memory; --offload budgets count it)")
-      ->check(CLI::IsMember({"f32", "f16"}))
+  cli::AddKvTypeOption(cmd, &f->kv_type, "KV cache element type of every row (--offload budgets count it)")
       ->capture_default_str();
   cmd->add_option("-r,--repetitions", f->repetitions, "Runs of each test per row (mean and sd over them)");
   cmd->add_option("--warmup", f->warmup, "Untimed runs of each test before the repetitions (0: measure the cold start)");

@@ -11,6 +11,7 @@
 #include "converter/readers.h"
 #include "runtime/core/file.h"
 #include "runtime/core/log.h"
+#include "runtime/engine/context.h"
 
 namespace nflash::cli {
 namespace {
@@ -70,6 +71,13 @@ Result<LoadedModel> LoadModelForInference(const ModelSource& source) {
   }
   NF_ASSIGN_OR_RETURN(out.tokenizer, LoadTokenizer(out.model->gguf()));
   return out;
+}
+
+CLI::Option* AddKvTypeOption(CLI::App* sub, std::string* kv_type, const std::string& what) {
+  return sub
+      ->add_option("--kv-type", *kv_type,
+                   what + ": f32 (exact) or f16 (half the memory; keys and values rounded to half precision)")
+      ->check(CLI::IsMember({KvTypeName(KvType::kF32), KvTypeName(KvType::kF16)}));
 }
 
 void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mmap, bool model_required) {

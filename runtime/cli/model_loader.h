@@ -11,6 +11,7 @@
 
 namespace CLI {
 class App;
+class Option;
 }
 
 namespace nflash::cli {
@@ -33,5 +34,9 @@ Result<LoadedModel> LoadModelForInference(const ModelSource& source);
 // The options of a command that loads a model this way: -m (required or not), --tokenizer, --activation, -t (compute
 // threads) and --no-mmap.
 void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mmap, bool model_required = true);
+
+// --kv-type (KvType: f32 or f16, ParseKvType's names) with `what` ahead of the shared explanation; callers chain
+// capture_default_str() when their default is a type rather than "not given".
+CLI::Option* AddKvTypeOption(CLI::App* sub, std::string* kv_type, const std::string& what);
 
 }  // namespace nflash::cli

@@ -464,10 +464,7 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
   sub->add_option("-f,--file", f->prompt_file, "Read the prompt from a file")->excludes(p)->check(CLI::ExistingFile);
   sub->add_option("-n,--max-tokens", f->n_predict, "Tokens to generate at most")->check(CLI::PositiveNumber);
   sub->add_option("-c,--ctx", f->ctx, "Context size (0: prompt + max tokens, capped at the model's)");
-  sub->add_option("--kv-type", f->kv_type,
-                  "KV cache element type: f32 or f16 (half the memory; keys and values rounded to half precision)")
-      ->check(CLI::IsMember({"f32", "f16"}))
-      ->capture_default_str();
+  AddKvTypeOption(sub, &f->kv_type, "KV cache element type")->capture_default_str();
   sub->add_option("--temp", f->sampler.temperature, "Temperature (0: greedy)")->check(CLI::NonNegativeNumber);
   sub->add_option("--top-k", f->sampler.top_k, "Top-k (0: off)");
   sub->add_option("--top-p", f->sampler.top_p, "Top-p (1: off)");
@@ -492,9 +489,7 @@ void RegisterPerplexityCommand(CLI::App& app, CommandAction* action) {
   AddModelOptions(sub, &f->source, &f->threads, &f->no_mmap, /*model_required=*/false);
   sub->add_option("-f,--file", f->text_file, "Text file")->required()->check(CLI::ExistingFile);
   sub->add_option("--ctx", f->ctx, "Window size in tokens");
-  sub->add_option("--kv-type", f->kv_type, "KV cache element type: f32 or f16")
-      ->check(CLI::IsMember({"f32", "f16"}))
-      ->capture_default_str();
+  AddKvTypeOption(sub, &f->kv_type, "KV cache element type")->capture_default_str();
   sub->add_option("--max-windows", f->max_windows, "Evaluate only the first N windows (0: all)");
   sub->add_flag("--json", f->json, "Print a JSON summary");
   AddSparseOptions(sub, &f->sparse);

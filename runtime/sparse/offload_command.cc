@@ -14,6 +14,7 @@
 #include "packer/deployment.h"
 #include "planner/plan.h"
 #include "runtime/cli/command.h"
+#include "runtime/cli/model_loader.h"
 #include "runtime/core/gguf.h"
 #include "runtime/core/log.h"
 #include "runtime/core/proc_stats.h"
@@ -474,10 +475,7 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "With --plan: per-layer (each layer's cold slots its own LRU, as planned) or shared (the plan's cold "
                   "slots as one LRU pool over all layers)")
       ->capture_default_str();
-  cmd->add_option("--kv-type", flags->kv_type,
-                  "KV cache element type: f32 (default) or f16 (half the memory; keys and values rounded to half "
-                  "precision)")
-      ->check(CLI::IsMember({"f32", "f16"}));
+  cli::AddKvTypeOption(cmd, &flags->kv_type, "KV cache element type (default f32, or the plan's)");
   cmd->add_option("--plan", flags->plan, "plan.json from `nflash plan` for this deployment: memory, cache sizes, "
                                          "context, KV type, threads, queue depth")->check(CLI::ExistingFile);
 }
