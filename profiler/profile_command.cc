@@ -379,7 +379,7 @@ Status RunProfile(const ProfileFlags& f) {
     const float thr = st.threshold();
     const float* norms = down_norms[fi].data();
     for (int64_t r = 0; r < o.n_tokens; ++r) {
-      const int64_t pos = row_base + (o.token_index != nullptr ? o.token_index[r] : r);
+      const int64_t pos = row_base + (o.token_index != nullptr ? o.token_index[r] : o.first_token + r);
       const float* g = o.gate_act + r * hp.n_ff;
       const float* h = o.hidden + r * hp.n_ff;
       active.clear();

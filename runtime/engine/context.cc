@@ -252,25 +252,48 @@ InferenceContext::InferenceContext(const Model& model, ThreadPool* pool, int64_t
 uint64_t InferenceContext::state_bytes() const {
   uint64_t floats = k_cache_.size() + v_cache_.size() + attn_scratch_.size() + logits_.size() + rope_cos_.size() +
                     rope_sin_.size();
-  for (const auto* v : {&x_, &xn_, &q_, &k_, &v_, &att_, &o_, &gate_, &up_, &hidden_, &ffn_out_}) floats += v->size();
-  return floats * sizeof(float) + (k_half_.size() + v_half_.size()) * sizeof(uint16_t);
+  for (const auto* v : {&x_, &xn_, &q_, &k_, &v_, &att_, &o_, &gate_, &up_, &hidden_, &ffn_out_, &router_, &expert_x_,
+                        &expert_out_}) {
+    floats += v->size();
+  }
+  return floats * sizeof(float) + (k_half_.size() + v_half_.size()) * sizeof(uint16_t) +
+         expert_tokens_.size() * sizeof(int64_t);
+}
+
+void InferenceContext::ReserveBatch(int64_t n, bool ffn) {
+  const int64_t chunk = std::min({std::max<int64_t>(1, n), max_batch_, n_ctx_});  // no chunk outgrows the context
+  EnsureBatch(chunk);
+  if (ffn) EnsureFfnBatch(chunk);
+  // Every token's logits (all_logits, e.g. perplexity) are the caller's choice, not reserved here.
 }
 
 void InferenceContext::EnsureBatch(int64_t n) {
   if (n <= batch_cap_) return;
   batch_cap_ = n;
   const auto sz = [n](int64_t per_token) { return static_cast<size_t>(n * per_token); };
+  const auto tile = [n](int64_t per_token) { return static_cast<size_t>(std::min(n, kAttentionTile) * per_token); };
   x_.resize(sz(hp_.dim));
   xn_.resize(sz(hp_.dim));
-  q_.resize(sz(hp_.q_dim()));
-  k_.resize(sz(hp_.kv_dim()));
-  v_.resize(sz(hp_.kv_dim()));
-  att_.resize(sz(hp_.q_dim()));
-  o_.resize(sz(hp_.dim));
-  gate_.resize(sz(hp_.n_ff));
-  up_.resize(sz(hp_.n_ff));
-  hidden_.resize(sz(hp_.n_ff));
+  q_.resize(tile(hp_.q_dim()));
+  k_.resize(tile(hp_.kv_dim()));
+  v_.resize(tile(hp_.kv_dim()));
+  att_.resize(tile(hp_.q_dim()));
+  o_.resize(tile(hp_.dim));
   ffn_out_.resize(sz(hp_.dim));
+  if (hp_.n_experts > 0) {
+    router_.resize(sz(hp_.n_experts));
+    expert_x_.resize(sz(hp_.dim));
+    expert_out_.resize(sz(hp_.dim));
+    expert_tokens_.resize(static_cast<size_t>(n));
+  }
+}
+
+void InferenceContext::EnsureFfnBatch(int64_t n) {
+  if (n <= ffn_cap_) return;
+  ffn_cap_ = n;
+  gate_.resize(static_cast<size_t>(n * hp_.n_ff));
+  up_.resize(gate_.size());
+  hidden_.resize(gate_.size());
 }
 
 void InferenceContext::MatMul(const MatrixView& w, const Activation& x, float* y) {
@@ -287,10 +310,10 @@ const float* InferenceContext::logits(int64_t i) const {
 }
 
 Status InferenceContext::Eval(std::span<const int32_t> tokens, bool all_logits) {
-  const int64_t n = static_cast<int64_t>(tokens.size());
-  if (n == 0) return Status::InvalidArgument("Eval of an empty batch");
-  if (pos_ + n > n_ctx_) {
-    return Status::ResourceExhausted("context full: position " + std::to_string(pos_) + " + " + std::to_string(n) +
+  const int64_t total = static_cast<int64_t>(tokens.size());
+  if (total == 0) return Status::InvalidArgument("Eval of an empty batch");
+  if (pos_ + total > n_ctx_) {
+    return Status::ResourceExhausted("context full: position " + std::to_string(pos_) + " + " + std::to_string(total) +
                                      " tokens exceeds the context size " + std::to_string(n_ctx_));
   }
   for (int32_t t : tokens) {
@@ -299,6 +322,25 @@ Status InferenceContext::Eval(std::span<const int32_t> tokens, bool all_logits) 
                                      std::to_string(hp_.n_vocab) + ")");
     }
   }
+  // ceil(total / max_batch_) chunks of near-equal size, the first ones one token longer.
+  const int64_t chunks = (total + max_batch_ - 1) / max_batch_;
+  const int64_t base = total / chunks, longer = total % chunks;
+  n_logits_ = all_logits ? total : 1;
+  logits_.resize(static_cast<size_t>(n_logits_ * hp_.n_vocab));
+  int64_t at = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n = base + (c < longer ? 1 : 0);
+    const bool last = c + 1 == chunks;
+    chunk_first_ = at;
+    NF_RETURN_IF_ERROR(EvalChunk(tokens.subspan(static_cast<size_t>(at), static_cast<size_t>(n)), all_logits, last,
+                                 all_logits ? at : 0));
+    at += n;
+  }
+  return Status::Ok();
+}
+
+Status InferenceContext::EvalChunk(std::span<const int32_t> tokens, bool all_logits, bool last_logits, int64_t row) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
   EnsureBatch(n);
   const int64_t dim = hp_.dim;
   const MatrixView& emb = model_.token_embd();
@@ -318,17 +360,23 @@ Status InferenceContext::Eval(std::span<const int32_t> tokens, bool all_logits) 
     const LayerWeights& L = model_.layers()[static_cast<size_t>(l)];
     for (int64_t t = 0; t < n; ++t) RmsNorm(x_.data() + t * dim, L.attn_norm, dim, hp_.norm_eps, xn_.data() + t * dim);
     if (ffn_backend_ != nullptr) ffn_backend_->BeforeAttention(l, xn_.data(), n);
-    act_.Set(xn_.data(), n, dim);
-    {
-      // One parallel loop for the three projections of the same input.
-      const MatrixView ws[] = {L.wq, L.wk, L.wv};
-      float* const ys[] = {q_.data(), k_.data(), v_.data()};
-      GemmMany(ws, act_, ys, pool_);
+    // Attention in tiles of kAttentionTile tokens (their keys and values appended before the next tile's queries
+    // run), so that q, k, v and the attention output stay a tile's size whatever the chunk's.
+    for (int64_t t0 = 0; t0 < n; t0 += kAttentionTile) {
+      const int64_t tn = std::min(kAttentionTile, n - t0);
+      act_.Set(xn_.data() + t0 * dim, tn, dim);
+      {
+        // One parallel loop for the three projections of the same input.
+        const MatrixView ws[] = {L.wq, L.wk, L.wv};
+        float* const ys[] = {q_.data(), k_.data(), v_.data()};
+        GemmMany(ws, act_, ys, pool_);
+      }
+      Attention(l, tn, pos_ + t0);
+      act_.Set(att_.data(), tn, hp_.q_dim());
+      MatMul(L.wo, act_, o_.data());
+      float* x = x_.data() + t0 * dim;
+      for (int64_t i = 0; i < tn * dim; ++i) x[i] += o_[i];
     }
-    Attention(l, n);
-    act_.Set(att_.data(), n, hp_.q_dim());
-    MatMul(L.wo, act_, o_.data());
-    for (int64_t i = 0; i < n * dim; ++i) x_[i] += o_[i];
 
     for (int64_t t = 0; t < n; ++t) RmsNorm(x_.data() + t * dim, L.ffn_norm, dim, hp_.norm_eps, xn_.data() + t * dim);
     if (hp_.n_experts == 0) {
@@ -339,20 +387,20 @@ Status InferenceContext::Eval(std::span<const int32_t> tokens, bool all_logits) 
     for (int64_t i = 0; i < n * dim; ++i) x_[i] += ffn_out_[i];
   }
 
-  // Output head: all tokens, or only the last one.
-  const int64_t first = all_logits ? 0 : n - 1;
-  n_logits_ = n - first;
-  for (int64_t t = first; t < n; ++t) {
-    RmsNorm(x_.data() + t * dim, model_.output_norm(), dim, hp_.norm_eps, xn_.data() + (t - first) * dim);
+  // Output head: all tokens, or only the last one (of the last chunk), into logits_ from row `row`.
+  if (all_logits || last_logits) {
+    const int64_t first = all_logits ? 0 : n - 1;
+    for (int64_t t = first; t < n; ++t) {
+      RmsNorm(x_.data() + t * dim, model_.output_norm(), dim, hp_.norm_eps, xn_.data() + (t - first) * dim);
+    }
+    act_.Set(xn_.data(), n - first, dim);
+    MatMul(model_.output(), act_, logits_.data() + row * hp_.n_vocab);
   }
-  logits_.resize(static_cast<size_t>(n_logits_ * hp_.n_vocab));
-  act_.Set(xn_.data(), n_logits_, dim);
-  MatMul(model_.output(), act_, logits_.data());
   pos_ += n;
   return Status::Ok();
 }
 
-void InferenceContext::Attention(int64_t layer, int64_t n) {
+void InferenceContext::Attention(int64_t layer, int64_t n, int64_t pos) {
   const int64_t hd = hp_.head_dim, half = hd / 2, kv_dim = hp_.kv_dim(), q_dim = hp_.q_dim();
   const int64_t group = hp_.n_heads / hp_.n_kv_heads;
   const bool f16 = kv_type_ == KvType::kF16;
@@ -363,8 +411,8 @@ void InferenceContext::Attention(int64_t layer, int64_t n) {
   uint16_t* vh = f16 ? v_half_.data() + layer_base : nullptr;
   // RoPE on q and k (consecutive pairs), then append k and v to the cache.
   for (int64_t t = 0; t < n; ++t) {
-    const float* c = rope_cos_.data() + (pos_ + t) * half;
-    const float* s = rope_sin_.data() + (pos_ + t) * half;
+    const float* c = rope_cos_.data() + (pos + t) * half;
+    const float* s = rope_sin_.data() + (pos + t) * half;
     auto rotate = [&](float* vec, int64_t heads) {
       for (int64_t h = 0; h < heads; ++h) {
         float* v = vec + h * hd;
@@ -378,15 +426,15 @@ void InferenceContext::Attention(int64_t layer, int64_t n) {
     rotate(q_.data() + t * q_dim, hp_.n_heads);
     rotate(k_.data() + t * kv_dim, hp_.n_kv_heads);
     const float* kt = k_.data() + t * kv_dim;
-    const int64_t width = KeyBlockWidth(n_ctx_, (pos_ + t) / kKeyBlock * kKeyBlock);  // element i is i rows down
+    const int64_t width = KeyBlockWidth(n_ctx_, (pos + t) / kKeyBlock * kKeyBlock);  // element i is i rows down
     const float* vt = v_.data() + t * kv_dim;
     // The key into its block (transposed), the value as a row, each element converted to the cache's type.
     auto append = [&](auto* keys, auto* values, auto convert) {
       for (int64_t h = 0; h < hp_.n_kv_heads; ++h) {
-        auto* dst = keys + KeyCacheIndex(n_ctx_, hd, h, pos_ + t, 0);
+        auto* dst = keys + KeyCacheIndex(n_ctx_, hd, h, pos + t, 0);
         for (int64_t i = 0; i < hd; ++i) dst[i * width] = convert(kt[h * hd + i]);
       }
-      auto* vdst = values + (pos_ + t) * kv_dim;
+      auto* vdst = values + (pos + t) * kv_dim;
       for (int64_t i = 0; i < kv_dim; ++i) vdst[i] = convert(vt[i]);
     };
     if (f16) {
@@ -400,7 +448,7 @@ void InferenceContext::Attention(int64_t layer, int64_t n) {
   a.kc = f16 ? static_cast<const void*>(kh) : kc;
   a.vc = f16 ? static_cast<const void*>(vh) : vc;
   a.out = att_.data();
-  a.pos = pos_;
+  a.pos = pos;
   a.n = n;
   a.head_dim = hd;
   a.q_stride = q_dim;
@@ -424,7 +472,7 @@ void InferenceContext::Attention(int64_t layer, int64_t n) {
     }
   };
   // Multiply-adds of the whole call: n queries x (pos + n/2) keys on average x 2 (QK and PV) x q_dim.
-  const double work = static_cast<double>(n) * static_cast<double>(pos_ + (n + 1) / 2) * 2.0 * q_dim;
+  const double work = static_cast<double>(n) * static_cast<double>(pos + (n + 1) / 2) * 2.0 * q_dim;
   if (pool_->NumThreads() == 1 || items == 1 || work < kMinParallelAttentionWork) {
     for (int64_t i = 0; i < items; ++i) run_item(i, attn_scratch_.data());
     return;
@@ -446,6 +494,7 @@ Status InferenceContext::DenseFfn(const LayerWeights& L, int64_t layer, int64_t 
     NF_ASSIGN_OR_RETURN(bool handled, ffn_backend_->Forward(layer, -1, act_, ffn_out_.data()));
     if (handled) return Status::Ok();
   }
+  EnsureFfnBatch(n);
   {
     const MatrixView ws[] = {L.gate, L.up};
     float* const ys[] = {gate_.data(), up_.data()};
@@ -456,6 +505,7 @@ Status InferenceContext::DenseFfn(const LayerWeights& L, int64_t layer, int64_t 
     FfnObservation obs;
     obs.layer = layer;
     obs.n_tokens = n;
+    obs.first_token = chunk_first_;
     obs.gate_act = gate_.data();
     obs.hidden = hidden_.data();
     obs.ffn_input = xn_.data();
@@ -468,15 +518,15 @@ Status InferenceContext::DenseFfn(const LayerWeights& L, int64_t layer, int64_t 
 
 Status InferenceContext::MoeFfn(const LayerWeights& L, int64_t layer, int64_t n) {
   const int64_t dim = hp_.dim, n_ff = hp_.n_ff, n_exp = hp_.n_experts, k = hp_.n_experts_used;
-  std::vector<float> router(static_cast<size_t>(n * n_exp));
+  float* router = router_.data();
   act_.Set(xn_.data(), n, dim);
-  MatMul(L.router, act_, router.data());
+  MatMul(L.router, act_, router);
   // Per token: top-k experts by router logit; weights = softmax over the selected logits (Mixtral: softmax over all,
   // then renormalised over the top k, which is the same).
   std::vector<std::vector<std::pair<int64_t, float>>> by_expert(static_cast<size_t>(n_exp));  // (token, weight)
   std::vector<int64_t> order(static_cast<size_t>(n_exp));
   for (int64_t t = 0; t < n; ++t) {
-    const float* r = router.data() + t * n_exp;
+    const float* r = router + t * n_exp;
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
                       [&](int64_t a, int64_t b) { return r[a] > r[b] || (r[a] == r[b] && a < b); });
@@ -487,43 +537,47 @@ Status InferenceContext::MoeFfn(const LayerWeights& L, int64_t layer, int64_t n)
       by_expert[static_cast<size_t>(order[j])].push_back({t, std::exp(r[order[j]] - mx) / sum});
     }
   }
+  if (ffn_backend_ != nullptr) {
+    std::vector<int64_t> counts(static_cast<size_t>(n_exp));
+    for (int64_t e = 0; e < n_exp; ++e) counts[static_cast<size_t>(e)] = static_cast<int64_t>(by_expert[e].size());
+    ffn_backend_->BeforeExperts(layer, counts);
+  }
   std::fill(ffn_out_.begin(), ffn_out_.begin() + n * dim, 0.0f);
-  std::vector<float> xe, out;
-  std::vector<int64_t> token_index;
+  float* xe = expert_x_.data();
+  float* out = expert_out_.data();
+  int64_t* token_index = expert_tokens_.data();
   Activation act;
   for (int64_t e = 0; e < n_exp; ++e) {
     const auto& sel = by_expert[static_cast<size_t>(e)];
     if (sel.empty()) continue;
     const int64_t m = static_cast<int64_t>(sel.size());
-    xe.resize(static_cast<size_t>(m * dim));
-    token_index.resize(static_cast<size_t>(m));
     for (int64_t j = 0; j < m; ++j) {
-      token_index[j] = sel[j].first;
-      std::memcpy(xe.data() + j * dim, xn_.data() + sel[j].first * dim, sizeof(float) * dim);
+      token_index[j] = chunk_first_ + sel[j].first;
+      std::memcpy(xe + j * dim, xn_.data() + sel[j].first * dim, sizeof(float) * dim);
     }
-    act.Set(xe.data(), m, dim);
-    out.resize(static_cast<size_t>(m * dim));
+    act.Set(xe, m, dim);
     bool handled = false;
     if (ffn_backend_ != nullptr) {
-      NF_ASSIGN_OR_RETURN(handled, ffn_backend_->Forward(layer, e, act, out.data()));
+      NF_ASSIGN_OR_RETURN(handled, ffn_backend_->Forward(layer, e, act, out));
     }
     if (!handled) {
-    MatMul(L.Expert(L.gate, L.expert_stride_gate, e), act, gate_.data());
-    MatMul(L.Expert(L.up, L.expert_stride_up, e), act, up_.data());
-    ApplyFfnActivation(hp_.activation, m * n_ff, gate_.data(), up_.data(), hidden_.data());
-    if (observer_) {
-      FfnObservation obs;
-      obs.layer = layer;
-      obs.expert = e;
-      obs.n_tokens = m;
-      obs.token_index = token_index.data();
-      obs.gate_act = gate_.data();
-      obs.hidden = hidden_.data();
-      obs.ffn_input = xe.data();
-      observer_(obs);
-    }
-    act.Set(hidden_.data(), m, n_ff);
-    MatMul(L.Expert(L.down, L.expert_stride_down, e), act, out.data());
+      EnsureFfnBatch(m);
+      MatMul(L.Expert(L.gate, L.expert_stride_gate, e), act, gate_.data());
+      MatMul(L.Expert(L.up, L.expert_stride_up, e), act, up_.data());
+      ApplyFfnActivation(hp_.activation, m * n_ff, gate_.data(), up_.data(), hidden_.data());
+      if (observer_) {
+        FfnObservation obs;
+        obs.layer = layer;
+        obs.expert = e;
+        obs.n_tokens = m;
+        obs.token_index = token_index;
+        obs.gate_act = gate_.data();
+        obs.hidden = hidden_.data();
+        obs.ffn_input = xe;
+        observer_(obs);
+      }
+      act.Set(hidden_.data(), m, n_ff);
+      MatMul(L.Expert(L.down, L.expert_stride_down, e), act, out);
     }
     for (int64_t j = 0; j < m; ++j) {
       const float w = sel[j].second;

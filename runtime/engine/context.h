@@ -2,6 +2,7 @@
 // single-token decode with GEMV) over a Model.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -19,7 +20,10 @@ struct FfnObservation {
   int64_t layer = 0;
   int64_t expert = -1;          // -1 for a dense FFN
   int64_t n_tokens = 0;
-  const int64_t* token_index = nullptr;  // MoE: which batch tokens these rows belong to (nullptr: 0..n_tokens-1)
+  // Which tokens of the Eval's batch these rows belong to: MoE, token_index[r]; dense (token_index nullptr),
+  // first_token + r (a batch longer than InferenceContext::max_batch runs in chunks, one observation per chunk).
+  const int64_t* token_index = nullptr;
+  int64_t first_token = 0;
   const float* gate_act = nullptr;       // n_tokens x n_ff: act(gate x) (relu/silu), the FFN's "neuron output" test
   const float* hidden = nullptr;         // n_tokens x n_ff: the vector multiplied by the down projection
   const float* ffn_input = nullptr;      // n_tokens x dim: the normalised FFN input (predictor training data)
@@ -41,6 +45,13 @@ class FfnBackend {
     (void)xn;
     (void)n;
   }
+  // MoE: before layer `layer`'s experts run, how many of the batch's tokens the router sent to each expert (n_experts
+  // items; Forward is then called for the experts with tokens, in ascending order). A backend may plan reads for the
+  // experts to come. Must not change any result.
+  virtual void BeforeExperts(int64_t layer, std::span<const int64_t> tokens_per_expert) {
+    (void)layer;
+    (void)tokens_per_expert;
+  }
 };
 
 // Element type of the KV cache. kF32: exact. kF16: half the memory (llama.cpp's default cache type); keys and values
@@ -51,15 +62,34 @@ const char* KvTypeName(KvType type);
 Result<KvType> ParseKvType(const std::string& name);
 inline uint64_t KvElementBytes(KvType type) { return type == KvType::kF16 ? 2 : 4; }
 
+// Tokens an Eval runs through the layers at a time (InferenceContext::SetMaxBatch): a longer batch is cut into
+// ceil(n / max) chunks of near-equal size, run one after the other, so the batch scratch (a few vectors of dim, kv_dim
+// and n_ff floats per token) stays bounded whatever the prompt's length. Chunks of near-equal size keep every chunk of
+// a batch of >= 64 tokens at >= 64 tokens whenever the maximum is >= 128, so the sparse FFNs' batched-prefill rule
+// (kDefaultBatchedPrefillMinTokens, runtime/engine/sparse_ffn.h) gives the same function with or without chunking.
+inline constexpr int64_t kDefaultMaxBatch = 512;
+// Tokens whose q, k, v and attention output a chunk computes at a time (the projections' GEMM rows equal GEMV rows and
+// attention is per query, so the tiling changes no result).
+inline constexpr int64_t kAttentionTile = 64;
+
 // Thread-safety: not thread-safe; one context per sequence. The model and pool must outlive it.
 class InferenceContext {
  public:
   // `n_ctx`: maximum sequence length (KV cache size); <= 0 means the model's context length.
   InferenceContext(const Model& model, ThreadPool* pool, int64_t n_ctx, KvType kv_type = KvType::kF32);
 
-  // Runs `tokens` at positions pos() .. pos()+n-1 (one batch: GEMM when n > 1, GEMV when n == 1) and advances pos().
-  // Keeps the logits of the last token, or of every token when `all_logits`.
+  // Runs `tokens` at positions pos() .. pos()+n-1 (GEMM when n > 1, GEMV when n == 1; in chunks of at most
+  // max_batch() tokens) and advances pos(). Keeps the logits of the last token, or of every token when `all_logits`.
+  // A failure in a later chunk leaves pos() after the chunks that ran.
   Status Eval(std::span<const int32_t> tokens, bool all_logits);
+  // The largest chunk an Eval runs at once (kDefaultMaxBatch; >= 1). Results do not depend on it (per-row GEMM equals
+  // GEMV; attention is per query), except through an FFN backend's batch rules (see kDefaultMaxBatch).
+  void SetMaxBatch(int64_t n) { max_batch_ = std::max<int64_t>(1, n); }
+  int64_t max_batch() const { return max_batch_; }
+  // Allocates now the batch scratch of a chunk of min(n, max_batch()) tokens, so that state_bytes() counts it (e.g. in
+  // a memory budget's fixed part). `ffn`: also the gate/up/hidden vectors of the context's own FFN (n_ff floats each
+  // per token), which it otherwise allocates only when it computes an FFN itself (no backend, or one that declines).
+  void ReserveBatch(int64_t n, bool ffn);
   // Logits (n_vocab floats) of token `i` of the last Eval (i < 0: the last token).
   const float* logits(int64_t i = -1) const;
   int64_t pos() const { return pos_; }
@@ -79,7 +109,11 @@ class InferenceContext {
 
  private:
   void EnsureBatch(int64_t n);
-  void Attention(int64_t layer, int64_t n);
+  void EnsureFfnBatch(int64_t n);
+  // One chunk of Eval; its logits (all, or only its last token's when `last_logits`) go to logits_ from row `row`.
+  Status EvalChunk(std::span<const int32_t> tokens, bool all_logits, bool last_logits, int64_t row);
+  // Attention of the n tokens in q_, k_, v_ at positions pos .. pos+n-1 (appends their keys and values).
+  void Attention(int64_t layer, int64_t n, int64_t pos);
   Status DenseFfn(const LayerWeights& L, int64_t layer, int64_t n);
   Status MoeFfn(const LayerWeights& L, int64_t layer, int64_t n);
   void MatMul(const MatrixView& w, const Activation& x, float* y);
@@ -98,9 +132,14 @@ class InferenceContext {
   // kF32 uses k_cache_ / v_cache_, kF16 k_half_ / v_half_ (IEEE half bits).
   std::vector<float> k_cache_, v_cache_;
   std::vector<uint16_t> k_half_, v_half_;
-  // Batch scratch, sized for the largest batch seen.
-  int64_t batch_cap_ = 0;
+  // Batch scratch, sized for the largest chunk seen (gate_, up_, hidden_: the largest FFN the context computed).
+  int64_t max_batch_ = kDefaultMaxBatch;
+  int64_t chunk_first_ = 0;  // the running chunk's first token in its Eval's batch
+  int64_t batch_cap_ = 0, ffn_cap_ = 0;
   std::vector<float> x_, xn_, q_, k_, v_, att_, o_, gate_, up_, hidden_, ffn_out_;
+  // MoE: router logits (n x n_experts), one expert's inputs and outputs (n x dim), its tokens.
+  std::vector<float> router_, expert_x_, expert_out_;
+  std::vector<int64_t> expert_tokens_;
   std::vector<float> attn_scratch_;       // per thread: AttentionScratchFloats (context.cc)
   std::vector<float> logits_;
   int64_t n_logits_ = 0;

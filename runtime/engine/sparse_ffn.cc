@@ -135,8 +135,8 @@ void SparseFfn::ResetStats() {
 uint64_t SparseFfn::extra_bytes() const { return down_t_block_bytes_; }
 
 Result<bool> SparseFfn::Forward(int64_t layer, int64_t expert, const Activation& x, float* out) {
-  if (x.n() > 1 && !options_.sparse_prefill && expert < 0 && x.n() >= options_.batched_prefill_min_tokens) {
-    ForwardPrefill(layer, x, out);
+  if (x.n() > 1 && !options_.sparse_prefill && x.n() >= options_.batched_prefill_min_tokens) {
+    ForwardPrefill(layer, expert, x, out);
     return true;
   }
   if (x.n() == 1) {
@@ -153,13 +153,16 @@ Result<bool> SparseFfn::Forward(int64_t layer, int64_t expert, const Activation&
   return true;
 }
 
-void SparseFfn::ForwardPrefill(int64_t layer, const Activation& x, float* out) {
+void SparseFfn::ForwardPrefill(int64_t layer, int64_t expert, const Activation& x, float* out) {
   const LlamaHparams& hp = model_.hparams();
   const LayerWeights& L = model_.layers()[static_cast<size_t>(layer)];
   const int64_t n_ff = hp.n_ff, dim = hp.dim;
+  const size_t group = static_cast<size_t>(layer * std::max<int64_t>(1, hp.n_experts) + std::max<int64_t>(0, expert));
   // Oracle: the token path's threshold; predictor: every neuron with h != 0 (the predictor guesses decode's active
   // set, not the prompt's), as runtime/sparse/offload_prefill.cc.
-  const float thr = predictor_ == nullptr ? thresholds_[static_cast<size_t>(layer)] : 0.0f;
+  const float thr = predictor_ == nullptr ? thresholds_[group] : 0.0f;
+  const MatrixView gate = expert >= 0 ? L.Expert(L.gate, L.expert_stride_gate, expert) : L.gate;
+  const MatrixView up = expert >= 0 ? L.Expert(L.up, L.expert_stride_up, expert) : L.up;
   constexpr int64_t kTile = 32;  // tokens per GEMM: bounds the scratch (Gemm rows equal Gemv rows for any tile)
   const size_t need = static_cast<size_t>(std::min(kTile, x.n()) * n_ff);
   if (prefill_gate_.size() < need) {
@@ -169,7 +172,7 @@ void SparseFfn::ForwardPrefill(int64_t layer, const Activation& x, float* out) {
   for (int64_t t0 = 0; t0 < x.n(); t0 += kTile) {
     const int64_t tn = std::min(kTile, x.n() - t0);
     token_act_.Set(x.f32() + t0 * dim, tn, dim);
-    const MatrixView ws[2] = {L.gate, L.up};
+    const MatrixView ws[2] = {gate, up};
     float* const ys[2] = {prefill_gate_.data(), prefill_up_.data()};
     GemmMany(ws, token_act_, ys, pool_);
     for (int64_t t = 0; t < tn; ++t) {
@@ -185,7 +188,7 @@ void SparseFfn::ForwardPrefill(int64_t layer, const Activation& x, float* out) {
       }
       float* y = out + (t0 + t) * dim;
       std::fill(y, y + dim, 0.0f);
-      AccumulateRows(down_t_[static_cast<size_t>(layer)], used_, hidden_.data(), y, pool_);  // dense: group = layer
+      AccumulateRows(down_t_[group], used_, hidden_.data(), y, pool_);
     }
   }
 }

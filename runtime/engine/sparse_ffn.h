@@ -14,7 +14,7 @@
 // type (one extra rounding of each weight, |error| <= half a step of the new block's scale), exactly as the packer
 // does, so the offloaded FFN computes the same function from the same bytes. The dense path instead quantizes the
 // hidden vector to Q8_0, so the two differ by rounding.
-// MoE (oracle mode only): the same per (layer, expert), with that expert's rows and its own transposed down.
+// MoE: the same per (layer, expert) group, with that expert's rows, its own transposed down and its own threshold.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +33,8 @@ namespace nflash {
 enum class SparseMode { kOracle, kPredictor };
 
 // Batches of at least this many tokens prefill by GEMM over every neuron (SparseFfn::ForwardPrefill and the offloaded
-// runtime's batched prefill); shorter ones, and an MoE expert's tokens, token by token through the decode path. The
+// runtime's batched prefill); shorter ones token by token through the decode path. For an MoE expert the batch is
+// the tokens the router sent to it. The
 // offloaded runtime picks it for I/O cost (runtime/sparse/offload_ffn.h); the in-memory engine uses the same rule so
 // that, for one prompt, the two compute the same function.
 inline constexpr int64_t kDefaultBatchedPrefillMinTokens = 64;
@@ -44,9 +45,9 @@ struct SparseFfnOptions {
   // (the ReLU/dReLU exact zeros), or in predictor mode the predictor file's thresholds.
   std::vector<float> activation_threshold;
   // Also run batched prefill (x.n() > 1) token by token through the sparse path (perplexity with only predicted
-  // neurons); false: batches of batched_prefill_min_tokens or more compute every neuron by GEMM with the down
-  // projection through the column copy (ForwardPrefill), shorter ones (and MoE experts) go token by token, as in the
-  // offloaded runtime.
+  // neurons); false: batches of batched_prefill_min_tokens or more (an MoE expert's tokens of a batch count alone)
+  // compute every neuron by GEMM with the down projection through the column copy (ForwardPrefill), shorter ones go
+  // token by token, as in the offloaded runtime.
   bool sparse_prefill = false;
   int64_t batched_prefill_min_tokens = kDefaultBatchedPrefillMinTokens;
   // Predictor mode: also compute every gate row to count the exact active set and the recall (costs a dense gate
@@ -87,9 +88,10 @@ class SparseFfn : public FfnBackend {
   // expert: -1 for a dense FFN, else the MoE expert whose rows to use.
   // `counted`: whether it enters the statistics (decode tokens; prompt tokens only with sparse_prefill).
   void ForwardToken(int64_t layer, int64_t expert, const Activation& x, int64_t token, float* out, bool counted);
-  // Batched prefill of a dense layer without sparse_prefill: gate and up of every neuron by GEMM, then per token the
-  // neurons with |act(gate)| > threshold (oracle; predictor: 0) and h != 0 through AccumulateRows on the column copy.
-  void ForwardPrefill(int64_t layer, const Activation& x, float* out);
+  // Batched prefill of a layer (or of an MoE expert's tokens) without sparse_prefill: gate and up of every neuron by
+  // GEMM, then per token the neurons with |act(gate)| > threshold (oracle; predictor: 0) and h != 0 through
+  // AccumulateRows on the column copy.
+  void ForwardPrefill(int64_t layer, int64_t expert, const Activation& x, float* out);
 
   const Model& model_;
   const Predictor* predictor_;

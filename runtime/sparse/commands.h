@@ -32,6 +32,7 @@ struct RuntimeFlags {
   bool token_prefill = false;
   bool prefill_in_cache = false;
   int64_t prefill_batch_min = kDefaultBatchedPrefillMinTokens;
+  int64_t max_batch = kDefaultMaxBatch;
   bool no_scatter = false;
   uint64_t slot_alignment = 0;
   bool resident_embedding = false;

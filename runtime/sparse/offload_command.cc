@@ -246,13 +246,15 @@ Status RunOffload(const OffloadFlags& f) {
   nlohmann::json layers = nlohmann::json::array();
   for (const PrefillLayerTiming& l : rt.ffn().prefill_layers()) {
     layers.push_back({{"layer", l.layer},
+                      {"expert", l.expert},
                       {"mb", static_cast<double>(l.bytes) / 1e6},
                       {"read_ms", static_cast<double>(l.read_ns) / 1e6},
                       {"wait_ms", static_cast<double>(l.wait_ns) / 1e6},
                       {"verify_ms", static_cast<double>(l.verify_ns) / 1e6},
                       {"compute_ms", static_cast<double>(l.compute_ns) / 1e6}});
   }
-  j["prefill_layers"] = layers;  // batched prefill of the prompt, per layer (Fig. 8); empty: token by token
+  j["prefill_layers"] = layers;  // batched prefill of the prompt, per layer or MoE expert pass (Fig. 8, expert -1 for
+                                 // a dense FFN); empty: token by token
   if (!f.hw.empty()) {
     j["floor_compute_ms"] = floors.compute_ms;
     j["floor_io_ms"] = floors.io_ms;
@@ -344,6 +346,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->batched_prefill = !f.token_prefill;
   o->prefill_in_cache = f.prefill_in_cache;
   o->batched_prefill_min_tokens = f.prefill_batch_min;
+  o->max_batch = f.max_batch;
   o->scatter_reads = !f.no_scatter;
   o->slot_alignment = f.slot_alignment;
   o->embedding_on_flash = !f.resident_embedding;
@@ -432,6 +435,11 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_option("--prefill-batch-min", flags->prefill_batch_min,
                   "Prompts (batches) shorter than this prefill token by token through the decode path: a batched "
                   "prefill reads the whole FFN from flash")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--batch", flags->max_batch,
+                  "Prompt tokens run through the layers at a time (longer prompts in chunks of near-equal size): the "
+                  "context's scratch for that many tokens is counted in the fixed part")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   cmd->add_option("--cold-protected", flags->cold_protected,

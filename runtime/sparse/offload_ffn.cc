@@ -347,12 +347,12 @@ Result<bool> OffloadFfn::Forward(int64_t layer, int64_t expert, const Activation
     NF_RETURN_IF_ERROR(ForwardToken(group, layer, expert, x, out, /*lookahead=*/true));
     return true;
   }
-  if (batched_prefill() && expert < 0 && x.n() >= options_.batched_prefill_min_tokens) {
+  if (batched_prefill() && x.n() >= options_.batched_prefill_min_tokens) {
     ResetLookaheadWindow();  // a batched prefill's time and reads are not decode's
-    NF_RETURN_IF_ERROR(ForwardBatch(layer, x, out));
+    NF_RETURN_IF_ERROR(ForwardBatch(layer, expert, x, out));
     return true;
   }
-  // Without prefill buffers (or for an expert), prefill runs token by token through the decode path (the next
+  // Without prefill buffers (or for fewer tokens), prefill runs token by token through the decode path (the next
   // layer's lookahead only from the last token: the next token comes back to this layer).
   for (int64_t t = 0; t < x.n(); ++t) {
     token_act_.Set(x.f32() + t * dim, 1, dim);

@@ -22,13 +22,14 @@
 //      (AccumulateRows): the summation order is that of A, never the order reads completed in, so results do not
 //      depend on timing, cache state or mode, and equal SparseFfn's (same rows, same order, same kernels).
 //
-// Batched prefill (x.n() > 1, dense FFN, with options.batched_prefill and its buffers; offload_prefill.cc): the
-// layer's whole region is read sequentially in kPrefillRequestBytes requests into one of two layer buffers while the
-// next layer's region is prefetched into the other; gate/up of every neuron by GemmMany over strided views of the
-// bundles, then per token the down columns of the neurons with h != 0 accumulated in ascending neuron order (the
-// token path's arithmetic: oracle mode gives bitwise the token-by-token result; predictor mode computes every neuron,
-// as the in-memory engine's dense prefill does). The hot clusters read are copied into the hot region (a fair share
-// per layer) so decode starts warm.
+// Batched prefill (x.n() > 1, with options.batched_prefill and its buffers; offload_prefill.cc): the layer's whole
+// region (MoE: the expert's, for the tokens the router sent it) is read sequentially in kPrefillRequestBytes requests
+// into one of two layer buffers while the next region is prefetched into the other (the next layer; MoE: the layer's
+// next expert with enough tokens, known from BeforeExperts, and after the last one a guess for the next layer);
+// gate/up of every neuron by GemmMany over strided views of the bundles, then per token the down columns of the neurons
+// with h != 0 accumulated in ascending neuron order (the token path's arithmetic: oracle mode gives bitwise the token-
+// by-token result; predictor mode computes every neuron, as the in-memory engine's dense prefill does). The hot
+// clusters read are copied into the hot region (a fair share per layer) so decode starts warm.
 #pragma once
 
 #include <algorithm>
@@ -212,11 +213,13 @@ inline constexpr uint8_t kWarmTokens = 8;
 
 // Batched prefill, summed over layers.
 struct OffloadPrefillStats {
-  int64_t layers = 0;          // layer passes (one per layer and batch)
-  int64_t tokens = 0;          // token-layer pairs
+  int64_t layers = 0;          // FFN passes (one per layer, or per MoE expert with its tokens, and batch)
+  int64_t tokens = 0;          // token-FFN pairs
   int64_t requests = 0;
   uint64_t bytes_read = 0;
-  int64_t prefetch_hits = 0;   // layers whose region had been prefetched during the previous layer
+  int64_t prefetch_hits = 0;   // passes whose region had been prefetched during the previous pass
+  int64_t prefetch_dropped = 0;   // regions read ahead that no pass used (MoE: a guess that missed, or dropped for
+  uint64_t dropped_bytes = 0;     // an expert's token-by-token path); their bytes are in bytes_read too
   uint64_t io_wait_ns = 0;     // compute thread blocked on the region read (exposed I/O)
   uint64_t verify_ns = 0;      // per-neuron hashes of every bundle read
   uint64_t compute_ns = 0;     // gate/up GEMM, activation, down accumulation
@@ -226,9 +229,11 @@ struct OffloadPrefillStats {
   int64_t retries = 0;
 };
 
-// Batched prefill of one layer (the last prompt's): Fig. 8 of the paper, compute against sequential I/O per layer.
+// Batched prefill of one layer (MoE: of one expert of a layer), the last prompt's: Fig. 8 of the paper, compute against
+// sequential I/O per layer.
 struct PrefillLayerTiming {
   int64_t layer = 0;
+  int64_t expert = -1;      // -1: a dense FFN
   uint64_t bytes = 0;       // the layer's region
   uint64_t read_ns = 0;     // reading the region (the I/O thread's time in its batch, or the blocking read)
   uint64_t wait_ns = 0;     // of which the compute thread waited (not hidden by the previous layer's compute)
@@ -304,6 +309,7 @@ class OffloadFfn : public FfnBackend {
   ~OffloadFfn() override;
 
   void BeforeAttention(int64_t layer, const float* xn, int64_t n) override;
+  void BeforeExperts(int64_t layer, std::span<const int64_t> tokens_per_expert) override;
   Result<bool> Forward(int64_t layer, int64_t expert, const Activation& x, float* out) override;
 
   const NeuronCache& cache() const { return *cache_; }
@@ -382,16 +388,23 @@ class OffloadFfn : public FfnBackend {
   // kPinned: sizes pinned_ from the options and reads every pinned cluster into its slot (batched, verified, each bad
   // cluster read again once, then an error naming it).
   Status LoadPinnedClusters();
-  // Batched dense prefill of a dense FFN layer (offload_prefill.cc).
-  Status ForwardBatch(int64_t layer, const Activation& x, float* out);
+  // Batched dense prefill of a layer's FFN, or of an MoE expert's tokens (offload_prefill.cc).
+  Status ForwardBatch(int64_t layer, int64_t expert, const Activation& x, float* out);
+  // The group whose region batched prefill reads after (layer, expert)'s, or -1 (see NextBatchGroup in
+  // offload_prefill.cc).
+  int64_t NextBatchGroup(int64_t layer, int64_t expert) const;
+  // Group g = layer x n_experts_ + expert: its layer, its expert (-1 for a dense model), "layer L[ expert E]".
+  int64_t GroupLayer(int64_t g) const { return g / n_experts_; }
+  int64_t GroupExpert(int64_t g) const { return model_.hparams().n_experts > 0 ? g % n_experts_ : -1; }
+  std::string GroupName(int64_t g) const;
   // kPrefillRequestBytes rounded down to whole flash groups (at least one).
   uint64_t PrefillRequestBytes() const;
   // Allocates the prefill buffers when options.batched_prefill (dense models only).
   Status InitPrefill();
-  // Starts reading `layer`'s region into prefill buffer `buf` (I/O thread in full mode, else synchronously).
-  Status StartRegionRead(int64_t layer, int buf);
+  // Starts reading `group`'s region into prefill buffer `buf` (I/O thread in full mode, else synchronously).
+  Status StartRegionRead(int64_t group, int buf);
   // Waits for / verifies the region in buffer `buf` (bad bundles re-read once synchronously).
-  Status FinishRegionRead(int64_t layer, int buf);
+  Status FinishRegionRead(int64_t group, int buf);
   // Drops a prefetch still in flight (before the I/O thread is used for something else).
   void CancelPrefetch();
   void WarmHotRegion(int64_t group, const packer::RegionInfo& region, const uint8_t* buf);
@@ -597,7 +610,7 @@ class OffloadFfn : public FfnBackend {
   int32_t prefill_lent_first_ = -1;                       // in-cache: the first lent cold slot while lent, else -1
   PrefillBuffer prefill_buf_[2];
   uint8_t* down_compact_ = nullptr;      // per neuron its down column (compact down matrix rows)
-  int64_t buf_layer_[2] = {-1, -1};
+  int64_t buf_group_[2] = {-1, -1};
   int pending_buf_ = -1;                  // buffer whose read the I/O thread runs, -1 none
   std::vector<ReadRequest> prefill_reqs_[2];
   std::vector<size_t> prefill_chunks_[2];
@@ -607,7 +620,11 @@ class OffloadFfn : public FfnBackend {
   float* pf_gate_ = nullptr;              // kPrefillTokenTile x n_ff, slot-view order (see ForwardBatch)
   float* pf_up_ = nullptr;
   OffloadPrefillStats prefill_stats_;
-  OffloadPrefillStats prefill_batch_start_;  // at layer 0 of the current prompt (for the per-prompt log line)
+  OffloadPrefillStats prefill_batch_start_;  // at the current prompt's first batched FFN (for the per-prompt log line)
+  bool prefill_batch_begins_ = true;         // set by BeforeAttention of layer 0 for a batch
+  // MoE: the layer of the last BeforeExperts and its experts that go through ForwardBatch, ascending.
+  int64_t moe_layer_ = -1;
+  std::vector<int64_t> moe_batched_;
   std::vector<PrefillLayerTiming> prefill_layers_;  // the current prompt's layers
   uint64_t last_region_read_ns_ = 0;                // set by FinishRegionRead
 };

@@ -1,6 +1,6 @@
 // Batched prefill of the flash-offloaded FFN (see offload_ffn.h): whole-region sequential reads into two layer
-// buffers with the next layer prefetched, per-bundle checksums, gate/up by GEMM over strided bundle views, the down
-// accumulation of the token path per token, and warming the hot region from what was read.
+// buffers with the next region (layer, or MoE expert) prefetched, per-bundle checksums, gate/up by GEMM over strided
+// bundle views, the down accumulation of the token path per token, and warming the hot region from what was read.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -47,8 +47,7 @@ PrefillParts Parts(const packer::Deployment& d) {
 
 uint64_t OffloadFfn::PrefillBufferBytes(const packer::Deployment& d) {
   const packer::Manifest& m = d.manifest();
-  if (m.n_experts > 0 || MaxRegionBytes(m) == 0) return 0;  // MoE prefill stays token by token (each expert sees a
-                                                               // subset of the batch)
+  if (MaxRegionBytes(m) == 0) return 0;
   return Parts(d).total();
 }
 
@@ -115,7 +114,7 @@ Status OffloadFfn::LendPrefillMemory() {
 void OffloadFfn::ReclaimPrefillMemory() {
   if (prefill_lent_first_ < 0) return;
   if (pending_buf_ >= 0) CancelPrefetch();  // no read may land in a slot the cache hands out again
-  buf_layer_[0] = buf_layer_[1] = -1;
+  buf_group_[0] = buf_group_[1] = -1;
   cache_->cold().Reclaim();
   prefill_lent_first_ = -1;
 }
@@ -123,13 +122,21 @@ void OffloadFfn::ReclaimPrefillMemory() {
 void OffloadFfn::CancelPrefetch() {
   if (pending_buf_ < 0) return;
   io_->Drain();
-  buf_layer_[pending_buf_] = -1;
+  ++prefill_stats_.prefetch_dropped;
+  const int64_t g = buf_group_[pending_buf_];
+  if (g >= 0) prefill_stats_.dropped_bytes += deploy_.Region(GroupLayer(g), GroupExpert(g))->size;
+  buf_group_[pending_buf_] = -1;
   pending_buf_ = -1;
 }
 
-Status OffloadFfn::StartRegionRead(int64_t layer, int buf) {
-  const packer::RegionInfo* region = deploy_.Region(layer, -1);
-  if (region == nullptr) return Status::Internal("deployment has no region for layer " + std::to_string(layer));
+std::string OffloadFfn::GroupName(int64_t group) const {
+  const int64_t expert = GroupExpert(group);
+  return "layer " + std::to_string(GroupLayer(group)) + (expert >= 0 ? " expert " + std::to_string(expert) : "");
+}
+
+Status OffloadFfn::StartRegionRead(int64_t group, int buf) {
+  const packer::RegionInfo* region = deploy_.Region(GroupLayer(group), GroupExpert(group));
+  if (region == nullptr) return Status::Internal("deployment has no region for " + GroupName(group));
   std::vector<ReadRequest>& reqs = prefill_reqs_[buf];
   reqs.clear();
   uint8_t* dst = prefill_buf_[buf].data;
@@ -142,7 +149,7 @@ Status OffloadFfn::StartRegionRead(int64_t layer, int buf) {
   prefill_chunks_[buf].assign(1, reqs.size());
   prefill_stats_.requests += static_cast<int64_t>(reqs.size());
   prefill_stats_.bytes_read += region->size;
-  buf_layer_[buf] = layer;
+  buf_group_[buf] = group;
   if (options_.mode == OffloadMode::kFull && !reqs.empty()) {
     io_->Start(reqs, prefill_chunks_[buf]);
     pending_buf_ = buf;
@@ -150,8 +157,9 @@ Status OffloadFfn::StartRegionRead(int64_t layer, int buf) {
   return Status::Ok();
 }
 
-Status OffloadFfn::FinishRegionRead(int64_t layer, int buf) {
-  const packer::RegionInfo& region = *deploy_.Region(layer, -1);
+Status OffloadFfn::FinishRegionRead(int64_t group, int buf) {
+  const int64_t layer = GroupLayer(group), expert = GroupExpert(group);
+  const packer::RegionInfo& region = *deploy_.Region(layer, expert);
   const packer::BundleLayout& lay = deploy_.layout();
   uint8_t* data = prefill_buf_[buf].data;
   const uint64_t t0 = SteadyNowNs();
@@ -177,7 +185,7 @@ Status OffloadFfn::FinishRegionRead(int64_t layer, int buf) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t end_slot = std::min<int64_t>(region.n_neurons, (r + 1) * slots_per_req);
       for (int64_t s = r * slots_per_req; s < end_slot && !bad_request[r]; ++s) {
-        bad_request[r] = !deploy_.VerifyBundle(layer, -1, region.neuron_of_slot[s],
+        bad_request[r] = !deploy_.VerifyBundle(layer, expert, region.neuron_of_slot[s],
                                                std::span<const uint8_t>(data + lay.SlotOffset(s), lay.bundle_bytes))
                               .ok();
       }
@@ -193,7 +201,7 @@ Status OffloadFfn::FinishRegionRead(int64_t layer, int buf) {
     const int64_t end_slot = std::min<int64_t>(region.n_neurons, first_slot + slots_per_req);
     auto check = [&](int64_t* bad) {
       for (int64_t s = first_slot; s < end_slot; ++s) {
-        Status v = deploy_.VerifyBundle(layer, -1, region.neuron_of_slot[s],
+        Status v = deploy_.VerifyBundle(layer, expert, region.neuron_of_slot[s],
                                         std::span<const uint8_t>(data + lay.SlotOffset(s), lay.bundle_bytes));
         if (!v.ok()) {
           *bad = s;
@@ -208,22 +216,22 @@ Status OffloadFfn::FinishRegionRead(int64_t layer, int buf) {
     if (first.ok()) continue;
     if (!read.ok()) first = read;
     ++prefill_stats_.retries;
-    ++stats_[static_cast<size_t>(layer * n_experts_)].retries;
+    ++stats_[static_cast<size_t>(group)].retries;
     const ReadRequest& q = reqs[r];
     auto what = [&](int64_t slot) {
-      return "prefill: layer " + std::to_string(layer) + " neuron " + std::to_string(region.neuron_of_slot[slot]) +
+      return "prefill: " + GroupName(group) + " neuron " + std::to_string(region.neuron_of_slot[slot]) +
              ": ffn.bin offset " + std::to_string(region.offset + lay.SlotOffset(slot)) + " (request at " +
              std::to_string(q.offset) + ", " + std::to_string(q.size) + " bytes)";
     };
     Status again = flash_->ReadAt(q.offset, q.size, q.dst);
     if (!again.ok()) {
-      buf_layer_[buf] = -1;
+      buf_group_[buf] = -1;
       return Status::IOError(what(bad) + ": read failed twice: " + again.message() + " (first: " + first.message() +
                              ")");
     }
     Status verified = check(&bad);
     if (!verified.ok()) {
-      buf_layer_[buf] = -1;
+      buf_group_[buf] = -1;
       return Status::Corruption(what(bad) + ": checksum mismatch after one retry: " + verified.message());
     }
   }
@@ -291,40 +299,64 @@ void OffloadFfn::WarmHotRegion(int64_t group, const packer::RegionInfo& region, 
   }
 }
 
-Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) {
+void OffloadFfn::BeforeExperts(int64_t layer, std::span<const int64_t> tokens_per_expert) {
+  moe_layer_ = layer;
+  moe_batched_.clear();
+  if (!batched_prefill()) return;
+  // Forward's rule: an expert's tokens go through ForwardBatch iff they are more than one and at least the minimum.
+  for (size_t e = 0; e < tokens_per_expert.size(); ++e) {
+    const int64_t n = tokens_per_expert[e];
+    if (n > 1 && n >= options_.batched_prefill_min_tokens) moe_batched_.push_back(static_cast<int64_t>(e));
+  }
+}
+
+int64_t OffloadFfn::NextBatchGroup(int64_t layer, int64_t expert) const {
+  const int64_t n_layers = model_.hparams().n_layers;
+  if (expert < 0) return layer + 1 < n_layers ? layer + 1 : -1;
+  // MoE: the layer's next batched expert; after its last one, the next layer's first expert batched here (a guess:
+  // that layer's router has not run yet; a long prompt sends tokens to every expert). Without the router's counts
+  // (BeforeExperts), none.
+  if (moe_layer_ != layer || moe_batched_.empty()) return -1;
+  const auto it = std::upper_bound(moe_batched_.begin(), moe_batched_.end(), expert);
+  if (it != moe_batched_.end()) return layer * n_experts_ + *it;
+  return layer + 1 < n_layers ? (layer + 1) * n_experts_ + moe_batched_.front() : -1;
+}
+
+Status OffloadFfn::ForwardBatch(int64_t layer, int64_t expert, const Activation& x, float* out) {
   const LlamaHparams& hp = model_.hparams();
   const packer::BundleLayout& lay = deploy_.layout();
-  const packer::RegionInfo* region = deploy_.Region(layer, -1);
-  if (region == nullptr) return Status::Internal("deployment has no region for layer " + std::to_string(layer));
-  const int64_t group = layer * n_experts_;
+  const int64_t group = layer * n_experts_ + std::max<int64_t>(0, expert);
+  const packer::RegionInfo* region = deploy_.Region(layer, expert);
+  if (region == nullptr) return Status::Internal("deployment has no region for " + GroupName(group));
   // The I/O thread is this prefill's now, and the lookahead's pins would keep cold slots from being lent.
   if (la_slots_ > 0) DropLookahead(-1);
   NF_RETURN_IF_ERROR(LendPrefillMemory());
-  if (layer == 0) {
+  if (prefill_batch_begins_) {  // the batch's first batched FFN (BeforeAttention of layer 0 set the flag)
+    prefill_batch_begins_ = false;
     prefill_batch_start_ = prefill_stats_;
     prefill_layers_.clear();
   }
   const OffloadPrefillStats layer_start = prefill_stats_;
 
-  // 1. The region in a layer buffer: prefetched during the previous layer, still there, or read now.
+  // 1. The region in a layer buffer: prefetched during the previous FFN, still there, or read now.
   int b = -1;
   for (int i = 0; i < 2; ++i) {
-    if (buf_layer_[i] == layer) b = i;
+    if (buf_group_[i] == group) b = i;
   }
   if (b >= 0 && pending_buf_ == b) {
     ++prefill_stats_.prefetch_hits;
-    NF_RETURN_IF_ERROR(FinishRegionRead(layer, b));
+    NF_RETURN_IF_ERROR(FinishRegionRead(group, b));
   } else if (b < 0) {
-    if (pending_buf_ >= 0) CancelPrefetch();
-    b = buf_layer_[0] == layer - 1 && layer > 0 ? 1 : 0;  // keep the previous layer's buffer if it is still wanted
-    NF_RETURN_IF_ERROR(StartRegionRead(layer, b));
-    NF_RETURN_IF_ERROR(FinishRegionRead(layer, b));
+    if (pending_buf_ >= 0) CancelPrefetch();  // a guess that missed (MoE) or a prefetch another path dropped
+    b = buf_group_[0] == group - 1 && group > 0 ? 1 : 0;  // keep the previous region's buffer if it is still wanted
+    NF_RETURN_IF_ERROR(StartRegionRead(group, b));
+    NF_RETURN_IF_ERROR(FinishRegionRead(group, b));
   }
-  // 2. The next layer's region into the other buffer while this one computes (full mode: the I/O thread).
+  // 2. The next region into the other buffer while this one computes (full mode: the I/O thread).
   const int other = 1 - b;
-  if (options_.mode == OffloadMode::kFull && layer + 1 < hp.n_layers && buf_layer_[other] != layer + 1 &&
-      pending_buf_ < 0) {
-    NF_RETURN_IF_ERROR(StartRegionRead(layer + 1, other));
+  const int64_t next = NextBatchGroup(layer, expert);
+  if (options_.mode == OffloadMode::kFull && next >= 0 && buf_group_[other] != next && pending_buf_ < 0) {
+    NF_RETURN_IF_ERROR(StartRegionRead(next, other));
   }
 
   // 3. Compute. Slot s of the region is at (s / spg) * group_bytes + (s % spg) * bundle_bytes: for each j < spg the
@@ -356,7 +388,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   const MatrixView down{lay.down_type, down_compact_, n_ff, lay.dim, static_cast<size_t>(lay.down_bytes)};
   // Oracle: the token path's threshold (bitwise the token-by-token result). Predictor: every neuron with h != 0,
   // as the in-memory engine's dense prefill (the predictor guesses decode's active set, not the prompt's).
-  const float thr = oracle_ ? thresholds_[static_cast<size_t>(layer)] : 0.0f;
+  const float thr = oracle_ ? thresholds_[static_cast<size_t>(group)] : 0.0f;
   const FfnActivation act = hp.activation;
   Activation tile_act;
   std::fill(warm_age_.begin(), warm_age_.end(), uint8_t{0});
@@ -405,7 +437,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   prefill_stats_.compute_ns += SteadyNowNs() - t0;
   prefill_stats_.layers += 1;
   prefill_stats_.tokens += x.n();
-  prefill_layers_.push_back(PrefillLayerTiming{layer, region->size, last_region_read_ns_,
+  prefill_layers_.push_back(PrefillLayerTiming{layer, expert, region->size, last_region_read_ns_,
                                                prefill_stats_.io_wait_ns - layer_start.io_wait_ns,
                                                prefill_stats_.verify_ns - layer_start.verify_ns,
                                                prefill_stats_.compute_ns - layer_start.compute_ns});
@@ -415,15 +447,21 @@ Status OffloadFfn::ForwardBatch(int64_t layer, const Activation& x, float* out) 
   WarmHotRegion(group, *region, data);
   WarmColdRegion(group, *region, data);
 
-  // One line per prompt: where prefill's time went (exposed I/O vs checksums vs compute), per layer.
-  if (layer == hp.n_layers - 1) {
+  // One line per prompt: where prefill's time went (exposed I/O vs checksums vs compute), per layer (MoE: per
+  // expert pass), after its last batched FFN.
+  const bool last = layer == hp.n_layers - 1 &&
+                    (expert < 0 || (moe_layer_ == layer && !moe_batched_.empty() && moe_batched_.back() == expert));
+  if (last) {
     const OffloadPrefillStats& a = prefill_batch_start_;
     const OffloadPrefillStats& z = prefill_stats_;
     const double layers = static_cast<double>(std::max<int64_t>(1, z.layers - a.layers));
-    NF_LOG(Info) << "prefill: " << x.n() << " tokens, " << (z.layers - a.layers) << " layers: read "
-                 << (z.bytes_read - a.bytes_read) / 1048576 << " MiB in " << (z.requests - a.requests)
-                 << " requests (" << (z.prefetch_hits - a.prefetch_hits) << " layers prefetched); per layer: I/O wait "
-                 << (z.io_wait_ns - a.io_wait_ns) / 1e6 / layers << " ms, verify "
+    const char* unit = expert < 0 ? "layer" : "expert pass";
+    NF_LOG(Info) << "prefill: " << (expert < 0 ? x.n() : z.tokens - a.tokens)
+                 << (expert < 0 ? " tokens, " : " token-expert pairs, ") << (z.layers - a.layers) << " " << unit
+                 << (expert < 0 ? "s" : "es") << ": read " << (z.bytes_read - a.bytes_read) / 1048576 << " MiB in "
+                 << (z.requests - a.requests) << " requests (" << (z.prefetch_hits - a.prefetch_hits)
+                 << " prefetched, " << (z.prefetch_dropped - a.prefetch_dropped) << " read ahead unused); per " << unit
+                 << ": I/O wait " << (z.io_wait_ns - a.io_wait_ns) / 1e6 / layers << " ms, verify "
                  << (z.verify_ns - a.verify_ns) / 1e6 / layers << " ms, compute "
                  << (z.compute_ns - a.compute_ns) / 1e6 / layers << " ms (gate/up GEMM "
                  << (z.gate_up_ns - a.gate_up_ns) / 1e6 / layers << " ms); " << (z.warmed_clusters - a.warmed_clusters)

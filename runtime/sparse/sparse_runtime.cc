@@ -49,6 +49,10 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   rt->flash_ = options.wrap_flash ? options.wrap_flash(flash) : flash;
 
   rt->ctx_ = std::make_unique<InferenceContext>(*rt->model_, pool, options.n_ctx, options.kv_type);
+  // A prompt's chunk scratch now, so that the fixed part counts it (the FFN's own vectors are never used: the
+  // offloaded FFN computes every FFN, with scratch of its own).
+  rt->ctx_->SetMaxBatch(options.max_batch);
+  rt->ctx_->ReserveBatch(options.max_batch, /*ffn=*/false);
   if (d.embedding_range().size > 0) {
     // One row per token from flash, O_DIRECT like every other weight.
     NF_ASSIGN_OR_RETURN(std::unique_ptr<io::DirectReader> emb_reader, io::DirectReader::Open(d.resident_path()));

@@ -48,6 +48,9 @@ struct SparseRuntimeOptions {
   HotPolicy hot_policy = HotPolicy::kPinned;
   std::vector<int64_t> hot_slots_per_group;
   int64_t n_ctx = 0;  // <= 0: the model's context length
+  // Tokens a prompt runs through the layers at a time (InferenceContext::SetMaxBatch): the context's batch scratch
+  // for that many tokens is allocated at Open and counted in the fixed part, so a long prompt stays within the budget.
+  int64_t max_batch = kDefaultMaxBatch;
   KvType kv_type = KvType::kF32;
   int64_t cluster_groups = 0;
   int64_t chunk_requests = 16;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <map>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <regex>
@@ -113,6 +114,41 @@ TEST(EngineTest, PrefillEqualsTokenByToken) {
       // The kernels compute each output with the same code and order for a batch and a single token.
       EXPECT_LE(max_diff, 1e-4f) << GgmlTypeName(type) << " token " << t;
     }
+  }
+}
+
+// A batch longer than max_batch runs in chunks (here 16 tokens as 4 chunks of 4): every position's logits equal the
+// one-batch run's bit for bit, and the scratch stays the chunk's (what ReserveBatch allocates for it), not the batch's.
+TEST(EngineTest, ChunkedPrefillEqualsOneBatchInAChunksScratch) {
+  testing::TempDir dir;
+  for (GgmlType type : {GgmlType::kF32, GgmlType::kQ4_0}) {
+    std::string path = ConvertShared(dir, "models/stories260K/stories260K.bin", FfnActivation::kSilu, type);
+    auto model = Model::Load(path, {});
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    ThreadPool pool(2);
+    std::vector<int32_t> prompt = {1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426};
+    InferenceContext whole(**model, &pool, 64), chunked(**model, &pool, 64), reserved(**model, &pool, 64);
+    chunked.SetMaxBatch(4);
+    reserved.SetMaxBatch(4);
+    reserved.ReserveBatch(100, /*ffn=*/true);  // capped at max_batch
+    ASSERT_TRUE(whole.Eval(prompt, true).ok());
+    ASSERT_TRUE(chunked.Eval(prompt, true).ok());
+    ASSERT_EQ(chunked.pos(), static_cast<int64_t>(prompt.size()));
+    const int64_t nv = (*model)->hparams().n_vocab;
+    for (size_t t = 0; t < prompt.size(); ++t) {
+      ASSERT_EQ(0, std::memcmp(whole.logits(static_cast<int64_t>(t)), chunked.logits(static_cast<int64_t>(t)),
+                               sizeof(float) * static_cast<size_t>(nv)))
+          << GgmlTypeName(type) << " position " << t;
+    }
+    // The logits of every position are the caller's (16 x n_vocab floats in both); the rest is the chunk's scratch.
+    const uint64_t logits_bytes = prompt.size() * static_cast<uint64_t>(nv) * sizeof(float);
+    EXPECT_EQ(chunked.state_bytes(), reserved.state_bytes() + logits_bytes) << GgmlTypeName(type);
+    EXPECT_LT(chunked.state_bytes(), whole.state_bytes()) << GgmlTypeName(type);
+    // Decode after a chunked prompt: the same next logits.
+    const int32_t next = 300;
+    ASSERT_TRUE(whole.Eval({&next, 1}, false).ok());
+    ASSERT_TRUE(chunked.Eval({&next, 1}, false).ok());
+    EXPECT_EQ(0, std::memcmp(whole.logits(), chunked.logits(), sizeof(float) * static_cast<size_t>(nv)));
   }
 }
 
@@ -250,6 +286,32 @@ TEST(EngineTest, MixtureOfExpertsBatchedEqualsSequentialAndRoutesTopK) {
   });
   ASSERT_TRUE(batched.Eval(prompt, true).ok());
   ASSERT_EQ(seen.size(), static_cast<size_t>(hp.n_layers) * prompt.size());
+  // In chunks of at most 5 tokens (5 + 4 + ...: 12 as 4, 4, 4): the observations name the same tokens of the batch,
+  // with the same FFN inputs, and the logits are equal.
+  {
+    std::map<std::pair<int64_t, int64_t>, Seen> seen_chunked;
+    InferenceContext chunked(**model, &pool, 64);
+    chunked.SetMaxBatch(5);
+    chunked.SetFfnObserver([&](const FfnObservation& o) {
+      for (int64_t j = 0; j < o.n_tokens; ++j) {
+        Seen& s = seen_chunked[{o.layer, o.token_index[j]}];
+        s.experts.insert(o.expert);
+        s.input.assign(o.ffn_input + j * hp.dim, o.ffn_input + (j + 1) * hp.dim);
+      }
+    });
+    ASSERT_TRUE(chunked.Eval(prompt, true).ok());
+    ASSERT_EQ(seen_chunked.size(), seen.size());
+    for (const auto& [key, s] : seen) {
+      auto it = seen_chunked.find(key);
+      ASSERT_NE(it, seen_chunked.end()) << "layer " << key.first << " token " << key.second;
+      EXPECT_EQ(it->second.experts, s.experts) << "layer " << key.first << " token " << key.second;
+      EXPECT_EQ(it->second.input, s.input) << "layer " << key.first << " token " << key.second;
+    }
+    for (size_t t = 0; t < prompt.size(); ++t) {
+      EXPECT_EQ(0, std::memcmp(batched.logits(int64_t(t)), chunked.logits(int64_t(t)), sizeof(float) * hp.n_vocab))
+          << "token " << t;
+    }
+  }
   for (auto& [key, s] : seen) {
     // Direct computation of the router logits from the weights and the observed FFN input.
     const MatrixView& r = (*model)->layers()[key.first].router;

@@ -11,6 +11,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <span>
+#include <random>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <set>
@@ -257,6 +261,126 @@ TEST_P(OffloadMoeTest, ReadsOnlyForRoutedExpertsAndLogitsEqualSparseFfn) {
       }
     }
     EXPECT_EQ(total, kTopK * n_tokens * hp.n_layers);
+  }
+}
+
+// Batched prefill of MoE experts (issue 6, "Prefill: dense GEMM; the FFN of each layer read sequentially"): an expert
+// the router sent at least batched_prefill_min_tokens of a chunk's tokens is computed by GEMM over its whole region,
+// read sequentially (the layer's next such expert prefetched); the others run token by token. Every prompt position's
+// logits, and the greedy steps after it, equal the in-memory sparse FFN under the same rule bit for bit (F32: the dense
+// engine's within float tolerance, an independent reference); the passes and bytes read are exactly those of the
+// regions of the experts with enough tokens, counted from the router's choices; the runtime's context scratch does not
+// grow with the prompt (chunks of max_batch tokens, counted at Open).
+TEST_P(OffloadMoeTest, BatchedExpertPrefillEqualsInMemoryAndReadsWholeRegions) {
+  const std::string type = GetParam();
+  constexpr int64_t kMinTokens = 6, kMaxBatch = 24, kPromptTokens = 48, kDecode = 8;
+  ThreadPool pool(2);
+  auto model = nflash::Model::Load(ModelPath(type), LoadOptions{});
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const LlamaHparams& hp = (*model)->hparams();
+  std::mt19937 rng(7);
+  std::vector<int32_t> prompt{1};
+  while (static_cast<int64_t>(prompt.size()) < kPromptTokens) {
+    prompt.push_back(static_cast<int32_t>(3 + rng() % static_cast<uint32_t>(hp.n_vocab - 3)));
+  }
+  // Logits of every prompt position, then of kDecode greedy steps; `chunk_routing`: per chunk of the prompt, the
+  // tokens each (layer, expert) got.
+  using Routed = std::map<std::pair<int64_t, int64_t>, int64_t>;
+  auto run = [&](InferenceContext& ctx, RoutingRecorder* recorder, std::vector<Routed>* chunk_routing) {
+    std::vector<std::vector<float>> out;
+    ctx.SetMaxBatch(kMaxBatch);
+    EXPECT_TRUE(ctx.Eval(prompt, true).ok());
+    for (int64_t t = 0; t < kPromptTokens; ++t) out.emplace_back(ctx.logits(t), ctx.logits(t) + hp.n_vocab);
+    if (chunk_routing != nullptr) {
+      // Two chunks of 24: replay them separately through the recorder for their routing (same context state).
+      InferenceContext replay(**model, &pool, 0);
+      replay.SetFfnBackend(recorder);
+      replay.SetMaxBatch(kMaxBatch);
+      for (int64_t c = 0; c < kPromptTokens / kMaxBatch; ++c) {
+        Routed before = recorder->routed();
+        EXPECT_TRUE(replay.Eval(std::span<const int32_t>(prompt.data() + c * kMaxBatch, kMaxBatch), false).ok());
+        Routed now = recorder->routed();
+        for (auto& [k, n] : now) n -= before.count(k) ? before.at(k) : 0;
+        chunk_routing->push_back(now);
+      }
+    }
+    for (int d = 0; d < kDecode; ++d) {
+      const std::vector<float>& l = out.back();
+      const int32_t next = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+      EXPECT_TRUE(ctx.Eval(std::vector<int32_t>{next}, false).ok());
+      out.emplace_back(ctx.logits(), ctx.logits() + hp.n_vocab);
+    }
+    return out;
+  };
+
+  // The in-memory sparse FFN (oracle) under the same batched-prefill rule.
+  SparseFfnOptions so;
+  so.mode = SparseMode::kOracle;
+  so.batched_prefill_min_tokens = kMinTokens;
+  auto sparse = SparseFfn::Create(**model, nullptr, so, &pool);
+  ASSERT_TRUE(sparse.ok()) << sparse.status().ToString();
+  RoutingRecorder recorder(sparse->get(), hp.n_layers);
+  InferenceContext ref_ctx(**model, &pool, 0);
+  ref_ctx.SetFfnBackend(sparse->get());
+  std::vector<Routed> chunk_routing;
+  const std::vector<std::vector<float>> ref = run(ref_ctx, &recorder, &chunk_routing);
+  ASSERT_EQ(chunk_routing.size(), 2u);
+  if (type == "f32") {
+    InferenceContext dense(**model, &pool, 0);
+    const std::vector<std::vector<float>> d = run(dense, nullptr, nullptr);
+    for (int64_t t = 0; t < kPromptTokens; ++t) {
+      float worst = 0, scale = 0;
+      for (int64_t i = 0; i < hp.n_vocab; ++i) {
+        worst = std::max(worst, std::fabs(d[t][i] - ref[t][i]));
+        scale = std::max(scale, std::fabs(d[t][i]));
+      }
+      ASSERT_LE(worst, 1e-4f * std::max(1.0f, scale)) << "prompt position " << t;
+    }
+  }
+
+  for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
+    SCOPED_TRACE(OffloadModeName(mode));
+    SparseRuntimeOptions o = SmallCaches(mode);
+    o.batched_prefill = true;
+    o.batched_prefill_min_tokens = kMinTokens;
+    o.max_batch = kMaxBatch;
+    auto rt = SparseRuntime::Open(Deploy(type), o, &pool);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    ASSERT_TRUE((*rt)->ffn().batched_prefill());
+    InferenceContext& ctx = (*rt)->context();
+    // Expected passes and bytes: every (chunk, layer, expert) with at least kMinTokens tokens reads its whole region.
+    int64_t passes = 0;
+    uint64_t bytes = 0;
+    for (const Routed& r : chunk_routing) {
+      for (const auto& [key, n] : r) {
+        if (n < kMinTokens) continue;
+        ++passes;
+        bytes += (*rt)->deployment().Region(key.first, key.second)->size;
+      }
+    }
+    ASSERT_GT(passes, 0) << "the prompt should give some expert " << kMinTokens << " tokens of a chunk";
+    const uint64_t state_before = ctx.state_bytes();
+    const std::vector<std::vector<float>> got = run(ctx, nullptr, nullptr);
+    ASSERT_EQ(got.size(), ref.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(0, std::memcmp(got[i].data(), ref[i].data(), sizeof(float) * got[i].size()))
+          << (static_cast<int64_t>(i) < kPromptTokens ? "prompt position " : "decode step ")
+          << (static_cast<int64_t>(i) < kPromptTokens ? i : i - kPromptTokens);
+    }
+    const OffloadPrefillStats& ps = (*rt)->ffn().prefill_stats();
+    EXPECT_EQ(ps.layers, passes);
+    // Besides, regions read ahead for a pass that did not come (the next layer's guess, or a prefetch an expert's
+    // token-by-token path dropped), counted apart.
+    EXPECT_EQ(ps.bytes_read, bytes + ps.dropped_bytes);
+    EXPECT_LT(ps.prefetch_dropped, passes);
+    if (mode == OffloadMode::kLlmFlash) {
+      EXPECT_EQ(ps.prefetch_dropped, 0);  // no read ahead without the I/O thread
+    }
+    if (mode == OffloadMode::kFull) {
+      EXPECT_GT(ps.prefetch_hits, 0) << "no expert region was read ahead";
+    }
+    // Nothing grew but the last step's logits (batch scratch only ever grows, so a prompt-sized one would remain).
+    EXPECT_EQ(ctx.state_bytes(), state_before + static_cast<uint64_t>(hp.n_vocab) * sizeof(float));
   }
 }
 
