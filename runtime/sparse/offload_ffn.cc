@@ -672,10 +672,16 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   if (pending_buf_ >= 0) CancelPrefetch();
   ReclaimPrefillMemory();  // the slots a batched prefill borrowed serve the cache again
   // This layer's lookahead (read during the previous layer) serves its misses; any other is stale.
-  if (la_slots_ > 0 && !la_on_ && group == 0) WatchTokenStart();
+  if (la_slots_ > 0 && !la_on_ && layer == 0 && FirstFfnOfLayer(layer, expert)) WatchTokenStart();
   if (la_slots_ > 0) {
-    DropLookahead(layer);
-    la_current_ = la_layer_[layer % 2] == layer ? static_cast<int>(layer % 2) : -1;
+    // At the layer's first FFN (MoE: its first routed expert; the next layer's guesses are issued after its last one)
+    // every set but this layer's is stale.
+    if (FirstFfnOfLayer(layer, expert)) DropLookahead(layer);
+    la_current_ = -1;
+    const int first = static_cast<int>((layer % 2) * la_per_layer_);
+    for (int b = first; b < first + la_per_layer_; ++b) {
+      if (la_group_[static_cast<size_t>(b)] == group) la_current_ = b;
+    }
   }
 
   // 1. The active set, ascending.
@@ -722,7 +728,9 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     if (!requests_.empty()) io_open_ = true;
     // The next layer's probable misses, queued behind this layer's (the I/O thread reads them while this layer and
     // the next one's attention compute).
-    if (lookahead && expert < 0 && la_on_ && options_.lookahead_source == LookaheadSource::kNextLayer) {
+    // MoE: once per layer, after its last routed expert's own reads.
+    if (lookahead && la_on_ && options_.lookahead_source == LookaheadSource::kNextLayer &&
+        LastFfnOfLayer(layer, expert)) {
       IssueLookahead(layer, x);
     }
     ComputeItems(ready_items_, x, thr);  // cache hits: while the first reads are in flight
@@ -745,7 +753,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
       io_->Drain();
       ForgetLookahead();
     }
-    if (la_layer_[0] < 0 && la_layer_[1] < 0) io_open_ = false;  // every chunk of the job was waited for
+    if (LookaheadIdle()) io_open_ = false;  // every chunk of the job was waited for
   } else {
     const uint64_t t0 = SteadyNowNs();
     for (int32_t u : unit_order_) {
@@ -778,7 +786,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   std::fill(out, out + hp.dim, 0.0f);
   AccumulateRowPtrs(PartShape(lay, lay.down_type, lay.down_bytes), used_down_, used_hidden_.data(), out, pool_);
   ReleaseAll();  // after the accumulation: the down columns were read from the pinned slots
-  if (la_slots_ > 0 && !la_on_ && group + 1 == n_groups_) WatchTokenEnd();
+  if (la_slots_ > 0 && !la_on_ && layer + 1 == hp.n_layers && LastFfnOfLayer(layer, expert)) WatchTokenEnd();
   return Status::Ok();
 }
 

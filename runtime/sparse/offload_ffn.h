@@ -155,7 +155,7 @@ struct OffloadOptions {
   // neurons whose exact gate passes, so every one of them needs its up+down part.
   bool two_phase = false;
   // Cross-layer lookahead (see "Lookahead" below): bundles read ahead per layer at most; -1: n_ff / 8, 0: off. In
-  // effect only in full mode, for dense models, without two-phase loading (LookaheadSlots).
+  // effect only in full mode, without two-phase loading (LookaheadSlots); MoE: per guessed expert.
   int64_t lookahead_slots = -1;
   // With a predictor: the share of the lookahead's candidates read ahead, those with the largest predictor logits (the
   // likeliest to be active); 1: all of them.
@@ -173,7 +173,7 @@ struct OffloadOptions {
   uint64_t dio_alignment = kSlotAlignment;
 };
 
-// Lookahead (full mode, dense models, whole-bundle reads). A layer's reads cannot start before its active set is known
+// Lookahead (full mode, whole-bundle reads). A layer's reads cannot start before its active set is known
 // (after its attention and the gate GEMV / predictor), so without help the compute thread and the I/O thread take
 // turns. The residual stream changes little from one layer to the next (cosine ~0.8-0.96 on the synthetic 7B), so
 // while layer l runs, the active-set source of layer l+1 (the oracle's gate rows, or the predictor) is applied to
@@ -187,6 +187,9 @@ struct OffloadOptions {
 // slot, the lookahead is settled first (its pins released). The active set itself is still computed exactly from
 // layer l+1's real input, so results are bitwise those without lookahead; only what is read, and when, changes.
 // Cache counters: a bundle read ahead counts as a miss when its read is issued, used or not.
+// MoE: after the layer's last routed expert has issued its own reads, layer l+1's router is applied to the same
+// rescaled input, and each of its top-k experts gets a guess from its own predictor (or gate rows) into a set of its
+// own; a wrong expert only costs reads, since layer l+1's real router decides which experts run.
 
 // Two-phase loading (predictor mode, OffloadOptions::two_phase). A predictor guesses A; ReLU then zeroes a large share
 // of the predicted neurons' gates (~40% at 7B), whose up and down parts are never used. With one bundle per flash
@@ -450,16 +453,31 @@ class OffloadFfn : public FfnBackend {
   // Layer `layer` runs with FFN input x: selects layer+1's probable cold misses and appends their reads to the I/O job.
   void IssueLookahead(int64_t layer, const Activation& x);
   // The guess for layer `next` while layer `current` runs (the same layer for the same-layer source), from `input`
-  // (current's FFN or attention input, dim floats) rescaled by la_scale_: slots, requests, submission. `t0`: when the
-  // caller started (lookahead_ns).
+  // (current's FFN or attention input, dim floats) rescaled by la_scale_; MoE: for the top-k experts next's router
+  // picks on that input. `t0`: when the caller started (lookahead_ns).
   void IssueGuess(int64_t next, int64_t current, const float* input, uint64_t t0);
+  // One group's guess from la_act_ into lookahead set `b`: slots, requests, submission.
+  void GuessGroup(int64_t group, int b, uint64_t t0);
   // Waits for the reads of lookahead set `b` and verifies them: a bundle an item took is retried once (then an
   // error); the others are released into the cache, or dropped when bad. The set is empty afterwards.
   Status SettleLookahead(int b);
   // Settles the set the current token's Resolve uses, if any.
   Status ConsumeLookahead();
-  // Waits for and forgets the lookahead of every layer but `keep_layer` (e.g. before prefill uses the I/O thread).
+  // Waits for and forgets the lookahead of every layer but `keep_layer` (-1: of every layer, e.g. before prefill uses
+  // the I/O thread).
   void DropLookahead(int64_t keep_layer);
+  // No lookahead set holds reads.
+  bool LookaheadIdle() const {
+    return std::all_of(la_group_.begin(), la_group_.end(), [](int64_t g) { return g < 0; });
+  }
+  // MoE: whether (layer, expert) is the layer's first / last FFN of the current token (BeforeExperts's routing; a
+  // dense FFN always is).
+  bool FirstFfnOfLayer(int64_t layer, int64_t expert) const {
+    return expert < 0 || (moe_layer_ == layer && !moe_routed_.empty() && moe_routed_.front() == expert);
+  }
+  bool LastFfnOfLayer(int64_t layer, int64_t expert) const {
+    return expert < 0 || (moe_layer_ == layer && !moe_routed_.empty() && moe_routed_.back() == expert);
+  }
   // After Drain (an error): drops every lookahead bundle no item took (their contents are unknown).
   void ForgetLookahead();
   // Adaptive lookahead: WatchTokenStart at a token's first layer, WatchTokenEnd after its last one (which turns the
@@ -555,7 +573,8 @@ class OffloadFfn : public FfnBackend {
   PredictorScratch pred_scratch_;
   bool oracle_ = true;
 
-  // Lookahead: per set b (layer parity), the layer it read for (-1: none), its first chunk in the I/O job, the neuron
+  // Lookahead: per set b = (layer parity) x k + j (k = the experts a token uses, 1 for a dense model; j: the guessed
+  // expert's rank), the group it read for (-1: none), its first chunk in the I/O job, the neuron
   // and cold slot of each of its bundles (file order; slot -1 once settled), the reverse map (n_ff, -1), its
   // requests and chunk ends, and per bundle the item of the current token that took it (-1: none).
   int64_t la_slots_ = 0;
@@ -568,15 +587,18 @@ class OffloadFfn : public FfnBackend {
   uint64_t la_window_ns_ = 0;
   uint64_t la_window_wait_ns_ = 0;
   bool la_window_judged_ = false;  // false: the current window warms the cache and is not judged
-  int64_t la_layer_[2] = {-1, -1};
-  size_t la_first_chunk_[2] = {0, 0};
-  std::vector<int32_t> la_neurons_[2];
-  std::vector<int32_t> la_slot_[2];
-  std::vector<int32_t> la_index_of_neuron_[2];
-  std::vector<ReadRequest> la_requests_[2];  // scattered ones point into la_builder_ of the same buffer
-  io::RequestBuilder la_builder_[2];
-  std::vector<size_t> la_chunk_ends_[2];
-  std::vector<int32_t> la_item_[2];
+  int64_t la_per_layer_ = 1;
+  std::vector<int64_t> la_group_;
+  std::vector<size_t> la_first_chunk_;
+  std::vector<std::vector<int32_t>> la_neurons_;
+  std::vector<std::vector<int32_t>> la_slot_;
+  std::vector<std::vector<int32_t>> la_index_of_neuron_;
+  std::vector<std::vector<ReadRequest>> la_requests_;  // scattered ones point into la_builder_ of the same set
+  std::vector<io::RequestBuilder> la_builder_;
+  std::vector<std::vector<size_t>> la_chunk_ends_;
+  std::vector<std::vector<int32_t>> la_item_;
+  std::vector<float> la_router_;         // MoE: the guessed layer's router logits
+  std::vector<int64_t> la_experts_;      // MoE: its top-k experts
   int la_current_ = -1;                  // set the current token's Resolve uses (-1: none)
   std::vector<int32_t> la_items_;        // items served by a read ahead
   std::vector<uint8_t> la_taken_;        // per item: served by a read ahead (set by Resolve when a set was current)
@@ -625,6 +647,7 @@ class OffloadFfn : public FfnBackend {
   // MoE: the layer of the last BeforeExperts and its experts that go through ForwardBatch, ascending.
   int64_t moe_layer_ = -1;
   std::vector<int64_t> moe_batched_;
+  std::vector<int64_t> moe_routed_;  // the experts with tokens, ascending
   std::vector<PrefillLayerTiming> prefill_layers_;  // the current prompt's layers
   uint64_t last_region_read_ns_ = 0;                // set by FinishRegionRead
 };

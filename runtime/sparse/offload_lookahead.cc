@@ -2,6 +2,7 @@
 // into their cache slots while layer l computes.
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "runtime/core/ffn_activation.h"
 #include "runtime/core/kernels.h"
@@ -25,7 +26,7 @@ constexpr int64_t kRowsPerGuessedBundle = 64;
 
 int64_t OffloadFfn::LookaheadSlots(const packer::Deployment& d, const OffloadOptions& options) {
   const packer::Manifest& m = d.manifest();
-  if (options.mode != OffloadMode::kFull || m.n_experts > 0 || options.two_phase || m.n_layers < 2) return 0;
+  if (options.mode != OffloadMode::kFull || options.two_phase || m.n_layers < 2) return 0;
   if (options.lookahead_slots < 0) return std::max<int64_t>(1, m.n_ff / kLookaheadShare);
   return std::min<int64_t>(options.lookahead_slots, m.n_ff);
 }
@@ -40,7 +41,23 @@ Status OffloadFfn::InitLookahead() {
   const LlamaHparams& hp = model_.hparams();
   const size_t dim = static_cast<size_t>(hp.dim);
   const size_t n = static_cast<size_t>(la_slots_);
-  for (int b = 0; b < 2; ++b) {
+  // Two layers' sets (the one being used, the one being read), k guessed experts each for MoE.
+  la_per_layer_ = hp.n_experts > 0 ? std::max<int64_t>(1, hp.n_experts_used) : 1;
+  const size_t sets = static_cast<size_t>(2 * la_per_layer_);
+  la_group_.assign(sets, -1);
+  la_first_chunk_.assign(sets, 0);
+  la_neurons_.resize(sets);
+  la_slot_.resize(sets);
+  la_index_of_neuron_.resize(sets);
+  la_requests_.resize(sets);
+  la_builder_.resize(sets);
+  la_chunk_ends_.resize(sets);
+  la_item_.resize(sets);
+  if (hp.n_experts > 0) {
+    la_router_.resize(static_cast<size_t>(hp.n_experts));
+    la_experts_.reserve(static_cast<size_t>(hp.n_experts));
+  }
+  for (size_t b = 0; b < sets; ++b) {
     la_neurons_[b].reserve(n);
     la_slot_[b].reserve(n);
     la_item_[b].reserve(n);
@@ -133,23 +150,46 @@ void OffloadFfn::IssueGuess(int64_t next, int64_t current, const float* input, u
   const float* scale = la_scale_.data() + static_cast<size_t>(current) * dim;
   for (size_t i = 0; i < dim; ++i) la_x_[i] = input[i] * scale[i];
   la_act_.Set(la_x_.data(), 1, hp.dim);
-  const int b = static_cast<int>(next % 2);
-  if (la_layer_[b] >= 0) DropLookahead(current);  // a stale one (not expected: each layer settles its own)
+  const int first = static_cast<int>((next % 2) * la_per_layer_);
+  for (int64_t j = 0; j < la_per_layer_; ++j) {
+    // A stale one (not expected: each layer settles its own).
+    if (la_group_[static_cast<size_t>(first + j)] >= 0) DropLookahead(current);
+  }
+  if (hp.n_experts == 0) {
+    GuessGroup(next, first, t0);
+    return;
+  }
+  // MoE: the experts next's router would pick for this input (the context's rule: top-k logits, ties to the smaller
+  // index).
+  const LayerWeights& lw = model_.layers()[static_cast<size_t>(next)];
+  Gemv(lw.router, la_act_, la_router_.data(), nullptr);
+  la_experts_.resize(static_cast<size_t>(hp.n_experts));
+  std::iota(la_experts_.begin(), la_experts_.end(), int64_t{0});
+  const float* r = la_router_.data();
+  std::partial_sort(la_experts_.begin(), la_experts_.begin() + la_per_layer_, la_experts_.end(),
+                    [&](int64_t a, int64_t c) { return r[a] > r[c] || (r[a] == r[c] && a < c); });
+  for (int64_t j = 0; j < la_per_layer_; ++j) {
+    GuessGroup(next * n_experts_ + la_experts_[static_cast<size_t>(j)], first + static_cast<int>(j), t0);
+  }
+}
+
+void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0) {
+  const LlamaHparams& hp = model_.hparams();
+  const int64_t next = GroupLayer(g), expert = GroupExpert(g);
   SlotRegion& cold = cache_->cold();
-  const int64_t g = next;
   // At most half of the next layer's cold partition (or of the shared pool): the rest stays for its other misses and
   // for the bundles it will hit, which a wrong guess would otherwise evict.
   const RegionConfig& cc = cold.config();
   const int64_t partition = cc.slots_per_group.empty() ? cc.shared_slots : cc.slots_per_group[static_cast<size_t>(g)];
   const int64_t limit = std::min(la_slots_, partition / 2);
   if (limit <= 0) return;
-  const packer::RegionInfo& region = *deploy_.Region(next, -1);
+  const packer::RegionInfo& region = *deploy_.Region(next, expert);
   const packer::BundleLayout& lay = deploy_.layout();
 
   // Candidates: neurons the next layer would have to read if active (Resolve's cold path, not cached now).
   auto cold_candidate = [&](int32_t n) { return !HotPath(g, region, region.slot_of_neuron[n]) && cold.Find(g, n) < 0; };
   la_pick_.clear();
-  const float thr = thresholds_[static_cast<size_t>(next)];
+  const float thr = thresholds_[static_cast<size_t>(g)];
   if (oracle_) {
     la_rows_.clear();
     for (int32_t n = 0; n < hp.n_ff; ++n) {
@@ -171,7 +211,7 @@ void OffloadFfn::IssueGuess(int64_t next, int64_t current, const float* input, u
     }
     for (int32_t& j : la_pick_) j = la_rows_[static_cast<size_t>(j)];
   } else {
-    options_.predictor->Predict(next, la_act_, 0, &pred_scratch_, &la_rows_, pool_);
+    options_.predictor->Predict(g, la_act_, 0, &pred_scratch_, &la_rows_, pool_);
     for (int32_t n : la_rows_) {
       if (cold_candidate(n)) la_pick_.push_back(n);
     }
@@ -227,19 +267,20 @@ void OffloadFfn::IssueGuess(int64_t next, int64_t current, const float* input, u
     st.prefetch_bytes += r.size;
   }
   la_first_chunk_[b] = SubmitReads(reqs, ends);
-  la_layer_[b] = next;
+  la_group_[b] = g;
   io_open_ = true;
 }
 
 Status OffloadFfn::SettleLookahead(int b) {
-  const int64_t layer = la_layer_[b];
-  if (layer < 0) return Status::Ok();
-  const packer::RegionInfo& region = *deploy_.Region(layer, -1);
+  const int64_t group = la_group_[b];
+  if (group < 0) return Status::Ok();
+  const int64_t layer = GroupLayer(group), expert = GroupExpert(group);
+  const packer::RegionInfo& region = *deploy_.Region(layer, expert);
   const packer::BundleLayout& lay = deploy_.layout();
   SlotRegion& cold = cache_->cold();
   const size_t size = static_cast<size_t>(cold_read_);
   const std::vector<int32_t>& neurons = la_neurons_[b];
-  OffloadGroupStats& st = stats_[static_cast<size_t>(layer)];
+  OffloadGroupStats& st = stats_[static_cast<size_t>(group)];
   Status first_error;
   size_t i = 0;  // bundles are in request order: those of chunk c end where its last request does
   for (size_t c = 0; c < la_chunk_ends_[b].size(); ++c) {
@@ -258,7 +299,8 @@ Status OffloadFfn::SettleLookahead(int b) {
       if (la_item_[b][i] < 0) {
         // Not used by this token: a good bundle stays cached, but first in line for eviction (a wrong guess must
         // not push out bundles that were used); a bad one is dropped (never retried: nothing needs it now).
-        if (read.ok() && deploy_.VerifyBundle(layer, -1, n, std::span<const uint8_t>(data, lay.bundle_bytes)).ok()) {
+        if (read.ok() &&
+            deploy_.VerifyBundle(layer, expert, n, std::span<const uint8_t>(data, lay.bundle_bytes)).ok()) {
           cold_complete_[static_cast<size_t>(slot)] = 1;
           cold.ReleaseAsLru(slot);
         } else {
@@ -270,11 +312,11 @@ Status OffloadFfn::SettleLookahead(int b) {
       if (!first_error.ok()) continue;  // the token fails; its pins are dropped with it
       // Checked like any other arrival: verified, a bad one read again once, then an error naming it.
       const Unit unit{offset, size, data, slot, false, n, -1, Phase::kWhole, la_item_[b][i]};
-      first_error = CheckArrival(layer, -1, region, unit, read);
+      first_error = CheckArrival(layer, expert, region, unit, read);
     }
     st.lookahead_verify_ns += SteadyNowNs() - t0;
   }
-  la_layer_[b] = -1;
+  la_group_[b] = -1;
   if (la_current_ == b) la_current_ = -1;
   return first_error;
 }
@@ -285,17 +327,18 @@ Status OffloadFfn::ConsumeLookahead() {
 }
 
 void OffloadFfn::DropLookahead(int64_t keep_layer) {
-  for (int b = 0; b < 2; ++b) {
-    if (la_layer_[b] < 0 || la_layer_[b] == keep_layer) continue;
+  for (size_t b = 0; b < la_group_.size(); ++b) {
+    if (la_group_[b] < 0) continue;
+    if (GroupLayer(la_group_[b]) == keep_layer) continue;
     // No item holds these (a stale set), so SettleLookahead only releases or drops them: it cannot fail.
-    (void)SettleLookahead(b);
+    (void)SettleLookahead(static_cast<int>(b));
   }
-  if (la_layer_[0] < 0 && la_layer_[1] < 0) io_open_ = false;
+  if (LookaheadIdle()) io_open_ = false;
 }
 
 void OffloadFfn::ForgetLookahead() {
-  for (int b = 0; b < 2; ++b) {
-    if (la_layer_[b] >= 0) {
+  for (size_t b = 0; b < la_group_.size(); ++b) {
+    if (la_group_[b] >= 0) {
       for (size_t i = 0; i < la_neurons_[b].size(); ++i) {
         la_index_of_neuron_[b][static_cast<size_t>(la_neurons_[b][i])] = -1;
         // Items own the pins they took (AbandonPending drops them); the rest are dropped here.
@@ -303,7 +346,7 @@ void OffloadFfn::ForgetLookahead() {
         la_slot_[b][i] = -1;
       }
     }
-    la_layer_[b] = -1;
+    la_group_[b] = -1;
   }
   la_current_ = -1;
   io_open_ = false;

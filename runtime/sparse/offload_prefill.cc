@@ -302,6 +302,10 @@ void OffloadFfn::WarmHotRegion(int64_t group, const packer::RegionInfo& region, 
 void OffloadFfn::BeforeExperts(int64_t layer, std::span<const int64_t> tokens_per_expert) {
   moe_layer_ = layer;
   moe_batched_.clear();
+  moe_routed_.clear();
+  for (size_t e = 0; e < tokens_per_expert.size(); ++e) {
+    if (tokens_per_expert[e] > 0) moe_routed_.push_back(static_cast<int64_t>(e));
+  }
   if (!batched_prefill()) return;
   // Forward's rule: an expert's tokens go through ForwardBatch iff they are more than one and at least the minimum.
   for (size_t e = 0; e < tokens_per_expert.size(); ++e) {
