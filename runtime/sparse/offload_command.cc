@@ -466,9 +466,9 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "on, off or auto: read a cold neuron's gate page first and its up+down part only when the gate "
                   "passes (predictor mode, one bundle per flash group; auto/on fall back to whole bundles otherwise)");
   cmd->add_option("--lookahead", flags->lookahead,
-                  "Bundles read ahead for the next layer while one runs (full mode, whole bundles; MoE: per guessed expert): "
-                  "-1 auto (n_ff/8; from the start when a core is left beyond the compute threads, else adaptive: on once "
-                  "waiting for reads takes 15% of 8 tokens), 0 off")
+                  "Bundles read ahead for the next layer while one runs (full mode, whole bundles; MoE: per guessed "
+                  "expert): -1 auto (n_ff/8; from the start when a core is left beyond the compute threads, else "
+                  "adaptive: on once waiting for reads takes 15% of 8 tokens), 0 off")
       ->capture_default_str();
   cmd->add_option("--lookahead-source", flags->lookahead_source,
                   "Where a layer's guess comes from: next-layer (during the previous layer's FFN, from its input) or "
