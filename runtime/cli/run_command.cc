@@ -359,6 +359,7 @@ Result<std::unique_ptr<sparse::SparseRuntime>> OpenDeployment(const PplFlags& f,
   // Windows go token by token through the decode path, as `--sparse` runs them in memory (SparseFfn with
   // sparse_prefill): batched prefill computes every neuron of a layer, which is not the sparse computation.
   o.batched_prefill = false;
+  o.logits_tokens = n_ctx;  // every position of a window is scored: its logits are held, so the budget counts them
   return sparse::SparseRuntime::Open(f.deploy, o, pool);
 }
 

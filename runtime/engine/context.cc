@@ -250,14 +250,13 @@ InferenceContext::InferenceContext(const Model& model, ThreadPool* pool, int64_t
 }
 
 uint64_t InferenceContext::state_bytes() const {
-  uint64_t floats = k_cache_.size() + v_cache_.size() + attn_scratch_.size() + logits_.size() + rope_cos_.size() +
-                    rope_sin_.size();
-  for (const auto* v : {&x_, &xn_, &q_, &k_, &v_, &att_, &o_, &gate_, &up_, &hidden_, &ffn_out_, &router_, &expert_x_,
-                        &expert_out_}) {
-    floats += v->size();
+  uint64_t floats = 0;
+  for (const auto* v : {&k_cache_, &v_cache_, &attn_scratch_, &logits_, &rope_cos_, &rope_sin_, &x_, &xn_, &q_, &k_,
+                        &v_, &att_, &o_, &gate_, &up_, &hidden_, &ffn_out_, &router_, &expert_x_, &expert_out_}) {
+    floats += v->capacity();
   }
-  return floats * sizeof(float) + (k_half_.size() + v_half_.size()) * sizeof(uint16_t) +
-         expert_tokens_.size() * sizeof(int64_t);
+  return floats * sizeof(float) + (k_half_.capacity() + v_half_.capacity()) * sizeof(uint16_t) +
+         expert_tokens_.capacity() * sizeof(int64_t);
 }
 
 void InferenceContext::ReserveBatch(int64_t n, bool ffn) {
@@ -265,6 +264,10 @@ void InferenceContext::ReserveBatch(int64_t n, bool ffn) {
   EnsureBatch(chunk);
   if (ffn) EnsureFfnBatch(chunk);
   // Every token's logits (all_logits, e.g. perplexity) are the caller's choice, not reserved here.
+}
+
+void InferenceContext::ReserveLogits(int64_t n) {
+  logits_.reserve(static_cast<size_t>(std::min(std::max<int64_t>(1, n), n_ctx_) * hp_.n_vocab));
 }
 
 void InferenceContext::EnsureBatch(int64_t n) {

@@ -90,6 +90,9 @@ class InferenceContext {
   // a memory budget's fixed part). `ffn`: also the gate/up/hidden vectors of the context's own FFN (n_ff floats each
   // per token), which it otherwise allocates only when it computes an FFN itself (no backend, or one that declines).
   void ReserveBatch(int64_t n, bool ffn);
+  // Allocates now the logits of n tokens (an all_logits Eval of up to n tokens, e.g. a perplexity window), so that
+  // state_bytes() counts them.
+  void ReserveLogits(int64_t n);
   // Logits (n_vocab floats) of token `i` of the last Eval (i < 0: the last token).
   const float* logits(int64_t i = -1) const;
   int64_t pos() const { return pos_; }
@@ -104,7 +107,7 @@ class InferenceContext {
   // the row of `token` (token_embd's row_bytes) into `row`. Empty: token_embd's memory.
   using EmbeddingSource = std::function<Status(int32_t token, uint8_t* row)>;
   void SetEmbeddingSource(EmbeddingSource source) { embedding_source_ = std::move(source); }
-  // Bytes held by the KV cache and scratch buffers.
+  // Bytes held by the KV cache and scratch buffers (their capacity: what the process holds).
   uint64_t state_bytes() const;
 
  private:

@@ -53,6 +53,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   // offloaded FFN computes every FFN, with scratch of its own).
   rt->ctx_->SetMaxBatch(options.max_batch);
   rt->ctx_->ReserveBatch(options.max_batch, /*ffn=*/false);
+  rt->ctx_->ReserveLogits(options.logits_tokens);
   if (d.embedding_range().size > 0) {
     // One row per token from flash, O_DIRECT like every other weight.
     NF_ASSIGN_OR_RETURN(std::unique_ptr<io::DirectReader> emb_reader, io::DirectReader::Open(d.resident_path()));

@@ -51,6 +51,9 @@ struct SparseRuntimeOptions {
   // Tokens a prompt runs through the layers at a time (InferenceContext::SetMaxBatch): the context's batch scratch
   // for that many tokens is allocated at Open and counted in the fixed part, so a long prompt stays within the budget.
   int64_t max_batch = kDefaultMaxBatch;
+  // Tokens whose logits one Eval keeps at most (an all_logits Eval, e.g. a perplexity window; 1 for generation):
+  // allocated at Open and counted in the fixed part.
+  int64_t logits_tokens = 1;
   KvType kv_type = KvType::kF32;
   int64_t cluster_groups = 0;
   int64_t chunk_requests = 16;

@@ -389,8 +389,10 @@ TEST_P(OffloadMoeTest, BatchedExpertPrefillEqualsInMemoryAndReadsWholeRegions) {
     if (mode == OffloadMode::kFull) {
       EXPECT_GT(ps.prefetch_hits, 0) << "no expert region was read ahead";
     }
-    // Nothing grew but the last step's logits (batch scratch only ever grows, so a prompt-sized one would remain).
-    EXPECT_EQ(ctx.state_bytes(), state_before + static_cast<uint64_t>(hp.n_vocab) * sizeof(float));
+    // Nothing grew but the logits of every prompt position, which the caller asked for (the runtime reserved one
+    // token's).
+    EXPECT_EQ(ctx.state_bytes(),
+              state_before + static_cast<uint64_t>((kPromptTokens - 1) * hp.n_vocab) * sizeof(float));
   }
 }
 
