@@ -186,6 +186,7 @@ struct RunFlags {
   int64_t n_predict = 256;
   int64_t ctx = 0;
   std::string kv_type = "f32";
+  int64_t max_batch = kDefaultMaxBatch;
   int threads = 0;
   bool no_mmap = false;
   bool json = false;
@@ -216,6 +217,7 @@ Status RunGenerate(const RunFlags& f) {
   NF_ASSIGN_OR_RETURN(const KvType kv_type, ParseKvType(f.kv_type));
   ThreadPool pool(f.threads);
   InferenceContext ctx(*lm.model, &pool, n_ctx, kv_type);
+  ctx.SetMaxBatch(f.max_batch);
   // Sparse decode only: the prompt's batched prefill stays dense.
   NF_ASSIGN_OR_RETURN(SparseSetup sparse, SetupSparse(f.sparse, src, lm, &pool, /*sparse_prefill=*/false));
   if (sparse.ffn) ctx.SetFfnBackend(sparse.ffn.get());
@@ -479,6 +481,11 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
   sub->add_option("--prefill-batch-min", f->sparse.prefill_batch_min,
                   "--sparse: prompts of at least this many tokens prefill by GEMM over every neuron, shorter ones token "
                   "by token through the sparse path (as `nflash offload --prefill-batch-min`, same default)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  sub->add_option("--batch", f->max_batch,
+                  "Prompt tokens run through the layers at a time (longer prompts in chunks of near-equal size; as "
+                  "`nflash offload --batch`, same default)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   sub->callback([f, action] { *action = [f] { return RunGenerate(*f); }; });

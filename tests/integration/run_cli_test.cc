@@ -85,6 +85,21 @@ TEST(RunCliTest, JsonSummaryAndSeededSampling) {
   EXPECT_NEAR(sum / static_cast<double>(lat.size()), j.at("latency_ms").at("mean").get<double>(), 1e-9);
 }
 
+// --batch: a 5-token prompt in chunks of at most 2 tokens (2, 2, 1) gives the one-batch run's sampled text (chunking
+// changes no logit), and --batch 0 is a usage error.
+TEST(RunCliTest, PromptInChunksGivesTheSameText) {
+  const std::string common = " run -m " + Stories() + " -p 'Once upon a time' -n 40 --temp 1 --seed 7 --json";
+  auto whole = testing::RunCommand(Nflash() + common, /*capture_stderr=*/false);
+  auto chunked = testing::RunCommand(Nflash() + common + " --batch 2", /*capture_stderr=*/false);
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  ASSERT_EQ(chunked.exit_code, 0) << chunked.output;
+  const auto a = nlohmann::json::parse(whole.output), b = nlohmann::json::parse(chunked.output);
+  ASSERT_EQ(a.at("prompt_tokens").get<int64_t>(), 5);
+  EXPECT_EQ(a.at("text").get<std::string>(), b.at("text").get<std::string>());
+  EXPECT_GT(a.at("generated_tokens").get<int64_t>(), 20);
+  EXPECT_EQ(testing::RunCommand(Nflash() + common + " --batch 0").exit_code, 2);
+}
+
 TEST(RunCliTest, UsageErrors) {
   EXPECT_EQ(testing::RunCommand(Nflash() + " run").exit_code, 2);
   EXPECT_EQ(testing::RunCommand(Nflash() + " run -m /nonexistent.gguf").exit_code, 2);
