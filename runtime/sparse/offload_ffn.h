@@ -154,8 +154,8 @@ struct OffloadOptions {
   // logs why once and reads whole bundles. A no-op in oracle mode: the oracle's active set already holds only
   // neurons whose exact gate passes, so every one of them needs its up+down part.
   bool two_phase = false;
-  // Cross-layer lookahead (see "Lookahead" below): bundles read ahead per layer at most; -1: n_ff / 8, 0: off. In
-  // effect only in full mode, without two-phase loading (LookaheadSlots); MoE: per guessed expert.
+  // Cross-layer lookahead (see "Lookahead" below): bundles read ahead per layer at most; -1: n_ff / 8 (MoE: off),
+  // 0: off. In effect only in full mode, without two-phase loading (LookaheadSlots); MoE: per guessed expert.
   int64_t lookahead_slots = -1;
   // With a predictor: the share of the lookahead's candidates read ahead, those with the largest predictor logits (the
   // likeliest to be active); 1: all of them.

@@ -213,6 +213,14 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   }
   NF_ASSIGN_OR_RETURN(rt->ffn_, OffloadFfn::Create(d, *rt->model_, rt->flash_, oo, pool));
   rt->ctx_->SetFfnBackend(rt->ffn_.get());
+  if (rt->ffn_->lookahead_slots() > 0 && options.lookahead_adaptive) {
+    NF_LOG(Info) << "lookahead adaptive: the compute threads take every core, so it starts off and turns on if "
+                 << "waiting for reads takes " << static_cast<int>(kDefaultLookaheadWaitShare * 100.0 + 0.5) << "% of "
+                 << kDefaultLookaheadWindowTokens << " tokens (--lookahead N: always, 0: never)";
+  } else if (hp.n_experts > 0 && options.lookahead_slots < 0 && options.mode == OffloadMode::kFull) {
+    NF_LOG(Info) << "lookahead off by default for MoE models (--lookahead N: read up to N bundles ahead per guessed "
+                 << "expert)";
+  }
   return rt;
 }
 
@@ -223,11 +231,7 @@ LookaheadChoice AutoLookahead(int64_t flag, int compute_threads) {
   const int cores = ThreadPool::HardwareThreads();
   const int threads = compute_threads > 0 ? compute_threads : cores;
   if (threads < cores) return {-1, false};
-  NF_LOG(Info) << "lookahead adaptive: the " << threads << " compute thread(s) take every core of " << cores
-               << ", so it starts off and turns on if waiting for reads takes "
-               << static_cast<int>(kDefaultLookaheadWaitShare * 100.0 + 0.5) << "% of " << kDefaultLookaheadWindowTokens
-               << " tokens (--lookahead N: always, 0: never)";
-  return {-1, true};
+  return {-1, true};  // logged by SparseRuntime::Open when the lookahead applies
 }
 
 }  // namespace nflash::sparse

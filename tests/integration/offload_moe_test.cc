@@ -49,6 +49,7 @@ SparseRuntimeOptions SmallCaches(OffloadMode mode) {
   o.active_set = ActiveSetSource::kOracle;
   o.hot_slots = 2;
   o.cold_slots = 48;
+  o.lookahead_slots = 16;  // MoE has it off by default; on here, so that its reads are checked too
   return o;
 }
 
