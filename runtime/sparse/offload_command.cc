@@ -253,8 +253,9 @@ Status RunOffload(const OffloadFlags& f) {
                       {"verify_ms", static_cast<double>(l.verify_ns) / 1e6},
                       {"compute_ms", static_cast<double>(l.compute_ns) / 1e6}});
   }
-  j["prefill_layers"] = layers;  // batched prefill of the prompt, per layer or MoE expert pass (Fig. 8, expert -1 for
-                                 // a dense FFN); empty: token by token
+  // Batched prefill of the prompt (its last chunk when longer than --batch), per layer or MoE expert pass (Fig. 8;
+  // expert -1 for a dense FFN); empty: token by token.
+  j["prefill_layers"] = layers;
   if (!f.hw.empty()) {
     j["floor_compute_ms"] = floors.compute_ms;
     j["floor_io_ms"] = floors.io_ms;

@@ -365,7 +365,8 @@ class OffloadFfn : public FfnBackend {
   // Batched prefill runs in cold slots lent for the prompt (OffloadOptions::prefill_in_cache).
   bool prefill_in_cache() const { return prefill_in_cache_; }
   const OffloadPrefillStats& prefill_stats() const { return prefill_stats_; }
-  // Per layer, the last batched prefill (empty when prefill ran token by token).
+  // Per layer (MoE: per expert pass), the last batched prefill: of a prompt longer than the context's max_batch, its
+  // last chunk (empty when prefill ran token by token).
   const std::vector<PrefillLayerTiming>& prefill_layers() const { return prefill_layers_; }
   uint64_t prefill_bytes() const;
 
