@@ -359,7 +359,8 @@ Result<std::unique_ptr<sparse::SparseRuntime>> OpenDeployment(const PplFlags& f,
   o.n_ctx = n_ctx;
   NF_ASSIGN_OR_RETURN(o.kv_type, ParseKvType(f.kv_type));
   // Windows go token by token through the decode path, as `--sparse` runs them in memory (SparseFfn with
-  // sparse_prefill): batched prefill computes every neuron of a layer, which is not the sparse computation.
+  // sparse_prefill): in oracle mode batched prefill computes every neuron of a layer, and a window is scored as
+  // decode sees it.
   o.batched_prefill = false;
   o.logits_tokens = n_ctx;  // every position of a window is scored: its logits are held, so the budget counts them
   return sparse::SparseRuntime::Open(f.deploy, o, pool);
@@ -479,8 +480,9 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
   sub->add_flag("--json", f->json, "Print a JSON summary (with the text) instead of streaming");
   AddSparseOptions(sub, &f->sparse);
   sub->add_option("--prefill-batch-min", f->sparse.prefill_batch_min,
-                  "--sparse: prompts of at least this many tokens prefill by GEMM over every neuron, shorter ones token "
-                  "by token through the sparse path (as `nflash offload --prefill-batch-min`, same default)")
+                  "--sparse oracle: prompts of at least this many tokens prefill by GEMM over every neuron, shorter "
+                  "ones token by token (as `nflash offload --prefill-batch-min`, same default; the same logits either "
+                  "way); --sparse predictor prefills token by token")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   sub->add_option("--batch", f->max_batch,

@@ -135,7 +135,9 @@ void SparseFfn::ResetStats() {
 uint64_t SparseFfn::extra_bytes() const { return down_t_block_bytes_; }
 
 Result<bool> SparseFfn::Forward(int64_t layer, int64_t expert, const Activation& x, float* out) {
-  if (x.n() > 1 && !options_.sparse_prefill && x.n() >= options_.batched_prefill_min_tokens) {
+  // Predictor mode prefills through the token path whatever the batch (the offloaded batched prefill computes the same
+  // function from its layer buffer).
+  if (x.n() > 1 && !options_.sparse_prefill && predictor_ == nullptr && x.n() >= options_.batched_prefill_min_tokens) {
     ForwardPrefill(layer, expert, x, out);
     return true;
   }
@@ -158,9 +160,8 @@ void SparseFfn::ForwardPrefill(int64_t layer, int64_t expert, const Activation& 
   const LayerWeights& L = model_.layers()[static_cast<size_t>(layer)];
   const int64_t n_ff = hp.n_ff, dim = hp.dim;
   const size_t group = static_cast<size_t>(layer * std::max<int64_t>(1, hp.n_experts) + std::max<int64_t>(0, expert));
-  // Oracle: the token path's threshold; predictor: every neuron with h != 0 (the predictor guesses decode's active
-  // set, not the prompt's), as runtime/sparse/offload_prefill.cc.
-  const float thr = predictor_ == nullptr ? thresholds_[group] : 0.0f;
+  // Oracle mode only: the token path's threshold, so the result equals token-by-token prefill bitwise.
+  const float thr = thresholds_[group];
   const MatrixView gate = expert >= 0 ? L.Expert(L.gate, L.expert_stride_gate, expert) : L.gate;
   const MatrixView up = expert >= 0 ? L.Expert(L.up, L.expert_stride_up, expert) : L.up;
   constexpr int64_t kTile = 32;  // tokens per GEMM: bounds the scratch (Gemm rows equal Gemv rows for any tile)

@@ -32,11 +32,11 @@ namespace nflash {
 
 enum class SparseMode { kOracle, kPredictor };
 
-// Batches of at least this many tokens prefill by GEMM over every neuron (SparseFfn::ForwardPrefill and the offloaded
-// runtime's batched prefill); shorter ones token by token through the decode path. For an MoE expert the batch is
-// the tokens the router sent to it. The
-// offloaded runtime picks it for I/O cost (runtime/sparse/offload_ffn.h); the in-memory engine uses the same rule so
-// that, for one prompt, the two compute the same function.
+// Batches of at least this many tokens prefill in batches (the offloaded runtime reads each layer's region whole;
+// oracle mode computes every neuron by GEMM, SparseFfn::ForwardPrefill too; predictor mode each token's predicted
+// neurons); shorter ones token by token through the decode path. For an MoE expert the batch is the tokens the
+// router sent to it. Either way the function is the token path's, bit for bit; the offloaded runtime picks the rule
+// for I/O cost (runtime/sparse/offload_ffn.h).
 inline constexpr int64_t kDefaultBatchedPrefillMinTokens = 64;
 
 struct SparseFfnOptions {
@@ -45,9 +45,9 @@ struct SparseFfnOptions {
   // (the ReLU/dReLU exact zeros), or in predictor mode the predictor file's thresholds.
   std::vector<float> activation_threshold;
   // Also run batched prefill (x.n() > 1) token by token through the sparse path (perplexity with only predicted
-  // neurons); false: batches of batched_prefill_min_tokens or more (an MoE expert's tokens of a batch count alone)
-  // compute every neuron by GEMM with the down projection through the column copy (ForwardPrefill), shorter ones go
-  // token by token, as in the offloaded runtime.
+  // neurons, counted in the statistics); false: in oracle mode, batches of batched_prefill_min_tokens or more (an MoE
+  // expert's tokens of a batch count alone) compute every neuron by GEMM with the down projection through the column
+  // copy (ForwardPrefill), shorter ones go token by token; predictor mode runs every batch token by token.
   bool sparse_prefill = false;
   int64_t batched_prefill_min_tokens = kDefaultBatchedPrefillMinTokens;
   // Predictor mode: also compute every gate row to count the exact active set and the recall (costs a dense gate
@@ -88,9 +88,9 @@ class SparseFfn : public FfnBackend {
   // expert: -1 for a dense FFN, else the MoE expert whose rows to use.
   // `counted`: whether it enters the statistics (decode tokens; prompt tokens only with sparse_prefill).
   void ForwardToken(int64_t layer, int64_t expert, const Activation& x, int64_t token, float* out, bool counted);
-  // Batched prefill of a layer (or of an MoE expert's tokens) without sparse_prefill: gate and up of every neuron by
-  // GEMM, then per token the neurons with |act(gate)| > threshold (oracle; predictor: 0) and h != 0 through
-  // AccumulateRows on the column copy.
+  // Batched prefill of a layer (or of an MoE expert's tokens) in oracle mode without sparse_prefill: gate and up of
+  // every neuron by GEMM, then per token the neurons with |act(gate)| > threshold and h != 0 through AccumulateRows on
+  // the column copy (bitwise the token path). Predictor mode always runs the token path.
   void ForwardPrefill(int64_t layer, int64_t expert, const Activation& x, float* out);
 
   const Model& model_;

@@ -26,10 +26,11 @@
 // region (MoE: the expert's, for the tokens the router sent it) is read sequentially in kPrefillRequestBytes requests
 // into one of two layer buffers while the next region is prefetched into the other (the next layer; MoE: the layer's
 // next expert with enough tokens, known from BeforeExperts, and after the last one a guess for the next layer);
-// gate/up of every neuron by GemmMany over strided views of the bundles, then per token the down columns of the neurons
-// with h != 0 accumulated in ascending neuron order (the token path's arithmetic: oracle mode gives bitwise the token-
-// by-token result; predictor mode computes every neuron, as the in-memory engine's dense prefill does). The hot
-// clusters read are copied into the hot region (a fair share per layer) so decode starts warm.
+// oracle mode: gate/up of every neuron by GemmMany over strided views of the bundles; predictor mode: per token the
+// gate/up rows of its predicted neurons by address in the buffer (GemvRowPtrs, as the token path); then per token the
+// down columns of the neurons that pass the active test accumulated in ascending neuron order (the token path's
+// arithmetic: bitwise the token-by-token result in both modes). The hot clusters read are copied into the hot region
+// (a fair share per layer) so decode starts warm.
 #pragma once
 
 #include <algorithm>

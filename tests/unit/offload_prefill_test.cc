@@ -311,8 +311,9 @@ TEST_F(OffloadPrefillTest, SyntheticQ8_0AndPredictorDeployment) {
   ExpectBitwise(batched, *ref);
   ExpectBitwise(batched, Offloaded(dir_->File("q8-deploy"), o, false, prompt, 4));
 
-  // Predictor deployment: a 70-token prompt prefills by GEMM over every neuron with the down columns, in the
-  // in-memory engine (SparseFfn::ForwardPrefill) as in the offloaded one (OffloadFfn::ForwardBatch): bitwise equal.
+  // Predictor deployment: the offloaded batched prefill (OffloadFfn::ForwardBatch: whole regions read, each token's
+  // predicted neurons computed from the layer buffer) equals the in-memory predictor run and the offloaded
+  // token-by-token prefill bitwise.
   auto predictor = Predictor::Load(dir_->File("q8-pred.gguf"));
   ASSERT_TRUE(predictor.ok()) << predictor.status().ToString();
   SparseFfnOptions pfo;
@@ -327,12 +328,18 @@ TEST_F(OffloadPrefillTest, SyntheticQ8_0AndPredictorDeployment) {
   SparseRuntimeOptions po;
   po.active_set = ActiveSetSource::kPredictor;
   po.cold_slots = 30;
-  auto pbatched = Offloaded(dir_->File("q8-deploy-pred"), po, true, prompt, 0);
-  ExpectBitwise(pbatched, *pref);
-  // And it is not the token-by-token predictor run (which computes only predicted neurons): the test can tell.
-  auto ptoken = Offloaded(dir_->File("q8-deploy-pred"), po, false, prompt, 0);
+  OffloadPrefillStats pstats;
+  auto pbatched = Offloaded(dir_->File("q8-deploy-pred"), po, true, prompt, 4, &pstats);
+  EXPECT_EQ(pstats.layers, hp.n_layers) << "the prompt did not go through the batched path";
+  ExpectBitwise(pbatched, Offloaded(dir_->File("q8-deploy-pred"), po, false, prompt, 4));
+  ExpectBitwise(std::vector<std::vector<float>>(pbatched.begin(), pbatched.begin() + prompt.size()), *pref);
+  // Not the dense function: computing every neuron (what this path did before) gives other logits, so the test can
+  // tell which one ran.
+  InferenceContext dctx(**model, pool_, 0);
+  auto dense = Logits(dctx, hp.n_vocab, prompt, 0);
+  ASSERT_TRUE(dense.ok());
   bool differ = false;
-  for (size_t i = 0; i < ptoken.size() && !differ; ++i) differ = ptoken[i] != pbatched[i];
+  for (size_t i = 0; i < dense->size() && !differ; ++i) differ = (*dense)[i] != pbatched[i];
   EXPECT_TRUE(differ);
 }
 
