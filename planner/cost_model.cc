@@ -5,6 +5,8 @@
 #include <cmath>
 #include <map>
 
+#include "runtime/engine/context.h"  // kDefaultMaxBatch (a constant: the planner does not link the engine)
+
 namespace nflash::planner {
 
 double Curve::At(double v) const {
@@ -201,15 +203,26 @@ PrefillPrediction EvaluatePrefill(const HardwareParams& hw, const ModelParams& m
                                   int64_t n_tokens) {
   PrefillPrediction p;
   const double n = static_cast<double>(std::max<int64_t>(n_tokens, 1));
-  p.compute_s = hw.gemm_gflops > 0 ? 2.0 * static_cast<double>(model.matmul_params) * n / (hw.gemm_gflops * 1e9) : 0.0;
-  // Dense prefill needs every neuron: the ones not held in the hot region or the cold cache stream from flash.
-  double streamed = 0;
-  for (size_t r = 0; r < model.ffns.size(); ++r) {
-    const FfnParams& f = model.ffns[r];
-    const auto held = std::min<int64_t>(s.hot_neurons.at(r) + s.cold_slots.at(r), f.n_neurons);
-    streamed += static_cast<double>(f.n_neurons - held) * static_cast<double>(f.read_bytes);
+  const double gemm = hw.gemm_gflops * 1e9;
+  if (model.predictor) {
+    // Attention and the head by GEMM; each FFN computes every token's predicted neurons from the layer buffer, the
+    // decode path's arithmetic with every neuron in memory (runtime/sparse/offload_prefill.cc), plus the predictor.
+    const size_t ti = static_cast<size_t>(std::max(1, s.compute_threads) - 1);
+    const double gemv = hw.dense_gemv_gbs.at(std::min(ti, hw.dense_gemv_gbs.size() - 1)) * 1e9;
+    const double sparse = hw.sparse_ffn_gbs.at(std::min(ti, hw.sparse_ffn_gbs.size() - 1)) * 1e9;
+    double ffn = static_cast<double>(model.predictor_bytes) / gemv;  // per token
+    for (const FfnParams& f : model.ffns) {
+      ffn += f.route_fraction * f.active_fraction * static_cast<double>(f.n_neurons) *
+             static_cast<double>(f.ComputeBytes()) / sparse;
+    }
+    p.compute_s = (gemm > 0 ? 2.0 * static_cast<double>(model.dense_matmul_params) * n / gemm : 0.0) + ffn * n;
+  } else {
+    // Oracle: a GEMM over every neuron.
+    p.compute_s = gemm > 0 ? 2.0 * static_cast<double>(model.matmul_params) * n / gemm : 0.0;
   }
-  p.io_s = hw.seq_read_mbs > 0 ? streamed / (hw.seq_read_mbs * 1e6) : 0.0;
+  // Every region is read whole, once per chunk of kDefaultMaxBatch tokens (the runtime's default --batch).
+  const double chunks = std::ceil(n / static_cast<double>(kDefaultMaxBatch));
+  p.io_s = hw.seq_read_mbs > 0 ? chunks * static_cast<double>(model.ffn_bytes) / (hw.seq_read_mbs * 1e6) : 0.0;
   // Layer l + 1 is read while layer l computes; the first layer's read has nothing to hide behind.
   const double layers = static_cast<double>(std::max<int64_t>(model.n_layers, 1));
   p.exposed_io_s = p.io_s / layers;

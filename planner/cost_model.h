@@ -82,6 +82,8 @@ struct ModelParams {
   uint64_t predictor_bytes = 0;         // all predictors (read per token)
   uint64_t ffn_bytes = 0;               // the whole flash image (for prefill streaming)
   uint64_t matmul_params = 0;           // weights in every matrix product per token (2 flops each per token)
+  uint64_t dense_matmul_params = 0;     // of which outside the FFNs (attention, router, output head)
+  bool predictor = false;               // the deployment ships a predictor (its FFNs compute predicted neurons)
   // Cold slots the runtime adds beyond the plan's, shared by every region: the miss staging reserved in fixed_bytes
   // (one slot per neuron of a region), which the runtime turns into a cold overflow pool when the plan gives per-layer
   // partitions (runtime/sparse/sparse_runtime.cc). 0: none.

@@ -56,6 +56,7 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
   const DenseWeights dense = ResidentDenseWeights(deployment.resident());  // the floors count the same bytes
   m.dense_bytes_per_token = dense.bytes;
   m.matmul_params = dense.params;
+  m.dense_matmul_params = dense.params;
   const uint64_t per_region_params = 3ull * static_cast<uint64_t>(man.dim) * static_cast<uint64_t>(man.n_ff);
 
   // What the runtime will compute per token: with a predictor, the share it predicts active (held-out figure when the
@@ -65,6 +66,7 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
   if (!deployment.predictor_path().empty()) {
     NF_ASSIGN_OR_RETURN(predictor, Predictor::Load(deployment.predictor_path()));
   }
+  m.predictor = predictor != nullptr;
   auto computed_fraction = [&](const profiler::FfnProfile& fp) -> double {
     if (predictor && fp.layer < predictor->n_layers() && (fp.expert < 0) == (predictor->n_experts() == 0) &&
         fp.expert < predictor->n_experts()) {

@@ -272,15 +272,29 @@ TEST(CostModelTest, PrefillIsGemmAgainstStreamingWithTheFirstLayerExposed) {
   m.n_layers = 2;
   m.ffns.push_back(m.ffns[0]);
   m.matmul_params = 5000000;  // 2 * 5e6 * 100 tokens = 1e9 flops = 10 ms at 100 GFLOP/s
+  m.dense_matmul_params = 2000000;
+  m.ffn_bytes = 8192000;      // both regions, read whole whatever the caches hold
   PlanSettings s;
+  s.compute_threads = 1;
+  s.io_threads = 1;
+  s.queue_depth = 64;
+  s.cluster_neurons = 32;
   s.hot_neurons = {1000, 500};
   s.cold_slots = {0, 0};
-  const PrefillPrediction p = EvaluatePrefill(hw, m, s, 100);
-  // 500 neurons x 4096 bytes streamed at 1000 MB/s = 2.048 ms; half of it (the first of two layers) exposed.
+  // Oracle: a GEMM over every neuron. 8.192 MB at 1000 MB/s = 8.192 ms; half of it (the first of two layers) exposed.
+  PrefillPrediction p = EvaluatePrefill(hw, m, s, 100);
   EXPECT_NEAR(p.compute_s, 10e-3, 1e-12);
-  EXPECT_NEAR(p.io_s, 2.048e-3, 1e-12);
-  EXPECT_NEAR(p.total_s, 10e-3 + 1.024e-3, 1e-12);
-  EXPECT_NEAR(p.tokens_per_s, 100 / (11.024e-3), 1e-6);
+  EXPECT_NEAR(p.io_s, 8.192e-3, 1e-12);
+  EXPECT_NEAR(p.total_s, 10e-3 + 4.096e-3, 1e-12);
+  EXPECT_NEAR(p.tokens_per_s, 100 / (14.096e-3), 1e-6);
+  // Predictor: the non-FFN products by GEMM (2 * 2e6 * 100 / 1e11 = 4 ms) and per token each FFN's predicted neurons at
+  // the sparse rate (100 active x 1000 bytes / 1 GB/s = 0.1 ms per region, 2 regions, 100 tokens: 20 ms).
+  m.predictor = true;
+  p = EvaluatePrefill(hw, m, s, 100);
+  EXPECT_NEAR(p.compute_s, 4e-3 + 20e-3, 1e-12);
+  EXPECT_NEAR(p.total_s, 24e-3 + 4.096e-3, 1e-12);
+  // 600 tokens: two chunks of the runtime's 512-token default, each reading every region.
+  EXPECT_NEAR(EvaluatePrefill(hw, m, s, 600).io_s, 2 * 8.192e-3, 1e-12);
 }
 
 TEST(PlannerTest, WholeModelFitsServesEverythingFromMemory) {
