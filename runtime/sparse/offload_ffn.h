@@ -227,7 +227,8 @@ struct OffloadPrefillStats {
   uint64_t io_wait_ns = 0;     // compute thread blocked on the region read (exposed I/O)
   uint64_t verify_ns = 0;      // per-neuron hashes of every bundle read
   uint64_t compute_ns = 0;     // gate/up GEMM, activation, down accumulation
-  uint64_t gate_up_ns = 0;     // of which the gate/up GEMM
+  uint64_t gate_up_ns = 0;     // of which the gate/up GEMM (oracle), or the per-token part: predictor, gate/up rows
+                               // and down accumulation (predictor)
   int64_t warmed_clusters = 0; // hot clusters copied into the hot region
   int64_t warmed_bundles = 0;  // cold bundles copied into the cold region (WarmColdRegion)
   int64_t retries = 0;
@@ -641,6 +642,16 @@ class OffloadFfn : public FfnBackend {
   std::vector<uint8_t> warm_age_;   // per neuron: 1 + how many tokens before the batch's last it was last used
                                     // (1..kWarmTokens), 0 when not among the last kWarmTokens (WarmColdRegion)
   std::vector<int32_t> warm_rows_;
+  // Predictor-mode batched prefill: per compute thread, one token's scratch (grown on first use, kept).
+  struct PrefillThread {
+    Activation act;
+    PredictorScratch pred;
+    std::vector<int32_t> active, rows;
+    std::vector<const uint8_t*> ptrs, up_ptrs;
+    std::vector<float> out, hidden;
+  };
+  std::vector<PrefillThread> pf_threads_;
+  std::vector<std::vector<int32_t>> pf_warm_rows_;  // the used rows of the batch's last kWarmTokens tokens
   float* pf_gate_ = nullptr;              // kPrefillTokenTile x n_ff, slot-view order (see ForwardBatch)
   float* pf_up_ = nullptr;
   OffloadPrefillStats prefill_stats_;

@@ -407,41 +407,64 @@ Status OffloadFfn::ForwardBatch(int64_t layer, int64_t expert, const Activation&
     // gate and up of a bundle in one list as ComputeItems has them), the active test, and the down columns of the
     // used ones in ascending order: the token path's arithmetic on the same bytes, so batched and token-by-token
     // prefill give the same logits bit for bit, at ~1/10 of a dense GEMM's work for a ~10% active set (the rows
-    // come from the buffer, read sequentially, instead of the cache and random reads).
+    // come from the buffer, read sequentially, instead of the cache and random reads). Tokens are independent here,
+    // so each thread takes whole tokens with the single-threaded kernels (the same values: the kernels' results do not
+    // depend on the thread count) instead of splitting every token's small calls over the pool.
     const bool fused = lay.gate_type == lay.up_type && lay.gate_bytes == lay.up_bytes;
-    for (int64_t t = 0; t < x.n(); ++t) {
-      token_act_.Set(x.f32() + t * dim, 1, dim);
-      options_.predictor->Predict(group, token_act_, 0, &pred_scratch_, &active_, pool_);
-      gate_ptrs_.clear();
-      up_ptrs_.clear();
-      for (int32_t k : active_) {
-        const uint8_t* b = data + lay.SlotOffset(region->slot_of_neuron[k]);
-        gate_ptrs_.push_back(b + lay.gate_offset);
-        (fused ? gate_ptrs_ : up_ptrs_).push_back(b + lay.up_offset);
-      }
-      const uint64_t g0 = SteadyNowNs();
-      if (!gate_ptrs_.empty()) {
-        GemvRowPtrs(PartShape(lay, lay.gate_type, lay.gate_bytes), gate_ptrs_, token_act_, gate_out_.data(), pool_);
-      }
-      if (!fused && !up_ptrs_.empty()) {
-        GemvRowPtrs(PartShape(lay, lay.up_type, lay.up_bytes), up_ptrs_, token_act_, up_out_.data(), pool_);
-      }
-      prefill_stats_.gate_up_ns += SteadyNowNs() - g0;
-      used_rows_.clear();
-      used_hidden_.clear();
-      for (size_t j = 0; j < active_.size(); ++j) {
-        const float gate = gate_out_[fused ? 2 * j : j];
-        const float up = fused ? gate_out_[2 * j + 1] : up_out_[j];
-        float ga = 0.0f;
-        const float h = ActivateNeuron(act, gate, up, &ga);
-        if (std::fabs(ga) > thr && h != 0.0f) {
-          used_rows_.push_back(active_[j]);
-          used_hidden_.push_back(h);
+    const int threads = pool_ != nullptr ? pool_->NumThreads() : 1;
+    while (static_cast<int>(pf_threads_.size()) < threads) {
+      pf_threads_.emplace_back();
+      options_.predictor->PrepareScratch(&pf_threads_.back().pred);
+    }
+    const int64_t warm_from = std::max<int64_t>(0, x.n() - kWarmTokens);
+    pf_warm_rows_.resize(static_cast<size_t>(kWarmTokens));
+    const uint64_t g0 = SteadyNowNs();
+    auto run = [&](int64_t begin, int64_t end, int thread) {
+      PrefillThread& ts = pf_threads_[static_cast<size_t>(thread)];
+      for (int64_t t = begin; t < end; ++t) {
+        ts.act.Set(x.f32() + t * dim, 1, dim);
+        options_.predictor->Predict(group, ts.act, 0, &ts.pred, &ts.active, nullptr);
+        ts.ptrs.clear();
+        ts.up_ptrs.clear();
+        for (int32_t k : ts.active) {
+          const uint8_t* b = data + lay.SlotOffset(region->slot_of_neuron[k]);
+          ts.ptrs.push_back(b + lay.gate_offset);
+          (fused ? ts.ptrs : ts.up_ptrs).push_back(b + lay.up_offset);
         }
+        ts.out.resize(ts.ptrs.size() + ts.up_ptrs.size());
+        if (!ts.ptrs.empty()) {
+          GemvRowPtrs(PartShape(lay, lay.gate_type, lay.gate_bytes), ts.ptrs, ts.act, ts.out.data(), nullptr);
+        }
+        if (!ts.up_ptrs.empty()) {
+          GemvRowPtrs(PartShape(lay, lay.up_type, lay.up_bytes), ts.up_ptrs, ts.act, ts.out.data() + ts.ptrs.size(),
+                      nullptr);
+        }
+        ts.rows.clear();
+        ts.hidden.clear();
+        for (size_t j = 0; j < ts.active.size(); ++j) {
+          const float gate = ts.out[fused ? 2 * j : j];
+          const float up = fused ? ts.out[2 * j + 1] : ts.out[ts.ptrs.size() + j];
+          float ga = 0.0f;
+          const float h = ActivateNeuron(act, gate, up, &ga);
+          if (std::fabs(ga) > thr && h != 0.0f) {
+            ts.rows.push_back(ts.active[j]);
+            ts.hidden.push_back(h);
+          }
+        }
+        float* y = out + t * dim;
+        std::fill(y, y + dim, 0.0f);
+        AccumulateRows(down, ts.rows, ts.hidden.data(), y, nullptr);
+        if (t >= warm_from) pf_warm_rows_[static_cast<size_t>(t - warm_from)] = ts.rows;
       }
-      float* y = out + t * dim;
-      std::fill(y, y + dim, 0.0f);
-      AccumulateRows(down, used_rows_, used_hidden_.data(), y, pool_);
+    };
+    if (pool_ != nullptr) {
+      pool_->ParallelFor(x.n(), 1, run);
+    } else {
+      run(0, x.n(), 0);
+    }
+    prefill_stats_.gate_up_ns += SteadyNowNs() - g0;  // predictor, gate/up and down together here
+    for (int64_t t = warm_from; t < x.n(); ++t) {
+      used_rows_.swap(pf_warm_rows_[static_cast<size_t>(t - warm_from)]);
       note_warm(t);
     }
   }
@@ -512,7 +535,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, int64_t expert, const Activation&
                  << " prefetched, " << (z.prefetch_dropped - a.prefetch_dropped) << " read ahead unused); per " << unit
                  << ": I/O wait " << (z.io_wait_ns - a.io_wait_ns) / 1e6 / layers << " ms, verify "
                  << (z.verify_ns - a.verify_ns) / 1e6 / layers << " ms, compute "
-                 << (z.compute_ns - a.compute_ns) / 1e6 / layers << " ms (gate/up GEMM "
+                 << (z.compute_ns - a.compute_ns) / 1e6 / layers << (oracle_ ? " ms (gate/up GEMM " : " ms (per token ")
                  << (z.gate_up_ns - a.gate_up_ns) / 1e6 / layers << " ms); " << (z.warmed_clusters - a.warmed_clusters)
                  << " hot clusters and " << (z.warmed_bundles - a.warmed_bundles) << " cold bundles warmed";
   }
