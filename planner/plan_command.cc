@@ -217,8 +217,16 @@ Status RunPlan(const PlanFlags& f) {
 
   NF_ASSIGN_OR_RETURN(SolveResult solved, SolvePlan(hw, model, limits));
   if (!solved.feasible) {
-    // A limit the user set cannot be met: a usage-class error (exit 2) with Z3's explanation.
-    return Status::InvalidArgument(solved.message + " (fixed part: " + fixed.Describe() + ")");
+    // A limit the user set cannot be met: a usage-class error (exit 2) with Z3's explanation, and the context the KV
+    // cache was sized for when that cache alone is more than a quarter of the limit (a plan without --ctx sizes it for
+    // the model's whole context).
+    std::string hint;
+    if (fixed.kv_cache * 4 > limits.memory_bytes) {
+      hint = "; the KV cache is sized for a context of " + std::to_string(n_ctx) + " tokens" +
+             (f.n_ctx > 0 ? "" : " (the model's)") + ": --ctx N sizes it for fewer" +
+             (f.kv_type == "f16" ? "" : ", --kv-type f16 halves it");
+    }
+    return Status::InvalidArgument(solved.message + " (fixed part: " + fixed.Describe() + ")" + hint);
   }
   Plan plan;
   plan.deployment_hash = HashToHex(deploy_hash);

@@ -86,6 +86,14 @@ TEST_F(PlanCliTest, InfeasibleLimitsNameTheConflictAndTheNearestFeasibleLimit) {
   EXPECT_EQ(below_fixed.exit_code, 2) << below_fixed.output;
   EXPECT_NE(below_fixed.output.find("fixed_part"), std::string::npos) << below_fixed.output;
   EXPECT_NE(below_fixed.output.find("KV cache"), std::string::npos) << below_fixed.output;
+  // Its KV cache (stories260K's whole 512-token context) is most of that limit: the message says so and how to shrink it.
+  EXPECT_NE(below_fixed.output.find("sized for a context of 512 tokens (the model's): --ctx N"), std::string::npos)
+      << below_fixed.output;
+  // With a small context the cache is not the problem, and no such hint is given.
+  auto small_ctx = Plan("--memory 1M --ctx 64 --kv-type f16", "x.json");
+  EXPECT_EQ(small_ctx.exit_code, 2) << small_ctx.output;
+  EXPECT_NE(small_ctx.output.find("fixed_part"), std::string::npos) << small_ctx.output;
+  EXPECT_EQ(small_ctx.output.find("sized for a context"), std::string::npos) << small_ctx.output;
 
   auto too_fast = Plan("--memory 2600K --min-speed 1000000", "x.json");
   EXPECT_EQ(too_fast.exit_code, 2) << too_fast.output;
