@@ -1,6 +1,7 @@
 // Batched prefill of the flash-offloaded FFN (see offload_ffn.h): whole-region sequential reads into two layer
 // buffers with the next region (layer, or MoE expert) prefetched, per-bundle checksums, gate/up by GEMM over strided
-// bundle views, the down accumulation of the token path per token, and warming the hot region from what was read.
+// bundle views (oracle) or of each token's predicted neurons by address (predictor), the down accumulation of the
+// token path per token, and warming the caches from what was read.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
