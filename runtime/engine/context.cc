@@ -519,6 +519,12 @@ Status InferenceContext::DenseFfn(const LayerWeights& L, int64_t layer, int64_t 
   return Status::Ok();
 }
 
+void TopExperts(const float* r, int64_t k, std::span<int64_t> order) {
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int64_t a, int64_t b) { return r[a] > r[b] || (r[a] == r[b] && a < b); });
+}
+
 Status InferenceContext::MoeFfn(const LayerWeights& L, int64_t layer, int64_t n) {
   const int64_t dim = hp_.dim, n_ff = hp_.n_ff, n_exp = hp_.n_experts, k = hp_.n_experts_used;
   float* router = router_.data();
@@ -530,9 +536,7 @@ Status InferenceContext::MoeFfn(const LayerWeights& L, int64_t layer, int64_t n)
   std::vector<int64_t> order(static_cast<size_t>(n_exp));
   for (int64_t t = 0; t < n; ++t) {
     const float* r = router + t * n_exp;
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [&](int64_t a, int64_t b) { return r[a] > r[b] || (r[a] == r[b] && a < b); });
+    TopExperts(r, k, order);
     const float mx = r[order[0]];
     float sum = 0;
     for (int64_t j = 0; j < k; ++j) sum += std::exp(r[order[j]] - mx);

@@ -72,6 +72,11 @@ inline constexpr int64_t kDefaultMaxBatch = 512;
 // attention is per query, so the tiling changes no result).
 inline constexpr int64_t kAttentionTile = 64;
 
+// MoE routing: the experts of the k largest router logits (ties to the smaller index) into order[0..k), from order's
+// n_experts entries (all of them are rewritten). One rule for the context's routing and the offloaded runtime's
+// guesses of it.
+void TopExperts(const float* logits, int64_t k, std::span<int64_t> order);
+
 // Thread-safety: not thread-safe; one context per sequence. The model and pool must outlive it.
 class InferenceContext {
  public:

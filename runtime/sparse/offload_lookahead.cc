@@ -2,7 +2,6 @@
 // into their cache slots while layer l computes.
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 
 #include "runtime/core/ffn_activation.h"
 #include "runtime/core/kernels.h"
@@ -163,15 +162,11 @@ void OffloadFfn::IssueGuess(int64_t next, int64_t current, const float* input, u
     GuessGroup(next, first, t0);
     return;
   }
-  // MoE: the experts next's router would pick for this input (the context's rule: top-k logits, ties to the smaller
-  // index).
+  // MoE: the experts next's router would pick for this input (the context's rule, TopExperts).
   const LayerWeights& lw = model_.layers()[static_cast<size_t>(next)];
   Gemv(lw.router, la_act_, la_router_.data(), nullptr);
   la_experts_.resize(static_cast<size_t>(hp.n_experts));
-  std::iota(la_experts_.begin(), la_experts_.end(), int64_t{0});
-  const float* r = la_router_.data();
-  std::partial_sort(la_experts_.begin(), la_experts_.begin() + la_per_layer_, la_experts_.end(),
-                    [&](int64_t a, int64_t c) { return r[a] > r[c] || (r[a] == r[c] && a < c); });
+  TopExperts(la_router_.data(), la_per_layer_, la_experts_);
   for (int64_t j = 0; j < la_per_layer_; ++j) {
     GuessGroup(next * n_experts_ + la_experts_[static_cast<size_t>(j)], first + static_cast<int>(j), t0);
   }
