@@ -80,6 +80,22 @@ std::vector<std::pair<double, double>> Curve::ConcaveSegments(size_t max_segment
 
 namespace {
 
+// Bytes per second of the dense GEMV and of the sparse FFN kernels with `threads` compute threads (the figure of the
+// most threads measured when more are asked).
+struct KernelRates {
+  double gemv = 0, sparse = 0;
+};
+KernelRates RatesFor(const HardwareParams& hw, int threads) {
+  const size_t ti = static_cast<size_t>(std::max(1, threads) - 1);
+  return {hw.dense_gemv_gbs.at(std::min(ti, hw.dense_gemv_gbs.size() - 1)) * 1e9,
+          hw.sparse_ffn_gbs.at(std::min(ti, hw.sparse_ffn_gbs.size() - 1)) * 1e9};
+}
+
+// Neurons of FFN `f` a token computes: A = route share x active share x neurons.
+double ActiveNeurons(const FfnParams& f) {
+  return f.route_fraction * f.active_fraction * static_cast<double>(f.n_neurons);
+}
+
 // A random-read figure (`field` of IoPoint) at `request_bytes` and `queue_depth`: the points at the largest measured
 // queue depth <= queue_depth (or the smallest measured), interpolated linearly in log2 of the request size; below the
 // smallest measured size `below(value, size ratio)` extrapolates.
@@ -126,9 +142,7 @@ double HardwareParams::ReadLatencyUs(uint64_t request_bytes, int queue_depth) co
 
 Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const PlanSettings& s) {
   Prediction p;
-  const size_t ti = static_cast<size_t>(std::max(1, s.compute_threads) - 1);
-  const double gemv = hw.dense_gemv_gbs.at(std::min(ti, hw.dense_gemv_gbs.size() - 1)) * 1e9;
-  const double sparse = hw.sparse_ffn_gbs.at(std::min(ti, hw.sparse_ffn_gbs.size() - 1)) * 1e9;
+  const auto [gemv, sparse] = RatesFor(hw, s.compute_threads);
   p.attention_s = static_cast<double>(model.dense_bytes_per_token) / gemv;
   p.predictor_s = static_cast<double>(model.predictor_bytes) / gemv;
   // The I/O thread's submission work lands on the compute cores when they are all busy computing.
@@ -146,7 +160,7 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
         n > 0 ? std::min(1.0 - h, (static_cast<double>(s.cold_slots.at(r)) + pool_share) / n) : 0.0;
     const double served = std::clamp(
         std::min(UpperEnvelope(f.popularity, f.lru_hit).At(h + c), f.popularity.At(h) + f.lru_hit.At(c)), 0.0, 1.0);
-    const double active = f.route_fraction * f.active_fraction * n;  // A
+    const double active = ActiveNeurons(f);                           // A
     const double missed = active * (1.0 - served);                    // M
     const double bw = hw.ReadMbps(f.read_bytes, qd) * 1e6;
     const double compute = active * static_cast<double>(f.ComputeBytes()) / sparse +
@@ -207,14 +221,9 @@ PrefillPrediction EvaluatePrefill(const HardwareParams& hw, const ModelParams& m
   if (model.predictor) {
     // Attention and the head by GEMM; each FFN computes every token's predicted neurons from the layer buffer, the
     // decode path's arithmetic with every neuron in memory (runtime/sparse/offload_prefill.cc), plus the predictor.
-    const size_t ti = static_cast<size_t>(std::max(1, s.compute_threads) - 1);
-    const double gemv = hw.dense_gemv_gbs.at(std::min(ti, hw.dense_gemv_gbs.size() - 1)) * 1e9;
-    const double sparse = hw.sparse_ffn_gbs.at(std::min(ti, hw.sparse_ffn_gbs.size() - 1)) * 1e9;
+    const auto [gemv, sparse] = RatesFor(hw, s.compute_threads);
     double ffn = static_cast<double>(model.predictor_bytes) / gemv;  // per token
-    for (const FfnParams& f : model.ffns) {
-      ffn += f.route_fraction * f.active_fraction * static_cast<double>(f.n_neurons) *
-             static_cast<double>(f.ComputeBytes()) / sparse;
-    }
+    for (const FfnParams& f : model.ffns) ffn += ActiveNeurons(f) * static_cast<double>(f.ComputeBytes()) / sparse;
     p.compute_s = (gemm > 0 ? 2.0 * static_cast<double>(model.dense_matmul_params) * n / gemm : 0.0) + ffn * n;
   } else {
     // Oracle: a GEMM over every neuron.
@@ -239,7 +248,7 @@ int BurstQueueDepth(const HardwareParams& hw, const ModelParams& model, const Pl
   std::map<int64_t, double> per_layer;
   for (size_t r = 0; r < model.ffns.size() && r < prediction.layer_served.size(); ++r) {
     const FfnParams& f = model.ffns[r];
-    const double active = f.route_fraction * f.active_fraction * static_cast<double>(f.n_neurons);
+    const double active = ActiveNeurons(f);
     per_layer[f.layer] += active * (1.0 - prediction.layer_served[r]);
   }
   double burst = 0;
