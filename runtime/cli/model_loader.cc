@@ -80,6 +80,15 @@ CLI::Option* AddKvTypeOption(CLI::App* sub, std::string* kv_type, const std::str
       ->check(CLI::IsMember({KvTypeName(KvType::kF32), KvTypeName(KvType::kF16)}));
 }
 
+CLI::Option* AddBatchOption(CLI::App* sub, int64_t* max_batch, const std::string& what) {
+  return sub
+      ->add_option("--batch", *max_batch,
+                   "Prompt tokens run through the layers at a time (longer prompts in chunks of near-equal size)" +
+                       what)
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+}
+
 void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mmap, bool model_required) {
   sub->add_option("-m,--model", src->path, "Model: GGUF, or llama2.c checkpoint (converted in memory)")
       ->required(model_required)

@@ -39,4 +39,7 @@ void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mma
 // capture_default_str() when their default is a type rather than "not given".
 CLI::Option* AddKvTypeOption(CLI::App* sub, std::string* kv_type, const std::string& what);
 
+// --batch (InferenceContext::SetMaxBatch, default kDefaultMaxBatch) with `what` after the shared explanation.
+CLI::Option* AddBatchOption(CLI::App* sub, int64_t* max_batch, const std::string& what);
+
 }  // namespace nflash::cli

@@ -485,11 +485,7 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
                   "way); --sparse predictor prefills token by token")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  sub->add_option("--batch", f->max_batch,
-                  "Prompt tokens run through the layers at a time (longer prompts in chunks of near-equal size; as "
-                  "`nflash offload --batch`, same default)")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  AddBatchOption(sub, &f->max_batch, "; the same default as `nflash offload --batch`");
   sub->callback([f, action] { *action = [f] { return RunGenerate(*f); }; });
 }
 

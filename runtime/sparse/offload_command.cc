@@ -438,11 +438,7 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "prefill reads the whole FFN from flash")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  cmd->add_option("--batch", flags->max_batch,
-                  "Prompt tokens run through the layers at a time (longer prompts in chunks of near-equal size): the "
-                  "context's scratch for that many tokens is counted in the fixed part")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  cli::AddBatchOption(cmd, &flags->max_batch, ": the context's scratch for that many tokens is counted in the fixed part");
   cmd->add_option("--cold-protected", flags->cold_protected,
                   "Share of each cold partition kept for neurons hit since they were loaded (segmented LRU; 0: plain "
                   "LRU)")
