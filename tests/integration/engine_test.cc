@@ -275,30 +275,28 @@ TEST(EngineTest, MixtureOfExpertsBatchedEqualsSequentialAndRoutesTopK) {
     std::set<int64_t> experts;
     std::vector<float> input;
   };
-  std::map<std::pair<int64_t, int64_t>, Seen> seen;
+  using SeenMap = std::map<std::pair<int64_t, int64_t>, Seen>;
+  auto record_into = [&hp](SeenMap* map) {
+    return [map, &hp](const FfnObservation& o) {
+      for (int64_t j = 0; j < o.n_tokens; ++j) {
+        Seen& s = (*map)[{o.layer, o.token_index[j]}];
+        s.experts.insert(o.expert);
+        s.input.assign(o.ffn_input + j * hp.dim, o.ffn_input + (j + 1) * hp.dim);
+      }
+    };
+  };
+  SeenMap seen;
   InferenceContext batched(**model, &pool, 64);
-  batched.SetFfnObserver([&](const FfnObservation& o) {
-    for (int64_t j = 0; j < o.n_tokens; ++j) {
-      Seen& s = seen[{o.layer, o.token_index[j]}];
-      s.experts.insert(o.expert);
-      s.input.assign(o.ffn_input + j * hp.dim, o.ffn_input + (j + 1) * hp.dim);
-    }
-  });
+  batched.SetFfnObserver(record_into(&seen));
   ASSERT_TRUE(batched.Eval(prompt, true).ok());
   ASSERT_EQ(seen.size(), static_cast<size_t>(hp.n_layers) * prompt.size());
   // In chunks of at most 5 tokens (5 + 4 + ...: 12 as 4, 4, 4): the observations name the same tokens of the batch,
   // with the same FFN inputs, and the logits are equal.
   {
-    std::map<std::pair<int64_t, int64_t>, Seen> seen_chunked;
+    SeenMap seen_chunked;
     InferenceContext chunked(**model, &pool, 64);
     chunked.SetMaxBatch(5);
-    chunked.SetFfnObserver([&](const FfnObservation& o) {
-      for (int64_t j = 0; j < o.n_tokens; ++j) {
-        Seen& s = seen_chunked[{o.layer, o.token_index[j]}];
-        s.experts.insert(o.expert);
-        s.input.assign(o.ffn_input + j * hp.dim, o.ffn_input + (j + 1) * hp.dim);
-      }
-    });
+    chunked.SetFfnObserver(record_into(&seen_chunked));
     ASSERT_TRUE(chunked.Eval(prompt, true).ok());
     ASSERT_EQ(seen_chunked.size(), seen.size());
     for (const auto& [key, s] : seen) {
