@@ -490,6 +490,21 @@ void InferenceContext::Attention(int64_t layer, int64_t n, int64_t pos) {
   });
 }
 
+void InferenceContext::Observe(int64_t layer, int64_t expert, int64_t n, const int64_t* token_index,
+                               const float* ffn_input) {
+  if (!observer_) return;
+  FfnObservation obs;
+  obs.layer = layer;
+  obs.expert = expert;
+  obs.n_tokens = n;
+  obs.token_index = token_index;
+  obs.first_token = chunk_first_;
+  obs.gate_act = gate_.data();
+  obs.hidden = hidden_.data();
+  obs.ffn_input = ffn_input;
+  observer_(obs);
+}
+
 Status InferenceContext::DenseFfn(const LayerWeights& L, int64_t layer, int64_t n) {
   const int64_t n_ff = hp_.n_ff;
   act_.Set(xn_.data(), n, hp_.dim);
@@ -504,16 +519,7 @@ Status InferenceContext::DenseFfn(const LayerWeights& L, int64_t layer, int64_t 
     GemmMany(ws, act_, ys, pool_);
   }
   ApplyFfnActivation(hp_.activation, n * n_ff, gate_.data(), up_.data(), hidden_.data());
-  if (observer_) {
-    FfnObservation obs;
-    obs.layer = layer;
-    obs.n_tokens = n;
-    obs.first_token = chunk_first_;
-    obs.gate_act = gate_.data();
-    obs.hidden = hidden_.data();
-    obs.ffn_input = xn_.data();
-    observer_(obs);
-  }
+  Observe(layer, -1, n, nullptr, xn_.data());
   act_.Set(hidden_.data(), n, n_ff);
   MatMul(L.down, act_, ffn_out_.data());
   return Status::Ok();
@@ -572,17 +578,7 @@ Status InferenceContext::MoeFfn(const LayerWeights& L, int64_t layer, int64_t n)
       MatMul(L.Expert(L.gate, L.expert_stride_gate, e), act, gate_.data());
       MatMul(L.Expert(L.up, L.expert_stride_up, e), act, up_.data());
       ApplyFfnActivation(hp_.activation, m * n_ff, gate_.data(), up_.data(), hidden_.data());
-      if (observer_) {
-        FfnObservation obs;
-        obs.layer = layer;
-        obs.expert = e;
-        obs.n_tokens = m;
-        obs.token_index = token_index;
-        obs.gate_act = gate_.data();
-        obs.hidden = hidden_.data();
-        obs.ffn_input = xe;
-        observer_(obs);
-      }
+      Observe(layer, e, m, token_index, xe);
       act.Set(hidden_.data(), m, n_ff);
       MatMul(L.Expert(L.down, L.expert_stride_down, e), act, out);
     }

@@ -118,6 +118,9 @@ class InferenceContext {
  private:
   void EnsureBatch(int64_t n);
   void EnsureFfnBatch(int64_t n);
+  // Hands the observer (if any) the FFN just computed in gate_ / hidden_: n rows of `ffn_input`, the batch's tokens
+  // token_index[r] (MoE) or chunk_first_ + r (dense, token_index nullptr).
+  void Observe(int64_t layer, int64_t expert, int64_t n, const int64_t* token_index, const float* ffn_input);
   // One chunk of Eval; its logits (all, or only its last token's when `last_logits`) go to logits_ from row `row`.
   Status EvalChunk(std::span<const int32_t> tokens, bool all_logits, bool last_logits, int64_t row);
   // Attention of the n tokens in q_, k_, v_ at positions pos .. pos+n-1 (appends their keys and values).
