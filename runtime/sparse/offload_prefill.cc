@@ -305,13 +305,12 @@ void OffloadFfn::BeforeExperts(int64_t layer, std::span<const int64_t> tokens_pe
   moe_batched_.clear();
   moe_routed_.clear();
   for (size_t e = 0; e < tokens_per_expert.size(); ++e) {
-    if (tokens_per_expert[e] > 0) moe_routed_.push_back(static_cast<int64_t>(e));
-  }
-  if (!batched_prefill()) return;
-  // Forward's rule: an expert's tokens go through ForwardBatch iff they are more than one and at least the minimum.
-  for (size_t e = 0; e < tokens_per_expert.size(); ++e) {
     const int64_t n = tokens_per_expert[e];
-    if (n > 1 && n >= options_.batched_prefill_min_tokens) moe_batched_.push_back(static_cast<int64_t>(e));
+    if (n > 0) moe_routed_.push_back(static_cast<int64_t>(e));
+    // Forward's rule: an expert's tokens go through ForwardBatch iff they are more than one and at least the minimum.
+    if (batched_prefill() && n > 1 && n >= options_.batched_prefill_min_tokens) {
+      moe_batched_.push_back(static_cast<int64_t>(e));
+    }
   }
 }
 
