@@ -140,8 +140,10 @@ uint64_t DenseBytes(const std::string& resident) {
 // 100 MB/s at 4 KiB): at or above 4 KiB per request the throughput is the 4 KiB one; below it, the 4 KiB IOPS.
 double ExpectedIoMs(const nlohmann::json& row) {
   const double bytes = row["mb_read_per_token"].get<double>() * 1e6;
-  const double requests = row["requests_per_token"].is_number() ? row["requests_per_token"].get<double>()
-                                                                 : row["reads_per_token"].get<double>();
+  // (contains() first: operator[] of a const json on a missing key is undefined behaviour, not null; bench rows have
+  // reads_per_token, offload's JSON requests_per_token.)
+  const double requests = row.contains("requests_per_token") ? row.at("requests_per_token").get<double>()
+                                                             : row.at("reads_per_token").get<double>();
   if (bytes == 0) return 0.0;  // a warm cache that held every neuron the tokens used
   // The test profile: 100 MB/s from 4 KiB requests up; below, the same IOPS (throughput in proportion to the size).
   // The floor takes the mean request in whole bytes.
