@@ -668,9 +668,19 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   }
   const float thr = thresholds_[static_cast<size_t>(group)];
   OffloadGroupStats& st = stats_[static_cast<size_t>(group)];
-  // A prefetched region nobody will use (e.g. a failed prefill) must not race with this token's reads.
-  if (pending_buf_ >= 0) CancelPrefetch();
-  ReclaimPrefillMemory();  // the slots a batched prefill borrowed serve the cache again
+  // A prefetched region must not race with this token's reads. Within a batch a later batched FFN wants it (MoE: this
+  // expert has too few tokens and runs between batched ones), so its read completes first and the buffer stays (its
+  // wait is prefill's exposed I/O); otherwise (e.g. after a failed prefill) nobody will use it. The slots a batched
+  // prefill borrowed serve the cache again once the batch is over (its buffers stay lent until then: taking them back
+  // would drop the prefetched region, and lending them again drops the bundles cached there meanwhile).
+  if (pending_buf_ >= 0) {
+    if (in_batch_) {
+      CompletePrefetch();
+    } else {
+      CancelPrefetch();
+    }
+  }
+  if (!in_batch_) ReclaimPrefillMemory();
   // This layer's lookahead (read during the previous layer) serves its misses; any other is stale.
   if (la_slots_ > 0 && !la_on_ && layer == 0 && FirstFfnOfLayer(layer, expert)) WatchTokenStart();
   if (la_slots_ > 0) {

@@ -413,6 +413,12 @@ class OffloadFfn : public FfnBackend {
   Status FinishRegionRead(int64_t group, int buf);
   // Drops a prefetch still in flight (before the I/O thread is used for something else).
   void CancelPrefetch();
+  // Within a batch: waits for the prefetch in flight and keeps its buffer for the batched FFN that wants it
+  // (arrived_buf_), so that the I/O thread is free for a token-by-token FFN in between (MoE: an expert with too few
+  // tokens between two batched ones, or after the layer's last).
+  void CompletePrefetch();
+  // Counts buffer `buf`'s region as read ahead and not used, and forgets it.
+  void DropPrefetched(int buf);
   void WarmHotRegion(int64_t group, const packer::RegionInfo& region, const uint8_t* buf);
   // Puts into the cold region the bundles of the neurons the prompt's last tokens used (warm_age_, the newest
   // first, up to the group's partition), copied from the layer buffer `buf`, so that decode starts with the working set
@@ -637,6 +643,9 @@ class OffloadFfn : public FfnBackend {
   uint8_t* down_compact_ = nullptr;      // per neuron its down column (compact down matrix rows)
   int64_t buf_group_[2] = {-1, -1};
   int pending_buf_ = -1;                  // buffer whose read the I/O thread runs, -1 none
+  int arrived_buf_ = -1;                  // buffer whose prefetch CompletePrefetch waited for (not yet verified), -1 none
+  Status arrived_status_;                 // that read's status
+  uint64_t arrived_read_ns_ = 0;          // and its time
   std::vector<ReadRequest> prefill_reqs_[2];
   std::vector<size_t> prefill_chunks_[2];
   std::vector<uint8_t> warm_age_;   // per neuron: 1 + how many tokens before the batch's last it was last used
@@ -657,6 +666,7 @@ class OffloadFfn : public FfnBackend {
   OffloadPrefillStats prefill_stats_;
   OffloadPrefillStats prefill_batch_start_;  // at the current prompt's first batched FFN (for the per-prompt log line)
   bool prefill_batch_begins_ = true;         // set by BeforeAttention of layer 0 for a batch
+  bool in_batch_ = false;                    // the engine's current Eval has more than one token (BeforeAttention)
   // MoE: the layer of the last BeforeExperts and its experts that go through ForwardBatch, ascending.
   int64_t moe_layer_ = -1;
   std::vector<int64_t> moe_batched_;

@@ -115,6 +115,7 @@ Status OffloadFfn::LendPrefillMemory() {
 void OffloadFfn::ReclaimPrefillMemory() {
   if (prefill_lent_first_ < 0) return;
   if (pending_buf_ >= 0) CancelPrefetch();  // no read may land in a slot the cache hands out again
+  if (arrived_buf_ >= 0) DropPrefetched(arrived_buf_);
   buf_group_[0] = buf_group_[1] = -1;
   cache_->cold().Reclaim();
   prefill_lent_first_ = -1;
@@ -123,11 +124,27 @@ void OffloadFfn::ReclaimPrefillMemory() {
 void OffloadFfn::CancelPrefetch() {
   if (pending_buf_ < 0) return;
   io_->Drain();
-  ++prefill_stats_.prefetch_dropped;
-  const int64_t g = buf_group_[pending_buf_];
-  if (g >= 0) prefill_stats_.dropped_bytes += deploy_.Region(GroupLayer(g), GroupExpert(g))->size;
-  buf_group_[pending_buf_] = -1;
+  const int buf = pending_buf_;
   pending_buf_ = -1;
+  DropPrefetched(buf);
+}
+
+void OffloadFfn::CompletePrefetch() {
+  if (pending_buf_ < 0) return;
+  const uint64_t t0 = SteadyNowNs();
+  arrived_status_ = io_->WaitChunk(0);  // the region's one chunk: the job is done, the I/O thread free
+  prefill_stats_.io_wait_ns += SteadyNowNs() - t0;
+  arrived_read_ns_ = io_->ChunkReadNs(0);
+  arrived_buf_ = pending_buf_;
+  pending_buf_ = -1;
+}
+
+void OffloadFfn::DropPrefetched(int buf) {
+  ++prefill_stats_.prefetch_dropped;
+  const int64_t g = buf_group_[buf];
+  if (g >= 0) prefill_stats_.dropped_bytes += deploy_.Region(GroupLayer(g), GroupExpert(g))->size;
+  buf_group_[buf] = -1;
+  if (arrived_buf_ == buf) arrived_buf_ = -1;
 }
 
 std::string OffloadFfn::GroupName(int64_t group) const {
@@ -169,6 +186,10 @@ Status OffloadFfn::FinishRegionRead(int64_t group, int buf) {
     read = io_->WaitChunk(0);
     pending_buf_ = -1;
     last_region_read_ns_ = io_->ChunkReadNs(0);
+  } else if (arrived_buf_ == buf) {
+    read = arrived_status_;
+    arrived_buf_ = -1;
+    last_region_read_ns_ = arrived_read_ns_;
   } else {
     read = flash_->ReadBatch(prefill_reqs_[buf]);
     last_region_read_ns_ = SteadyNowNs() - t0;
@@ -347,11 +368,12 @@ Status OffloadFfn::ForwardBatch(int64_t layer, int64_t expert, const Activation&
   for (int i = 0; i < 2; ++i) {
     if (buf_group_[i] == group) b = i;
   }
-  if (b >= 0 && pending_buf_ == b) {
+  if (b >= 0 && (pending_buf_ == b || arrived_buf_ == b)) {
     ++prefill_stats_.prefetch_hits;
     NF_RETURN_IF_ERROR(FinishRegionRead(group, b));
   } else if (b < 0) {
-    if (pending_buf_ >= 0) CancelPrefetch();  // a guess that missed (MoE) or a prefetch another path dropped
+    if (pending_buf_ >= 0) CancelPrefetch();  // a guess that missed (MoE)
+    if (arrived_buf_ >= 0) DropPrefetched(arrived_buf_);
     b = buf_group_[0] == group - 1 && group > 0 ? 1 : 0;  // keep the previous region's buffer if it is still wanted
     NF_RETURN_IF_ERROR(StartRegionRead(group, b));
     NF_RETURN_IF_ERROR(FinishRegionRead(group, b));
