@@ -123,9 +123,11 @@ Status RunOffload(const OffloadFlags& f) {
                     << " tokens asked for";
   }
 
+  const OffloadPrefillStats pf0 = rt.ffn().prefill_stats();
   const auto t0 = Clock::now();
   NF_RETURN_IF_ERROR(ctx.Eval(ids, false));
   auto t1 = Clock::now();
+  const OffloadPrefillStats pf1 = rt.ffn().prefill_stats();
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   rt.ffn().ResetStats();  // decode figures only
   uint64_t wait0 = rt.ffn().io_wait_ns();
@@ -245,7 +247,8 @@ Status RunOffload(const OffloadFlags& f) {
   };
   nlohmann::json layers = nlohmann::json::array();
   for (const PrefillLayerTiming& l : rt.ffn().prefill_layers()) {
-    layers.push_back({{"layer", l.layer},
+    layers.push_back({{"chunk", l.chunk},
+                      {"layer", l.layer},
                       {"expert", l.expert},
                       {"mb", static_cast<double>(l.bytes) / 1e6},
                       {"read_ms", static_cast<double>(l.read_ns) / 1e6},
@@ -253,9 +256,26 @@ Status RunOffload(const OffloadFlags& f) {
                       {"verify_ms", static_cast<double>(l.verify_ns) / 1e6},
                       {"compute_ms", static_cast<double>(l.compute_ns) / 1e6}});
   }
-  // Batched prefill of the prompt (its last chunk when longer than --batch), per layer or MoE expert pass (Fig. 8;
-  // expert -1 for a dense FFN); empty: token by token.
+  // Batched prefill of the prompt, per chunk (a prompt longer than --batch runs in chunks) and layer or MoE expert
+  // pass (Fig. 8; expert -1 for a dense FFN); empty: token by token. "prefill": the same summed over the prompt.
   j["prefill_layers"] = layers;
+  const auto ms = [](uint64_t ns) { return static_cast<double>(ns) / 1e6; };
+  j["prefill"] = {
+      {"chunks", layers.empty() ? int64_t{0} : rt.ffn().prefill_layers().back().chunk + 1},
+      {"passes", pf1.layers - pf0.layers},
+      {"token_ffn_pairs", pf1.tokens - pf0.tokens},
+      {"mb_read", static_cast<double>(pf1.bytes_read - pf0.bytes_read) / 1e6},
+      {"requests", pf1.requests - pf0.requests},
+      {"prefetch_hits", pf1.prefetch_hits - pf0.prefetch_hits},
+      {"prefetch_dropped", pf1.prefetch_dropped - pf0.prefetch_dropped},
+      {"dropped_mb", static_cast<double>(pf1.dropped_bytes - pf0.dropped_bytes) / 1e6},
+      {"io_wait_ms", ms(pf1.io_wait_ns - pf0.io_wait_ns)},
+      {"verify_ms", ms(pf1.verify_ns - pf0.verify_ns)},
+      {"compute_ms", ms(pf1.compute_ns - pf0.compute_ns)},
+      {"warmed_hot_clusters", pf1.warmed_clusters - pf0.warmed_clusters},
+      {"warmed_cold_bundles", pf1.warmed_bundles - pf0.warmed_bundles},
+      {"retries", pf1.retries - pf0.retries},
+  };
   if (!f.hw.empty()) {
     j["floor_compute_ms"] = floors.compute_ms;
     j["floor_io_ms"] = floors.io_ms;
@@ -269,6 +289,18 @@ Status RunOffload(const OffloadFlags& f) {
   std::printf("%s\n\n", text.c_str());
   std::printf("%s", rt.Accounting().c_str());
   std::printf("  %-18s %12s\n", "peak RSS", FormatBytes(mem.peak_rss_bytes).c_str());
+  const nlohmann::json& pf = j["prefill"];
+  std::printf("prefill: %zu tokens in %.2f s", ids.size(), prefill_s);
+  if (pf["passes"].get<int64_t>() > 0) {
+    std::printf(", batched: %lld chunks, %lld FFN passes, %.1f MB read (%lld regions read ahead, %lld of them unused); "
+                "I/O wait %.1f ms, verify %.1f ms, FFN compute %.1f ms",
+                static_cast<long long>(pf["chunks"].get<int64_t>()), static_cast<long long>(pf["passes"].get<int64_t>()),
+                pf["mb_read"].get<double>(),
+                static_cast<long long>(pf["prefetch_hits"].get<int64_t>() + pf["prefetch_dropped"].get<int64_t>()),
+                static_cast<long long>(pf["prefetch_dropped"].get<int64_t>()), pf["io_wait_ms"].get<double>(),
+                pf["verify_ms"].get<double>(), pf["compute_ms"].get<double>());
+  }
+  std::printf("\n");
   std::printf("decode (%s, %s): %zu tokens, %.2f tok/s; per token P50 %.2f ms, P90 %.2f ms, P99 %.2f ms; CPU %.1f ms "
               "per token (%.2f cores busy)\n",
               f.mode.c_str(), rt.predictor() ? "predictor" : "oracle", lat_ms.size(),

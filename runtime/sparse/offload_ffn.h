@@ -237,6 +237,8 @@ struct OffloadPrefillStats {
 // Batched prefill of one layer (MoE: of one expert of a layer), the last prompt's: Fig. 8 of the paper, compute against
 // sequential I/O per layer.
 struct PrefillLayerTiming {
+  int64_t chunk = 0;        // the prompt's batched Eval it belongs to (a prompt longer than the context's maximum
+                            // batch runs in chunks), from 0
   int64_t layer = 0;
   int64_t expert = -1;      // -1: a dense FFN
   uint64_t bytes = 0;       // the layer's region
@@ -667,11 +669,14 @@ class OffloadFfn : public FfnBackend {
   OffloadPrefillStats prefill_batch_start_;  // at the current prompt's first batched FFN (for the per-prompt log line)
   bool prefill_batch_begins_ = true;         // set by BeforeAttention of layer 0 for a batch
   bool in_batch_ = false;                    // the engine's current Eval has more than one token (BeforeAttention)
+  bool new_prompt_ = true;                   // a batch began after a one-token Eval (or the first): prefill_layers_
+                                             // starts over at its first batched FFN
+  int64_t prompt_chunk_ = -1;                // batched Evals of the current prompt so far, less one
   // MoE: the layer of the last BeforeExperts and its experts that go through ForwardBatch, ascending.
   int64_t moe_layer_ = -1;
   std::vector<int64_t> moe_batched_;
   std::vector<int64_t> moe_routed_;  // the experts with tokens, ascending
-  std::vector<PrefillLayerTiming> prefill_layers_;  // the current prompt's layers
+  std::vector<PrefillLayerTiming> prefill_layers_;  // the current prompt's batched FFN passes, every chunk's
   uint64_t last_region_read_ns_ = 0;                // set by FinishRegionRead
 };
 

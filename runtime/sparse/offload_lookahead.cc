@@ -136,8 +136,11 @@ Result<LookaheadSource> ParseLookaheadSource(const std::string& name) {
 
 void OffloadFfn::BeforeAttention(int64_t layer, const float* xn, int64_t n) {
   if (layer == 0) {
+    if (n > 1) {
+      prefill_batch_begins_ = true;
+      if (!in_batch_) new_prompt_ = true;  // consecutive batches (a long prompt's chunks) are one prompt
+    }
     in_batch_ = n > 1;
-    if (n > 1) prefill_batch_begins_ = true;
   }
   if (options_.lookahead_source != LookaheadSource::kSameLayer || n != 1 || la_slots_ == 0 || !la_on_) return;
   IssueGuess(layer, layer, xn, SteadyNowNs());

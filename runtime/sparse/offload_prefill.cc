@@ -359,7 +359,12 @@ Status OffloadFfn::ForwardBatch(int64_t layer, int64_t expert, const Activation&
   if (prefill_batch_begins_) {  // the batch's first batched FFN (BeforeAttention of layer 0 set the flag)
     prefill_batch_begins_ = false;
     prefill_batch_start_ = prefill_stats_;
-    prefill_layers_.clear();
+    if (new_prompt_) {
+      new_prompt_ = false;
+      prefill_layers_.clear();
+      prompt_chunk_ = -1;
+    }
+    ++prompt_chunk_;
   }
   const OffloadPrefillStats layer_start = prefill_stats_;
 
@@ -531,7 +536,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, int64_t expert, const Activation&
   prefill_stats_.compute_ns += SteadyNowNs() - t0;
   prefill_stats_.layers += 1;
   prefill_stats_.tokens += x.n();
-  prefill_layers_.push_back(PrefillLayerTiming{layer, expert, region->size, last_region_read_ns_,
+  prefill_layers_.push_back(PrefillLayerTiming{prompt_chunk_, layer, expert, region->size, last_region_read_ns_,
                                                prefill_stats_.io_wait_ns - layer_start.io_wait_ns,
                                                prefill_stats_.verify_ns - layer_start.verify_ns,
                                                prefill_stats_.compute_ns - layer_start.compute_ns});

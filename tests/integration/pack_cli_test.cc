@@ -177,7 +177,7 @@ TEST_F(PackCliTest, PredictorIsShippedVerbatimAndHashed) {
   std::string texts[2];
   for (int batched = 0; batched < 2; ++batched) {
     const std::string common = std::string(" -p \"Once upon a time, there was a little\" -n 40 -t 1 --json") +
-                               (batched ? " --prefill-batch-min 2" : "");
+                               (batched ? " --prefill-batch-min 2 --batch 6" : "");
     auto text = [](const testing::CommandResult& r) -> std::string {
       auto j = nlohmann::json::parse(r.output, nullptr, false);
       return j.is_discarded() || !j.contains("text") ? "(no JSON text) " + r.output : j["text"].get<std::string>();
@@ -193,6 +193,16 @@ TEST_F(PackCliTest, PredictorIsShippedVerbatimAndHashed) {
     auto j = nlohmann::json::parse(off.output, nullptr, false);
     ASSERT_FALSE(j.is_discarded()) << off.output;
     EXPECT_EQ(j["prefill_layers"].empty(), batched == 0) << "which prefill the offloaded run took";
+    // The prompt's summary covers every chunk's rows (--batch 6: the prompt runs in two chunks).
+    const nlohmann::json& pf = j["prefill"];
+    EXPECT_EQ(pf["passes"].get<size_t>(), j["prefill_layers"].size());
+    EXPECT_EQ(pf["chunks"].get<int>(), batched ? 2 : 0);
+    double mb = 0;
+    for (const auto& row : j["prefill_layers"]) {
+      mb += row["mb"].get<double>();
+      EXPECT_LT(row["chunk"].get<int>(), 2);
+    }
+    EXPECT_NEAR(pf["mb_read"].get<double>(), mb, 1e-9 * std::max(1.0, mb));
   }
   EXPECT_EQ(texts[0], texts[1]);
   // A modified predictor is caught by verify's hash check.

@@ -270,6 +270,29 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
   expect_reference(**shorter);
   EXPECT_EQ((*shorter)->ffn().prefill_stats().layers, 0);
   EXPECT_EQ((*shorter)->ffn().prefill_stats().bytes_read, 0u);
+
+  // A prompt longer than the context's maximum batch runs in chunks: prefill_layers keeps every chunk's passes, in
+  // order and numbered, the logits stay the reference's, and the next prompt (after decode) starts the record over.
+  SparseRuntimeOptions chunked;
+  chunked.active_set = ActiveSetSource::kOracle;
+  chunked.batched_prefill = true;
+  chunked.batched_prefill_min_tokens = 8;
+  chunked.max_batch = static_cast<int64_t>(prompt.size()) / 2;
+  auto rc = SparseRuntime::Open(dir_->File("s-deploy"), chunked, pool_);
+  ASSERT_TRUE(rc.ok()) << rc.status().ToString();
+  const int64_t n_layers = (*rc)->model().hparams().n_layers;
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE("prompt " + std::to_string(round));
+    (*rc)->context().Reset();
+    expect_reference(**rc);
+    EXPECT_EQ((*rc)->ffn().prefill_stats().layers, (round + 1) * 2 * n_layers);
+    const std::vector<PrefillLayerTiming>& rows = (*rc)->ffn().prefill_layers();
+    ASSERT_EQ(static_cast<int64_t>(rows.size()), 2 * n_layers);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      EXPECT_EQ(rows[i].chunk, static_cast<int64_t>(i) / n_layers) << "row " << i;
+      EXPECT_EQ(rows[i].layer, static_cast<int64_t>(i) % n_layers) << "row " << i;
+    }
+  }
 }
 
 TEST_F(OffloadPrefillTest, SyntheticQ8_0AndPredictorDeployment) {
