@@ -19,6 +19,10 @@ struct NeuronSizes {
   uint64_t read = 0;       // bytes a cold miss reads
 };
 
+// The popularity curve a region is planned with: the profile's held-out curve when it has one (what pinning the
+// hottest neurons serves on tokens the profile did not see), else its in-sample curve; x = i / (points - 1).
+Curve PlanningPopularity(const profiler::FfnProfile& fp);
+
 // `n_ctx`: the context length the KV cache is sized for (<= 0: the model's). `fixed_bytes`: resident image + KV
 // cache + scratch as the runtime counts them, and `sizes` what one neuron takes in the runtime's cache and what a
 // miss reads (the caller passes the runtime's figures so both agree).

@@ -53,6 +53,21 @@ std::vector<float> PopularityCurve(std::span<const uint32_t> counts, int points)
   return curve;
 }
 
+std::vector<float> HeldOutPopularityCurve(std::span<const uint32_t> rank, std::span<const uint32_t> eval, int points) {
+  std::vector<int32_t> order(rank.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return rank[a] > rank[b]; });
+  std::vector<uint64_t> prefix(order.size() + 1, 0);
+  for (size_t i = 0; i < order.size(); ++i) prefix[i + 1] = prefix[i] + eval[static_cast<size_t>(order[i])];
+  const double total = static_cast<double>(prefix.back());
+  std::vector<float> curve(static_cast<size_t>(points), 0.0f);
+  for (int i = 0; i < points; ++i) {
+    const int64_t k = CurveSize(i, points, static_cast<int64_t>(order.size()));
+    curve[i] = total > 0 ? static_cast<float>(static_cast<double>(prefix[k]) / total) : 0.0f;
+  }
+  return curve;
+}
+
 float QuantileThreshold(std::vector<float>* values, double sparsity) {
   if (sparsity <= 0.0 || values->empty()) return 0.0f;
   // Nearest rank: the smallest value with at least `sparsity` of the values <= it.
@@ -145,6 +160,10 @@ FfnStats::FfnStats(int64_t layer, int64_t expert, int64_t n_neurons, float thres
       opt_(options),
       words_((n_neurons + 63) / 64),
       count_bs1_(static_cast<size_t>(n_neurons), 0),
+      count_window_half_{std::vector<uint32_t>(static_cast<size_t>(n_neurons), 0),
+                         std::vector<uint32_t>(static_cast<size_t>(n_neurons), 0)},
+      count_pos_half_{std::vector<uint32_t>(static_cast<size_t>(n_neurons), 0),
+                      std::vector<uint32_t>(static_cast<size_t>(n_neurons), 0)},
       hist_(kActiveHistBins, 0),
       lru_(n_neurons),
       sample_words_((options.coact_tokens + 63) / 64) {
@@ -173,7 +192,14 @@ void FfnStats::FlushGroup(int which) {
 
 void FfnStats::AddToken(std::span<const int32_t> active, int64_t window, int64_t pos, bool coact_sample) {
   ++tokens_;
-  for (int32_t i : active) ++count_bs1_[i];
+  ++tokens_window_half_[window % 2];
+  std::vector<uint32_t>& by_window = count_window_half_[window % 2];
+  std::vector<uint32_t>& by_pos = count_pos_half_[pos % 2];
+  for (int32_t i : active) {
+    ++count_bs1_[i];
+    ++by_window[i];
+    ++by_pos[i];
+  }
   const double fraction = static_cast<double>(active.size()) / static_cast<double>(n_);
   sum_fraction_ += fraction;
   ++hist_[std::min<int64_t>(kActiveHistBins - 1, static_cast<int64_t>(fraction * kActiveHistBins))];
@@ -218,6 +244,16 @@ FfnProfile FfnStats::Finish(ThreadPool* pool) {
   f.active_hist = hist_;
   f.mean_active_fraction = tokens_ > 0 ? sum_fraction_ / static_cast<double>(tokens_) : 0.0;
   f.popularity = PopularityCurve(count_bs1_);
+  // Ranked on one half of the tokens, measured on the other, both ways, averaged. Halves by window (windows are
+  // independent stretches of text), or by position when every token came in one window.
+  const bool by_window = tokens_window_half_[0] > 0 && tokens_window_half_[1] > 0;
+  const std::vector<uint32_t>* half = by_window ? count_window_half_ : count_pos_half_;
+  if (tokens_ >= 2) {
+    const std::vector<float> a = HeldOutPopularityCurve(half[0], half[1]);
+    const std::vector<float> b = HeldOutPopularityCurve(half[1], half[0]);
+    f.popularity_heldout.resize(a.size());
+    for (size_t i = 0; i < a.size(); ++i) f.popularity_heldout[i] = 0.5f * (a[i] + b[i]);
+  }
   f.lru_hit_rate = lru_.HitRateCurve();
   if (gate_active_ > 0) {
     f.up_given_gate = static_cast<double>(up_ok_) / static_cast<double>(gate_active_);

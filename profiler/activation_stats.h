@@ -18,6 +18,13 @@ inline constexpr int kActiveHistBins = 20;
 
 // popularity[i] = share of the total of `counts` held by the round(i * n / (points - 1)) largest entries.
 std::vector<float> PopularityCurve(std::span<const uint32_t> counts, int points = kCurvePoints);
+// Held-out popularity: curve[i] = share of the total of `eval` held by the round(i * n / (points - 1)) entries that are
+// largest in `rank` (ties to the smaller index). With `rank` and `eval` counted on disjoint halves of the tokens it
+// measures what pinning the neurons a profile ranks hottest serves on tokens the profile did not see; the in-sample
+// curve (PopularityCurve) overstates that when each neuron's count rests on few tokens (an MoE expert's share).
+// All zeros when `eval` sums to 0. `rank` and `eval` have the same size.
+std::vector<float> HeldOutPopularityCurve(std::span<const uint32_t> rank, std::span<const uint32_t> eval,
+                                          int points = kCurvePoints);
 
 // Threshold t such that a share `sparsity` of `values` (absolute activations) is <= t: the nearest-rank quantile;
 // 0 for sparsity <= 0 (every nonzero is active). Reorders `values`.
@@ -87,6 +94,10 @@ class FfnStats {
   int64_t words_;  // 64-bit words per neuron bitset
   int64_t tokens_ = 0;
   std::vector<uint32_t> count_bs1_;
+  // count_bs1_ split by the window's parity, and by the position's (the fallback when every token is in one window):
+  // the two halves of FfnProfile::popularity_heldout.
+  std::vector<uint32_t> count_window_half_[2], count_pos_half_[2];
+  int64_t tokens_window_half_[2] = {0, 0};
   double sum_fraction_ = 0.0;
   std::vector<uint32_t> hist_;
   // Batch unions: [which] for groups of 2 and 4; ctx * words_ bits of the open group and its id.

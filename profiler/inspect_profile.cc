@@ -149,8 +149,9 @@ Status InspectProfile(const std::string& path, const std::string& plot_path) {
                 static_cast<long long>(p.decode_tokens), static_cast<long long>(p.decode_prompt_tokens),
                 p.decode_temperature > 0 ? ("temperature " + std::to_string(p.decode_temperature)).c_str() : "greedy");
   }
-  std::printf("%-6s %-6s %8s %10s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s\n", "layer", "expert", "tokens",
-              "threshold", "mean", "P50", "P90", "top10%", "top20%", "hit25%", "hit50%", "bs2", "up|g", "down|g");
+  std::printf("%-6s %-6s %8s %10s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s\n", "layer", "expert", "tokens",
+              "threshold", "mean", "P50", "P90", "top10%", "top20%", "top50%", "ho50%", "hit25%", "hit50%", "bs2",
+              "up|g", "down|g");
   // Curve index of 10%, 20%, 25%, 50% of the neurons: the curves have 17 points at i/16, so 10% and 20% interpolate.
   auto at = [](const std::vector<float>& c, double x) {
     const double pos = x * (kCurvePoints - 1);
@@ -164,15 +165,21 @@ Status InspectProfile(const std::string& path, const std::string& plot_path) {
       for (uint32_t c : f.count_bs2) bs2 += c;
       bs2 /= static_cast<double>(f.groups2) * static_cast<double>(f.n_neurons);
     }
-    std::printf("%-6lld %-6lld %8lld %10.5f %7.4f %7.3f %7.3f %7.3f %7.3f %7.3f %7.3f %7.4f %7.4f %7.4f\n",
+    char heldout[16] = "-";
+    if (f.popularity_heldout.size() == static_cast<size_t>(kCurvePoints)) {
+      std::snprintf(heldout, sizeof(heldout), "%.3f", at(f.popularity_heldout, 0.5));
+    }
+    std::printf("%-6lld %-6lld %8lld %10.5f %7.4f %7.3f %7.3f %7.3f %7.3f %7.3f %7s %7.3f %7.3f %7.4f %7.4f %7.4f\n",
                 static_cast<long long>(f.layer), static_cast<long long>(f.expert), static_cast<long long>(f.tokens),
                 f.threshold, f.mean_active_fraction, HistQuantile(f.active_hist, 0.5),
-                HistQuantile(f.active_hist, 0.9), at(f.popularity, 0.1), at(f.popularity, 0.2),
-                at(f.lru_hit_rate, 0.25), at(f.lru_hit_rate, 0.5), bs2, f.up_given_gate, f.down_given_gate);
+                HistQuantile(f.active_hist, 0.9), at(f.popularity, 0.1), at(f.popularity, 0.2), at(f.popularity, 0.5),
+                heldout, at(f.lru_hit_rate, 0.25), at(f.lru_hit_rate, 0.5), bs2, f.up_given_gate,
+                f.down_given_gate);
   }
   std::printf("mean/P50/P90: per-token active fraction (P50/P90: upper edge of the 5%% bin); top10%%: share of\n"
-              "activations on the 10%% most active neurons; hit25%%: LRU hit rate with 25%% of the neurons cached;\n"
-              "bs2: active fraction of the union of 2 sequences' tokens\n");
+              "activations on the 10%% most active neurons; ho50%%: the share the 50%% ranked most active on one half\n"
+              "of the tokens hold of the other half's (held out; the planner's curve); hit25%%: LRU hit rate with 25%%\n"
+              "of the neurons cached; bs2: active fraction of the union of 2 sequences' tokens\n");
   PrintThresholdTable(p);
   if (!plot_path.empty()) NF_RETURN_IF_ERROR(Plot(p, plot_path));
   return Status::Ok();

@@ -46,7 +46,7 @@ std::vector<FieldView> Fields(const FfnProfile& f) {
   auto f32 = [](std::string_view name, const std::vector<float>& v) {
     return FieldView{name, GgmlType::kF32, {v.size()}, v.data(), v.size() * sizeof(float)};
   };
-  return {
+  std::vector<FieldView> fields = {
       u32("count_bs1", f.count_bs1, {n}),
       u32("count_bs2", f.count_bs2, {n}),
       u32("count_bs4", f.count_bs4, {n}),
@@ -58,6 +58,9 @@ std::vector<FieldView> Fields(const FfnProfile& f) {
       u32("coact_count", f.coact_count, {k, n}),
       f32("report_thresholds", f.report_thresholds),
   };
+  // Optional, last (absent from older files; the data hash covers it when present).
+  if (!f.popularity_heldout.empty()) fields.push_back(f32("popularity_heldout", f.popularity_heldout));
+  return fields;
 }
 
 // Checks the in-memory sizes before writing, so a writer bug cannot produce a file the reader rejects.
@@ -77,6 +80,9 @@ Status CheckSizes(const FfnProfile& f, size_t n_report, const std::string& where
   NF_RETURN_IF_ERROR(check("active_hist", f.active_hist.size(), kHistBins));
   NF_RETURN_IF_ERROR(check("popularity", f.popularity.size(), kCurvePoints));
   NF_RETURN_IF_ERROR(check("lru_hit_rate", f.lru_hit_rate.size(), kCurvePoints));
+  if (!f.popularity_heldout.empty()) {
+    NF_RETURN_IF_ERROR(check("popularity_heldout", f.popularity_heldout.size(), kCurvePoints));
+  }
   NF_RETURN_IF_ERROR(check("coact_partner", f.coact_partner.size(), nk));
   NF_RETURN_IF_ERROR(check("coact_count", f.coact_count.size(), nk));
   NF_RETURN_IF_ERROR(check("report_thresholds", f.report_thresholds.size(), n_report));
@@ -310,6 +316,7 @@ Result<ModelProfile> LoadProfile(const std::string& path) {
     f.coact_partner.resize(f.n_neurons * f.coact_k);
     f.coact_count.resize(f.n_neurons * f.coact_k);
     f.report_thresholds.resize(p.report_sparsities.size());
+    if (g.FindTensor(TensorName(f, "popularity_heldout")) != nullptr) f.popularity_heldout.resize(kCurvePoints);
     for (const FieldView& v : Fields(f)) {
       const std::string name = TensorName(f, v.name);
       const GgufTensorInfo* t = g.FindTensor(name);

@@ -35,6 +35,10 @@ struct FfnProfile {
   double mean_active_fraction = 0.0;
   // popularity[i]: share of all activations covered by the i/16 most active neurons (popularity[0] = 0, [16] = 1).
   std::vector<float> popularity;
+  // popularity_heldout[i]: the same share on tokens the ranking did not see (neurons ranked on one half of the
+  // tokens, counted on the other, both ways averaged; HeldOutPopularityCurve): what pinning the i/16 hottest serves
+  // on new tokens. Optional (empty in profiles written before it, and for an FFN with fewer than 2 tokens).
+  std::vector<float> popularity_heldout;
   // lru_hit_rate[i]: hit rate of an LRU neuron cache holding i/16 of the neurons, replaying the token trace.
   std::vector<float> lru_hit_rate;
   // Gated FFNs: P(|up| contribution non-negligible | gate active) and P(|hidden| * ||down col|| non-negligible |

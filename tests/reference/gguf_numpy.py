@@ -142,8 +142,12 @@ class TensorInfo:
         self.offset = offset            # relative to the data section
         self.n_elements = int(np.prod(self.dims, dtype=np.int64)) if self.dims else 1
         self.shape = tuple(reversed(self.dims))  # numpy order
-        self.nbytes = row_bytes(ggml_type, self.dims[0]) * (self.n_elements // self.dims[0]) if ggml_type in BLOCK \
-            else None
+        if ggml_type not in BLOCK:
+            self.nbytes = None
+        elif self.n_elements == 0:
+            self.nbytes = 0             # an empty tensor (a zero dimension) is legal and holds no bytes
+        else:
+            self.nbytes = row_bytes(ggml_type, self.dims[0]) * (self.n_elements // self.dims[0])
 
     def __repr__(self):
         return "TensorInfo(%s, dims=%s, %s, offset=%d)" % (self.name, self.dims, TYPE_NAMES.get(self.type, self.type),

@@ -11,6 +11,7 @@
 
 #include "planner/calibration.h"
 #include "planner/cost_model.h"
+#include "planner/model_params.h"
 #include "planner/plan.h"
 #include "planner/z3_planner.h"
 
@@ -252,6 +253,21 @@ TEST(PlannerTest, EachRegionIsAllHotOrAllLruWhicheverTheCurvesServeMore) {
   EXPECT_EQ(r.settings.hot_neurons[0], 0);
   EXPECT_EQ(r.settings.cold_slots[0], 500);
   EXPECT_NEAR(r.prediction.served_fraction, 0.95, 1e-9);
+}
+
+// A region is planned with the profile's held-out popularity when the profile has it, else the in-sample curve.
+TEST(CurveTest, PlanningPopularityPrefersTheHeldOutCurve) {
+  profiler::FfnProfile fp;
+  for (int i = 0; i < profiler::kCurvePoints; ++i) {
+    fp.popularity.push_back(std::sqrt(i / 16.0f));
+    fp.popularity_heldout.push_back(i / 16.0f);
+  }
+  const Curve held = PlanningPopularity(fp);
+  ASSERT_EQ(held.y.size(), static_cast<size_t>(profiler::kCurvePoints));
+  EXPECT_NEAR(held.At(0.5), 0.5, 1e-6);
+  EXPECT_NEAR(held.x[4], 0.25, 1e-12);
+  fp.popularity_heldout.clear();  // a profile written before the held-out curve
+  EXPECT_NEAR(PlanningPopularity(fp).At(0.25), 0.5, 1e-6);
 }
 
 TEST(CurveTest, UpperEnvelopeAddsTheCrossing) {

@@ -86,6 +86,7 @@ void ExpectSame(const FfnProfile& a, const FfnProfile& b) {
   EXPECT_EQ(a.active_hist, b.active_hist);
   EXPECT_EQ(a.mean_active_fraction, b.mean_active_fraction);
   EXPECT_EQ(a.popularity, b.popularity);
+  EXPECT_EQ(a.popularity_heldout, b.popularity_heldout);
   EXPECT_EQ(a.lru_hit_rate, b.lru_hit_rate);
   EXPECT_EQ(a.up_given_gate, b.up_given_gate);
   EXPECT_EQ(a.down_given_gate, b.down_given_gate);
@@ -120,6 +121,43 @@ TEST(ProfileFile, RoundTrip) {
   EXPECT_EQ(loaded->Find(2, 0), nullptr);
   EXPECT_EQ(loaded->Find(0, -1), nullptr);
   EXPECT_EQ(loaded->decode_tokens, 0);  // a text profile
+}
+
+// The held-out popularity curve is optional: a profile with it on some FFNs (and not on others, as files written
+// before it) reads back the same, and its bytes are covered by the data checksum.
+TEST(ProfileFile, HeldOutPopularityIsOptionalAndChecksummed) {
+  TempDir dir;
+  ModelProfile p = RandomProfile();
+  for (int i = 0; i < kCurvePoints; ++i) p.ffns[1].popularity_heldout.push_back(i / 20.0f);
+  ASSERT_TRUE(SaveProfile(p, dir.File("p.prof"), false).ok());
+  auto loaded = LoadProfile(dir.File("p.prof"));
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  ASSERT_EQ(loaded->ffns.size(), p.ffns.size());
+  for (size_t i = 0; i < p.ffns.size(); ++i) ExpectSame(loaded->ffns[i], p.ffns[i]);
+  EXPECT_TRUE(loaded->ffns[0].popularity_heldout.empty());
+  // A wrong length is refused at save.
+  p.ffns[1].popularity_heldout.pop_back();
+  EXPECT_FALSE(SaveProfile(p, dir.File("q.prof"), false).ok());
+  // One flipped byte of the curve fails the checksum.
+  uint64_t at = 0;
+  {
+    auto g = GgufFile::OpenPath(dir.File("p.prof"));
+    ASSERT_TRUE(g.ok());
+    const GgufTensorInfo* t = g->FindTensor("prof.blk.0.exp.1.popularity_heldout");
+    ASSERT_NE(t, nullptr);
+    at = g->data_offset() + t->offset + 9;
+  }
+  std::fstream io(dir.File("p.prof"), std::ios::in | std::ios::out | std::ios::binary);
+  io.seekg(static_cast<std::streamoff>(at));
+  char c = 0;
+  io.read(&c, 1);
+  c ^= 0x10;
+  io.seekp(static_cast<std::streamoff>(at));
+  io.write(&c, 1);
+  io.close();
+  auto bad = LoadProfile(dir.File("p.prof"));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("checksum"), std::string::npos) << bad.status().ToString();
 }
 
 TEST(ProfileFile, DecodeSourceRoundTripsAndIsValidated) {
@@ -285,6 +323,52 @@ TEST(Popularity, CurveOfKnownCounts) {
     EXPECT_NEAR(curve[i], top / 136.0, 1e-6) << i;
   }
   EXPECT_EQ(PopularityCurve(std::vector<uint32_t>(8, 0))[16], 0.0f);
+}
+
+// Hand-computed: neurons ranked by `rank` (ties to the smaller index), shares of `eval`'s total.
+TEST(Popularity, HeldOutCurveRanksOnOneCountAndMeasuresTheOther) {
+  const std::vector<uint32_t> rank = {0, 5, 5, 1};  // order 1, 2, 3, 0
+  const std::vector<uint32_t> eval = {4, 0, 2, 2};  // total 8
+  const std::vector<float> c = HeldOutPopularityCurve(rank, eval, 5);  // points at 0, 1, 2, 3, 4 neurons
+  ASSERT_EQ(c.size(), 5u);
+  EXPECT_FLOAT_EQ(c[0], 0.0f);
+  EXPECT_FLOAT_EQ(c[1], 0.0f / 8);
+  EXPECT_FLOAT_EQ(c[2], 2.0f / 8);
+  EXPECT_FLOAT_EQ(c[3], 4.0f / 8);
+  EXPECT_FLOAT_EQ(c[4], 1.0f);
+  EXPECT_EQ(HeldOutPopularityCurve(rank, std::vector<uint32_t>(4, 0), 5), std::vector<float>(5, 0.0f));
+}
+
+// Window 0 activates neurons {0, 1} on each of its tokens, window 1 {0, 2}: in sample the 2 hottest (0 and 1) hold
+// 3/4 of the activations, but ranked on one window they hold only 1/2 of the other's.
+TEST(FfnStats, HeldOutPopularitySplitsByWindow) {
+  FfnStatsOptions opt;
+  opt.ctx = 10;
+  opt.coact_k = 0;
+  FfnStats st(0, 3, 4, 0.0f, opt);
+  for (int64_t p = 0; p < 10; ++p) st.AddToken(std::vector<int32_t>{0, 1}, 0, p, false);
+  for (int64_t p = 0; p < 10; ++p) st.AddToken(std::vector<int32_t>{0, 2}, 1, p, false);
+  ThreadPool pool(1);
+  const FfnProfile f = st.Finish(&pool);
+  ASSERT_EQ(f.popularity_heldout.size(), static_cast<size_t>(kCurvePoints));
+  EXPECT_FLOAT_EQ(f.popularity[8], 0.75f);          // 2 of 4 neurons, in sample
+  EXPECT_FLOAT_EQ(f.popularity_heldout[8], 0.5f);   // held out
+  EXPECT_FLOAT_EQ(f.popularity[4], 0.5f);           // neuron 0 alone
+  EXPECT_FLOAT_EQ(f.popularity_heldout[4], 0.5f);
+  EXPECT_FLOAT_EQ(f.popularity_heldout[16], 1.0f);
+  // Every token in one window: halves by position parity (even positions {0, 1}, odd {0, 3}): the same shares.
+  FfnStats one(0, -1, 4, 0.0f, opt);
+  for (int64_t p = 0; p < 10; ++p) {
+    one.AddToken(p % 2 == 0 ? std::vector<int32_t>{0, 1} : std::vector<int32_t>{0, 3}, 0, p, false);
+  }
+  const FfnProfile g = one.Finish(&pool);
+  ASSERT_EQ(g.popularity_heldout.size(), static_cast<size_t>(kCurvePoints));
+  EXPECT_FLOAT_EQ(g.popularity[8], 0.75f);
+  EXPECT_FLOAT_EQ(g.popularity_heldout[8], 0.5f);
+  // Fewer than 2 tokens: no held-out curve.
+  FfnStats single(0, -1, 4, 0.0f, opt);
+  single.AddToken(std::vector<int32_t>{1}, 0, 0, false);
+  EXPECT_TRUE(single.Finish(&pool).popularity_heldout.empty());
 }
 
 TEST(Quantile, NearestRank) {
