@@ -152,14 +152,31 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
   double active_total = 0, served_total = 0;
   const double pool_share =
       model.ffns.empty() ? 0.0 : static_cast<double>(model.overflow_pool_slots) / static_cast<double>(model.ffns.size());
+  // A shared pool: one hit rate for every region, at the pool's share of all neurons.
+  double shared_served = 0;
+  if (s.shared_cold_pool) {
+    double slots = 0, neurons = 0;
+    for (size_t r = 0; r < model.ffns.size(); ++r) {
+      slots += static_cast<double>(s.cold_slots.at(r));
+      neurons += static_cast<double>(model.ffns[r].n_neurons);
+    }
+    // The runtime's shared pool takes the staging the fixed part reserved (sparse_runtime.cc) like the overflow pool.
+    slots += static_cast<double>(model.overflow_pool_slots);
+    shared_served = model.shared_lru.x.empty() || neurons <= 0
+                        ? 0.0
+                        : std::clamp(model.shared_lru.At(std::min(1.0, slots / neurons)), 0.0, 1.0);
+  }
   for (size_t r = 0; r < model.ffns.size(); ++r) {
     const FfnParams& f = model.ffns[r];
     const double n = static_cast<double>(f.n_neurons);
     const double h = n > 0 ? static_cast<double>(s.hot_neurons.at(r)) / n : 0.0;
     const double c =
         n > 0 ? std::min(1.0 - h, (static_cast<double>(s.cold_slots.at(r)) + pool_share) / n) : 0.0;
-    const double served = std::clamp(
-        std::min(UpperEnvelope(f.popularity, f.lru_hit).At(h + c), f.popularity.At(h) + f.lru_hit.At(c)), 0.0, 1.0);
+    const double served =
+        s.shared_cold_pool
+            ? shared_served
+            : std::clamp(std::min(UpperEnvelope(f.popularity, f.lru_hit).At(h + c), f.popularity.At(h) + f.lru_hit.At(c)),
+                         0.0, 1.0);
     const double active = ActiveNeurons(f);                           // A
     const double missed = active * (1.0 - served);                    // M
     const double bw = hw.ReadMbps(f.read_bytes, qd) * 1e6;
@@ -211,6 +228,36 @@ PlanSettings PureRegionSplits(const ModelParams& model, const PlanSettings& sett
     out.cold_slots[r] = lru ? n : 0;
   }
   return out;
+}
+
+PlanSettings SharedPoolSettings(const ModelParams& model, const PlanSettings& knobs, uint64_t memory_bytes) {
+  PlanSettings s = knobs;
+  s.shared_cold_pool = true;
+  s.hot_neurons.assign(model.ffns.size(), 0);
+  s.cold_slots.assign(model.ffns.size(), 0);
+  if (model.ffns.empty() || model.ffns[0].slot_bytes == 0 || memory_bytes <= model.fixed_bytes) return s;
+  int64_t neurons = 0;
+  double weight = 0;
+  for (const FfnParams& f : model.ffns) {
+    neurons += f.n_neurons;
+    weight += ActiveNeurons(f);
+  }
+  const int64_t pool = std::min<int64_t>(
+      neurons, static_cast<int64_t>((memory_bytes - model.fixed_bytes) / model.ffns[0].slot_bytes));
+  // By active neurons per token, rounded down, capped at each region's neurons; the remainder to the regions in order.
+  int64_t given = 0;
+  for (size_t r = 0; r < model.ffns.size(); ++r) {
+    const FfnParams& f = model.ffns[r];
+    const double share = weight > 0 ? ActiveNeurons(f) / weight : 1.0 / static_cast<double>(model.ffns.size());
+    s.cold_slots[r] = std::min<int64_t>(f.n_neurons, static_cast<int64_t>(share * static_cast<double>(pool)));
+    given += s.cold_slots[r];
+  }
+  for (size_t r = 0; r < model.ffns.size() && given < pool; ++r) {
+    const int64_t add = std::min<int64_t>(pool - given, model.ffns[r].n_neurons - s.cold_slots[r]);
+    s.cold_slots[r] += add;
+    given += add;
+  }
+  return s;
 }
 
 PrefillPrediction EvaluatePrefill(const HardwareParams& hw, const ModelParams& model, const PlanSettings& s,

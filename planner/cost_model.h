@@ -88,6 +88,10 @@ struct ModelParams {
   // (one slot per neuron of a region), which the runtime turns into a cold overflow pool when the plan gives per-layer
   // partitions (runtime/sparse/sparse_runtime.cc). 0: none.
   int64_t overflow_pool_slots = 0;
+  // Hit rate of one LRU cold pool shared by every region holding a fraction x of all their neurons (the profile's
+  // shared-cache curve, decode order); empty when the profile has none. Unlike the per-region curves it sees routing
+  // that follows the sequence (MoE), which per-region partitions sized by the calibration's routing cannot follow.
+  Curve shared_lru;
   std::vector<FfnParams> ffns;
 };
 
@@ -106,6 +110,9 @@ struct PlanSettings {
   int cluster_neurons = 32;
   std::vector<int64_t> hot_neurons;   // per FFN region, in ModelParams::ffns order
   std::vector<int64_t> cold_slots;    // per FFN region
+  // The cold slots (their sum, plus the overflow pool) as one LRU pool shared by every region, served at
+  // ModelParams::shared_lru of its share of all neurons; hot_neurons are then 0.
+  bool shared_cold_pool = false;
 };
 
 // Per-token time breakdown (seconds) and the memory of a plan.
@@ -167,5 +174,10 @@ int BurstQueueDepth(const HardwareParams& hw, const ModelParams& model, const Pl
 // concave hull and so favours small cold partitions beside large hot ones; this step removes them. Each region keeps
 // its memory: the neurons it holds are those its bytes buy at the chosen way's size (capped at the region's neurons).
 PlanSettings PureRegionSplits(const ModelParams& model, const PlanSettings& settings);
+
+// `knobs`' threads, queue depth and cluster size with every byte `memory_bytes` leaves beyond the fixed part in one
+// shared cold pool (at most every neuron), split over the regions by their active neurons per token (the runtime sums
+// them). Empty cold slots when not even one slot fits.
+PlanSettings SharedPoolSettings(const ModelParams& model, const PlanSettings& knobs, uint64_t memory_bytes);
 
 }  // namespace nflash::planner

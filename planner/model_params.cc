@@ -86,6 +86,7 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
     return fp.mean_active_fraction;
   };
   const packer::BundleLayout& layout = deployment.layout();
+  bool every_neuron = false;  // some region computes every neuron: the profile's curves do not apply
   for (const packer::RegionInfo& r : man.regions) {
     const profiler::FfnProfile* fp = profile.Find(r.layer, r.expert);
     if (fp == nullptr) {
@@ -118,6 +119,7 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
     f.popularity = PlanningPopularity(*fp);
     f.lru_hit = CurveFrom(fp->lru_hit_rate);
     if (f.active_fraction >= 1.0) {
+      every_neuron = true;
       // Every neuron computed on every token: the profile's curves (of the thresholded activity) do not apply; a
       // region holding a share x of the neurons serves exactly x of them.
       f.popularity = Curve{{0.0, 1.0}, {0.0, 1.0}};
@@ -132,6 +134,10 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
                                              (r.expert >= 0 ? static_cast<double>(hp.n_experts_used) /
                                                                   static_cast<double>(std::max<int64_t>(hp.n_experts, 1))
                                                             : 1.0));
+  }
+  if (profile.lru_hit_rate_shared.size() >= 2 && !every_neuron) {
+    m.shared_lru = CurveFrom(profile.lru_hit_rate_shared);
+    m.shared_lru.y.back() = 1.0;  // a pool holding every neuron has no misses in steady state (as above)
   }
   return m;
 }

@@ -23,7 +23,8 @@ std::string PlanToJson(const Plan& p) {
                  {"objective", p.objective}};
   j["settings"] = {{"fixed_bytes", p.fixed_bytes},         {"n_ctx", p.n_ctx}, {"kv_type", p.kv_type},
                    {"compute_threads", p.compute_threads}, {"io_threads", p.io_threads},
-                   {"queue_depth", p.queue_depth},         {"cluster_neurons", p.cluster_neurons}};
+                   {"queue_depth", p.queue_depth},         {"cluster_neurons", p.cluster_neurons},
+                   {"shared_cold_pool", p.shared_cold_pool}};
   json regions = json::array();
   for (const RegionPlan& r : p.regions) {
     regions.push_back(
@@ -90,6 +91,7 @@ Result<Plan> ParsePlan(const std::string& text, const std::string& source) {
   NF_RETURN_IF_ERROR(set.Get("io_threads", &p.io_threads));
   NF_RETURN_IF_ERROR(set.Get("queue_depth", &p.queue_depth));
   NF_RETURN_IF_ERROR(set.Get("cluster_neurons", &p.cluster_neurons));
+  if (set.Has("shared_cold_pool")) NF_RETURN_IF_ERROR(set.Get("shared_cold_pool", &p.shared_cold_pool));
   if (p.compute_threads < 1 || p.io_threads < 0 || p.queue_depth < 1 || p.cluster_neurons < 1) {
     return Status::Corruption(source + ": 'settings' needs compute_threads >= 1, io_threads >= 0, queue_depth >= 1, " +
                               "cluster_neurons >= 1");

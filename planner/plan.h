@@ -61,6 +61,10 @@ struct Plan {
   int io_threads = 1;
   int queue_depth = 32;
   int cluster_neurons = 32;
+  // true: the regions' cold slots form one LRU pool every layer and expert competes for (the runtime's
+  // --cold-pool shared) instead of a partition each; their split over the regions is then only indicative. Plans
+  // without the field: false.
+  bool shared_cold_pool = false;
   std::vector<RegionPlan> regions;  // layer-major, experts in order (the manifest's order)
   PlanPrediction predicted;
   Calibration calibration;  // optional in plan.json ("calibration")

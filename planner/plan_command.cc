@@ -58,6 +58,7 @@ void FillSolution(const SolveResult& solved, const HardwareParams& hw, const Mod
   plan->io_threads = solved.settings.io_threads;
   plan->queue_depth = BurstQueueDepth(hw, model, solved.settings, solved.prediction);
   plan->cluster_neurons = solved.settings.cluster_neurons;
+  plan->shared_cold_pool = solved.settings.shared_cold_pool;
   plan->regions.clear();
   for (size_t r = 0; r < model.ffns.size(); ++r) {
     plan->regions.push_back({model.ffns[r].layer, model.ffns[r].expert, solved.settings.hot_neurons[r],
@@ -120,8 +121,9 @@ Result<Calibration> MeasureAndFit(const PlanFlags& f, const std::string& plan_pa
 }
 
 void PrintExplain(const Plan& plan, const Prediction& p, const ModelParams& model) {
-  std::printf("plan for %s: %d compute thread(s) + %d I/O thread, queue depth %d, clusters of %d neurons\n",
-              plan.model_name.c_str(), plan.compute_threads, plan.io_threads, plan.queue_depth, plan.cluster_neurons);
+  std::printf("plan for %s: %d compute thread(s) + %d I/O thread, queue depth %d, clusters of %d neurons%s\n",
+              plan.model_name.c_str(), plan.compute_threads, plan.io_threads, plan.queue_depth, plan.cluster_neurons,
+              plan.shared_cold_pool ? "; the cold slots are one pool shared by every region" : "");
   std::printf("memory: %.1f MiB of %.1f MiB (fixed part %.1f MiB)\n", static_cast<double>(p.memory_bytes) / (1 << 20),
               static_cast<double>(plan.memory_limit_bytes) / (1 << 20),
               static_cast<double>(plan.fixed_bytes) / (1 << 20));

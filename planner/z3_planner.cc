@@ -288,6 +288,45 @@ std::vector<std::string> UnsatCore(const HardwareParams& hw, const ModelParams& 
 }
 
 
+// The best shared-pool plan (SharedPoolSettings) over the knob combinations, or false when the model has no shared
+// curve or nothing meets the limits. The pool is one variable and the time falls as it grows, so for speed each
+// combination takes the whole memory; for memory (a minimum speed) the smallest pool reaching it, by bisection.
+bool BestSharedPool(const HardwareParams& hw, const ModelParams& model, const std::vector<Knobs>& candidates,
+                    const UserLimits& limits, PlanSettings* best, Prediction* best_prediction) {
+  if (model.shared_lru.x.empty() || model.ffns.empty() || model.fixed_bytes > limits.memory_bytes) return false;
+  const double max_token_s = limits.min_tokens_per_s > 0 ? 1.0 / limits.min_tokens_per_s : 0.0;
+  const bool for_memory = limits.objective == UserLimits::Objective::kMemory;
+  bool found = false;
+  for (const Knobs& k : candidates) {
+    PlanSettings knobs;
+    knobs.compute_threads = k.threads;
+    knobs.queue_depth = k.queue_depth;
+    knobs.cluster_neurons = k.cluster;
+    PlanSettings s = SharedPoolSettings(model, knobs, limits.memory_bytes);
+    Prediction p = Evaluate(hw, model, s);
+    if (max_token_s > 0 && p.token_s > max_token_s) continue;
+    if (for_memory && max_token_s > 0) {
+      uint64_t lo = model.fixed_bytes, hi = limits.memory_bytes;  // hi meets the speed
+      while (hi - lo > model.ffns[0].slot_bytes) {
+        const uint64_t mid = lo + (hi - lo) / 2;
+        (Evaluate(hw, model, SharedPoolSettings(model, knobs, mid)).token_s <= max_token_s ? hi : lo) = mid;
+      }
+      s = SharedPoolSettings(model, knobs, hi);
+      p = Evaluate(hw, model, s);
+    }
+    const bool better = !found || (for_memory ? p.memory_bytes < best_prediction->memory_bytes ||
+                                                    (p.memory_bytes == best_prediction->memory_bytes &&
+                                                     p.token_s < best_prediction->token_s)
+                                              : p.token_s < best_prediction->token_s);
+    if (better) {
+      *best = s;
+      *best_prediction = p;
+      found = true;
+    }
+  }
+  return found;
+}
+
 }  // namespace
 
 Result<SolveResult> SolvePlan(const HardwareParams& hw, const ModelParams& model, const UserLimits& limits) {
@@ -312,8 +351,29 @@ Result<SolveResult> SolvePlan(const HardwareParams& hw, const ModelParams& model
       // region and holds it the way the measured curves serve best (cost_model.h).
       result.settings = PureRegionSplits(model, best.settings);
       result.prediction = Evaluate(hw, model, result.settings);
+      // One pool shared by every region instead, when the profile's shared curve says it serves better (MoE: the
+      // routing follows the sequence, which per-region partitions sized by the calibration's routing cannot).
+      PlanSettings shared;
+      Prediction shared_p;
+      if (BestSharedPool(hw, model, candidates, limits, &shared, &shared_p) &&
+          (goal == Goal::kMemory ? shared_p.memory_bytes < result.prediction.memory_bytes
+                                 : shared_p.token_s < result.prediction.token_s)) {
+        result.settings = shared;
+        result.prediction = shared_p;
+      }
       result.solve_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       return result;
+    }
+    {
+      PlanSettings shared;
+      Prediction shared_p;
+      if (BestSharedPool(hw, model, candidates, limits, &shared, &shared_p)) {
+        result.feasible = true;
+        result.settings = shared;
+        result.prediction = shared_p;
+        result.solve_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        return result;
+      }
     }
 
     // Infeasible for every knob combination: the conflicting limits (the union of the per-combination cores) and

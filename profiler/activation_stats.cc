@@ -150,6 +150,36 @@ std::vector<float> StackDistanceCounter::HitRateCurve(int points) const {
   return curve;
 }
 
+// ---- SharedLruStats ----
+
+SharedLruStats::SharedLruStats(int64_t n_ffns, int64_t n_neurons)
+    : n_neurons_(n_neurons), lru_(n_ffns * n_neurons) {}
+
+void SharedLruStats::Add(int64_t ffn, int64_t window, int64_t pos, std::span<const int32_t> active) {
+  if (window != open_window_) {
+    Flush();
+    open_window_ = window;
+  }
+  const size_t begin = items_.size();
+  items_.insert(items_.end(), active.begin(), active.end());
+  entries_.push_back(Entry{pos, ffn, begin, items_.size()});
+}
+
+void SharedLruStats::Flush() {
+  std::stable_sort(entries_.begin(), entries_.end(),
+                   [](const Entry& a, const Entry& b) { return a.pos != b.pos ? a.pos < b.pos : a.ffn < b.ffn; });
+  for (const Entry& e : entries_) {
+    for (size_t i = e.begin; i < e.end; ++i) lru_.Access(static_cast<int32_t>(e.ffn * n_neurons_ + items_[i]));
+  }
+  entries_.clear();
+  items_.clear();
+}
+
+std::vector<float> SharedLruStats::Finish(int points) {
+  Flush();
+  return lru_.HitRateCurve(points);
+}
+
 // ---- FfnStats ----
 
 FfnStats::FfnStats(int64_t layer, int64_t expert, int64_t n_neurons, float threshold, const FfnStatsOptions& options)

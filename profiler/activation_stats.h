@@ -59,6 +59,33 @@ class StackDistanceCounter {
   std::vector<uint64_t> distance_hist_;  // [d]: accesses with stack distance d (d < n_items)
 };
 
+// The hit-rate curve of one LRU cache shared by every FFN of a model (keys: FFN x neuron), the runtime's shared cold
+// pool: each window's active sets are buffered and replayed in decode order at the next window (or Finish): token by
+// token, each token's FFNs in index order (layer-major, experts ascending), whatever order they arrived in (a batched
+// window arrives layer by layer).
+// Thread-safety: not thread-safe.
+class SharedLruStats {
+ public:
+  SharedLruStats(int64_t n_ffns, int64_t n_neurons);
+  // FFN `ffn`'s active set (indices < n_neurons) for the token at position `pos` of window `window` (non-decreasing
+  // across calls).
+  void Add(int64_t ffn, int64_t window, int64_t pos, std::span<const int32_t> active);
+  // hit_rate[i] for a cache of round(i * n_ffns * n_neurons / (points - 1)) entries.
+  std::vector<float> Finish(int points = kSharedCurvePoints);
+
+ private:
+  void Flush();
+  struct Entry {
+    int64_t pos, ffn;
+    size_t begin, end;  // into items_
+  };
+  int64_t n_neurons_;
+  int64_t open_window_ = -1;
+  std::vector<Entry> entries_;
+  std::vector<int32_t> items_;
+  StackDistanceCounter lru_;
+};
+
 struct FfnStatsOptions {
   int64_t ctx = 256;             // positions per window (for the batch-of-2/4 unions)
   int64_t coact_k = 16;          // partners kept per neuron

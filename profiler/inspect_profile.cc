@@ -2,6 +2,7 @@
 // LRU hit-rate curves drawn by gnuplot.
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -180,6 +181,14 @@ Status InspectProfile(const std::string& path, const std::string& plot_path) {
               "activations on the 10%% most active neurons; ho50%%: the share the 50%% ranked most active on one half\n"
               "of the tokens hold of the other half's (held out; the planner's curve); hit25%%: LRU hit rate with 25%%\n"
               "of the neurons cached; bs2: active fraction of the union of 2 sequences' tokens\n");
+  if (p.lru_hit_rate_shared.size() == static_cast<size_t>(kSharedCurvePoints)) {
+    const auto shared = [&](double x) {
+      return p.lru_hit_rate_shared[static_cast<size_t>(std::lround(x * (kSharedCurvePoints - 1)))];
+    };
+    std::printf("one LRU pool shared by every FFN (decode order), hit rate holding 10/25/50%% of all neurons: %.3f / "
+                "%.3f / %.3f\n",
+                shared(0.1), shared(0.25), shared(0.5));
+  }
   PrintThresholdTable(p);
   if (!plot_path.empty()) NF_RETURN_IF_ERROR(Plot(p, plot_path));
   return Status::Ok();

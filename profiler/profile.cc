@@ -22,6 +22,9 @@ constexpr uint64_t kDataHashSeed = 0;
 std::string Key(std::string_view k) { return std::string(kPrefix) + std::string(k); }
 
 // "prof.blk.3.count_bs1" (dense) or "prof.blk.3.exp.7.count_bs1" (expert 7): at most ~40 bytes, under GGUF's 63.
+// The model-level shared-cache LRU curve (ModelProfile::lru_hit_rate_shared).
+constexpr const char* kSharedLruTensor = "prof.lru_hit_rate_shared";
+
 std::string TensorName(const FfnProfile& f, std::string_view field) {
   std::string n = "prof.blk." + std::to_string(f.layer) + ".";
   if (f.expert >= 0) n += "exp." + std::to_string(f.expert) + ".";
@@ -194,6 +197,17 @@ Status SaveProfile(const ModelProfile& p, const std::string& path, bool overwrit
       data_hash = Xxh64(v.data, v.bytes, data_hash);
     }
   }
+  // Optional model-level curve, after the FFNs' tensors.
+  const std::vector<float>& shared = p.lru_hit_rate_shared;
+  const size_t shared_bytes = shared.size() * sizeof(float);
+  if (!shared.empty()) {
+    if (shared.size() != static_cast<size_t>(kSharedCurvePoints)) {
+      return Status::InvalidArgument(path + ": lru_hit_rate_shared has " + std::to_string(shared.size()) +
+                                     " elements, expected " + std::to_string(kSharedCurvePoints));
+    }
+    NF_RETURN_IF_ERROR(w.AddTensor(kSharedLruTensor, GgmlType::kF32, {shared.size()}));
+    data_hash = Xxh64(shared.data(), shared_bytes, data_hash);
+  }
   w.Set(Key("data_xxh64"), data_hash);
   NF_RETURN_IF_ERROR(w.Begin(path, overwrite));
   for (const FfnProfile& f : F) {
@@ -201,6 +215,10 @@ Status SaveProfile(const ModelProfile& p, const std::string& path, bool overwrit
       NF_RETURN_IF_ERROR(w.WriteTensorData(
           TensorName(f, v.name), std::span<const uint8_t>(static_cast<const uint8_t*>(v.data), v.bytes)));
     }
+  }
+  if (!shared.empty()) {
+    NF_RETURN_IF_ERROR(w.WriteTensorData(
+        kSharedLruTensor, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(shared.data()), shared_bytes)));
   }
   return w.Finish();
 }
@@ -332,6 +350,21 @@ Result<ModelProfile> LoadProfile(const std::string& path) {
       std::memcpy(const_cast<void*>(v.data), bytes.data(), v.bytes);
       data_hash = Xxh64(bytes.data(), bytes.size(), data_hash);
     }
+  }
+  if (const GgufTensorInfo* t = g.FindTensor(kSharedLruTensor); t != nullptr) {
+    const std::vector<uint64_t> dims = {static_cast<uint64_t>(kSharedCurvePoints)};
+    if (t->type != GgmlType::kF32 || t->dims != dims) {
+      return Status::Corruption(path + ": tensor " + std::string(kSharedLruTensor) + " has type " +
+                                std::string(GgmlTypeName(t->type)) + " and " + std::to_string(t->n_elements) +
+                                " elements, expected f32 and " + std::to_string(kSharedCurvePoints));
+    }
+    NF_ASSIGN_OR_RETURN(std::span<const uint8_t> bytes, g.TensorData(*t, &scratch));
+    if (bytes.size() != kSharedCurvePoints * sizeof(float)) {
+      return Status::Corruption(path + ": tensor " + std::string(kSharedLruTensor) + " has the wrong size");
+    }
+    p.lru_hit_rate_shared.resize(kSharedCurvePoints);
+    std::memcpy(p.lru_hit_rate_shared.data(), bytes.data(), bytes.size());
+    data_hash = Xxh64(bytes.data(), bytes.size(), data_hash);
   }
   if (data_hash != expected_hash) {
     return Status::Corruption(path + ": profile data checksum mismatch (stored " + HashToHex(expected_hash) +

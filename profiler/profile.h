@@ -16,6 +16,9 @@ inline constexpr int kProfileSchemaVersion = 1;
 // Points of the popularity and hit-rate curves: x = i / (kCurvePoints - 1) of the layer's neurons, i = 0..16.
 inline constexpr int kCurvePoints = 17;
 
+// Points of ModelProfile::lru_hit_rate_shared: x = i / (kSharedCurvePoints - 1) of all FFN neurons of the model.
+inline constexpr int kSharedCurvePoints = 65;
+
 // One FFN neuron set: a dense layer's FFN, or one expert of an MoE layer.
 struct FfnProfile {
   int64_t layer = 0;
@@ -70,6 +73,11 @@ struct ModelProfile {
   double target_sparsity = 0.0;  // silu: the sparsity the thresholds were calibrated for (0 for relu / drelu)
   std::vector<float> report_sparsities;  // sparsities of FfnProfile::report_thresholds
   std::vector<FfnProfile> ffns;  // layer-major, experts in order
+  // lru_hit_rate_shared[i]: hit rate of one LRU cache shared by every FFN (a key per FFN and neuron) holding
+  // i / (kSharedCurvePoints - 1) of all FFN neurons, replaying the tokens in decode order (each token's FFNs layer by
+  // layer, experts ascending): the runtime's shared cold pool. Unlike the per-FFN curves it sees which FFNs a stretch of
+  // tokens uses (MoE routing follows the sequence). Optional (empty in profiles written before it).
+  std::vector<float> lru_hit_rate_shared;
   // The FFN of (layer, expert), or nullptr.
   const FfnProfile* Find(int64_t layer, int64_t expert = -1) const;
 };

@@ -365,6 +365,7 @@ Status RunProfile(const ProfileFlags& f) {
       down_norms.push_back(std::move(norms));
     }
   }
+  SharedLruStats shared(n_ffns, hp.n_ff);
   TraceWriter traces;
   if (!f.traces.empty()) NF_RETURN_IF_ERROR(traces.Open(f.traces, f.force, stats));
   // Co-activation samples every `coact_stride`-th token so the sample spans the whole calibration run.
@@ -398,6 +399,7 @@ Status RunProfile(const ProfileFlags& f) {
       }
       const int64_t token = window_start + pos;
       st.AddToken(active, window, pos, token % coact_stride == 0);
+      shared.Add(static_cast<int64_t>(fi), window, pos, active);
       st.AddGateCoactivation(static_cast<int64_t>(active.size()), up_ok, down_ok);
       if (traces.is_open() && observer_status.ok()) {
         observer_status = traces.Record(static_cast<uint32_t>(fi), static_cast<uint32_t>(token), active, hp.n_ff);
@@ -439,6 +441,7 @@ Status RunProfile(const ProfileFlags& f) {
     p.ffns.push_back(stats[i].Finish(&pool));
     p.ffns.back().report_thresholds = report[i];
   }
+  p.lru_hit_rate_shared = shared.Finish();
   NF_LOG(Info) << "curves and co-activation partners: "
                << std::chrono::duration<double>(std::chrono::steady_clock::now() - t_finish).count() << " s";
   if (traces.is_open()) NF_RETURN_IF_ERROR(traces.Finish());

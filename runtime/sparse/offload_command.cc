@@ -75,6 +75,7 @@ Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, Sp
     if (pinned) o->hot_slots_per_group[r] = clusters;
     o->cold_slots_per_group[r] = rp.cold_slots;
   }
+  o->shared_cold_pool = o->shared_cold_pool || plan.shared_cold_pool;
   o->memory_budget = plan.memory_limit_bytes;
   o->n_ctx = plan.n_ctx;
   NF_ASSIGN_OR_RETURN(o->kv_type, ParseKvType(plan.kv_type));
@@ -82,7 +83,8 @@ Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, Sp
   o->chunk_requests = plan.cluster_neurons;
   *threads = plan.compute_threads;
   NF_LOG(Info) << "plan " << plan_path << ": " << plan.compute_threads << " compute thread(s), queue depth "
-               << plan.queue_depth << ", " << o->hot_slots << " hot clusters, predicted "
+               << plan.queue_depth << ", " << o->hot_slots << " hot clusters"
+               << (plan.shared_cold_pool ? ", one shared cold pool" : "") << ", predicted "
                << plan.predicted.tokens_per_s << " tok/s";
   return Status::Ok();
 }
@@ -241,6 +243,8 @@ Status RunOffload(const OffloadFlags& f) {
       {"hot_slots", rt.split().hot_slots},
       {"cold_slots", rt.split().cold_slots},
       {"cold_slot_bytes", rt.cold_slot_bytes()},
+      // One LRU pool for every layer/expert, or a partition each (a plan's regions, plus their overflow pool).
+      {"cold_pool", rt.ffn().options().cold_slots_per_group.empty() ? "shared" : "per-layer"},
       {"peak_rss_bytes", mem.peak_rss_bytes},
       {"tokens", out},
       {"text", text},

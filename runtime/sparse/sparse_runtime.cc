@@ -158,14 +158,20 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   const int64_t staging = OffloadFfn::StagingSlots(hp.n_ff, rt->split_.cold_slots, partitions);
   int64_t overflow = !partitions.empty() && options.cold_overflow ? staging : 0;
   f.scratch = f.scratch - full_staging + static_cast<uint64_t>(staging - overflow) * shape.cold_slot_bytes;
-  if (overflow > 0 && rt->budget_ > 0) {
-    // What the budget has left beyond the plan's regions (a plan rounds its sizes down) goes to the pool too, up to
-    // a slot for every cold neuron.
+  if (rt->budget_ > 0 && explicit_split && (overflow > 0 || partitions.empty())) {
+    // What the budget has left beyond the plan's regions (a plan rounds its sizes down; a shared pool frees the
+    // staging the fixed part reserved) goes to the pool too, up to a slot for every cold neuron.
     const uint64_t used = f.Total() + rt->split_.hot_bytes + rt->split_.cold_bytes +
                           static_cast<uint64_t>(overflow) * shape.cold_slot_bytes;
     if (used < rt->budget_) {
       const int64_t room = std::max<int64_t>(0, shape.cold_neurons - rt->split_.cold_slots - overflow);
-      overflow += std::min<int64_t>(room, static_cast<int64_t>((rt->budget_ - used) / shape.cold_slot_bytes));
+      const int64_t more = std::min<int64_t>(room, static_cast<int64_t>((rt->budget_ - used) / shape.cold_slot_bytes));
+      if (partitions.empty()) {
+        rt->split_.cold_slots += more;  // the one shared pool
+        rt->split_.cold_bytes += static_cast<uint64_t>(more) * shape.cold_slot_bytes;
+      } else {
+        overflow += more;
+      }
     }
   }
   rt->split_.cold_slots += overflow;

@@ -147,6 +147,21 @@ TEST_F(PlanCliTest, TheRuntimeFollowsThePlanAndRefusesOneForAnotherDeployment) {
   EXPECT_EQ(j.value("compute_threads", -1), p->compute_threads) << j.dump();
   EXPECT_EQ(j.value("queue_depth", -1), p->queue_depth) << j.dump();
   EXPECT_EQ(j.value("chunk_requests", -1), p->cluster_neurons) << j.dump();
+  EXPECT_EQ(j.value("cold_pool", std::string()), p->shared_cold_pool ? "shared" : "per-layer") << j.dump();
+  // The same sizes as one shared pool (what the planner writes when the profile's shared curve serves more): the
+  // runtime runs one pool of at least their sum (plus the staging it frees) within the plan's memory.
+  planner::Plan shared = *p;
+  shared.shared_cold_pool = !p->shared_cold_pool;
+  const std::string shared_path = tmp_->File(shared.shared_cold_pool ? "shared_plan.json" : "partitioned_plan.json");
+  ASSERT_TRUE(SavePlan(shared, shared_path, false).ok());
+  auto srun = RunCommand(Nflash() + " offload -d " + tmp_->File("deploy") + " --plan " + shared_path + " -n 8 --json",
+                         /*capture_stderr=*/false);
+  ASSERT_EQ(srun.exit_code, 0) << srun.output;
+  auto sj = nlohmann::json::parse(srun.output.substr(srun.output.find('{')), nullptr, false);
+  ASSERT_FALSE(sj.is_discarded()) << srun.output;
+  EXPECT_EQ(sj.value("cold_pool", std::string()), shared.shared_cold_pool ? "shared" : "per-layer") << sj.dump();
+  EXPECT_GE(sj.value("cold_slots", int64_t{-1}), planned_cold) << sj.dump();
+  EXPECT_LE(sj.value("accounted_bytes", uint64_t{1} << 62), p->memory_limit_bytes) << sj.dump();
   // Threads, queue depth and chunk size given on the command line replace the plan's (the memory stays the plan's).
   const int threads = p->compute_threads == 1 ? 2 : 1;
   const int depth = p->queue_depth == 8 ? 4 : 8;

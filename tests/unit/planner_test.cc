@@ -255,6 +255,78 @@ TEST(PlannerTest, EachRegionIsAllHotOrAllLruWhicheverTheCurvesServeMore) {
   EXPECT_NEAR(r.prediction.served_fraction, 0.95, 1e-9);
 }
 
+// One shared cold pool: every region served at the shared curve of (its slots + the overflow pool) / all neurons,
+// hot neurons none, memory its slots.
+TEST(CostModelTest, ASharedPoolServesItsCurveInEveryRegion) {
+  const HardwareParams hw = Hw();
+  ModelParams m = OneRegion(Zero(), Zero());
+  m.ffns.push_back(m.ffns[0]);
+  m.ffns[1].active_fraction = 0.3;
+  m.shared_lru = Curve{{0.0, 0.5, 1.0}, {0.0, 0.8, 1.0}};
+  PlanSettings s;
+  s.shared_cold_pool = true;
+  s.hot_neurons = {0, 0};
+  s.cold_slots = {300, 100};
+  m.overflow_pool_slots = 100;
+  // x = (400 + 100) / 2000 = 0.25: 0.4 in both regions.
+  const Prediction p = Evaluate(hw, m, s);
+  ASSERT_EQ(p.layer_served.size(), 2u);
+  EXPECT_NEAR(p.layer_served[0], 0.4, 1e-12);
+  EXPECT_NEAR(p.layer_served[1], 0.4, 1e-12);
+  EXPECT_NEAR(p.served_fraction, 0.4, 1e-12);
+  EXPECT_EQ(p.memory_bytes, m.fixed_bytes + 400u * 4096u);
+  // Partitions of the same sizes serve their own (zero) curves.
+  s.shared_cold_pool = false;
+  EXPECT_NEAR(Evaluate(hw, m, s).served_fraction, 0.0, 1e-12);
+  // SharedPoolSettings: the memory beyond the fixed part in slots, split 1:3 by active neurons (0.1 : 0.3 of 1000).
+  PlanSettings knobs;
+  knobs.compute_threads = 2;
+  knobs.queue_depth = 64;
+  const PlanSettings pool = SharedPoolSettings(m, knobs, m.fixed_bytes + 800u * 4096u + 100u);
+  EXPECT_TRUE(pool.shared_cold_pool);
+  EXPECT_EQ(pool.compute_threads, 2);
+  EXPECT_EQ(pool.hot_neurons, (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(pool.cold_slots, (std::vector<int64_t>{200, 600}));
+  // Never more than every neuron.
+  const PlanSettings all = SharedPoolSettings(m, knobs, m.fixed_bytes + 5000u * 4096u);
+  EXPECT_EQ(all.cold_slots[0] + all.cold_slots[1], 2000);
+  EXPECT_LE(all.cold_slots[0], 1000);
+  EXPECT_LE(all.cold_slots[1], 1000);
+}
+
+// The planner takes one shared pool when the profile's shared curve serves more than the regions' own curves can
+// (MoE routing that follows the sequence), and keeps per-region plans when it serves less; either plan fits.
+TEST(PlannerTest, ASharedPoolIsChosenOnlyWhenItServesMore) {
+  const HardwareParams hw = Hw();
+  ModelParams m = OneRegion(Linear(), Linear());
+  m.ffns.push_back(m.ffns[0]);
+  const uint64_t limit = m.fixed_bytes + 1000u * 4096u;
+  m.shared_lru = Curve{{0.0, 0.5, 1.0}, {0.0, 0.9, 1.0}};  // 0.9 at half of all neurons; the regions' own: 0.5
+  SolveResult shared;
+  ASSERT_NO_FATAL_FAILURE(SolveWithin(hw, m, limit, &shared));
+  EXPECT_TRUE(shared.settings.shared_cold_pool);
+  EXPECT_NEAR(shared.prediction.served_fraction, 0.9, 1e-9);
+  EXPECT_LE(shared.prediction.memory_bytes, limit);
+  EXPECT_EQ(shared.settings.cold_slots[0] + shared.settings.cold_slots[1], 1000);
+  m.shared_lru = Curve{{0.0, 1.0}, {0.0, 0.3}};  // worse than pinning
+  SolveResult per_region;
+  ASSERT_NO_FATAL_FAILURE(SolveWithin(hw, m, limit, &per_region));
+  EXPECT_FALSE(per_region.settings.shared_cold_pool);
+  EXPECT_NEAR(per_region.prediction.served_fraction, 0.5, 1e-3);  // the solver rounds its neurons down
+  // The memory objective: the smallest shared pool reaching the speed, when it is smaller than per-region plans'.
+  m.shared_lru = Curve{{0.0, 0.5, 1.0}, {0.0, 0.9, 1.0}};
+  UserLimits limits;
+  limits.memory_bytes = limit;
+  limits.objective = UserLimits::Objective::kMemory;
+  limits.min_tokens_per_s = shared.prediction.tokens_per_s * 0.99;
+  auto r = SolvePlan(hw, m, limits);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->feasible) << r->message;
+  EXPECT_TRUE(r->settings.shared_cold_pool);
+  EXPECT_LT(r->prediction.memory_bytes, shared.prediction.memory_bytes);
+  EXPECT_GE(r->prediction.tokens_per_s, limits.min_tokens_per_s);
+}
+
 // A region is planned with the profile's held-out popularity when the profile has it, else the in-sample curve.
 TEST(CurveTest, PlanningPopularityPrefersTheHeldOutCurve) {
   profiler::FfnProfile fp;
@@ -550,6 +622,7 @@ TEST(PlanFileTest, RoundTripsAndRejectsBadFilesAndOtherDeployments) {
   p.queue_depth = 16;
   p.cluster_neurons = 64;
   p.regions = {{0, -1, 10, 20}, {1, 3, 5, 0}};
+  p.shared_cold_pool = true;
   p.predicted.token_s = 0.25;
   p.predicted.memory_bytes = 123;
   p.calibration.compute_scale = 1.5;
@@ -566,6 +639,7 @@ TEST(PlanFileTest, RoundTripsAndRejectsBadFilesAndOtherDeployments) {
   ASSERT_EQ(q->regions.size(), 2u);
   EXPECT_EQ(q->regions[1].expert, 3);
   EXPECT_EQ(q->regions[1].hot_neurons, 5);
+  EXPECT_TRUE(q->shared_cold_pool);
   EXPECT_DOUBLE_EQ(q->predicted.token_s, 0.25);
   ASSERT_TRUE(q->calibration.present());
   EXPECT_DOUBLE_EQ(q->calibration.io_scale, 2.5);
@@ -590,6 +664,12 @@ TEST(PlanFileTest, RoundTripsAndRejectsBadFilesAndOtherDeployments) {
   EXPECT_NE(bad_type.status().message().find("settings.queue_depth"), std::string::npos)
       << bad_type.status().message();
   EXPECT_FALSE(ParsePlan("not json", "x.json").ok());
+  // Plans written before shared pools: per-region partitions.
+  const size_t at = text.find(",\n    \"shared_cold_pool\": true");
+  ASSERT_NE(at, std::string::npos) << text;
+  auto older = ParsePlan(std::string(text).erase(at, std::string(",\n    \"shared_cold_pool\": true").size()), "x.json");
+  ASSERT_TRUE(older.ok()) << older.status().ToString();
+  EXPECT_FALSE(older->shared_cold_pool);
 }
 
 }  // namespace

@@ -135,6 +135,16 @@ TEST(ProfileFile, HeldOutPopularityIsOptionalAndChecksummed) {
   ASSERT_EQ(loaded->ffns.size(), p.ffns.size());
   for (size_t i = 0; i < p.ffns.size(); ++i) ExpectSame(loaded->ffns[i], p.ffns[i]);
   EXPECT_TRUE(loaded->ffns[0].popularity_heldout.empty());
+  EXPECT_TRUE(loaded->lru_hit_rate_shared.empty());
+  // The model-level shared-pool curve: optional too, and read back.
+  ModelProfile with_shared = p;
+  for (int i = 0; i < kSharedCurvePoints; ++i) with_shared.lru_hit_rate_shared.push_back(i / 64.0f);
+  ASSERT_TRUE(SaveProfile(with_shared, dir.File("s.prof"), false).ok());
+  auto shared = LoadProfile(dir.File("s.prof"));
+  ASSERT_TRUE(shared.ok()) << shared.status().ToString();
+  EXPECT_EQ(shared->lru_hit_rate_shared, with_shared.lru_hit_rate_shared);
+  with_shared.lru_hit_rate_shared.pop_back();
+  EXPECT_FALSE(SaveProfile(with_shared, dir.File("s2.prof"), false).ok());
   // A wrong length is refused at save.
   p.ffns[1].popularity_heldout.pop_back();
   EXPECT_FALSE(SaveProfile(p, dir.File("q.prof"), false).ok());
@@ -337,6 +347,41 @@ TEST(Popularity, HeldOutCurveRanksOnOneCountAndMeasuresTheOther) {
   EXPECT_FLOAT_EQ(c[3], 4.0f / 8);
   EXPECT_FLOAT_EQ(c[4], 1.0f);
   EXPECT_EQ(HeldOutPopularityCurve(rank, std::vector<uint32_t>(4, 0), 5), std::vector<float>(5, 0.0f));
+}
+
+// The shared-pool curve replays every window in decode order (token by token, FFNs in index order) whatever order the
+// sets arrived in (a batched window arrives FFN by FFN), and equals a directly simulated LRU over keys ffn * n + i.
+TEST(SharedLru, ReplaysInDecodeOrderAndMatchesBruteForce) {
+  std::mt19937 rng(5);
+  const int64_t n_ffns = 3, n = 10, windows = 4, ctx = 6;
+  SharedLruStats st(n_ffns, n);
+  std::vector<int32_t> trace;  // keys in decode order
+  std::bernoulli_distribution on(0.3);
+  for (int64_t w = 0; w < windows; ++w) {
+    std::vector<std::vector<std::vector<int32_t>>> sets(ctx, std::vector<std::vector<int32_t>>(n_ffns));
+    for (int64_t p = 0; p < ctx; ++p) {
+      for (int64_t f = 0; f < n_ffns; ++f) {
+        for (int32_t i = 0; i < n; ++i) {
+          if (on(rng)) sets[p][f].push_back(i);
+        }
+        for (int32_t i : sets[p][f]) trace.push_back(static_cast<int32_t>(f * n + i));
+      }
+    }
+    // Arrival: FFN-major in even windows (a batched prefill), reversed positions in odd ones.
+    for (int64_t f = 0; f < n_ffns; ++f) {
+      for (int64_t k = 0; k < ctx; ++k) {
+        const int64_t p = w % 2 == 0 ? k : ctx - 1 - k;
+        st.Add(f, w, p, sets[p][f]);
+      }
+    }
+  }
+  const int points = 16 + 1;
+  const std::vector<float> curve = st.Finish(points);
+  ASSERT_EQ(curve.size(), static_cast<size_t>(points));
+  for (int i = 0; i < points; ++i) {
+    const size_t capacity = static_cast<size_t>(std::llround(static_cast<double>(i) * n_ffns * n / (points - 1)));
+    EXPECT_NEAR(curve[i], static_cast<double>(BruteForceLruHits(trace, capacity)) / trace.size(), 1e-6) << i;
+  }
 }
 
 // Window 0 activates neurons {0, 1} on each of its tokens, window 1 {0, 2}: in sample the 2 hottest (0 and 1) hold
