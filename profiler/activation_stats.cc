@@ -153,26 +153,32 @@ std::vector<float> StackDistanceCounter::HitRateCurve(int points) const {
 // ---- SharedLruStats ----
 
 SharedLruStats::SharedLruStats(int64_t n_ffns, int64_t n_neurons)
-    : n_neurons_(n_neurons), lru_(n_ffns * n_neurons) {}
+    : n_neurons_(n_neurons), words_((n_neurons + 63) / 64), lru_(n_ffns * n_neurons) {}
 
 void SharedLruStats::Add(int64_t ffn, int64_t window, int64_t pos, std::span<const int32_t> active) {
   if (window != open_window_) {
     Flush();
     open_window_ = window;
   }
-  const size_t begin = items_.size();
-  items_.insert(items_.end(), active.begin(), active.end());
-  entries_.push_back(Entry{pos, ffn, begin, items_.size()});
+  const size_t begin = bits_.size();
+  bits_.resize(begin + static_cast<size_t>(words_), 0);
+  for (int32_t i : active) bits_[begin + static_cast<size_t>(i >> 6)] |= uint64_t{1} << (i & 63);
+  entries_.push_back(Entry{pos, ffn, begin});
 }
 
 void SharedLruStats::Flush() {
   std::stable_sort(entries_.begin(), entries_.end(),
                    [](const Entry& a, const Entry& b) { return a.pos != b.pos ? a.pos < b.pos : a.ffn < b.ffn; });
   for (const Entry& e : entries_) {
-    for (size_t i = e.begin; i < e.end; ++i) lru_.Access(static_cast<int32_t>(e.ffn * n_neurons_ + items_[i]));
+    const int64_t base = e.ffn * n_neurons_;
+    for (int64_t w = 0; w < words_; ++w) {
+      for (uint64_t b = bits_[e.begin + static_cast<size_t>(w)]; b != 0; b &= b - 1) {
+        lru_.Access(static_cast<int32_t>(base + w * 64 + std::countr_zero(b)));  // ascending, as the active lists
+      }
+    }
   }
   entries_.clear();
-  items_.clear();
+  bits_.clear();
 }
 
 std::vector<float> SharedLruStats::Finish(int points) {

@@ -77,12 +77,14 @@ class SharedLruStats {
   void Flush();
   struct Entry {
     int64_t pos, ffn;
-    size_t begin, end;  // into items_
+    size_t begin;  // the set's first word in bits_
   };
-  int64_t n_neurons_;
+  int64_t n_neurons_, words_;
   int64_t open_window_ = -1;
   std::vector<Entry> entries_;
-  std::vector<int32_t> items_;
+  // The window's sets as bitsets (n_neurons / 8 bytes each, whatever the sparsity: a window of 256 tokens of a 32-layer
+  // 7B buffers 11 MB).
+  std::vector<uint64_t> bits_;
   StackDistanceCounter lru_;
 };
 
