@@ -69,6 +69,16 @@ double Gbs(const std::vector<double>& v, int threads) {
 // took 20.9 s (2-core machine, loaded), with 12 3.6 s; on the SYNTHETIC 16-layer 7B deployment the plans' predicted
 // speed moved by <= 0.7% (the plan's prediction uses the full curves anyway: Evaluate).
 constexpr size_t kMaxCurveSegments = 12;
+// Z3's exact simplex slows down about quadratically in the LP's rows, and each region adds 3 curves' lines: the lines
+// per curve shrink with the regions so that they total about kCurveLineBudget, never below kMinCurveSegments.
+// SYNTHETIC mixtral-8x7b shape: 16 regions keep 12 (20 s); 32 regions take 6: 33 s instead of 194 s (the latter before
+// the coefficient rounding above), predicted speed 33.45 against 33.74 tok/s (-0.8%; the plan's prediction is
+// Evaluate on the full curves).
+constexpr size_t kCurveLineBudget = 192;
+constexpr size_t kMinCurveSegments = 4;
+size_t CurveSegments(size_t regions) {
+  return std::clamp<size_t>(kCurveLineBudget / std::max<size_t>(regions, 1), kMinCurveSegments, kMaxCurveSegments);
+}
 
 // Adds the model's constraints for fixed `knobs` to `add` (a solver or an optimizer) and returns the encoding.
 template <typename Sink>
@@ -80,6 +90,7 @@ Encoding Encode(z3::context& ctx, Sink& add, const HardwareParams& hw, const Mod
   z3::expr token = Coef(ctx, dense_us);
   z3::expr memory = Real(ctx, static_cast<double>(model.fixed_bytes) / kMiB);
   const bool io_shares_cores = t + 1 > hw.cores;
+  const size_t segments = CurveSegments(model.ffns.size());
   for (size_t r = 0; r < model.ffns.size(); ++r) {
     const FfnParams& f = model.ffns[r];
     const std::string id = std::to_string(r);
@@ -89,13 +100,13 @@ Encoding Encode(z3::context& ctx, Sink& add, const HardwareParams& hw, const Mod
     z3::expr p_h = ctx.real_const(("pop_hot_" + id).c_str());
     z3::expr h_c = ctx.real_const(("lru_cold_" + id).c_str());
     add.add(h >= 0 && c >= 0 && h + c <= 1 && served >= 0 && served <= 1);
-    for (const auto& [slope, icpt] : UpperEnvelope(f.popularity, f.lru_hit).ConcaveSegments(kMaxCurveSegments)) {
+    for (const auto& [slope, icpt] : UpperEnvelope(f.popularity, f.lru_hit).ConcaveSegments(segments)) {
       add.add(served <= Coef(ctx, slope) * (h + c) + Coef(ctx, icpt));  // served <= max(P, H)(h + c)
     }
-    for (const auto& [slope, icpt] : f.popularity.ConcaveSegments(kMaxCurveSegments)) {
+    for (const auto& [slope, icpt] : f.popularity.ConcaveSegments(segments)) {
       add.add(p_h <= Coef(ctx, slope) * h + Coef(ctx, icpt));  // p_h <= P(h)
     }
-    for (const auto& [slope, icpt] : f.lru_hit.ConcaveSegments(kMaxCurveSegments)) add.add(h_c <= Coef(ctx, slope) * c + Coef(ctx, icpt));
+    for (const auto& [slope, icpt] : f.lru_hit.ConcaveSegments(segments)) add.add(h_c <= Coef(ctx, slope) * c + Coef(ctx, icpt));
     add.add(served <= p_h + h_c);
     e.hot.push_back(h);
     e.cold.push_back(c);
