@@ -8,9 +8,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <tuple>
 #include <utility>
 
+#include "runtime/core/log.h"
 #include "runtime/sparse/memory_budget.h"
 
 namespace nflash::planner {
@@ -240,9 +242,23 @@ constexpr size_t kExactCandidates = 6;
 // many neurons fit), so: one reference combination (the most threads, the deepest queue, a middle cluster) is solved,
 // every combination is ranked by the cost model (Evaluate) at the reference's allocation, and the kExactCandidates
 // best-ranked are solved exactly. `solved` counts the Z3 solves.
+// Exact solves slower than this are logged (progress on large models).
+constexpr double kSolveLogSeconds = 5.0;
+
 bool OptimiseAll(const HardwareParams& hw, const ModelParams& model, const std::vector<Knobs>& candidates,
                  double mem_mib, double max_token_us, Goal goal, Optimum* best, int* solved = nullptr) {
   bool found = false;
+  // Optimise, logged when slow (progress on large models: a 128-region MoE takes ~40 s per solve on 2 cores).
+  auto timed = [&](const Knobs& k, const std::string& what, Optimum* out) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const bool ok = Optimise(hw, model, k, mem_mib, max_token_us, goal, out);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (seconds > kSolveLogSeconds) {
+      NF_LOG(Info) << "plan: " << what << " (" << k.threads << " thread(s), queue depth " << k.queue_depth
+                   << ", clusters of " << k.cluster << ") solved in " << seconds << " s";
+    }
+    return ok;
+  };
   std::vector<Knobs> exact = candidates;
   if (candidates.size() > kExactCandidates + 1) {
     size_t ref = 0;
@@ -254,7 +270,7 @@ bool OptimiseAll(const HardwareParams& hw, const ModelParams& model, const std::
     }
     Optimum r;
     if (solved) ++*solved;
-    if (Optimise(hw, model, candidates[ref], mem_mib, max_token_us, goal, &r)) {
+    if (timed(candidates[ref], "the reference knob combination", &r)) {
       std::vector<std::pair<double, size_t>> ranked;
       for (size_t i = 0; i < candidates.size(); ++i) {
         if (i == ref) continue;
@@ -271,10 +287,12 @@ bool OptimiseAll(const HardwareParams& hw, const ModelParams& model, const std::
       found = true;
     }
   }
-  for (const Knobs& k : exact) {
+  for (size_t i = 0; i < exact.size(); ++i) {
     Optimum o;
     if (solved) ++*solved;
-    if (!Optimise(hw, model, k, mem_mib, max_token_us, goal, &o)) continue;
+    if (!timed(exact[i], "knob combination " + std::to_string(i + 1) + " of " + std::to_string(exact.size()), &o)) {
+      continue;
+    }
     const double key = goal == Goal::kSpeed ? o.token_us : o.memory_mib;
     const double best_key = goal == Goal::kSpeed ? best->token_us : best->memory_mib;
     // 1e-9 relative: rational optima that differ only by rounding count as ties.
