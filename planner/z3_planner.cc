@@ -235,6 +235,13 @@ bool Optimise(const HardwareParams& hw, const ModelParams& model, const Knobs& k
 // Knob combinations solved exactly per OptimiseAll call, besides the reference: enough that the exhaustive-grid test
 // finds the optimum among them; each Z3 solve of a 16-layer model with measured curves takes ~0.5-1 s.
 constexpr size_t kExactCandidates = 6;
+// Fewer for models with many regions, whose solves take tens of seconds each: 6 x 32 / regions, at least 2. Where
+// the winner ranked (session 18, 2 vCPUs): the reference itself (SYNTHETIC 4-layer mixtral shape, 32 regions), the
+// first (16-layer 7B), the fifth, 0.3% ahead of the second and the reference (2-layer mixtral shape, 16 regions).
+// A 128-region model then solves 3 times instead of 7 (~40 s each).
+size_t ExactCandidates(size_t regions) {
+  return std::clamp<size_t>(kExactCandidates * 32 / std::max<size_t>(regions, 1), 2, kExactCandidates);
+}
 
 // The best optimum over the knob combinations (ties: the first, i.e. fewer threads, smaller depth and cluster).
 // Solving every combination exactly took 46 s for a 16-layer model with measured curves (58 combinations); the
@@ -260,7 +267,8 @@ bool OptimiseAll(const HardwareParams& hw, const ModelParams& model, const std::
     return ok;
   };
   std::vector<Knobs> exact = candidates;
-  if (candidates.size() > kExactCandidates + 1) {
+  const size_t n_exact = ExactCandidates(model.ffns.size());
+  if (candidates.size() > n_exact + 1) {
     size_t ref = 0;
     for (size_t i = 1; i < candidates.size(); ++i) {
       const Knobs& a = candidates[i];
@@ -282,7 +290,7 @@ bool OptimiseAll(const HardwareParams& hw, const ModelParams& model, const std::
       }
       std::stable_sort(ranked.begin(), ranked.end());
       exact.clear();
-      for (size_t j = 0; j < ranked.size() && j < kExactCandidates; ++j) exact.push_back(candidates[ranked[j].second]);
+      for (size_t j = 0; j < ranked.size() && j < n_exact; ++j) exact.push_back(candidates[ranked[j].second]);
       *best = std::move(r);
       found = true;
     }
