@@ -18,7 +18,8 @@ struct SolveResult {
   bool feasible = false;
   PlanSettings settings;
   Prediction prediction;            // Evaluate() of the settings (the rounded plan, real curves)
-  double solver_token_s = 0;        // the solver's own objective value (concave-hull curves, unrounded)
+  double solver_token_s = 0;        // the solver's own objective value (concave-hull curves, unrounded) for the
+                                    // per-region plan, also when a shared cold pool was chosen instead
   double solve_seconds = 0;
   int candidates = 0;               // knob combinations considered (threads x queue depths x cluster sizes, pruned)
   int solved = 0;                   // of which solved exactly by Z3 (the best-ranked; see OptimiseAll)
