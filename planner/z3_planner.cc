@@ -393,6 +393,12 @@ Result<SolveResult> SolvePlan(const HardwareParams& hw, const ModelParams& model
     result.candidates = static_cast<int>(candidates.size());
     Optimum best;
     const Goal goal = limits.objective == UserLimits::Objective::kMemory ? Goal::kMemory : Goal::kSpeed;
+    // One pool shared by every region, when the profile has its curve (MoE: the routing follows the sequence, which
+    // per-region partitions sized by the calibration's routing cannot): taken when it serves better, or alone when no
+    // per-region plan meets the limits.
+    PlanSettings shared;
+    Prediction shared_p;
+    const bool shared_ok = BestSharedPool(hw, model, candidates, limits, &shared, &shared_p);
     if (model.fixed_bytes <= limits.memory_bytes &&
         OptimiseAll(hw, model, candidates, mem_mib, max_token_us, goal, &best, &result.solved)) {
       result.feasible = true;
@@ -401,29 +407,19 @@ Result<SolveResult> SolvePlan(const HardwareParams& hw, const ModelParams& model
       // region and holds it the way the measured curves serve best (cost_model.h).
       result.settings = PureRegionSplits(model, best.settings);
       result.prediction = Evaluate(hw, model, result.settings);
-      // One pool shared by every region instead, when the profile's shared curve says it serves better (MoE: the
-      // routing follows the sequence, which per-region partitions sized by the calibration's routing cannot).
-      PlanSettings shared;
-      Prediction shared_p;
-      if (BestSharedPool(hw, model, candidates, limits, &shared, &shared_p) &&
-          (goal == Goal::kMemory ? shared_p.memory_bytes < result.prediction.memory_bytes
-                                 : shared_p.token_s < result.prediction.token_s)) {
+      if (shared_ok && (goal == Goal::kMemory ? shared_p.memory_bytes < result.prediction.memory_bytes
+                                              : shared_p.token_s < result.prediction.token_s)) {
         result.settings = shared;
         result.prediction = shared_p;
       }
+    } else if (shared_ok) {
+      result.feasible = true;
+      result.settings = shared;
+      result.prediction = shared_p;
+    }
+    if (result.feasible) {
       result.solve_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       return result;
-    }
-    {
-      PlanSettings shared;
-      Prediction shared_p;
-      if (BestSharedPool(hw, model, candidates, limits, &shared, &shared_p)) {
-        result.feasible = true;
-        result.settings = shared;
-        result.prediction = shared_p;
-        result.solve_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        return result;
-      }
     }
 
     // Infeasible for every knob combination: the conflicting limits (the union of the per-combination cores) and

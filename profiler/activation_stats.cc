@@ -39,20 +39,6 @@ JointCountFn SelectJointCount() {
 
 }  // namespace
 
-std::vector<float> PopularityCurve(std::span<const uint32_t> counts, int points) {
-  std::vector<uint32_t> sorted(counts.begin(), counts.end());
-  std::sort(sorted.begin(), sorted.end(), std::greater<>());
-  std::vector<uint64_t> prefix(sorted.size() + 1, 0);
-  for (size_t i = 0; i < sorted.size(); ++i) prefix[i + 1] = prefix[i] + sorted[i];
-  const double total = static_cast<double>(prefix.back());
-  std::vector<float> curve(static_cast<size_t>(points), 0.0f);
-  for (int i = 0; i < points; ++i) {
-    const int64_t k = CurveSize(i, points, static_cast<int64_t>(sorted.size()));
-    curve[i] = total > 0 ? static_cast<float>(static_cast<double>(prefix[k]) / total) : 0.0f;
-  }
-  return curve;
-}
-
 std::vector<float> HeldOutPopularityCurve(std::span<const uint32_t> rank, std::span<const uint32_t> eval, int points) {
   std::vector<int32_t> order(rank.size());
   std::iota(order.begin(), order.end(), 0);
@@ -66,6 +52,12 @@ std::vector<float> HeldOutPopularityCurve(std::span<const uint32_t> rank, std::s
     curve[i] = total > 0 ? static_cast<float>(static_cast<double>(prefix[k]) / total) : 0.0f;
   }
   return curve;
+}
+
+std::vector<float> PopularityCurve(std::span<const uint32_t> counts, int points) {
+  // Ranked and measured on the same counts: the i largest entries' share (ties hold equal counts, so their order does
+  // not matter).
+  return HeldOutPopularityCurve(counts, counts, points);
 }
 
 float QuantileThreshold(std::vector<float>* values, double sparsity) {
@@ -195,7 +187,6 @@ FfnStats::FfnStats(int64_t layer, int64_t expert, int64_t n_neurons, float thres
       threshold_(threshold),
       opt_(options),
       words_((n_neurons + 63) / 64),
-      count_bs1_(static_cast<size_t>(n_neurons), 0),
       count_window_half_{std::vector<uint32_t>(static_cast<size_t>(n_neurons), 0),
                          std::vector<uint32_t>(static_cast<size_t>(n_neurons), 0)},
       count_pos_half_{std::vector<uint32_t>(static_cast<size_t>(n_neurons), 0),
@@ -232,7 +223,6 @@ void FfnStats::AddToken(std::span<const int32_t> active, int64_t window, int64_t
   std::vector<uint32_t>& by_window = count_window_half_[window % 2];
   std::vector<uint32_t>& by_pos = count_pos_half_[pos % 2];
   for (int32_t i : active) {
-    ++count_bs1_[i];
     ++by_window[i];
     ++by_pos[i];
   }
@@ -272,14 +262,15 @@ FfnProfile FfnStats::Finish(ThreadPool* pool) {
   f.n_neurons = n_;
   f.threshold = threshold_;
   f.tokens = tokens_;
-  f.count_bs1 = count_bs1_;
+  f.count_bs1.resize(static_cast<size_t>(n_));
+  for (size_t i = 0; i < f.count_bs1.size(); ++i) f.count_bs1[i] = count_window_half_[0][i] + count_window_half_[1][i];
   f.count_bs2 = count_group_[0];
   f.count_bs4 = count_group_[1];
   f.groups2 = groups_[0];
   f.groups4 = groups_[1];
   f.active_hist = hist_;
   f.mean_active_fraction = tokens_ > 0 ? sum_fraction_ / static_cast<double>(tokens_) : 0.0;
-  f.popularity = PopularityCurve(count_bs1_);
+  f.popularity = PopularityCurve(f.count_bs1);
   // Ranked on one half of the tokens, measured on the other, both ways, averaged. Halves by window (windows are
   // independent stretches of text), or by position when every token came in one window.
   const bool by_window = tokens_window_half_[0] > 0 && tokens_window_half_[1] > 0;

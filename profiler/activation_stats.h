@@ -122,9 +122,8 @@ class FfnStats {
   FfnStatsOptions opt_;
   int64_t words_;  // 64-bit words per neuron bitset
   int64_t tokens_ = 0;
-  std::vector<uint32_t> count_bs1_;
-  // count_bs1_ split by the window's parity, and by the position's (the fallback when every token is in one window):
-  // the two halves of FfnProfile::popularity_heldout.
+  // Per neuron, tokens on which it was active, by the window's parity (their sum is FfnProfile::count_bs1) and by the
+  // position's (the fallback when every token is in one window): the two halves of FfnProfile::popularity_heldout.
   std::vector<uint32_t> count_window_half_[2], count_pos_half_[2];
   int64_t tokens_window_half_[2] = {0, 0};
   double sum_fraction_ = 0.0;

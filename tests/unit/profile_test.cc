@@ -96,6 +96,25 @@ void ExpectSame(const FfnProfile& a, const FfnProfile& b) {
   EXPECT_EQ(a.report_thresholds, b.report_thresholds);
 }
 
+// Flips bit 4 of the byte `offset` bytes into tensor `name` of the GGUF file at `path`.
+void FlipTensorByte(const std::string& path, const std::string& name, uint64_t offset) {
+  uint64_t at = 0;
+  {
+    auto g = GgufFile::OpenPath(path);
+    ASSERT_TRUE(g.ok());
+    const GgufTensorInfo* t = g->FindTensor(name);
+    ASSERT_NE(t, nullptr) << name;
+    at = g->data_offset() + t->offset + offset;
+  }
+  std::fstream io(path, std::ios::in | std::ios::out | std::ios::binary);
+  io.seekg(static_cast<std::streamoff>(at));
+  char c = 0;
+  io.read(&c, 1);
+  c ^= 0x10;
+  io.seekp(static_cast<std::streamoff>(at));
+  io.write(&c, 1);
+}
+
 TEST(ProfileFile, RoundTrip) {
   TempDir dir;
   const ModelProfile p = RandomProfile();
@@ -149,22 +168,7 @@ TEST(ProfileFile, HeldOutPopularityIsOptionalAndChecksummed) {
   p.ffns[1].popularity_heldout.pop_back();
   EXPECT_FALSE(SaveProfile(p, dir.File("q.prof"), false).ok());
   // One flipped byte of the curve fails the checksum.
-  uint64_t at = 0;
-  {
-    auto g = GgufFile::OpenPath(dir.File("p.prof"));
-    ASSERT_TRUE(g.ok());
-    const GgufTensorInfo* t = g->FindTensor("prof.blk.0.exp.1.popularity_heldout");
-    ASSERT_NE(t, nullptr);
-    at = g->data_offset() + t->offset + 9;
-  }
-  std::fstream io(dir.File("p.prof"), std::ios::in | std::ios::out | std::ios::binary);
-  io.seekg(static_cast<std::streamoff>(at));
-  char c = 0;
-  io.read(&c, 1);
-  c ^= 0x10;
-  io.seekp(static_cast<std::streamoff>(at));
-  io.write(&c, 1);
-  io.close();
+  ASSERT_NO_FATAL_FAILURE(FlipTensorByte(dir.File("p.prof"), "prof.blk.0.exp.1.popularity_heldout", 9));
   auto bad = LoadProfile(dir.File("p.prof"));
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("checksum"), std::string::npos) << bad.status().ToString();
@@ -237,22 +241,7 @@ TEST(ProfileFile, DetectsFlippedDataByte) {
   const ModelProfile p = RandomProfile();
   const std::string path = dir.File("p.prof");
   ASSERT_TRUE(SaveProfile(p, path, false).ok());
-  uint64_t at = 0;
-  {
-    auto g = GgufFile::OpenPath(path);
-    ASSERT_TRUE(g.ok());
-    const GgufTensorInfo* t = g->FindTensor("prof.blk.1.exp.0.count_bs4");
-    ASSERT_NE(t, nullptr);
-    at = g->data_offset() + t->offset + 5;
-  }
-  std::fstream io(path, std::ios::in | std::ios::out | std::ios::binary);
-  io.seekg(static_cast<std::streamoff>(at));
-  char c = 0;
-  io.read(&c, 1);
-  c ^= 0x10;
-  io.seekp(static_cast<std::streamoff>(at));
-  io.write(&c, 1);
-  io.close();
+  ASSERT_NO_FATAL_FAILURE(FlipTensorByte(path, "prof.blk.1.exp.0.count_bs4", 5));
   auto loaded = LoadProfile(path);
   ASSERT_FALSE(loaded.ok());
   EXPECT_EQ(loaded.status().code(), StatusCode::kCorruption);
