@@ -12,6 +12,21 @@
 namespace nflash {
 namespace {
 
+// `w` (its bytes in `bytes`, row-major) transposed in place: the view of the (w.cols, w.rows) result. F32 and F16.
+MatrixView TransposeInPlace(const MatrixView& w, std::vector<uint8_t>* bytes) {
+  const size_t elem = w.type == GgmlType::kF16 ? 2 : 4;
+  std::vector<uint8_t> t(bytes->size());
+  for (int64_t r = 0; r < w.rows; ++r) {
+    for (int64_t c = 0; c < w.cols; ++c) {
+      std::memcpy(&t[(static_cast<size_t>(c) * static_cast<size_t>(w.rows) + static_cast<size_t>(r)) * elem],
+                  &(*bytes)[(static_cast<size_t>(r) * static_cast<size_t>(w.cols) + static_cast<size_t>(c)) * elem],
+                  elem);
+    }
+  }
+  *bytes = std::move(t);
+  return DenseMatrix(w.type, bytes->data(), w.cols, w.rows);
+}
+
 constexpr const char* kPrefix = "nflash.predictor.";
 
 std::string Key(const char* name) { return std::string(kPrefix) + name; }
@@ -254,7 +269,8 @@ Result<std::unique_ptr<Predictor>> Predictor::Load(const std::string& path) {
       return ValidateMatrix(*view, name.c_str());
     };
     NF_RETURN_IF_ERROR(load("fc1.weight", info.rank, p->dim_, &L.fc1_bytes, &L.fc1));
-    NF_RETURN_IF_ERROR(load("fc2.weight", p->n_ff_, info.rank, &L.fc2_bytes, &L.fc2));
+    NF_RETURN_IF_ERROR(load("fc2.weight", p->n_ff_, info.rank, &L.fc2_bytes, &L.fc2t));
+    L.fc2t = TransposeInPlace(L.fc2t, &L.fc2_bytes);
     L.fc2_bias.assign(static_cast<size_t>(p->n_ff_), 0.0f);
     if (const GgufTensorInfo* b = f.FindTensor(TensorName(l, ne, "fc2.bias"))) {
       if (b->type != GgmlType::kF32 || b->n_elements != n_ff) {
@@ -296,7 +312,7 @@ Result<std::unique_ptr<Predictor>> Predictor::FromData(const PredictorData& data
     L.fc1_bytes = ToBytes(s.fc1);
     L.fc2_bytes = ToBytes(s.fc2);
     L.fc1 = DenseMatrix(GgmlType::kF32, L.fc1_bytes.data(), s.info.rank, data.dim);
-    L.fc2 = DenseMatrix(GgmlType::kF32, L.fc2_bytes.data(), data.n_ff, s.info.rank);
+    L.fc2t = TransposeInPlace(DenseMatrix(GgmlType::kF32, L.fc2_bytes.data(), data.n_ff, s.info.rank), &L.fc2_bytes);
     L.fc2_bias = s.fc2_bias.empty() ? std::vector<float>(static_cast<size_t>(data.n_ff), 0.0f) : s.fc2_bias;
   }
   return p;
@@ -329,6 +345,8 @@ void Predictor::PrepareScratch(PredictorScratch* scratch) const {
   for (const Layer& L : layers_) max_rank = std::max(max_rank, L.info.rank);
   scratch->hidden.resize(static_cast<size_t>(max_rank));
   scratch->logits.resize(static_cast<size_t>(n_ff_));
+  scratch->live.reserve(static_cast<size_t>(max_rank));
+  scratch->live_h.reserve(static_cast<size_t>(max_rank));
 }
 
 void Predictor::Logits(int64_t group, const float* x, PredictorScratch* scratch, ThreadPool* pool) const {
@@ -336,12 +354,17 @@ void Predictor::Logits(int64_t group, const float* x, PredictorScratch* scratch,
   float* h = scratch->hidden.data();
   scratch->x_act.Set(x, 1, dim_);
   Gemv(L.fc1, scratch->x_act, h, pool);
-  for (int64_t i = 0; i < L.info.rank; ++i) h[i] = std::max(h[i], 0.0f);
+  scratch->live.clear();
+  scratch->live_h.clear();
+  for (int64_t i = 0; i < L.info.rank; ++i) {
+    if (h[i] > 0.0f) {  // ReLU: the other units add nothing
+      scratch->live.push_back(static_cast<int32_t>(i));
+      scratch->live_h.push_back(h[i]);
+    }
+  }
   float* lg = scratch->logits.data();
-  scratch->hidden_act.Set(h, 1, L.info.rank);
-  Gemv(L.fc2, scratch->hidden_act, lg, pool);
-  const float* b = L.fc2_bias.data();
-  for (int64_t i = 0; i < n_ff_; ++i) lg[i] += b[i];
+  std::memcpy(lg, L.fc2_bias.data(), static_cast<size_t>(n_ff_) * sizeof(float));
+  AccumulateRows(L.fc2t, scratch->live, scratch->live_h.data(), lg, pool);
 }
 
 void Predictor::Predict(int64_t group, const Activation& x, int64_t token, PredictorScratch* scratch,

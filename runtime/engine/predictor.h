@@ -88,6 +88,8 @@ Status SavePredictor(const PredictorData& data, const std::string& path, bool ov
 struct PredictorScratch {
   std::vector<float> hidden;  // max rank
   std::vector<float> logits;  // n_ff
+  std::vector<int32_t> live;  // ranks whose hidden value is non-zero (after the ReLU), ascending
+  std::vector<float> live_h;  // their hidden values
   Activation x_act, hidden_act;  // reused kernel inputs (their buffers keep their capacity between tokens)
 };
 
@@ -134,7 +136,10 @@ class Predictor {
  private:
   struct Layer {
     std::vector<uint8_t> fc1_bytes, fc2_bytes;
-    MatrixView fc1, fc2;
+    // fc2 is held transposed (rank rows of n_ff, the file's element type): the logits are then a sum of the live
+    // hidden units' rows, n_ff wide, instead of n_ff dot products `rank` long (each a horizontal sum), and the units
+    // the ReLU zeroed cost nothing.
+    MatrixView fc1, fc2t;
     std::vector<float> fc2_bias;  // n_ff (zeros when the file has none)
     PredictorLayerInfo info;
   };

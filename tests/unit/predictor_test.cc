@@ -5,13 +5,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "converter/readers.h"
 #include "converter/synth.h"
 #include "profiler/predictor_lowrank.h"
 #include "profiler/predictor_train.h"
+#include "runtime/core/float16.h"
 #include "runtime/core/gguf.h"
+#include "runtime/core/thread_pool.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
 #include "runtime/engine/predictor.h"
@@ -275,6 +278,50 @@ TEST(PredictorFileTest, RoundTrip) {
   auto p16 = Predictor::Load(dir.File("p16.gguf"));
   ASSERT_TRUE(p16.ok()) << p16.status().ToString();
   EXPECT_LT((*p16)->PredictorBytes(), (*p)->PredictorBytes());
+}
+
+// Layers wider than one work chunk (the logits are split over threads by neuron): F32 and F16 files give the direct
+// sums of their (rounded) weights, and the same bits with and without a thread pool.
+TEST(PredictorFileTest, WideLayerLogitsMatchDirectSumsOnAnyThreadCount) {
+  testing::TempDir dir;
+  constexpr int64_t kDim = 64, kFf = 8200;
+  const PredictorData d = RandomData(kDim, kFf, 3, 11);
+  ThreadPool pool(2);
+  for (GgmlType type : {GgmlType::kF32, GgmlType::kF16}) {
+    const std::string path = dir.File("wide-" + std::string(GgmlTypeName(type)) + ".gguf");
+    ASSERT_TRUE(SavePredictor(d, path, false, type).ok());
+    auto p = Predictor::Load(path);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    auto stored = [&](float v) { return type == GgmlType::kF16 ? Fp16ToFp32(Fp32ToFp16(v)) : v; };
+    PredictorScratch serial, threaded;
+    (*p)->PrepareScratch(&serial);
+    (*p)->PrepareScratch(&threaded);
+    std::vector<float> x(kDim);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = std::cos(0.7f * static_cast<float>(i));
+    for (int64_t l = 0; l < 3; ++l) {
+      const PredictorLayerData& L = d.layers[static_cast<size_t>(l)];
+      (*p)->Logits(l, x.data(), &serial, nullptr);
+      (*p)->Logits(l, x.data(), &threaded, &pool);
+      ASSERT_EQ(0, std::memcmp(serial.logits.data(), threaded.logits.data(), kFf * sizeof(float))) << "layer " << l;
+      std::vector<double> h(static_cast<size_t>(L.info.rank));
+      int live = 0;
+      for (int64_t k = 0; k < L.info.rank; ++k) {
+        double s = 0;
+        for (int64_t i = 0; i < kDim; ++i) s += static_cast<double>(stored(L.fc1[k * kDim + i])) * x[i];
+        h[k] = std::max(0.0, s);
+        live += h[k] > 0;
+      }
+      EXPECT_GT(live, 0);
+      EXPECT_LT(live, L.info.rank);  // some hidden units are zero: the skipped rows must not matter
+      const double tol = type == GgmlType::kF16 ? 2e-3 : 1e-4;
+      for (int64_t j = 0; j < kFf; ++j) {
+        double s = L.fc2_bias[j];
+        for (int64_t k = 0; k < L.info.rank; ++k) s += static_cast<double>(stored(L.fc2[j * L.info.rank + k])) * h[k];
+        ASSERT_NEAR(serial.logits[j], s, tol * (1 + std::fabs(s))) << GgmlTypeName(type) << " layer " << l
+                                                                     << " neuron " << j;
+      }
+    }
+  }
 }
 
 // A mixture-of-experts predictor: one per (layer, expert), group g = layer x n_experts + expert, stored as
