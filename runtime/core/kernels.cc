@@ -224,15 +224,16 @@ const char* KernelIsaName(KernelIsa isa) {
   return "scalar";
 }
 
-void Activation::Set(const float* x, int64_t n, int64_t cols) {
+void Activation::Set(const float* x, int64_t n, int64_t cols, bool quantize) {
   x_ = x;
   n_ = n;
   cols_ = cols;
   q8_.clear();
-  if (cols % kQBlock != 0 || n <= 0) return;
+  if (!quantize || cols % kQBlock != 0 || n <= 0) return;
   const int64_t nb = cols / kQBlock;
   q8_.resize(static_cast<size_t>(n * nb));
-  for (int64_t t = 0; t < n; ++t) QuantizeRowQ8_0(x + t * cols, q8_.data() + t * nb, cols);
+  const auto quantize_row = Kernels().quantize_q8;
+  for (int64_t t = 0; t < n; ++t) quantize_row(x + t * cols, q8_.data() + t * nb, cols);
 }
 
 float RowDot(const MatrixView& w, int64_t row, const Activation& x, int64_t token) {

@@ -61,8 +61,9 @@ class Activation {
   Activation() = default;
   Activation(const float* x, int64_t n, int64_t cols) { Set(x, n, cols); }
   // Views x (not copied: it must stay valid and unchanged while this object is used) and quantizes it. Reuses the
-  // object's buffer, so one Activation per layer input avoids allocation in the decode loop.
-  void Set(const float* x, int64_t n, int64_t cols);
+  // object's buffer, so one Activation per layer input avoids allocation in the decode loop. `quantize` false: the
+  // floats only (for an input that only float weights consume; q8() is then nullptr).
+  void Set(const float* x, int64_t n, int64_t cols, bool quantize = true);
 
   int64_t n() const { return n_; }
   int64_t cols() const { return cols_; }

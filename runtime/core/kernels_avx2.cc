@@ -331,8 +331,51 @@ void AccumulateAvx2(GgmlType type, const RowSet& rows, int64_t count, const floa
   }
 }
 
+// QuantizeRowQ8_0 in 8-lane steps with the same IEEE operations: the block's largest magnitude, d = amax / 127 and
+// id = 1 / d as scalars, x * id per lane, and std::round's halfway cases away from zero (truncate, then step away from
+// zero where the dropped fraction is at least one half; x * id is at most 127 in magnitude, so both are exact).
+void QuantizeQ8Avx2(const float* x, BlockQ8_0* y, int64_t n) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 half = _mm256_set1_ps(0.5f);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const int64_t nb = n / kQBlock;
+  for (int64_t i = 0; i < nb; ++i) {
+    const float* xb = x + i * kQBlock;
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm256_loadu_ps(xb + 8 * k);
+      m = _mm256_max_ps(m, _mm256_and_ps(v[k], abs_mask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    y[i].d = Fp32ToFp16(d);
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 s = _mm256_mul_ps(v[k], vid);
+      const __m256 t = _mm256_round_ps(s, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      const __m256 frac = _mm256_and_ps(_mm256_sub_ps(s, t), abs_mask);
+      // +-1 (the sign of s) where the fraction is at least one half, else 0.
+      const __m256 step = _mm256_and_ps(_mm256_or_ps(one, _mm256_andnot_ps(abs_mask, s)),
+                                        _mm256_cmp_ps(frac, half, _CMP_GE_OQ));
+      q[k] = _mm256_cvttps_epi32(_mm256_add_ps(t, step));
+    }
+    // int32 -> int8 in element order (the packs interleave 128-bit lanes; the permute restores the order).
+    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]);
+    const __m256i w23 = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i b = _mm256_packs_epi16(w01, w23);
+    const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y[i].qs), ordered);
+  }
+}
+
 }  // namespace
 
-const IsaKernels kAvx2Kernels = {DotRowsAvx2, AccumulateAvx2};
+const IsaKernels kAvx2Kernels = {DotRowsAvx2, AccumulateAvx2, QuantizeQ8Avx2};
 
 }  // namespace nflash::internal

@@ -535,6 +535,6 @@ void AccumulateAvx512(GgmlType type, const RowSet& rows, int64_t count, const fl
 
 }  // namespace
 
-const IsaKernels kAvx512Kernels = {DotRowsAvx512, AccumulateAvx512};
+const IsaKernels kAvx512Kernels = {DotRowsAvx512, AccumulateAvx512, kAvx2Kernels.quantize_q8};
 
 }  // namespace nflash::internal

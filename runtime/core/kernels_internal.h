@@ -39,6 +39,8 @@ struct IsaKernels {
   // c1 is too unless it is the row end.
   void (*accumulate)(GgmlType type, const RowSet& rows, int64_t count, const float* a, int64_t c0, int64_t c1,
                      float* y);
+  // QuantizeRowQ8_0, byte for byte (the activations of every quantized product go through it).
+  void (*quantize_q8)(const float* x, BlockQ8_0* y, int64_t n);
 };
 
 extern const IsaKernels kScalarKernels;

@@ -135,6 +135,6 @@ void AccumulateScalar(GgmlType type, const RowSet& rows, int64_t count, const fl
 
 }  // namespace
 
-const IsaKernels kScalarKernels = {DotRowsScalar, AccumulateScalar};
+const IsaKernels kScalarKernels = {DotRowsScalar, AccumulateScalar, QuantizeRowQ8_0};
 
 }  // namespace nflash::internal

@@ -2,6 +2,7 @@
 #include "runtime/engine/predictor.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <type_traits>
 #include <variant>
@@ -352,7 +353,7 @@ void Predictor::PrepareScratch(PredictorScratch* scratch) const {
 void Predictor::Logits(int64_t group, const float* x, PredictorScratch* scratch, ThreadPool* pool) const {
   const Layer& L = layers_[static_cast<size_t>(group)];
   float* h = scratch->hidden.data();
-  scratch->x_act.Set(x, 1, dim_);
+  scratch->x_act.Set(x, 1, dim_, /*quantize=*/false);  // fc1 is F32 or F16 (Load checks): no Q8_0 copy
   Gemv(L.fc1, scratch->x_act, h, pool);
   scratch->live.clear();
   scratch->live_h.clear();
@@ -373,8 +374,12 @@ void Predictor::Predict(int64_t group, const Activation& x, int64_t token, Predi
   const float thr = layers_[static_cast<size_t>(group)].info.logit_threshold;
   const float* lg = scratch->logits.data();
   active->clear();
-  for (int64_t i = 0; i < n_ff_; ++i) {
-    if (lg[i] > thr) active->push_back(static_cast<int32_t>(i));
+  // 64 comparisons into a mask, then its set bits: no branch per neuron (about a tenth pass, at random).
+  for (int64_t b = 0; b < n_ff_; b += 64) {
+    const int64_t e = std::min<int64_t>(n_ff_, b + 64);
+    uint64_t m = 0;
+    for (int64_t i = b; i < e; ++i) m |= static_cast<uint64_t>(lg[i] > thr) << (i - b);
+    for (; m != 0; m &= m - 1) active->push_back(static_cast<int32_t>(b + std::countr_zero(m)));
   }
 }
 

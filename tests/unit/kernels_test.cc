@@ -395,6 +395,28 @@ TEST_P(KernelAgreementTest, VectorIsaAndScalarAgreeWithinRounding) {
   }
 }
 
+// The activations' Q8_0 quantization is QuantizeRowQ8_0 byte for byte on every ISA, halfway cases included (std::round
+// takes them away from zero; a vector round-to-nearest-even would not).
+TEST_P(KernelAgreementTest, ActivationQuantizationIsTheScalarOneByteForByte) {
+  if (!SetKernelIsa(GetParam())) GTEST_SKIP() << "CPU lacks " << KernelIsaName(GetParam());
+  const int64_t cols = 32 * 64;
+  std::vector<float> x = RandomFloats(cols, 41);
+  for (int j = 0; j < 32; ++j) x[j] = (j % 2 ? -1.0f : 1.0f) * (static_cast<float>(j) + 0.5f);  // ties at scale 1
+  x[31] = 127.0f;  // amax 127: d = id = 1, so the block's values are quantized as they are
+  for (int j = 32; j < 64; ++j) x[j] = 0.0f;  // an all-zero block (d = 0)
+  x[40] = -0.0f;
+  for (int j = 64; j < 96; ++j) x[j] = 1e-30f * static_cast<float>(j - 80);  // tiny magnitudes
+  for (int j = 96; j < 128; ++j) x[j] = static_cast<float>(j - 111) * 8.5f;  // ties at another scale
+  std::vector<BlockQ8_0> expect(cols / 32);
+  QuantizeRowQ8_0(x.data(), expect.data(), cols);
+  EXPECT_EQ(expect[0].qs[0], 1);   // 0.5 -> 1
+  EXPECT_EQ(expect[0].qs[1], -2);  // -1.5 -> -2
+  EXPECT_EQ(expect[0].qs[2], 3);   // 2.5 -> 3 (to even would give 2)
+  const Activation a(x.data(), 1, cols);
+  ASSERT_NE(a.q8(), nullptr);
+  ASSERT_EQ(0, std::memcmp(a.q8(), expect.data(), expect.size() * sizeof(BlockQ8_0)));
+}
+
 INSTANTIATE_TEST_SUITE_P(Isa, KernelAgreementTest, ::testing::Values(KernelIsa::kAvx2, KernelIsa::kAvx512),
                          [](const auto& info) { return std::string(KernelIsaName(info.param)); });
 

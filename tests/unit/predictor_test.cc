@@ -320,6 +320,16 @@ TEST(PredictorFileTest, WideLayerLogitsMatchDirectSumsOnAnyThreadCount) {
         ASSERT_NEAR(serial.logits[j], s, tol * (1 + std::fabs(s))) << GgmlTypeName(type) << " layer " << l
                                                                      << " neuron " << j;
       }
+      // Predict: exactly the neurons whose logit passes the threshold, ascending (8200 = 128 x 64 + 8: a partial last
+      // word of the mask).
+      std::vector<int32_t> expect_active, active;
+      for (int64_t j = 0; j < kFf; ++j) {
+        if (serial.logits[j] > L.info.logit_threshold) expect_active.push_back(static_cast<int32_t>(j));
+      }
+      ASSERT_FALSE(expect_active.empty());
+      Activation a(x.data(), 1, kDim);
+      (*p)->Predict(l, a, 0, &serial, &active, &pool);
+      EXPECT_EQ(active, expect_active) << GgmlTypeName(type) << " layer " << l;
     }
   }
 }
