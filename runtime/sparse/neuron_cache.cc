@@ -206,6 +206,30 @@ void SlotRegion::PushMru(int32_t s, int segment) {
   }
 }
 
+const SlotRegion::Partition& SlotRegion::Source(int64_t group, bool use_overflow) const {
+  const Partition& own = partitions_[static_cast<size_t>(PartitionOf(group))];
+  // Where the slot comes from: the partition's free stack, else the overflow pool's, else the older of the two
+  // least recently used units (the pool's alone when every slot of the partition is pinned).
+  if (own.free_top < 0 && use_overflow && overflow_ >= 0) {
+    const Partition& pool = partitions_[static_cast<size_t>(overflow_)];
+    const int32_t mine = Victim(own), theirs = Victim(pool);
+    if (pool.free_top >= 0 || (theirs >= 0 && (mine < 0 || slots_[theirs].stamp < slots_[mine].stamp))) return pool;
+  }
+  return own;
+}
+
+int32_t SlotRegion::NextVictim(int64_t group, bool use_overflow) const {
+  const Partition& p = Source(group, use_overflow);
+  return p.free_top >= 0 ? -1 : Victim(p);
+}
+
+void SlotRegion::Touch(int32_t s) {
+  Slot& x = slots_[static_cast<size_t>(s)];
+  if (x.pins != 0 || x.key < 0 || IsLent(s)) std::abort();  // only a held, unpinned unit is on a list
+  Unlink(s);
+  PushMru(s, x.segment);
+}
+
 SlotRegion::Lookup SlotRegion::Acquire(int64_t group, int64_t unit, bool use_overflow) {
   const int64_t key = group * config_.units_per_group + unit;
   Lookup out;
@@ -222,16 +246,7 @@ SlotRegion::Lookup SlotRegion::Acquire(int64_t group, int64_t unit, bool use_ove
   }
   ++c.misses;
   c.bytes_loaded += config_.unit_bytes;
-  Partition& own = partitions_[PartitionOf(group)];
-  // Where the slot comes from: the partition's free stack, else the overflow pool's, else the older of the two
-  // least recently used units (the pool's alone when every slot of the partition is pinned).
-  Partition* from = &own;
-  if (own.free_top < 0 && use_overflow && overflow_ >= 0) {
-    Partition& pool = partitions_[static_cast<size_t>(overflow_)];
-    const int32_t mine = Victim(own), theirs = Victim(pool);
-    if (pool.free_top >= 0 || (theirs >= 0 && (mine < 0 || slots_[theirs].stamp < slots_[mine].stamp))) from = &pool;
-  }
-  Partition& p = *from;
+  Partition& p = const_cast<Partition&>(Source(group, use_overflow));
   const int32_t victim = Victim(p);
   if (p.free_top >= 0) {
     s = p.free_top;

@@ -90,6 +90,21 @@ class SlotRegion {
   // of the partition (or of the overflow pool, see RegionConfig::overflow_slots; never with use_overflow false), maps
   // the unit to it and pins it. Counts the hit/miss/eviction.
   Lookup Acquire(int64_t group, int64_t unit, bool use_overflow = true);
+  // The slot whose unit Acquire(group, ...) of a unit not held would evict now, or -1 (a free slot, or nothing to
+  // evict). No side effects.
+  int32_t NextVictim(int64_t group, bool use_overflow = true) const;
+  // The unit held by `slot` (-1: none) and its group.
+  int64_t UnitOf(int32_t slot) const {
+    const int64_t key = slots_[static_cast<size_t>(slot)].key;
+    return key < 0 ? -1 : key % config_.units_per_group;
+  }
+  int64_t GroupOf(int32_t slot) const {
+    const int64_t key = slots_[static_cast<size_t>(slot)].key;
+    return key < 0 ? -1 : key / config_.units_per_group;
+  }
+  // Makes an unpinned slot the most recently used of its segment, as a use would (a unit about to be hit must not be
+  // evicted by the same token's misses first).
+  void Touch(int32_t slot);
   // Drops one pin; at zero the slot becomes the most recently used of its segment (protected if it was hit).
   void Release(int32_t slot);
   // Drops one pin; at zero the slot becomes the least recently used of probation (the next to evict): for data loaded
@@ -170,6 +185,9 @@ class SlotRegion {
   // The least recently used unpinned slot of partition `p` (probation first), or -1.
   int32_t Victim(const Partition& p) const { return p.list[0].head >= 0 ? p.list[0].head : p.list[1].head; }
   int32_t PartitionOf(int64_t group) const { return config_.slots_per_group.empty() ? 0 : static_cast<int32_t>(group); }
+  // The partition a miss of `group` takes its slot from (Acquire's choice): its own when it has a free slot, else
+  // the overflow pool when that has a free slot or the older least recently used unit.
+  const Partition& Source(int64_t group, bool use_overflow) const;
 
   RegionConfig config_;
   uint8_t* arena_ = nullptr;

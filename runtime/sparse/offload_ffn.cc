@@ -227,6 +227,8 @@ Status OffloadFfn::Init() {
   gate_all_.resize(n_ff);
   bundle_.resize(n_ff);
   item_unit_.resize(n_ff);
+  active_flag_.assign(static_cast<size_t>(n_ff), 0);
+  deferred_hits_.reserve(static_cast<size_t>(n_ff));
   cluster_slot_.assign(static_cast<size_t>(max_clusters), -1);
   cluster_unit_.assign(static_cast<size_t>(max_clusters), -1);
   touched_clusters_.reserve(static_cast<size_t>(max_clusters));
@@ -401,6 +403,57 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
   // The slot records the lookups below touch at random, loaded in one burst whose misses overlap (SYNTHETIC 7B at
   // 1392M: lookups 1.8 -> 1.3 ms per token).
   for (int32_t n : active_) cold.Prefetch(group, n);
+  // Misses first, hits after (ResolveHits, once the misses' reads are submitted): the reads start before the hits'
+  // lookups. A miss may not evict a unit this token is about to hit: such a victim is touched (made most recently
+  // used, as its hit will) and the next one taken. The touches are bounded by the active set; beyond that (a partition
+  // of nothing but this token's units) the victim is evicted, and the loop after the pass reads it as a miss too.
+  deferred_hits_.clear();
+  for (int32_t n : active_) active_flag_[static_cast<size_t>(n)] = 1;
+  size_t touches = 0;
+  auto resolve_cold = [&](size_t k) -> Status {
+    const int32_t n = active_[k];
+    const int32_t s = region.slot_of_neuron[n];
+    const uint64_t offset = region.offset + lay.SlotOffset(s);
+    if (la_current_ >= 0 && !cold.CanPlace(group) && cold.Find(group, n) < 0) {
+      // The lookahead's pins leave this miss no slot: settle it (its unused bundles become evictable) first.
+      NF_RETURN_IF_ERROR(SettleLookahead(la_current_));
+    }
+    for (int32_t v = cold.NextVictim(group); v >= 0 && touches < active_.size() && cold.GroupOf(v) == group &&
+                                             active_flag_[static_cast<size_t>(cold.UnitOf(v))] != 0;
+         v = cold.NextVictim(group)) {
+      cold.Touch(v);
+      ++touches;
+    }
+    SlotRegion::Lookup l = cold.Acquire(group, n);
+    int32_t acq = -1;
+    if (l.slot >= 0) {
+      acquired_cold_.push_back(l.slot);
+      acq = static_cast<int32_t>(acquired_cold_.size() - 1);
+    }
+    item_slot_[k] = l.slot;
+    item_acq_[k] = acq;
+    if (l.slot < 0 && staging_used >= staging_slots_) {  // sized so that this cannot happen
+      return Status::Internal("layer " + std::to_string(group) + ": no cold slot and no staging left for neuron " +
+                              std::to_string(n) + " (" + std::to_string(active_.size()) + " active)");
+    }
+    uint8_t* dst = l.slot >= 0 ? cold.SlotData(l.slot) : staging_ + static_cast<size_t>(staging_used++) * cold_stride_;
+    bundle_[k] = dst;
+    if (l.hit) {
+      // Two-phase: a slot may hold only the gate part; its up+down part is read if the gate passes.
+      if (two_phase_ && !cold_complete_[static_cast<size_t>(l.slot)]) {
+        gate_hit_items_.push_back(static_cast<int32_t>(k));
+      } else {
+        ready_items_.push_back(static_cast<int32_t>(k));
+      }
+    } else {
+      if (l.slot >= 0) cold_complete_[static_cast<size_t>(l.slot)] = 0;
+      item_unit_[k] = two_phase_ ? add_unit(false, n, offset, kTwoPhasePageBytes, dst, l.slot, acq, Phase::kGate,
+                                            static_cast<int32_t>(k))
+                                 : add_unit(false, n, offset, static_cast<size_t>(cold_read_), dst, l.slot,
+                                            acq, Phase::kWhole, static_cast<int32_t>(k));
+    }
+    return Status::Ok();
+  };
   for (size_t k = 0; k < active_.size(); ++k) {
     const int32_t n = active_[k];
     const int32_t s = region.slot_of_neuron[n];
@@ -434,40 +487,30 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
       }
       // No hot slot for this cluster (every one pinned): serve the neuron through the cold path.
     }
-    const uint64_t offset = region.offset + lay.SlotOffset(s);
-    if (la_current_ >= 0 && !cold.CanPlace(group) && cold.Find(group, n) < 0) {
-      // The lookahead's pins leave this miss no slot: settle it (its unused bundles become evictable) first.
-      NF_RETURN_IF_ERROR(SettleLookahead(la_current_));
+    if (cold.Find(group, n) >= 0) {
+      deferred_hits_.push_back(static_cast<int32_t>(k));
+      continue;
     }
-    SlotRegion::Lookup l = cold.Acquire(group, n);
-    int32_t acq = -1;
-    if (l.slot >= 0) {
-      acquired_cold_.push_back(l.slot);
-      acq = static_cast<int32_t>(acquired_cold_.size() - 1);
-    }
-    item_slot_[k] = l.slot;
-    item_acq_[k] = acq;
-    if (l.slot < 0 && staging_used >= staging_slots_) {  // sized so that this cannot happen
-      return Status::Internal("layer " + std::to_string(group) + ": no cold slot and no staging left for neuron " +
-                              std::to_string(n) + " (" + std::to_string(active_.size()) + " active)");
-    }
-    uint8_t* dst = l.slot >= 0 ? cold.SlotData(l.slot) : staging_ + static_cast<size_t>(staging_used++) * cold_stride_;
-    bundle_[k] = dst;
-    if (l.hit) {
-      // Two-phase: a slot may hold only the gate part; its up+down part is read if the gate passes.
-      if (two_phase_ && !cold_complete_[static_cast<size_t>(l.slot)]) {
-        gate_hit_items_.push_back(static_cast<int32_t>(k));
-      } else {
-        ready_items_.push_back(static_cast<int32_t>(k));
-      }
-    } else {
-      if (l.slot >= 0) cold_complete_[static_cast<size_t>(l.slot)] = 0;
-      item_unit_[k] = two_phase_ ? add_unit(false, n, offset, kTwoPhasePageBytes, dst, l.slot, acq, Phase::kGate,
-                                            static_cast<int32_t>(k))
-                                 : add_unit(false, n, offset, static_cast<size_t>(cold_read_), dst, l.slot,
-                                            acq, Phase::kWhole, static_cast<int32_t>(k));
+    if (Status st = resolve_cold(k); !st.ok()) {
+      for (int32_t a : active_) active_flag_[static_cast<size_t>(a)] = 0;
+      return st;
     }
   }
+  // A deferred unit evicted after all is a miss: read with the others.
+  Status status;
+  for (bool again = true; again && status.ok();) {
+    again = false;
+    for (size_t i = 0; i < deferred_hits_.size() && status.ok(); ++i) {
+      const size_t k = static_cast<size_t>(deferred_hits_[i]);
+      if (cold.Find(group, active_[k]) >= 0) continue;
+      deferred_hits_.erase(deferred_hits_.begin() + static_cast<std::ptrdiff_t>(i));
+      --i;
+      status = resolve_cold(k);
+      again = true;
+    }
+  }
+  for (int32_t n : active_) active_flag_[static_cast<size_t>(n)] = 0;
+  NF_RETURN_IF_ERROR(status);
   // Requests in file order: neighbours on flash merge, into one plain read when their destinations are adjacent too,
   // else into one scattered read (each bundle into its own slot).
   unit_order_.resize(units_.size());
@@ -500,6 +543,25 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
     if (item_unit_[k] >= 0) items_by_chunk_[chunk_fill_[chunk_of_item(k)]++] = static_cast<int32_t>(k);
   }
   return Status::Ok();
+}
+
+void OffloadFfn::ResolveHits(int64_t group) {
+  SlotRegion& cold = cache_->cold();
+  for (int32_t k : deferred_hits_) {
+    const SlotRegion::Lookup l = cold.Acquire(group, active_[static_cast<size_t>(k)]);
+    if (!l.hit) std::abort();  // Resolve left every deferred unit held, and nothing acquired cold slots since
+    acquired_cold_.push_back(l.slot);
+    item_slot_[static_cast<size_t>(k)] = l.slot;
+    item_acq_[static_cast<size_t>(k)] = static_cast<int32_t>(acquired_cold_.size() - 1);
+    bundle_[static_cast<size_t>(k)] = cold.SlotData(l.slot);
+    // Two-phase: a slot may hold only the gate part; its up+down part is read if the gate passes.
+    if (two_phase_ && !cold_complete_[static_cast<size_t>(l.slot)]) {
+      gate_hit_items_.push_back(k);
+    } else {
+      ready_items_.push_back(k);
+    }
+  }
+  deferred_hits_.clear();
 }
 
 void OffloadFfn::CutChunks(size_t n_requests, std::vector<size_t>* ends) const {
@@ -722,6 +784,14 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     AbandonPending();  // nothing was submitted for this layer; drop what it pinned
     return resolved;
   }
+  // Full mode: the misses' reads go out before the hits are pinned (their lookups then overlap the reads).
+  const bool early_reads = !two_phase_ && options_.mode == OffloadMode::kFull;
+  size_t base = 0;
+  if (early_reads && !requests_.empty()) {
+    base = SubmitReads(requests_, chunk_ends_);
+    io_open_ = true;
+  }
+  ResolveHits(group);
   st.tokens += 1;
   st.active += static_cast<int64_t>(active_.size());
   st.missed += static_cast<int64_t>(active_.size() - ready_items_.size());
@@ -734,8 +804,6 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   if (two_phase_) {
     status = ForwardTokenTwoPhase(group, layer, expert, *region, x, thr);
   } else if (options_.mode == OffloadMode::kFull) {
-    const size_t base = requests_.empty() ? 0 : SubmitReads(requests_, chunk_ends_);
-    if (!requests_.empty()) io_open_ = true;
     // The next layer's probable misses, queued behind this layer's (the I/O thread reads them while this layer and
     // the next one's attention compute).
     // MoE: once per layer, after its last routed expert's own reads.

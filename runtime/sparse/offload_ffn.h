@@ -437,8 +437,11 @@ class OffloadFfn : public FfnBackend {
   }
   // Cuts `n_requests` requests into chunks of options_.chunk_requests: `ends` gets each chunk's end index.
   void CutChunks(size_t n_requests, std::vector<size_t>* ends) const;
-  // Resolves A into items (bundle pointers or pending units), filling units_ with the misses.
+  // Resolves A into items (bundle pointers or pending units), filling units_ with the misses and the requests that
+  // read them; the cold hits are only found (deferred_hits_), and ResolveHits pins them.
   Status Resolve(int64_t group, const packer::RegionInfo& region);
+  // Pins the cold hits Resolve deferred (after the misses' reads were submitted) and makes them ready items.
+  void ResolveHits(int64_t group);
   Status VerifyUnit(int64_t layer, int64_t expert, const packer::RegionInfo& region, const Unit& u) const;
   // Verifies unit `x` after its read finished with `read_status`; a failed read or a mismatch is retried once with a
   // synchronous read, then is an error naming layer, neuron (or hot cluster) and ffn.bin offset.
@@ -557,6 +560,8 @@ class OffloadFfn : public FfnBackend {
   std::vector<size_t> chunk_item_begin_;
   std::vector<size_t> chunk_fill_;
   std::vector<int32_t> ready_items_;
+  std::vector<int32_t> deferred_hits_;  // items whose cold slot Resolve found, pinned by ResolveHits
+  std::vector<uint8_t> active_flag_;    // n_ff: 1 for the neurons of the active set being resolved
   std::vector<int32_t> acquired_hot_, acquired_cold_;  // slots pinned this token, in acquisition order
   std::vector<float> hidden_;            // per item
   std::vector<uint8_t> used_flag_;       // per item

@@ -495,6 +495,58 @@ TEST(NeuronCacheTest, OverflowPoolMatchesReference) {
   }
 }
 
+// NextVictim names the slot the next miss of a group evicts (own partition, overflow pool, segments), and Touch takes
+// an unpinned unit out of the way like a use: the offloaded FFN relies on both to keep a token's misses from evicting
+// the units the same token hits next.
+TEST(NeuronCacheTest, NextVictimIsWhatAMissEvictsAndTouchDefersIt) {
+  for (double protected_fraction : {0.0, 0.5}) {
+    RegionConfig config = Region(3, 40, {8, 4, 12}, 0);
+    config.overflow_slots = 9;
+    config.protected_fraction = protected_fraction;
+    std::vector<uint8_t> memory(static_cast<size_t>(33) * AlignSlot(kBundle) + 1);
+    auto region = SlotRegion::Create(config, memory.data());
+    ASSERT_TRUE(region.ok()) << region.status().ToString();
+    SlotRegion& r = **region;
+    std::mt19937_64 rng(77);
+    int checked_evictions = 0, touches = 0;
+    for (int t = 0; t < 60; ++t) {
+      std::vector<int32_t> held;
+      for (int a = 0; a < 6; ++a) {
+        const int64_t g = static_cast<int64_t>(rng() % 3);
+        const int64_t u = static_cast<int64_t>(rng() % 40);
+        const bool miss = r.Find(g, u) < 0;
+        int32_t v = r.NextVictim(g);
+        if (miss && v >= 0 && rng() % 3 == 0) {
+          // Touch: the victim becomes the most recently used; the next one differs (and is still what a miss takes).
+          const int64_t vg = r.GroupOf(v), vu = r.UnitOf(v);
+          r.Touch(v);
+          ++touches;
+          EXPECT_EQ(r.Find(vg, vu), v);  // still held
+          const int32_t next = r.NextVictim(g);
+          EXPECT_NE(next, v);
+          v = next;
+        }
+        const int64_t vg = v >= 0 ? r.GroupOf(v) : -1, vu = v >= 0 ? r.UnitOf(v) : -1;
+        const SlotRegion::Lookup l = r.Acquire(g, u);
+        if (!miss) {
+          EXPECT_TRUE(l.hit);
+        } else if (v >= 0) {
+          EXPECT_EQ(l.slot, v);
+          EXPECT_EQ(l.evicted_unit, vu);
+          EXPECT_EQ(r.Find(vg, vu), -1);
+          ++checked_evictions;
+        } else {
+          EXPECT_EQ(l.evicted_unit, -1);  // a free slot, or a bypass
+        }
+        if (l.slot >= 0) held.push_back(l.slot);
+      }
+      for (int32_t s : held) r.Release(s);
+    }
+    EXPECT_GT(checked_evictions, 50);
+    EXPECT_GT(touches, 10);
+  }
+}
+
 // With protected_fraction 0 the segmented region is the plain LRU (ReferenceLru, the other model).
 TEST(NeuronCacheTest, ZeroProtectedShareIsPlainLru) {
   RegionConfig c = Region(4, 40, {6, 0, 13, 3}, 0);
