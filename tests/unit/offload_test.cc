@@ -6,8 +6,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
+#include <map>
 #include <memory>
 #include <random>
+#include <set>
+#include <sstream>
 #include <vector>
 
 #include "converter/readers.h"
@@ -552,6 +556,87 @@ TEST_F(OffloadTest, OverflowPoolCachesForLayersBeyondTheirPartitions) {
       EXPECT_EQ(hits2, 0u);
     }
     for (int32_t s = 0; s < cold.SlotCount(); ++s) ASSERT_EQ(cold.PinCount(s), 0) << "slot " << s << " still pinned";
+  }
+}
+
+// A layer's misses never evict a unit the same token hits: with partitions larger than any active set, each step
+// misses exactly its active units not held at its start, and the LRU order after it is: the units it did not use (in
+// their order, the oldest evicted first, one per miss), then its misses, then its hits (both ascending: the runtime
+// acquires misses first and releases in acquisition order). A reference replays the traced active sets that way and
+// must agree with the cache's counters exactly. (Pinning hits and misses in ascending neuron order, as the runtime did
+// before, let a miss evict a unit hit later in the same step, which was then read again.)
+TEST_F(OffloadTest, MissesNeverEvictTheSameTokensHits) {
+  ASSERT_TRUE(sparse_);
+  SparseRuntimeOptions o;
+  o.active_set = ActiveSetSource::kOracle;
+  o.hot_slots = 0;
+  constexpr int64_t kPartition = 60;  // stories260K-relu: n_ff 172, about 24 active per layer
+  o.cold_slots_per_group.assign(5, kPartition);
+  o.cold_overflow = false;
+  o.cold_protected_fraction = 0.0;
+  o.lookahead_slots = 0;
+  auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  const std::string trace_path = dir_->File("misses-trace.txt");
+  auto trace = AtomicFileWriter::Create(trace_path, true);
+  ASSERT_TRUE(trace.ok()) << trace.status().ToString();
+  (*rt)->ffn().SetActiveTrace(trace->get());
+  auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(24, sparse_->tokens.size()));
+  ASSERT_TRUE(run.ok()) << run.status().ToString();
+  ASSERT_TRUE(SameLogits(*run, *sparse_));
+  (*rt)->ffn().SetActiveTrace(nullptr);
+  ASSERT_TRUE((*trace)->Commit().ok());
+
+  std::map<int64_t, std::vector<int64_t>> lru;  // per group, least recently used first
+  std::map<int64_t, CacheCounters> expect;
+  std::ifstream in(trace_path);
+  std::string line;
+  int steps = 0, steps_with_held_active_at_head = 0;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    int64_t g = -1, n = -1;
+    ls >> g;
+    std::vector<int64_t> active;
+    while (ls >> n) active.push_back(n);
+    ASSERT_LT(static_cast<int64_t>(active.size()), kPartition) << "the reference assumes no bypass";
+    std::vector<int64_t>& list = lru[g];
+    const std::set<int64_t> a(active.begin(), active.end());
+    const std::set<int64_t> held(list.begin(), list.end());
+    std::vector<int64_t> misses, hits, kept;
+    for (int64_t u : active) (held.count(u) ? hits : misses).push_back(u);
+    const int64_t free_slots = kPartition - static_cast<int64_t>(list.size());
+    int64_t evict = std::max<int64_t>(0, static_cast<int64_t>(misses.size()) - free_slots);
+    // Whether the old order would have had the chance to go wrong: a held active unit among the first victims.
+    for (size_t i = 0; i < list.size() && i < static_cast<size_t>(evict); ++i) {
+      if (a.count(list[i])) {
+        ++steps_with_held_active_at_head;
+        break;
+      }
+    }
+    expect[g].hits += hits.size();
+    expect[g].misses += misses.size();
+    expect[g].evictions += static_cast<uint64_t>(evict);
+    for (int64_t u : list) {
+      if (a.count(u)) continue;
+      if (evict > 0) {
+        --evict;
+        continue;
+      }
+      kept.push_back(u);
+    }
+    kept.insert(kept.end(), misses.begin(), misses.end());
+    kept.insert(kept.end(), hits.begin(), hits.end());
+    list = std::move(kept);
+    ++steps;
+  }
+  ASSERT_GT(steps, 100);
+  EXPECT_GT(steps_with_held_active_at_head, 0) << "the trace never put a unit about to be hit first in line";
+  const SlotRegion& cold = (*rt)->ffn().cache().cold();
+  for (const auto& [g, want] : expect) {
+    EXPECT_EQ(cold.counters(g).hits, want.hits) << "group " << g;
+    EXPECT_EQ(cold.counters(g).misses, want.misses) << "group " << g;
+    EXPECT_EQ(cold.counters(g).evictions, want.evictions) << "group " << g;
+    EXPECT_GT(want.evictions, 0u) << "group " << g;
   }
 }
 
