@@ -123,6 +123,14 @@ void StackDistanceCounter::Access(int32_t item) {
   last_time_[item] = next_time_++;
 }
 
+void StackDistanceCounter::AccessSet(std::span<const int32_t> items) {
+  order_.assign(items.begin(), items.end());
+  // Latest access first; never accessed (-1) last, in the given order. Compaction keeps the order of the times.
+  std::stable_sort(order_.begin(), order_.end(),
+                   [&](int32_t a, int32_t b) { return last_time_[a] > last_time_[b]; });
+  for (int32_t item : order_) Access(item);
+}
+
 uint64_t StackDistanceCounter::Hits(int64_t capacity) const {
   uint64_t hits = 0;
   for (int64_t d = 0; d < std::min(capacity, n_items_); ++d) hits += distance_hist_[d];
@@ -163,11 +171,13 @@ void SharedLruStats::Flush() {
                    [](const Entry& a, const Entry& b) { return a.pos != b.pos ? a.pos < b.pos : a.ffn < b.ffn; });
   for (const Entry& e : entries_) {
     const int64_t base = e.ffn * n_neurons_;
+    keys_.clear();
     for (int64_t w = 0; w < words_; ++w) {
       for (uint64_t b = bits_[e.begin + static_cast<size_t>(w)]; b != 0; b &= b - 1) {
-        lru_.Access(static_cast<int32_t>(base + w * 64 + std::countr_zero(b)));  // ascending, as the active lists
+        keys_.push_back(static_cast<int32_t>(base + w * 64 + std::countr_zero(b)));  // ascending, as the active lists
       }
     }
+    lru_.AccessSet(keys_);
   }
   entries_.clear();
   bits_.clear();
@@ -240,7 +250,7 @@ void FfnStats::AddToken(std::span<const int32_t> active, int64_t window, int64_t
     uint64_t* row = &union_[which][static_cast<size_t>(pos * words_)];
     for (int32_t i : active) row[i >> 6] |= uint64_t{1} << (i & 63);
   }
-  for (int32_t i : active) lru_.Access(i);
+  lru_.AccessSet(active);
   if (coact_sample && opt_.coact_k > 0 && sampled_ < opt_.coact_tokens) {
     const int64_t s = sampled_++;
     for (int32_t i : active) sample_bits_[static_cast<size_t>(i * sample_words_ + s / 64)] |= uint64_t{1} << (s & 63);

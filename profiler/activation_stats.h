@@ -39,6 +39,12 @@ class StackDistanceCounter {
  public:
   explicit StackDistanceCounter(int64_t n_items);
   void Access(int32_t item);
+  // One step's set of distinct items, as the offloaded runtime serves it (docs/runtime.md, "Order within a layer"):
+  // an item hits a cache of C items iff it was among the C most recent at the step's start (a miss never evicts an
+  // item the same step uses). The items are accessed most recently used first, which gives each its stack position
+  // at the step's start as its distance; afterwards the step's items are the most recent ones, the item used longest
+  // ago (then the never used, in the given order) on top.
+  void AccessSet(std::span<const int32_t> items);
   uint64_t accesses() const { return accesses_; }
   // Hits of an LRU cache of `capacity` items over all accesses so far.
   uint64_t Hits(int64_t capacity) const;
@@ -57,6 +63,7 @@ class StackDistanceCounter {
   int64_t next_time_ = 0;
   uint64_t accesses_ = 0;
   std::vector<uint64_t> distance_hist_;  // [d]: accesses with stack distance d (d < n_items)
+  std::vector<int32_t> order_;           // AccessSet's scratch
 };
 
 // The hit-rate curve of one LRU cache shared by every FFN of a model (keys: FFN x neuron), the runtime's shared cold
@@ -85,6 +92,7 @@ class SharedLruStats {
   // The window's sets as bitsets (n_neurons / 8 bytes each, whatever the sparsity: a window of 256 tokens of a 32-layer
   // 7B buffers 11 MB).
   std::vector<uint64_t> bits_;
+  std::vector<int32_t> keys_;  // one set's keys (Flush)
   StackDistanceCounter lru_;
 };
 

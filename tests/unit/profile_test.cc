@@ -288,6 +288,62 @@ uint64_t BruteForceLruHits(const std::vector<int32_t>& trace, size_t capacity) {
   return hits;
 }
 
+// Hits of caches of `capacity` items on `steps` (sets of distinct items) under the offloaded runtime's policy, from
+// its definition on a recency list (front: most recent): an item hits iff it is among the first `capacity` at its
+// step's start; after the step its items lead the list, in the reverse of the order "most recent first, never used
+// last (ascending)", i.e. the item used longest ago on top.
+uint64_t BruteForceSetLruHits(const std::vector<std::vector<int32_t>>& steps, size_t capacity) {
+  std::list<int32_t> lru;
+  uint64_t hits = 0;
+  for (const std::vector<int32_t>& a : steps) {
+    std::vector<std::pair<size_t, int32_t>> used;  // (position, item)
+    std::vector<int32_t> fresh;
+    for (int32_t x : a) {
+      const auto it = std::find(lru.begin(), lru.end(), x);
+      if (it == lru.end()) {
+        fresh.push_back(x);
+        continue;
+      }
+      const size_t pos = static_cast<size_t>(std::distance(lru.begin(), it));
+      if (pos < capacity) ++hits;
+      used.emplace_back(pos, x);
+    }
+    std::sort(used.begin(), used.end());
+    for (const auto& [pos, x] : used) lru.remove(x);
+    for (const auto& [pos, x] : used) lru.push_front(x);
+    for (int32_t x : fresh) lru.push_front(x);
+  }
+  return hits;
+}
+
+TEST(StackDistance, SetAccessMatchesTheRuntimePolicy) {
+  std::mt19937 rng(9);
+  const int64_t n = 50;
+  std::vector<std::vector<int32_t>> steps;
+  std::bernoulli_distribution hot(0.5), cold(0.08);
+  StackDistanceCounter c(n);
+  uint64_t accesses = 0;
+  for (int t = 0; t < 3000; ++t) {  // > 4n + 1024 accesses: compaction runs
+    std::vector<int32_t> a;
+    for (int32_t i = 0; i < n; ++i) {
+      if (i % 7 == 0 ? hot(rng) : cold(rng)) a.push_back(i);
+    }
+    c.AccessSet(a);
+    accesses += a.size();
+    steps.push_back(std::move(a));
+  }
+  EXPECT_EQ(c.accesses(), accesses);
+  bool differs = false;  // from accessing each set in ascending order: else the test would not tell them apart
+  std::vector<int32_t> flat;
+  for (const auto& a : steps) flat.insert(flat.end(), a.begin(), a.end());
+  for (int64_t cap : {0, 1, 3, 8, 12, 20, 35, 49, 50}) {
+    const uint64_t want = BruteForceSetLruHits(steps, static_cast<size_t>(cap));
+    EXPECT_EQ(c.Hits(cap), want) << "capacity " << cap;
+    differs = differs || want != BruteForceLruHits(flat, static_cast<size_t>(cap));
+  }
+  EXPECT_TRUE(differs);
+}
+
 TEST(StackDistance, MatchesBruteForceLru) {
   std::mt19937 rng(7);
   const int64_t n = 60;
@@ -339,12 +395,14 @@ TEST(Popularity, HeldOutCurveRanksOnOneCountAndMeasuresTheOther) {
 }
 
 // The shared-pool curve replays every window in decode order (token by token, FFNs in index order) whatever order the
-// sets arrived in (a batched window arrives FFN by FFN), and equals a directly simulated LRU over keys ffn * n + i.
+// sets arrived in (a batched window arrives FFN by FFN), and equals the runtime's policy simulated directly over keys
+// ffn * n + i, one step per (token, FFN).
 TEST(SharedLru, ReplaysInDecodeOrderAndMatchesBruteForce) {
   std::mt19937 rng(5);
   const int64_t n_ffns = 3, n = 10, windows = 4, ctx = 6;
   SharedLruStats st(n_ffns, n);
-  std::vector<int32_t> trace;  // keys in decode order
+  std::vector<std::vector<int32_t>> steps;  // key sets in decode order
+  size_t n_keys = 0;
   std::bernoulli_distribution on(0.3);
   for (int64_t w = 0; w < windows; ++w) {
     std::vector<std::vector<std::vector<int32_t>>> sets(ctx, std::vector<std::vector<int32_t>>(n_ffns));
@@ -353,7 +411,9 @@ TEST(SharedLru, ReplaysInDecodeOrderAndMatchesBruteForce) {
         for (int32_t i = 0; i < n; ++i) {
           if (on(rng)) sets[p][f].push_back(i);
         }
-        for (int32_t i : sets[p][f]) trace.push_back(static_cast<int32_t>(f * n + i));
+        steps.emplace_back();
+        for (int32_t i : sets[p][f]) steps.back().push_back(static_cast<int32_t>(f * n + i));
+        n_keys += sets[p][f].size();
       }
     }
     // Arrival: FFN-major in even windows (a batched prefill), reversed positions in odd ones.
@@ -369,7 +429,7 @@ TEST(SharedLru, ReplaysInDecodeOrderAndMatchesBruteForce) {
   ASSERT_EQ(curve.size(), static_cast<size_t>(points));
   for (int i = 0; i < points; ++i) {
     const size_t capacity = static_cast<size_t>(std::llround(static_cast<double>(i) * n_ffns * n / (points - 1)));
-    EXPECT_NEAR(curve[i], static_cast<double>(BruteForceLruHits(trace, capacity)) / trace.size(), 1e-6) << i;
+    EXPECT_NEAR(curve[i], static_cast<double>(BruteForceSetLruHits(steps, capacity)) / n_keys, 1e-6) << i;
   }
 }
 
@@ -429,6 +489,7 @@ TEST(FfnStats, MatchesIndependentCounts) {
   FfnStats st(2, -1, n, 0.0f, opt);
   std::vector<std::vector<std::vector<int32_t>>> sets(n_windows);  // [window][pos] -> active set
   std::vector<int32_t> trace;
+  std::vector<std::vector<int32_t>> steps;  // the active sets in order
   std::bernoulli_distribution hot(0.7), cold(0.1);
   for (int64_t w = 0; w < n_windows; ++w) {
     const int64_t len = w == n_windows - 1 ? last_len : ctx;
@@ -440,6 +501,7 @@ TEST(FfnStats, MatchesIndependentCounts) {
       st.AddToken(a, w, p, true);
       st.AddGateCoactivation(static_cast<int64_t>(a.size()), static_cast<int64_t>(a.size()) / 2, 1);
       trace.insert(trace.end(), a.begin(), a.end());
+      steps.push_back(a);
       sets[w].push_back(a);
     }
   }
@@ -489,7 +551,7 @@ TEST(FfnStats, MatchesIndependentCounts) {
   EXPECT_EQ(f.popularity, PopularityCurve(c1));
   for (int i = 0; i < kCurvePoints; ++i) {
     const size_t cap = static_cast<size_t>(std::llround(i * n / 16.0));
-    EXPECT_NEAR(f.lru_hit_rate[i], static_cast<double>(BruteForceLruHits(trace, cap)) / trace.size(), 1e-6);
+    EXPECT_NEAR(f.lru_hit_rate[i], static_cast<double>(BruteForceSetLruHits(steps, cap)) / trace.size(), 1e-6);
   }
   int64_t up_ok = 0;
   for (const auto& win : sets) {
