@@ -509,7 +509,7 @@ class OffloadFfn : public FfnBackend {
   // Submits reads to the I/O thread: a new job, or appended to the open one (a lookahead is pending); returns the
   // first chunk's index in the job.
   size_t SubmitReads(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
-  // Releases this token's pins in acquisition order (so LRU order is access order).
+  // Releases this token's pins in acquisition order (lookahead items, misses, then hits: the LRU order follows it).
   void ReleaseAll();
   // After an error: drops the slots whose reads were pending (their contents are unknown), releases the rest.
   void AbandonPending();
