@@ -41,9 +41,9 @@ class StackDistanceCounter {
   void Access(int32_t item);
   // One step's set of distinct items, as the offloaded runtime serves it (docs/runtime.md, "Order within a layer"):
   // an item hits a cache of C items iff it was among the C most recent at the step's start (a miss never evicts an
-  // item the same step uses). The items are accessed most recently used first, which gives each its stack position
-  // at the step's start as its distance; afterwards the step's items are the most recent ones, the item used longest
-  // ago (then the never used, in the given order) on top.
+  // item the same step uses). Every item's distance is taken against the stack at the step's start; then the step's
+  // items become the most recent ones, keeping their recency order (never accessed ones below the others), so that at
+  // every size the step's hits end above its misses, as the runtime leaves them (it orders each class by index).
   void AccessSet(std::span<const int32_t> items);
   uint64_t accesses() const { return accesses_; }
   // Hits of an LRU cache of `capacity` items over all accesses so far.

@@ -331,6 +331,8 @@ void AccumulateAvx2(GgmlType type, const RowSet& rows, int64_t count, const floa
   }
 }
 
+}  // namespace
+
 // QuantizeRowQ8_0 in 8-lane steps with the same IEEE operations: the block's largest magnitude, d = amax / 127 and
 // id = 1 / d as scalars, x * id per lane, and std::round's halfway cases away from zero (truncate, then step away from
 // zero where the dropped fraction is at least one half; x * id is at most 127 in magnitude, so both are exact).
@@ -373,8 +375,6 @@ void QuantizeQ8Avx2(const float* x, BlockQ8_0* y, int64_t n) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y[i].qs), ordered);
   }
 }
-
-}  // namespace
 
 const IsaKernels kAvx2Kernels = {DotRowsAvx2, AccumulateAvx2, QuantizeQ8Avx2};
 

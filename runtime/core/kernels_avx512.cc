@@ -535,6 +535,6 @@ void AccumulateAvx512(GgmlType type, const RowSet& rows, int64_t count, const fl
 
 }  // namespace
 
-const IsaKernels kAvx512Kernels = {DotRowsAvx512, AccumulateAvx512, kAvx2Kernels.quantize_q8};
+const IsaKernels kAvx512Kernels = {DotRowsAvx512, AccumulateAvx512, QuantizeQ8Avx2};
 
 }  // namespace nflash::internal

@@ -43,6 +43,10 @@ struct IsaKernels {
   void (*quantize_q8)(const float* x, BlockQ8_0* y, int64_t n);
 };
 
+// The AVX2 Q8_0 quantizer (kernels_avx2.cc), named here so that the AVX-512 table can point at it in a constant
+// initializer.
+void QuantizeQ8Avx2(const float* x, BlockQ8_0* y, int64_t n);
+
 extern const IsaKernels kScalarKernels;
 extern const IsaKernels kAvx2Kernels;
 // Q4_0/Q8_0 dots and every type's row accumulation in AVX-512; the other dots forward to kAvx2Kernels (a CPU with

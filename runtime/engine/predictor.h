@@ -90,7 +90,7 @@ struct PredictorScratch {
   std::vector<float> logits;  // n_ff
   std::vector<int32_t> live;  // ranks whose hidden value is non-zero (after the ReLU), ascending
   std::vector<float> live_h;  // their hidden values
-  Activation x_act, hidden_act;  // reused kernel inputs (their buffers keep their capacity between tokens)
+  Activation x_act;  // the reused kernel input (its buffer keeps its capacity between tokens)
 };
 
 // Loaded predictors of every layer. Thread-safety: immutable after Load; Predict may run concurrently with distinct

@@ -227,7 +227,10 @@ void SlotRegion::Touch(int32_t s) {
   Slot& x = slots_[static_cast<size_t>(s)];
   if (x.pins != 0 || x.key < 0 || IsLent(s)) std::abort();  // only a held, unpinned unit is on a list
   Unlink(s);
-  PushMru(s, x.segment);
+  // As a hit: into the protected segment (whose least recently used unit, when it is over its share, drops back to
+  // probation as its most recent), so that the next victim is not the touched unit's probation neighbour again.
+  x.hit = true;
+  PushMru(s, 1);
 }
 
 SlotRegion::Lookup SlotRegion::Acquire(int64_t group, int64_t unit, bool use_overflow) {

@@ -102,8 +102,8 @@ class SlotRegion {
     const int64_t key = slots_[static_cast<size_t>(slot)].key;
     return key < 0 ? -1 : key / config_.units_per_group;
   }
-  // Makes an unpinned slot the most recently used of its segment, as a use would (a unit about to be hit must not be
-  // evicted by the same token's misses first).
+  // Makes an unpinned slot the most recently used one, as a hit would (protected segment; a unit about to be hit must
+  // not be evicted by the same token's misses first).
   void Touch(int32_t slot);
   // Drops one pin; at zero the slot becomes the most recently used of its segment (protected if it was hit).
   void Release(int32_t slot);

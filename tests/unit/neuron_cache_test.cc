@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "runtime/sparse/neuron_cache.h"
@@ -545,6 +546,37 @@ TEST(NeuronCacheTest, NextVictimIsWhatAMissEvictsAndTouchDefersIt) {
     EXPECT_GT(checked_evictions, 50);
     EXPECT_GT(touches, 10);
   }
+}
+
+// With a protected segment, a touched unit moves there as a hit would: touching the units a token is about to hit
+// reaches a victim it does not use. (Kept in probation, the touched units would only rotate among themselves.)
+TEST(NeuronCacheTest, TouchedUnitsLeaveProbation) {
+  RegionConfig config = Region(1, 16, {8}, 0);
+  config.protected_fraction = 0.5;
+  std::vector<uint8_t> memory(static_cast<size_t>(8) * AlignSlot(kBundle) + 1);
+  auto region = SlotRegion::Create(config, memory.data());
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  SlotRegion& r = **region;
+  auto token = [&](std::initializer_list<int64_t> units) {
+    std::vector<int32_t> held;
+    for (int64_t u : units) held.push_back(r.Acquire(0, u).slot);
+    for (int32_t s : held) r.Release(s);
+  };
+  token({0, 1, 2, 3});
+  token({0, 1, 2, 3});  // hit: protected
+  token({4, 5, 6, 7});  // probation
+  const std::set<int64_t> active = {4, 5, 6, 7};
+  int touches = 0;
+  int32_t v = r.NextVictim(0);
+  while (v >= 0 && active.count(r.UnitOf(v)) != 0 && touches < 16) {
+    r.Touch(v);
+    ++touches;
+    v = r.NextVictim(0);
+  }
+  EXPECT_EQ(touches, 4);
+  ASSERT_GE(v, 0);
+  EXPECT_EQ(active.count(r.UnitOf(v)), 0u) << "victim unit " << r.UnitOf(v);
+  for (int64_t u = 0; u < 8; ++u) EXPECT_GE(r.Find(0, u), 0) << "unit " << u;  // touching evicts nothing
 }
 
 // With protected_fraction 0 the segmented region is the plain LRU (ReferenceLru, the other model).

@@ -290,8 +290,8 @@ uint64_t BruteForceLruHits(const std::vector<int32_t>& trace, size_t capacity) {
 
 // Hits of caches of `capacity` items on `steps` (sets of distinct items) under the offloaded runtime's policy, from
 // its definition on a recency list (front: most recent): an item hits iff it is among the first `capacity` at its
-// step's start; after the step its items lead the list, in the reverse of the order "most recent first, never used
-// last (ascending)", i.e. the item used longest ago on top.
+// step's start; after the step its items lead the list in their previous order, the never used ones after them
+// (the first of them last).
 uint64_t BruteForceSetLruHits(const std::vector<std::vector<int32_t>>& steps, size_t capacity) {
   std::list<int32_t> lru;
   uint64_t hits = 0;
@@ -310,8 +310,8 @@ uint64_t BruteForceSetLruHits(const std::vector<std::vector<int32_t>>& steps, si
     }
     std::sort(used.begin(), used.end());
     for (const auto& [pos, x] : used) lru.remove(x);
-    for (const auto& [pos, x] : used) lru.push_front(x);
     for (int32_t x : fresh) lru.push_front(x);
+    for (auto it = used.rbegin(); it != used.rend(); ++it) lru.push_front(it->second);
   }
   return hits;
 }
