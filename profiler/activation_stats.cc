@@ -107,14 +107,17 @@ void StackDistanceCounter::Compact() {
   next_time_ = static_cast<int64_t>(items.size());
 }
 
-void StackDistanceCounter::Access(int32_t item) {
-  if (next_time_ == static_cast<int64_t>(item_at_.size())) Compact();
+void StackDistanceCounter::Count(int32_t item) {
   ++accesses_;
   const int64_t last = last_time_[item];
+  // Distinct items accessed after `last`: the marks in (last, now).
+  if (last >= 0) ++distance_hist_[static_cast<size_t>(PrefixSum(next_time_) - PrefixSum(last + 1))];
+}
+
+void StackDistanceCounter::MoveToTop(int32_t item) {
+  if (next_time_ == static_cast<int64_t>(item_at_.size())) Compact();
+  const int64_t last = last_time_[item];
   if (last >= 0) {
-    // Distinct items accessed after `last`: the marks in (last, now).
-    const int64_t distance = PrefixSum(next_time_) - PrefixSum(last + 1);
-    ++distance_hist_[static_cast<size_t>(distance)];
     Add(last, -1);
     item_at_[last] = -1;
   }
@@ -123,29 +126,20 @@ void StackDistanceCounter::Access(int32_t item) {
   last_time_[item] = next_time_++;
 }
 
+void StackDistanceCounter::Access(int32_t item) {
+  Count(item);
+  MoveToTop(item);
+}
+
 void StackDistanceCounter::AccessSet(std::span<const int32_t> items) {
   // 1. Every item's distance against the stack as it stands at the step's start.
-  for (int32_t item : items) {
-    ++accesses_;
-    const int64_t last = last_time_[item];
-    if (last >= 0) ++distance_hist_[static_cast<size_t>(PrefixSum(next_time_) - PrefixSum(last + 1))];
-  }
+  for (int32_t item : items) Count(item);
   // 2. The items to the top: never accessed first (in the given order), then the others from least to most recently
   // accessed, so that their recency order stays as it was (Compact, when it runs in between, keeps the order too).
   order_.assign(items.begin(), items.end());
   std::stable_sort(order_.begin(), order_.end(),
                    [&](int32_t a, int32_t b) { return last_time_[a] < last_time_[b]; });
-  for (int32_t item : order_) {
-    if (next_time_ == static_cast<int64_t>(item_at_.size())) Compact();
-    const int64_t last = last_time_[item];
-    if (last >= 0) {
-      Add(last, -1);
-      item_at_[last] = -1;
-    }
-    Add(next_time_, 1);
-    item_at_[next_time_] = item;
-    last_time_[item] = next_time_++;
-  }
+  for (int32_t item : order_) MoveToTop(item);
 }
 
 uint64_t StackDistanceCounter::Hits(int64_t capacity) const {

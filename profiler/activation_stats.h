@@ -53,6 +53,10 @@ class StackDistanceCounter {
 
  private:
   void Compact();
+  // Counts an access of `item` at its current stack distance (a first access: a miss at every size).
+  void Count(int32_t item);
+  // Marks `item` as the most recently accessed (compacting the times first when the tree is full).
+  void MoveToTop(int32_t item);
   void Add(int64_t pos, int delta);
   int64_t PrefixSum(int64_t pos) const;  // marks in [0, pos)
 

@@ -206,20 +206,23 @@ void SlotRegion::PushMru(int32_t s, int segment) {
   }
 }
 
-const SlotRegion::Partition& SlotRegion::Source(int64_t group, bool use_overflow) const {
-  const Partition& own = partitions_[static_cast<size_t>(PartitionOf(group))];
+size_t SlotRegion::Source(int64_t group, bool use_overflow) const {
+  const size_t own_index = static_cast<size_t>(PartitionOf(group));
+  const Partition& own = partitions_[own_index];
   // Where the slot comes from: the partition's free stack, else the overflow pool's, else the older of the two
   // least recently used units (the pool's alone when every slot of the partition is pinned).
   if (own.free_top < 0 && use_overflow && overflow_ >= 0) {
     const Partition& pool = partitions_[static_cast<size_t>(overflow_)];
     const int32_t mine = Victim(own), theirs = Victim(pool);
-    if (pool.free_top >= 0 || (theirs >= 0 && (mine < 0 || slots_[theirs].stamp < slots_[mine].stamp))) return pool;
+    if (pool.free_top >= 0 || (theirs >= 0 && (mine < 0 || slots_[theirs].stamp < slots_[mine].stamp))) {
+      return static_cast<size_t>(overflow_);
+    }
   }
-  return own;
+  return own_index;
 }
 
 int32_t SlotRegion::NextVictim(int64_t group, bool use_overflow) const {
-  const Partition& p = Source(group, use_overflow);
+  const Partition& p = partitions_[Source(group, use_overflow)];
   return p.free_top >= 0 ? -1 : Victim(p);
 }
 
@@ -249,7 +252,7 @@ SlotRegion::Lookup SlotRegion::Acquire(int64_t group, int64_t unit, bool use_ove
   }
   ++c.misses;
   c.bytes_loaded += config_.unit_bytes;
-  Partition& p = const_cast<Partition&>(Source(group, use_overflow));
+  Partition& p = partitions_[Source(group, use_overflow)];
   const int32_t victim = Victim(p);
   if (p.free_top >= 0) {
     s = p.free_top;

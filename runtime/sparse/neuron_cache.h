@@ -185,9 +185,9 @@ class SlotRegion {
   // The least recently used unpinned slot of partition `p` (probation first), or -1.
   int32_t Victim(const Partition& p) const { return p.list[0].head >= 0 ? p.list[0].head : p.list[1].head; }
   int32_t PartitionOf(int64_t group) const { return config_.slots_per_group.empty() ? 0 : static_cast<int32_t>(group); }
-  // The partition a miss of `group` takes its slot from (Acquire's choice): its own when it has a free slot, else
-  // the overflow pool when that has a free slot or the older least recently used unit.
-  const Partition& Source(int64_t group, bool use_overflow) const;
+  // The index in partitions_ of the partition a miss of `group` takes its slot from (Acquire's choice): its own when
+  // it has a free slot, else the overflow pool when that has a free slot or the older least recently used unit.
+  size_t Source(int64_t group, bool use_overflow) const;
 
   RegionConfig config_;
   uint8_t* arena_ = nullptr;

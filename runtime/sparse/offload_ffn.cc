@@ -438,20 +438,12 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
     }
     uint8_t* dst = l.slot >= 0 ? cold.SlotData(l.slot) : staging_ + static_cast<size_t>(staging_used++) * cold_stride_;
     bundle_[k] = dst;
-    if (l.hit) {
-      // Two-phase: a slot may hold only the gate part; its up+down part is read if the gate passes.
-      if (two_phase_ && !cold_complete_[static_cast<size_t>(l.slot)]) {
-        gate_hit_items_.push_back(static_cast<int32_t>(k));
-      } else {
-        ready_items_.push_back(static_cast<int32_t>(k));
-      }
-    } else {
-      if (l.slot >= 0) cold_complete_[static_cast<size_t>(l.slot)] = 0;
-      item_unit_[k] = two_phase_ ? add_unit(false, n, offset, kTwoPhasePageBytes, dst, l.slot, acq, Phase::kGate,
-                                            static_cast<int32_t>(k))
-                                 : add_unit(false, n, offset, static_cast<size_t>(cold_read_), dst, l.slot,
-                                            acq, Phase::kWhole, static_cast<int32_t>(k));
-    }
+    // A miss (called only for units not held; the hits are ResolveHits'): its read.
+    if (l.slot >= 0) cold_complete_[static_cast<size_t>(l.slot)] = 0;
+    item_unit_[k] = two_phase_ ? add_unit(false, n, offset, kTwoPhasePageBytes, dst, l.slot, acq, Phase::kGate,
+                                          static_cast<int32_t>(k))
+                               : add_unit(false, n, offset, static_cast<size_t>(cold_read_), dst, l.slot,
+                                          acq, Phase::kWhole, static_cast<int32_t>(k));
     return Status::Ok();
   };
   for (size_t k = 0; k < active_.size(); ++k) {
