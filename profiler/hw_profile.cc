@@ -19,6 +19,7 @@
 #include <random>
 #include <sstream>
 
+#include "profiler/median_timing.h"
 #include "runtime/core/kernels.h"
 #include "runtime/core/log.h"
 #include "runtime/core/quant.h"
@@ -57,22 +58,6 @@ const std::vector<size_t> kSeqSizes = {size_t{1} << 20, size_t{4} << 20};
 const std::vector<unsigned> kSeqDepths = {4, 8};
 
 double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
-
-// Runs fn at least twice (the first is a warm-up) and until `budget` seconds have passed; returns the median seconds
-// per call of the timed runs.
-template <typename Fn>
-double MedianSeconds(double budget, Fn&& fn) {
-  fn();
-  std::vector<double> times;
-  const auto start = Clock::now();
-  do {
-    const auto t0 = Clock::now();
-    fn();
-    times.push_back(Seconds(t0, Clock::now()));
-  } while (Seconds(start, Clock::now()) < budget);
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
 
 std::string CpuModel() {
   std::ifstream in("/proc/cpuinfo");
@@ -174,61 +159,65 @@ json MeasureCompute(const Mode& mode, const std::vector<int>& thread_counts) {
     // neuron_path's row addresses and outputs (k neurons).
     std::vector<const uint8_t*> gate_up_ptrs(2 * static_cast<size_t>(k)), down_ptrs(static_cast<size_t>(k));
     std::vector<float> gate_up(2 * static_cast<size_t>(k)), neuron_h(static_cast<size_t>(k));
-    for (size_t pi = 0; pi < pools.size(); ++pi) {
-      ThreadPool& pool = *pools[pi];
-      const int threads = thread_counts[pi];
-      const double bytes = static_cast<double>(w.matrix_bytes);
-      auto add = [&](const char* kernel, int64_t tokens, double fraction, double secs) {
-        const double weight_bytes = bytes * fraction;
-        const double flops = 2.0 * static_cast<double>(dim) * static_cast<double>(dim) * fraction *
-                             static_cast<double>(tokens);
-        results.push_back({{"threads", threads},
+    const double bytes = static_cast<double>(w.matrix_bytes);
+    // One cell: `call(pool)` timed with every thread count in turns (MedianSecondsEach), a result row each.
+    auto cell = [&](const char* kernel, int64_t tokens, double fraction, auto&& call) {
+      const std::vector<double> secs =
+          MedianSecondsEach(mode.cell_seconds, pools.size(), [&](size_t pi) { call(*pools[pi]); });
+      const double weight_bytes = bytes * fraction;
+      const double flops =
+          2.0 * static_cast<double>(dim) * static_cast<double>(dim) * fraction * static_cast<double>(tokens);
+      for (size_t pi = 0; pi < pools.size(); ++pi) {
+        results.push_back({{"threads", thread_counts[pi]},
                            {"kernel", kernel},
                            {"type", std::string(GgmlTypeName(type))},
                            {"tokens", tokens},
                            {"row_fraction", fraction},
-                           {"seconds_per_call", secs},
-                           {"weight_gb_per_s", weight_bytes / secs / 1e9},
-                           {"gflop_per_s", flops / secs / 1e9}});
-      };
-      Activation act;
-      act.Set(x.data(), 1, dim);
-      add("gemv", 1, 1.0, MedianSeconds(mode.cell_seconds, [&] { Gemv(next(), act, y.data(), &pool); }));
-      for (int64_t n : {int64_t{8}, kMaxTokens}) {
-        Activation batch(x.data(), n, dim);
-        add("gemm", n, 1.0, MedianSeconds(mode.cell_seconds, [&] { Gemm(next(), batch, y.data(), &pool); }));
+                           {"seconds_per_call", secs[pi]},
+                           {"weight_gb_per_s", weight_bytes / secs[pi] / 1e9},
+                           {"gflop_per_s", flops / secs[pi] / 1e9}});
       }
-      const double frac = static_cast<double>(k) / static_cast<double>(dim);
-      add("gemv_rows", 1, frac,
-          MedianSeconds(mode.cell_seconds, [&] { GemvRows(next(), next_rows(), act, y.data(), &pool); }));
-      add("accumulate_rows", 1, frac, MedianSeconds(mode.cell_seconds, [&] {
-            std::fill(y.begin(), y.begin() + dim, 0.0f);
-            AccumulateRows(next(), next_rows(), x.data(), y.data(), &pool);
-          }));
-      // The offloaded decode's per-neuron path (runtime/sparse/offload_ffn.cc ComputeItems): the active neurons'
-      // gate and up rows, scattered over the cache (rows of two different matrices here), in one GemvRowPtrs call
-      // over their addresses, the activation, then one AccumulateRowPtrs over the down rows of the neurons in use.
-      // Row addresses defeat the hardware prefetchers that contiguous GemvRows rows enjoy, so this rate, not
-      // gemv_rows, is what the planner's FFN compute term needs. Weight bytes counted: 3 rows per neuron.
-      add("neuron_path", 1, 3.0 * frac, MedianSeconds(mode.cell_seconds, [&] {
-            const MatrixView& gate = next();
-            const MatrixView& up = next();
-            const MatrixView& down = next();
-            const std::span<const int32_t> rows = next_rows();
-            const size_t n = rows.size();
-            for (size_t j = 0; j < n; ++j) {
-              const size_t off = static_cast<size_t>(rows[j]) * gate.row_bytes;
-              gate_up_ptrs[2 * j] = static_cast<const uint8_t*>(gate.data) + off;
-              gate_up_ptrs[2 * j + 1] = static_cast<const uint8_t*>(up.data) + off;
-              down_ptrs[j] = static_cast<const uint8_t*>(down.data) + off;
-            }
-            GemvRowPtrs(gate, std::span(gate_up_ptrs.data(), 2 * n), act, gate_up.data(), &pool);
-            for (size_t j = 0; j < n; ++j) neuron_h[j] = std::max(0.0f, gate_up[2 * j]) * gate_up[2 * j + 1];
-            std::fill(y.begin(), y.begin() + dim, 0.0f);
-            AccumulateRowPtrs(down, std::span(down_ptrs.data(), n), neuron_h.data(), y.data(), &pool);
-          }));
+    };
+    Activation act;
+    act.Set(x.data(), 1, dim);
+    cell("gemv", 1, 1.0, [&](ThreadPool& pool) { Gemv(next(), act, y.data(), &pool); });
+    for (int64_t n : {int64_t{8}, kMaxTokens}) {
+      Activation batch(x.data(), n, dim);
+      cell("gemm", n, 1.0, [&](ThreadPool& pool) { Gemm(next(), batch, y.data(), &pool); });
     }
+    const double frac = static_cast<double>(k) / static_cast<double>(dim);
+    cell("gemv_rows", 1, frac, [&](ThreadPool& pool) { GemvRows(next(), next_rows(), act, y.data(), &pool); });
+    cell("accumulate_rows", 1, frac, [&](ThreadPool& pool) {
+      std::fill(y.begin(), y.begin() + dim, 0.0f);
+      AccumulateRows(next(), next_rows(), x.data(), y.data(), &pool);
+    });
+    // The offloaded decode's per-neuron path (runtime/sparse/offload_ffn.cc ComputeItems): the active neurons'
+    // gate and up rows, scattered over the cache (rows of two different matrices here), in one GemvRowPtrs call
+    // over their addresses, the activation, then one AccumulateRowPtrs over the down rows of the neurons in use.
+    // Row addresses defeat the hardware prefetchers that contiguous GemvRows rows enjoy, so this rate, not
+    // gemv_rows, is what the planner's FFN compute term needs. Weight bytes counted: 3 rows per neuron.
+    cell("neuron_path", 1, 3.0 * frac, [&](ThreadPool& pool) {
+      const MatrixView& gate = next();
+      const MatrixView& up = next();
+      const MatrixView& down = next();
+      const std::span<const int32_t> rows = next_rows();
+      const size_t n = rows.size();
+      for (size_t j = 0; j < n; ++j) {
+        const size_t off = static_cast<size_t>(rows[j]) * gate.row_bytes;
+        gate_up_ptrs[2 * j] = static_cast<const uint8_t*>(gate.data) + off;
+        gate_up_ptrs[2 * j + 1] = static_cast<const uint8_t*>(up.data) + off;
+        down_ptrs[j] = static_cast<const uint8_t*>(down.data) + off;
+      }
+      GemvRowPtrs(gate, std::span(gate_up_ptrs.data(), 2 * n), act, gate_up.data(), &pool);
+      for (size_t j = 0; j < n; ++j) neuron_h[j] = std::max(0.0f, gate_up[2 * j]) * gate_up[2 * j + 1];
+      std::fill(y.begin(), y.begin() + dim, 0.0f);
+      AccumulateRowPtrs(down, std::span(down_ptrs.data(), n), neuron_h.data(), y.data(), &pool);
+    });
   }
+  // Grouped by thread count, as the report prints them.
+  std::stable_sort(results.begin(), results.end(), [](const json& a, const json& b) {
+    return a["threads"].get<int>() < b["threads"].get<int>();
+  });
   return {{"matrix_rows", dim}, {"matrix_cols", dim}, {"results", results}};
 }
 
@@ -238,35 +227,38 @@ json MeasureMemory(const Mode& mode, const std::vector<int>& thread_counts) {
   for (size_t i = 0; i < words; ++i) buf[i] = i * 0x9E3779B97F4A7C15ull;  // touches every page before timing
   json results = json::array();
   volatile uint64_t sink = 0;  // keeps the reads from being optimised away
-  for (int threads : thread_counts) {
-    ThreadPool pool(threads);
-    const double read_s = MedianSeconds(mode.seq_cell_seconds, [&] {
-      std::vector<uint64_t> partial(static_cast<size_t>(threads), 0);
-      pool.ParallelFor(static_cast<int64_t>(words), 4096, [&](int64_t b, int64_t e, int t) {
-        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // independent sums so loads are not serialized
-        int64_t i = b;
-        for (; i + 4 <= e; i += 4) {
-          s0 += buf[i];
-          s1 += buf[i + 1];
-          s2 += buf[i + 2];
-          s3 += buf[i + 3];
-        }
-        for (; i < e; ++i) s0 += buf[i];
-        partial[static_cast<size_t>(t)] += s0 + s1 + s2 + s3;
-      });
-      for (uint64_t p : partial) sink = sink + p;
+  std::vector<std::unique_ptr<ThreadPool>> pools;
+  for (int threads : thread_counts) pools.push_back(std::make_unique<ThreadPool>(threads));
+  // Each cell with every thread count in turns (MedianSecondsEach).
+  const std::vector<double> read_s = MedianSecondsEach(mode.seq_cell_seconds, pools.size(), [&](size_t pi) {
+    ThreadPool& pool = *pools[pi];
+    std::vector<uint64_t> partial(static_cast<size_t>(pool.NumThreads()), 0);
+    pool.ParallelFor(static_cast<int64_t>(words), 4096, [&](int64_t b, int64_t e, int t) {
+      uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // independent sums so loads are not serialized
+      int64_t i = b;
+      for (; i + 4 <= e; i += 4) {
+        s0 += buf[i];
+        s1 += buf[i + 1];
+        s2 += buf[i + 2];
+        s3 += buf[i + 3];
+      }
+      for (; i < e; ++i) s0 += buf[i];
+      partial[static_cast<size_t>(t)] += s0 + s1 + s2 + s3;
     });
-    // Copy: the first half onto the second; reported as bytes copied per second (each read once, written once).
-    const size_t half = words / 2;
-    const double copy_s = MedianSeconds(mode.seq_cell_seconds, [&] {
-      pool.ParallelFor(static_cast<int64_t>(half), 4096, [&](int64_t b, int64_t e, int) {
-        std::memcpy(buf.data() + half + b, buf.data() + b, static_cast<size_t>(e - b) * sizeof(uint64_t));
-      });
+    for (uint64_t p : partial) sink = sink + p;
+  });
+  // Copy: the first half onto the second; reported as bytes copied per second (each read once, written once).
+  const size_t half = words / 2;
+  const std::vector<double> copy_s = MedianSecondsEach(mode.seq_cell_seconds, pools.size(), [&](size_t pi) {
+    pools[pi]->ParallelFor(static_cast<int64_t>(half), 4096, [&](int64_t b, int64_t e, int) {
+      std::memcpy(buf.data() + half + b, buf.data() + b, static_cast<size_t>(e - b) * sizeof(uint64_t));
     });
-    results.push_back({{"threads", threads},
+  });
+  for (size_t pi = 0; pi < pools.size(); ++pi) {
+    results.push_back({{"threads", thread_counts[pi]},
                        {"buffer_bytes", mode.memory_bytes},
-                       {"read_gb_per_s", static_cast<double>(mode.memory_bytes) / read_s / 1e9},
-                       {"copy_gb_per_s", static_cast<double>(half * sizeof(uint64_t)) / copy_s / 1e9}});
+                       {"read_gb_per_s", static_cast<double>(mode.memory_bytes) / read_s[pi] / 1e9},
+                       {"copy_gb_per_s", static_cast<double>(half * sizeof(uint64_t)) / copy_s[pi] / 1e9}});
   }
   return results;
 }

@@ -29,4 +29,10 @@ double ProcessCpuSeconds() {
          static_cast<double>(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
 }
 
+ContextSwitches ProcessContextSwitches() {
+  rusage ru{};
+  if (::getrusage(RUSAGE_SELF, &ru) != 0) return {};
+  return {static_cast<uint64_t>(ru.ru_nvcsw), static_cast<uint64_t>(ru.ru_nivcsw)};
+}
+
 }  // namespace nflash

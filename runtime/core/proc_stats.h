@@ -13,5 +13,12 @@ struct ProcessMemory {
 ProcessMemory ReadProcessMemory();
 // User + system CPU time of every thread of this process so far (getrusage), in seconds; 0 when unavailable.
 double ProcessCpuSeconds();
+// Context switches of every thread of this process so far (getrusage): voluntary (a thread blocked or slept) and
+// involuntary (a thread was preempted); zeros when unavailable.
+struct ContextSwitches {
+  uint64_t voluntary = 0;
+  uint64_t involuntary = 0;
+};
+ContextSwitches ProcessContextSwitches();
 
 }  // namespace nflash

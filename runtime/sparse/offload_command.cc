@@ -135,6 +135,7 @@ Status RunOffload(const OffloadFlags& f) {
   uint64_t wait0 = rt.ffn().io_wait_ns();
   io::IoCounters io0 = rt.reader() ? rt.reader()->Counters() : io::IoCounters{};
   double cpu0 = ProcessCpuSeconds();
+  ContextSwitches csw0 = ProcessContextSwitches();
   const int64_t warmup = std::min<int64_t>(f.warmup, n - 1);
   std::vector<int32_t> out;
   std::vector<double> lat_ms;
@@ -149,6 +150,7 @@ Status RunOffload(const OffloadFlags& f) {
       wait0 = rt.ffn().io_wait_ns();
       io0 = rt.reader() ? rt.reader()->Counters() : io::IoCounters{};
       cpu0 = ProcessCpuSeconds();
+      csw0 = ProcessContextSwitches();
       lat_ms.clear();
       miss_rate.clear();
       t1 = Clock::now();
@@ -176,6 +178,7 @@ Status RunOffload(const OffloadFlags& f) {
   const auto t2 = Clock::now();
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
   const double decode_cpu_s = ProcessCpuSeconds() - cpu0;  // every thread: compute, pool, I/O
+  const ContextSwitches csw = ProcessContextSwitches();
   const double steps = std::max<double>(1.0, static_cast<double>(lat_ms.size()));
   const OffloadGroupStats st = rt.ffn().TotalStats();
   const CacheCounters hot = rt.ffn().cache().hot().TotalCounters();
@@ -219,6 +222,8 @@ Status RunOffload(const OffloadFlags& f) {
       {"io_wait_ms_per_token", io_wait_ms / steps},
       {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns - io0.submit_cpu_ns) / 1e6},
       {"io_submit_calls_per_token", static_cast<double>(ioc.submit_calls - io0.submit_calls) / steps},
+      {"voluntary_switches_per_token", static_cast<double>(csw.voluntary - csw0.voluntary) / steps},
+      {"involuntary_switches_per_token", static_cast<double>(csw.involuntary - csw0.involuntary) / steps},
       {"compute_threads", pool.NumThreads()},
       {"queue_depth", rt.reader() ? static_cast<int64_t>(rt.reader()->queue_depth()) : int64_t{0}},
       {"chunk_requests", rt.ffn().chunk_requests()},

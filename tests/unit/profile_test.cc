@@ -8,8 +8,10 @@
 #include <list>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "profiler/activation_stats.h"
+#include "profiler/median_timing.h"
 #include "profiler/profile.h"
 #include "runtime/core/gguf.h"
 #include "tests/test_util.h"
@@ -113,6 +115,31 @@ void FlipTensorByte(const std::string& path, const std::string& name, uint64_t o
   c ^= 0x10;
   io.seekp(static_cast<std::streamoff>(at));
   io.write(&c, 1);
+}
+
+// profile-hw's cells time their thread counts in turns: after one warm-up call each, every round calls each variant
+// once in order, and each median is its own variant's (here a variant that sleeps longer has the larger median).
+TEST(MedianTiming, VariantsRunInTurnsWithTheirOwnMedians) {
+  std::vector<size_t> calls;
+  const std::vector<double> med = MedianSecondsEach(0.02, 3, [&](size_t i) {
+    calls.push_back(i);
+    std::this_thread::sleep_for(std::chrono::microseconds(200 + 1500 * i));
+  });
+  ASSERT_EQ(med.size(), 3u);
+  ASSERT_GE(calls.size(), 6u);  // warm-up round plus at least one timed round
+  ASSERT_EQ(calls.size() % 3, 0u);
+  for (size_t k = 0; k < calls.size(); ++k) EXPECT_EQ(calls[k], k % 3) << k;
+  EXPECT_GE(med[0], 200e-6);
+  EXPECT_GT(med[1], med[0] + 1e-3);
+  EXPECT_GT(med[2], med[1] + 1e-3);
+  // The single-variant form is the same loop.
+  size_t n1 = 0;
+  EXPECT_GE(MedianSeconds(0.005, [&] {
+              ++n1;
+              std::this_thread::sleep_for(std::chrono::microseconds(500));
+            }),
+            500e-6);
+  EXPECT_GE(n1, 2u);
 }
 
 TEST(ProfileFile, RoundTrip) {
