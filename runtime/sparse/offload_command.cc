@@ -187,6 +187,13 @@ Status RunOffload(const OffloadFlags& f) {
   const double io_wait_ms = static_cast<double>(rt.ffn().io_wait_ns() - wait0) / 1e6;
   io::IoCounters ioc;
   if (rt.reader()) ioc = rt.reader()->Counters();
+  // Per-request read latency (submission to completion) over the decode's requests, in microseconds.
+  std::vector<double> io_lat_us;
+  if (rt.reader()) {
+    const std::vector<uint32_t> sample = rt.reader()->LatencySampleNs();
+    const size_t n = std::min<size_t>(sample.size(), static_cast<size_t>(ioc.requests - io0.requests));
+    for (size_t i = sample.size() - n; i < sample.size(); ++i) io_lat_us.push_back(sample[i] / 1e3);
+  }
   const double token_ms_mean = Mean(lat_ms);
   const double miss_mean = Mean(miss_rate);
   const double miss_p99 = Percentile(miss_rate, 0.99);
@@ -221,6 +228,9 @@ Status RunOffload(const OffloadFlags& f) {
       {"scattered_requests_per_token", static_cast<double>(st.scattered_requests) / steps},
       {"io_wait_ms_per_token", io_wait_ms / steps},
       {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns - io0.submit_cpu_ns) / 1e6},
+      {"io_latency_us_p50", Percentile(io_lat_us, 0.5)},
+      {"io_latency_us_p90", Percentile(io_lat_us, 0.9)},
+      {"io_latency_us_p99", Percentile(io_lat_us, 0.99)},
       {"io_submit_calls_per_token", static_cast<double>(ioc.submit_calls - io0.submit_calls) / steps},
       {"voluntary_switches_per_token", static_cast<double>(csw.voluntary - csw0.voluntary) / steps},
       {"involuntary_switches_per_token", static_cast<double>(csw.involuntary - csw0.involuntary) / steps},
