@@ -98,6 +98,17 @@ TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {
   ASSERT_FALSE(j.is_discarded()) << r.output;
   const int64_t prompt = j["prompt_tokens"].get<int64_t>();
   ASSERT_LT(prompt, 64) << "a short prompt runs token by token through the decode path";
+  // The decode's read latencies (microseconds, submission to completion) are real durations, in percentile order; a
+  // read on this machine takes at least a microsecond and far less than a second.
+  ASSERT_GT(j["requests_per_token"].get<double>(), 0.0) << "3M leaves reads to time";
+  const double p50 = j["io_latency_us_p50"].get<double>(), p90 = j["io_latency_us_p90"].get<double>(),
+               p99 = j["io_latency_us_p99"].get<double>();
+  EXPECT_GE(p50, 1.0);
+  EXPECT_LE(p50, p90);
+  EXPECT_LE(p90, p99);
+  EXPECT_LT(p99, 1e6);
+  EXPECT_GE(j["voluntary_switches_per_token"].get<double>(), 0.0);
+  EXPECT_GE(j["involuntary_switches_per_token"].get<double>(), 0.0);
   constexpr int64_t kLayers = 5, kFf = 172;  // stories260K-relu (README)
   std::ifstream in(trace);
   ASSERT_TRUE(in) << trace;
