@@ -57,8 +57,6 @@ const std::vector<unsigned> kQueueDepths = {1, 2, 4, 8, 16, 32, 64};
 const std::vector<size_t> kSeqSizes = {size_t{1} << 20, size_t{4} << 20};
 const std::vector<unsigned> kSeqDepths = {4, 8};
 
-double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
-
 std::string CpuModel() {
   std::ifstream in("/proc/cpuinfo");
   std::string line;

@@ -8,6 +8,10 @@
 
 namespace nflash::profiler {
 
+inline double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
 // Median seconds per call of each of fn(0) .. fn(n - 1), timed in turns (0, 1, .., n - 1, 0, 1, ..) after one
 // warm-up call each, until n x `budget` seconds have passed (at least one timed call each). Turns put a drift of the
 // host's load or clock under every variant alike, so their ratio is measured side by side: the thread counts of one
@@ -16,7 +20,6 @@ namespace nflash::profiler {
 template <typename Fn>
 std::vector<double> MedianSecondsEach(double budget, size_t n, Fn&& fn) {
   using Clock = std::chrono::steady_clock;
-  auto Seconds = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
   for (size_t i = 0; i < n; ++i) fn(i);
   std::vector<std::vector<double>> times(n);
   const auto start = Clock::now();
