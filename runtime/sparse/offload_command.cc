@@ -140,6 +140,8 @@ Status RunOffload(const OffloadFlags& f) {
   std::vector<int32_t> out;
   std::vector<double> lat_ms;
   std::vector<double> miss_rate;  // per measured token: share of its active neurons read from flash
+  std::vector<int64_t> tok_requests;  // per measured token: reads issued (lookahead included)
+  std::vector<double> tok_wait_ms;    // per measured token: compute thread's time waiting for reads
   Detokenizer detok(*tok);
   std::string text;
   for (int32_t t : ids) text += detok.Push(t);
@@ -153,6 +155,8 @@ Status RunOffload(const OffloadFlags& f) {
       csw0 = ProcessContextSwitches();
       lat_ms.clear();
       miss_rate.clear();
+      tok_requests.clear();
+      tok_wait_ms.clear();
       t1 = Clock::now();
     }
     const float* lg = ctx.logits();
@@ -161,10 +165,13 @@ Status RunOffload(const OffloadFlags& f) {
     text += detok.Push(next);
     if (next == tok->eos_id()) break;
     const OffloadGroupStats before = rt.ffn().TotalStats();
+    const uint64_t wait_before = rt.ffn().io_wait_ns();
     const auto s = Clock::now();
     NF_RETURN_IF_ERROR(ctx.Eval(std::vector<int32_t>{next}, false));
     lat_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - s).count());
     const OffloadGroupStats after = rt.ffn().TotalStats();
+    tok_requests.push_back(after.requests - before.requests);
+    tok_wait_ms.push_back(static_cast<double>(rt.ffn().io_wait_ns() - wait_before) / 1e6);
     if (after.active > before.active) {
       miss_rate.push_back(static_cast<double>(after.missed - before.missed) /
                           static_cast<double>(after.active - before.active));
@@ -217,6 +224,8 @@ Status RunOffload(const OffloadFlags& f) {
       {"token_ms_p90", Percentile(lat_ms, 0.9)},
       {"token_ms_p99", Percentile(lat_ms, 0.99)},
       {"token_latencies_ms", lat_ms},
+      {"token_requests", tok_requests},
+      {"token_io_wait_ms", tok_wait_ms},
       {"token_ms_mean", token_ms_mean},
       {"hot_hit_rate", hot.HitRate()},
       {"cold_hit_rate", cold.HitRate()},
@@ -264,6 +273,32 @@ Status RunOffload(const OffloadFlags& f) {
       {"tokens", out},
       {"text", text},
   };
+  // Decode, per layer (MoE: its experts summed), per measured token: where the reads and the waits are.
+  nlohmann::json decode_layers = nlohmann::json::array();
+  {
+    const std::vector<OffloadGroupStats>& gs = rt.ffn().stats();
+    const size_t per_layer = gs.size() / static_cast<size_t>(std::max<int64_t>(1, hp.n_layers));
+    for (int64_t l = 0; l < hp.n_layers && per_layer > 0; ++l) {
+      OffloadGroupStats s;
+      for (size_t e = 0; e < per_layer; ++e) {
+        const OffloadGroupStats& g = gs[static_cast<size_t>(l) * per_layer + e];
+        s.active += g.active;
+        s.missed += g.missed;
+        s.requests += g.requests;
+        s.prefetched += g.prefetched;
+        s.prefetch_used += g.prefetch_used;
+        s.io_wait_ns += g.io_wait_ns;
+      }
+      decode_layers.push_back({{"layer", l},
+                               {"active", static_cast<double>(s.active) / steps},
+                               {"missed", static_cast<double>(s.missed) / steps},
+                               {"requests", static_cast<double>(s.requests) / steps},
+                               {"prefetched", static_cast<double>(s.prefetched) / steps},
+                               {"prefetch_used", static_cast<double>(s.prefetch_used) / steps},
+                               {"io_wait_ms", static_cast<double>(s.io_wait_ns) / 1e6 / steps}});
+    }
+  }
+  j["decode_layers"] = decode_layers;
   nlohmann::json layers = nlohmann::json::array();
   for (const PrefillLayerTiming& l : rt.ffn().prefill_layers()) {
     layers.push_back({{"chunk", l.chunk},

@@ -722,6 +722,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   }
   const float thr = thresholds_[static_cast<size_t>(group)];
   OffloadGroupStats& st = stats_[static_cast<size_t>(group)];
+  const uint64_t wait0 = io_wait_ns();
   // A prefetched region must not race with this token's reads. Within a batch a later batched FFN wants it (MoE: this
   // expert has too few tokens and runs between batched ones), so its read completes first and the buffer stays (its
   // wait is prefill's exposed I/O); otherwise (e.g. after a failed prefill) nobody will use it. The slots a batched
@@ -856,6 +857,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   std::fill(out, out + hp.dim, 0.0f);
   AccumulateRowPtrs(PartShape(lay, lay.down_type, lay.down_bytes), used_down_, used_hidden_.data(), out, pool_);
   ReleaseAll();  // after the accumulation: the down columns were read from the pinned slots
+  st.io_wait_ns += io_wait_ns() - wait0;
   if (la_slots_ > 0 && !la_on_ && layer + 1 == hp.n_layers && LastFfnOfLayer(layer, expert)) WatchTokenEnd();
   return Status::Ok();
 }
@@ -882,6 +884,7 @@ OffloadGroupStats OffloadFfn::TotalStats() const {
     t.prefetch_bytes += s.prefetch_bytes;
     t.lookahead_ns += s.lookahead_ns;
     t.lookahead_verify_ns += s.lookahead_verify_ns;
+    t.io_wait_ns += s.io_wait_ns;
   }
   return t;
 }

@@ -143,6 +143,41 @@ TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {
   EXPECT_GT(share, 0.08);
   EXPECT_LT(share, 0.20);
   EXPECT_NEAR(static_cast<double>(decode_active) / n, j["active_neurons_per_token"].get<double>(), 1e-9);
+  // Per layer (decode_layers): the active sets agree with the trace's own lines, and the layers' reads and waits add
+  // up to the run's; per token (token_requests, token_io_wait_ms): one entry per measured token, adding up the same.
+  const auto& per_layer = j["decode_layers"];
+  ASSERT_EQ(static_cast<int64_t>(per_layer.size()), kLayers);
+  const auto& lat = j["token_latencies_ms"];
+  ASSERT_EQ(static_cast<int64_t>(lat.size()), n);
+  std::vector<int64_t> layer_active(kLayers, 0);
+  for (size_t i = static_cast<size_t>(prompt * kLayers); i < lines.size(); ++i) {
+    layer_active[static_cast<size_t>(groups[i])] += static_cast<int64_t>(lines[i].size());
+  }
+  double layer_requests = 0.0, layer_wait = 0.0;
+  for (int64_t l = 0; l < kLayers; ++l) {
+    const auto& e = per_layer[static_cast<size_t>(l)];
+    EXPECT_EQ(e["layer"].get<int64_t>(), l);
+    EXPECT_NEAR(e["active"].get<double>(), static_cast<double>(layer_active[static_cast<size_t>(l)]) / n, 1e-9);
+    EXPECT_LE(e["missed"].get<double>(), e["active"].get<double>());
+    EXPECT_GE(e["io_wait_ms"].get<double>(), 0.0);
+    layer_requests += e["requests"].get<double>();
+    layer_wait += e["io_wait_ms"].get<double>();
+  }
+  const double requests = j["requests_per_token"].get<double>(), wait = j["io_wait_ms_per_token"].get<double>();
+  EXPECT_NEAR(layer_requests, requests, 1e-9 * requests);
+  EXPECT_NEAR(layer_wait, wait, 1e-6 + 1e-9 * wait);
+  ASSERT_EQ(j["token_requests"].size(), lat.size());
+  ASSERT_EQ(j["token_io_wait_ms"].size(), lat.size());
+  double token_requests = 0.0, token_wait = 0.0;
+  for (size_t t = 0; t < lat.size(); ++t) {
+    const double w = j["token_io_wait_ms"][t].get<double>();
+    EXPECT_GE(w, 0.0);
+    EXPECT_LE(w, lat[t].get<double>()) << "token " << t << " waited longer than it took";
+    token_requests += static_cast<double>(j["token_requests"][t].get<int64_t>());
+    token_wait += w;
+  }
+  EXPECT_NEAR(token_requests / n, requests, 1e-9 * requests);
+  EXPECT_NEAR(token_wait / n, wait, 1e-6 + 1e-9 * wait);
   for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(trace).parent_path())) {
     EXPECT_EQ(e.path().filename().string().rfind("active.txt.tmp", 0), std::string::npos) << "left behind: " << e.path();
   }
