@@ -232,6 +232,9 @@ Status RunOffload(const OffloadFlags& f) {
       {"miss_rate_mean", miss_mean},
       {"miss_rate_p99", miss_p99},
       {"active_neurons_per_token", static_cast<double>(st.active) / steps},
+      // Of those, the ones whose gate passed the activation test (rows of the down accumulation): the rest were
+      // predicted active (and read when missed) but contributed nothing.
+      {"used_neurons_per_token", static_cast<double>(st.used) / steps},
       {"mb_read_per_token", static_cast<double>(st.bytes_read) / 1e6 / steps},
       {"requests_per_token", static_cast<double>(st.requests) / steps},
       {"scattered_requests_per_token", static_cast<double>(st.scattered_requests) / steps},
@@ -284,6 +287,7 @@ Status RunOffload(const OffloadFlags& f) {
         const OffloadGroupStats& g = gs[static_cast<size_t>(l) * per_layer + e];
         s.active += g.active;
         s.missed += g.missed;
+        s.used += g.used;
         s.requests += g.requests;
         s.prefetched += g.prefetched;
         s.prefetch_used += g.prefetch_used;
@@ -292,6 +296,7 @@ Status RunOffload(const OffloadFlags& f) {
       decode_layers.push_back({{"layer", l},
                                {"active", static_cast<double>(s.active) / steps},
                                {"missed", static_cast<double>(s.missed) / steps},
+                               {"used", static_cast<double>(s.used) / steps},
                                {"requests", static_cast<double>(s.requests) / steps},
                                {"prefetched", static_cast<double>(s.prefetched) / steps},
                                {"prefetch_used", static_cast<double>(s.prefetch_used) / steps},
