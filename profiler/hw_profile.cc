@@ -20,6 +20,7 @@
 #include <sstream>
 
 #include "profiler/median_timing.h"
+#include "runtime/core/block_device.h"
 #include "runtime/core/kernels.h"
 #include "runtime/core/log.h"
 #include "runtime/core/quant.h"
@@ -422,6 +423,7 @@ Result<json> PreadCell(int fd, const std::string& name, uint64_t file_bytes, siz
 
 Result<json> MeasureFlash(const Mode& mode, const std::string& dir) {
   const FilesystemInfo fs_info = DescribeFilesystem(dir);
+  const BlockQueueInfo disk = DescribeBlockQueue(dir);
   if (fs_info.tmpfs) {
     NF_LOG(Warning) << "--dir " << dir << " is on tmpfs (RAM): the flash numbers will measure memory, not flash";
   }
@@ -462,6 +464,8 @@ Result<json> MeasureFlash(const Mode& mode, const std::string& dir) {
               {"filesystem", fs_info.type},
               {"device", fs_info.device},
               {"mount_point", fs_info.mount_point},
+              {"block_device", disk.device},
+              {"io_scheduler", disk.scheduler},
               {"direct_io", direct},
               {"direct_alignment_bytes", io::QueryDirectAlignment(file.fd)},
               {"file_bytes", mode.file_bytes},
@@ -557,7 +561,9 @@ std::string FormatHwProfile(const json& p) {
   }
   const json& f = p["flash"];
   os << "\nflash: " << f["dir"].get<std::string>() << " on " << f["device"].get<std::string>() << " ("
-     << f["filesystem"].get<std::string>() << "), " << (f["direct_io"].get<bool>() ? "O_DIRECT" : "PAGE CACHE IN USE")
+     << f["filesystem"].get<std::string>() << (f.value("io_scheduler", "").empty() ? "" : ", I/O scheduler " +
+                                                f.value("io_scheduler", "")) << "), "
+     << (f["direct_io"].get<bool>() ? "O_DIRECT" : "PAGE CACHE IN USE")
      << ", " << (f["file_bytes"].get<uint64_t>() >> 20) << " MiB test file\n";
   os << "random reads, io_uring: MB/s (IOPS) [p50/p99 us]\n";
   std::snprintf(line, sizeof line, "%8s", "QD");

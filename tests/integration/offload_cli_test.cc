@@ -107,6 +107,14 @@ TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {
   EXPECT_LE(p50, p90);
   EXPECT_LE(p90, p99);
   EXPECT_LT(p99, 1e6);
+  // The disk's scheduler, when the deployment is on a block device, is the one its sysfs queue file marks.
+  ASSERT_TRUE(j["io_scheduler"].is_string() && j["block_device"].is_string()) << r.output;
+  if (!j["block_device"].get<std::string>().empty()) {
+    std::ifstream sched("/sys/block/" + j["block_device"].get<std::string>() + "/queue/scheduler");
+    std::string sched_line;
+    ASSERT_TRUE(std::getline(sched, sched_line)) << j["block_device"];
+    EXPECT_NE(sched_line.find("[" + j["io_scheduler"].get<std::string>() + "]"), std::string::npos) << sched_line;
+  }
   EXPECT_GE(j["voluntary_switches_per_token"].get<double>(), 0.0);
   EXPECT_GE(j["involuntary_switches_per_token"].get<double>(), 0.0);
   constexpr int64_t kLayers = 5, kFf = 172;  // stories260K-relu (README)

@@ -1,9 +1,13 @@
 // Tests of Status/Result and the File abstraction (pread, mmap, memory, fault injection, atomic writer).
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 
 #include <cerrno>
 #include <filesystem>
+#include <fstream>
 
+#include "runtime/core/block_device.h"
 #include "runtime/core/file.h"
 #include "runtime/core/round.h"
 #include "runtime/core/status.h"
@@ -154,6 +158,48 @@ TEST(FileTest, AtomicWriterRenamesOnlyOnCommit) {
   ASSERT_FALSE(again.ok());
   EXPECT_NE(again.status().message().find("--force"), std::string::npos);
   EXPECT_TRUE(AtomicFileWriter::Create(path, true).ok());
+}
+
+}  // namespace
+}  // namespace nflash
+
+namespace nflash {
+namespace {
+
+// The active scheduler is the bracketed entry of sysfs's queue/scheduler line.
+TEST(BlockDeviceTest, ActiveSchedulerIsTheBracketedEntry) {
+  EXPECT_EQ(ActiveScheduler("[mq-deadline] kyber bfq none\n"), "mq-deadline");
+  EXPECT_EQ(ActiveScheduler("mq-deadline kyber bfq [none]\n"), "none");
+  EXPECT_EQ(ActiveScheduler("none\n"), "none");
+  EXPECT_EQ(ActiveScheduler("mq-deadline none"), "");  // nothing marked
+  EXPECT_EQ(ActiveScheduler("[none"), "");               // malformed
+  EXPECT_EQ(ActiveScheduler(""), "");
+}
+
+// The test binary's own file: on a block device, DescribeBlockQueue names the disk and the scheduler its queue file
+// marks, read here through /sys/block/<disk>/queue/scheduler (the disk's own directory, not the /sys/dev/block link
+// the code follows); on none (overlay, tmpfs), both fields are empty and sysfs has no entry for its device number.
+TEST(BlockDeviceTest, DescribesTheDiskOfAFile) {
+  const std::string exe = std::filesystem::canonical("/proc/self/exe").string();
+  const BlockQueueInfo info = DescribeBlockQueue(exe);
+  if (info.device.empty()) {
+    EXPECT_TRUE(info.scheduler.empty());
+    struct stat st {};
+    ASSERT_EQ(::stat(exe.c_str(), &st), 0);
+    const std::string link =
+        "/sys/dev/block/" + std::to_string(major(st.st_dev)) + ":" + std::to_string(minor(st.st_dev));
+    EXPECT_FALSE(std::filesystem::exists(link + "/queue/scheduler") ||
+                 std::filesystem::exists(link + "/../queue/scheduler"))
+        << link << " has a queue, yet no disk was found for " << exe;
+  } else {
+    std::ifstream in("/sys/block/" + info.device + "/queue/scheduler");
+    ASSERT_TRUE(in) << info.device;
+    std::string line;
+    std::getline(in, line);
+    EXPECT_NE(line.find(info.scheduler), std::string::npos) << line << " vs " << info.scheduler;
+    EXPECT_EQ(ActiveScheduler(line), info.scheduler);
+  }
+  EXPECT_TRUE(DescribeBlockQueue("/proc/self/status").device.empty()) << "procfs is on no disk";
 }
 
 }  // namespace
