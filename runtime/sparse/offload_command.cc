@@ -294,16 +294,7 @@ Status RunOffload(const OffloadFlags& f) {
     const size_t per_layer = gs.size() / static_cast<size_t>(std::max<int64_t>(1, hp.n_layers));
     for (int64_t l = 0; l < hp.n_layers && per_layer > 0; ++l) {
       OffloadGroupStats s;
-      for (size_t e = 0; e < per_layer; ++e) {
-        const OffloadGroupStats& g = gs[static_cast<size_t>(l) * per_layer + e];
-        s.active += g.active;
-        s.missed += g.missed;
-        s.used += g.used;
-        s.requests += g.requests;
-        s.prefetched += g.prefetched;
-        s.prefetch_used += g.prefetch_used;
-        s.io_wait_ns += g.io_wait_ns;
-      }
+      for (size_t e = 0; e < per_layer; ++e) s.Add(gs[static_cast<size_t>(l) * per_layer + e]);
       decode_layers.push_back({{"layer", l},
                                {"active", static_cast<double>(s.active) / steps},
                                {"missed", static_cast<double>(s.missed) / steps},

@@ -862,30 +862,32 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   return Status::Ok();
 }
 
+void OffloadGroupStats::Add(const OffloadGroupStats& o) {
+  tokens += o.tokens;
+  active += o.active;
+  missed += o.missed;
+  used += o.used;
+  requests += o.requests;
+  scattered_requests += o.scattered_requests;
+  bytes_read += o.bytes_read;
+  retries += o.retries;
+  gate_requests += o.gate_requests;
+  gate_bytes += o.gate_bytes;
+  updown_requests += o.updown_requests;
+  updown_bytes += o.updown_bytes;
+  updown_skipped += o.updown_skipped;
+  prefetched += o.prefetched;
+  prefetch_used += o.prefetch_used;
+  prefetch_requests += o.prefetch_requests;
+  prefetch_bytes += o.prefetch_bytes;
+  lookahead_ns += o.lookahead_ns;
+  lookahead_verify_ns += o.lookahead_verify_ns;
+  io_wait_ns += o.io_wait_ns;
+}
+
 OffloadGroupStats OffloadFfn::TotalStats() const {
   OffloadGroupStats t;
-  for (const auto& s : stats_) {
-    t.tokens += s.tokens;
-    t.active += s.active;
-    t.missed += s.missed;
-    t.used += s.used;
-    t.requests += s.requests;
-    t.scattered_requests += s.scattered_requests;
-    t.bytes_read += s.bytes_read;
-    t.retries += s.retries;
-    t.gate_requests += s.gate_requests;
-    t.gate_bytes += s.gate_bytes;
-    t.updown_requests += s.updown_requests;
-    t.updown_bytes += s.updown_bytes;
-    t.updown_skipped += s.updown_skipped;
-    t.prefetched += s.prefetched;
-    t.prefetch_used += s.prefetch_used;
-    t.prefetch_requests += s.prefetch_requests;
-    t.prefetch_bytes += s.prefetch_bytes;
-    t.lookahead_ns += s.lookahead_ns;
-    t.lookahead_verify_ns += s.lookahead_verify_ns;
-    t.io_wait_ns += s.io_wait_ns;
-  }
+  for (const auto& s : stats_) t.Add(s);
   return t;
 }
 

@@ -305,6 +305,9 @@ struct OffloadGroupStats {
   uint64_t lookahead_ns = 0;  // compute thread: choosing the next layer's bundles (its gate rows or predictor)
   uint64_t lookahead_verify_ns = 0;  // compute thread: verifying the bundles read ahead (after their reads landed)
   uint64_t io_wait_ns = 0;  // compute thread: blocked on this group's reads (and its lookahead's), token path only
+
+  // Adds every counter of `o` (totals over groups).
+  void Add(const OffloadGroupStats& o);
 };
 
 // Thread-safety: not thread-safe; one per InferenceContext. Owns one I/O thread in full mode. The deployment, model,
