@@ -560,9 +560,9 @@ std::string FormatHwProfile(const json& p) {
     os << line;
   }
   const json& f = p["flash"];
+  const std::string scheduler = f.value("io_scheduler", "");  // absent from profiles made before it was recorded
   os << "\nflash: " << f["dir"].get<std::string>() << " on " << f["device"].get<std::string>() << " ("
-     << f["filesystem"].get<std::string>() << (f.value("io_scheduler", "").empty() ? "" : ", I/O scheduler " +
-                                                f.value("io_scheduler", "")) << "), "
+     << f["filesystem"].get<std::string>() << (scheduler.empty() ? "" : ", I/O scheduler " + scheduler) << "), "
      << (f["direct_io"].get<bool>() ? "O_DIRECT" : "PAGE CACHE IN USE")
      << ", " << (f["file_bytes"].get<uint64_t>() >> 20) << " MiB test file\n";
   os << "random reads, io_uring: MB/s (IOPS) [p50/p99 us]\n";
