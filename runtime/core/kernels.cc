@@ -192,6 +192,52 @@ bool CpuHasAvx2() {
   return has;
 }
 
+uint64_t ParseCacheSize(const std::string& text) {
+  size_t end = 0;
+  while (end < text.size() && text[end] >= '0' && text[end] <= '9') ++end;
+  if (end == 0 || end > 12) return 0;
+  const uint64_t n = std::stoull(text.substr(0, end));
+  std::string rest = text.substr(end);
+  while (!rest.empty() && (rest.back() == '\n' || rest.back() == ' ')) rest.pop_back();
+  if (rest.empty()) return n;
+  if (rest == "K") return n << 10;
+  if (rest == "M") return n << 20;
+  if (rest == "G") return n << 30;
+  return 0;
+}
+
+uint64_t LastLevelCacheBytes() {
+  static const uint64_t bytes = [] {
+    auto read = [](const std::string& path) {
+      std::string s;
+      if (FILE* f = std::fopen(path.c_str(), "r")) {
+        char buf[64];
+        if (std::fgets(buf, sizeof buf, f) != nullptr) s = buf;
+        std::fclose(f);
+      }
+      while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+      return s;
+    };
+    uint64_t best = 0;
+    int best_level = 0;
+    for (int i = 0; i < 16; ++i) {
+      const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+      const std::string level = read(dir + "level");
+      if (level.empty()) break;
+      const std::string type = read(dir + "type");
+      if (type != "Data" && type != "Unified") continue;
+      const int l = std::atoi(level.c_str());
+      const uint64_t size = ParseCacheSize(read(dir + "size"));
+      if (size > 0 && l >= best_level) {
+        best_level = l;
+        best = size;
+      }
+    }
+    return best;
+  }();
+  return bytes;
+}
+
 bool CpuHasAvx512() {
   // The AVX-512 file also uses FMA/F16C and forwards float types to the AVX2 kernels.
   static const bool has = CpuHasAvx2() && DetectAvx512();
@@ -234,6 +280,20 @@ void Activation::Set(const float* x, int64_t n, int64_t cols, bool quantize) {
   q8_.resize(static_cast<size_t>(n * nb));
   const auto quantize_row = Kernels().quantize_q8;
   for (int64_t t = 0; t < n; ++t) quantize_row(x + t * cols, q8_.data() + t * nb, cols);
+}
+
+uint64_t TouchCacheLines(const void* p, size_t n) {
+  const auto* b = static_cast<const volatile uint8_t*>(p);
+  uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  size_t i = 0;
+  for (; i + 256 <= n; i += 256) {  // four independent loads per step: the misses overlap
+    s0 += b[i];
+    s1 += b[i + 64];
+    s2 += b[i + 128];
+    s3 += b[i + 192];
+  }
+  for (; i < n; i += 64) s0 += b[i];
+  return s0 + s1 + s2 + s3;
 }
 
 float RowDot(const MatrixView& w, int64_t row, const Activation& x, int64_t token) {

@@ -43,6 +43,11 @@ enum class KernelIsa { kScalar, kAvx2, kAvx512 };
 bool CpuHasAvx2();
 // True when the CPU (and OS) has AVX-512 F, BW, VL and VNNI plus everything CpuHasAvx2 needs.
 bool CpuHasAvx512();
+// Bytes of the CPU's last-level cache as seen by CPU 0 (the highest-level data or unified cache in
+// /sys/devices/system/cpu/cpu0/cache), 0 when unknown. Shared by all cores of that cache.
+uint64_t LastLevelCacheBytes();
+// A sysfs cache size ("32768K", "1M", "512"), in bytes; 0 when malformed.
+uint64_t ParseCacheSize(const std::string& text);
 // The fastest ISA this CPU runs: kAvx512, else kAvx2, else kScalar. ActiveIsa() starts as this.
 KernelIsa BestKernelIsa();
 // The ISA used by every kernel call from now on; the best the CPU supports unless changed by SetKernelIsa.
@@ -77,6 +82,11 @@ class Activation {
   int64_t cols_ = 0;
   std::vector<BlockQ8_0> q8_;
 };
+
+// Loads one byte of every 64-byte line of [p, p + n), bringing the range into the CPU caches (e.g. weights about to
+// be computed, streamed while the thread would otherwise wait); returns a value that depends on the bytes, so the
+// loads are not optimized away.
+uint64_t TouchCacheLines(const void* p, size_t n);
 
 // Dot product of row `row` of w with token `token` of x (x.cols() == w.cols).
 float RowDot(const MatrixView& w, int64_t row, const Activation& x, int64_t token = 0);

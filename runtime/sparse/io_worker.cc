@@ -111,7 +111,16 @@ void IoWorker::Loop() {
 Status IoWorker::WaitChunk(size_t i) {
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return i < chunk_done_.size() && chunk_done_[i]; });
+  auto done = [&] { return i < chunk_done_.size() && chunk_done_[i]; };
+  if (idle_step_) {
+    while (!done()) {
+      lock.unlock();
+      const bool more = idle_step_();
+      lock.lock();
+      if (!more) break;
+    }
+  }
+  done_cv_.wait(lock, done);
   wait_ns_ += static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
   return statuses_[i];

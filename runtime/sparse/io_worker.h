@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <thread>
@@ -34,8 +35,13 @@ class IoWorker {
   // chunk brought (two-phase loading: up+down parts after the gate page). `chunk_ends` index into `requests`, which
   // must stay valid like Start's. Not after Drain. Returns the index of its first chunk.
   size_t Append(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
-  // Blocks until chunk `i` is read; its status.
+  // Blocks until chunk `i` is read; its status. With idle work set, the caller first runs it, one step at a time,
+  // for as long as the chunk is not done and the work has steps left, then blocks.
   Status WaitChunk(size_t i);
+  // Work for the waiting caller instead of sleeping (e.g. warming the CPU caches with the weights computed next):
+  // each call does one short step (microseconds: the chunk's arrival is noticed only between steps) and returns
+  // whether more steps are left. Empty: WaitChunk only blocks. Set by the caller's thread between waits.
+  void SetIdleWork(std::function<bool()> step) { idle_step_ = std::move(step); }
   // Blocks until every chunk of the current job is done (used before reusing buffers after an error).
   void Drain();
   // Nanoseconds the caller spent blocked in WaitChunk/Drain since construction.
@@ -65,6 +71,7 @@ class IoWorker {
   // Worker thread only.
   std::vector<size_t> ends_, remaining_;
   uint64_t wait_ns_ = 0;          // caller thread only
+  std::function<bool()> idle_step_;  // caller thread only
   std::thread thread_;
 };
 

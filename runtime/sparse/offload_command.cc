@@ -250,6 +250,9 @@ Status RunOffload(const OffloadFlags& f) {
       {"requests_per_token", static_cast<double>(st.requests) / steps},
       {"scattered_requests_per_token", static_cast<double>(st.scattered_requests) / steps},
       {"io_wait_ms_per_token", io_wait_ms / steps},
+      // Weights streamed through the CPU caches while waiting for reads (--warm-next), per token.
+      {"warm_next_mb_per_token", static_cast<double>(st.warm_next_bytes) / 1e6 / steps},
+      {"warm_next_bytes", rt.ffn().warm_next_cap()},
       {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns - io0.submit_cpu_ns) / 1e6},
       {"io_latency_us_p50", Percentile(io_lat_us, 0.5)},
       {"io_latency_us_p90", Percentile(io_lat_us, 0.9)},
@@ -451,6 +454,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   }
   o->two_phase = f.two_phase != "off";
   o->lookahead_keep = f.lookahead_keep;
+  o->warm_next_bytes = f.warm_next_mib < 0 ? -1 : static_cast<int64_t>(f.warm_next_mib * 1048576.0);
   NF_ASSIGN_OR_RETURN(o->lookahead_source, ParseLookaheadSource(f.lookahead_source));
   if (f.cold_pool != "per-layer" && f.cold_pool != "shared") {
     return Status::InvalidArgument("--cold-pool " + f.cold_pool + ": expected per-layer or shared");
@@ -568,6 +572,11 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_option("--lookahead-keep", flags->lookahead_keep,
                   "With a predictor: the share of the lookahead's candidates read ahead, largest logits first (1: all)")
       ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  cmd->add_option("--warm-next", flags->warm_next_mib,
+                  "MiB of the weights computed next (the next layer's attention) streamed through the CPU caches "
+                  "while a layer waits for its reads (full mode): -1 half the last-level cache, 0 off")
+      ->check(CLI::Range(-1.0, 1024.0))
       ->capture_default_str();
   cmd->add_option("--cold-pool", flags->cold_pool,
                   "With --plan: per-layer (each layer's cold slots its own LRU, as planned) or shared (the plan's cold "

@@ -269,7 +269,12 @@ Status OffloadFfn::Init() {
   if (!oracle_) options_.predictor->PrepareScratch(&pred_scratch_);
   if (oracle_) NF_RETURN_IF_ERROR(LoadOracleGates());
   if (pinned) NF_RETURN_IF_ERROR(LoadPinnedClusters());
-  if (options_.mode == OffloadMode::kFull) io_ = std::make_unique<IoWorker>(flash_.get());
+  if (options_.mode == OffloadMode::kFull) {
+    io_ = std::make_unique<IoWorker>(flash_.get());
+    warm_cap_ = options_.warm_next_bytes >= 0 ? static_cast<uint64_t>(options_.warm_next_bytes)
+                                              : LastLevelCacheBytes() / 2;
+    if (warm_cap_ > 0) io_->SetIdleWork([this] { return WarmStep(); });
+  }
   NF_RETURN_IF_ERROR(InitLookahead());
   NF_RETURN_IF_ERROR(InitPrefill());
   return Status::Ok();
@@ -736,6 +741,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     }
   }
   if (!in_batch_) ReclaimPrefillMemory();
+  if (warm_cap_ > 0 && FirstFfnOfLayer(layer, expert)) ArmWarming(in_batch_ ? -1 : layer, group);
   // This layer's lookahead (read during the previous layer) serves its misses; any other is stale.
   if (la_slots_ > 0 && !la_on_ && layer == 0 && FirstFfnOfLayer(layer, expert)) WatchTokenStart();
   if (la_slots_ > 0) {
@@ -858,8 +864,56 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   AccumulateRowPtrs(PartShape(lay, lay.down_type, lay.down_bytes), used_down_, used_hidden_.data(), out, pool_);
   ReleaseAll();  // after the accumulation: the down columns were read from the pinned slots
   st.io_wait_ns += io_wait_ns() - wait0;
+  if (LastFfnOfLayer(layer, expert)) warm_left_ = 0;  // other waits (prefill's) do not warm
   if (la_slots_ > 0 && !la_on_ && layer + 1 == hp.n_layers && LastFfnOfLayer(layer, expert)) WatchTokenEnd();
   return Status::Ok();
+}
+
+void OffloadFfn::ArmWarming(int64_t layer, int64_t group) {
+  warm_spans_.clear();
+  warm_span_ = 0;
+  warm_offset_ = 0;
+  warm_left_ = 0;
+  if (layer < 0) return;  // batched prefill: no warming
+  auto add = [&](const MatrixView& w) {
+    if (w.data != nullptr && w.rows > 0) {
+      warm_spans_.push_back({static_cast<const uint8_t*>(w.data), static_cast<size_t>(w.rows) * w.row_bytes});
+    }
+  };
+  // In the order the engine reads them next: the next layer's q, k, v projections (one parallel loop over their rows),
+  // then its output projection; after the last layer, the output matrix.
+  const auto& layers = model_.layers();
+  if (layer + 1 < static_cast<int64_t>(layers.size())) {
+    const LayerWeights& next = layers[static_cast<size_t>(layer + 1)];
+    add(next.wq);
+    add(next.wk);
+    add(next.wv);
+    add(next.wo);
+  } else {
+    add(model_.output());
+  }
+  warm_left_ = warm_cap_;
+  warm_group_ = group;
+}
+
+bool OffloadFfn::WarmStep() {
+  // 64 KiB per step: ~2-4 us at DRAM speed, so a chunk's arrival is noticed within a few microseconds.
+  constexpr size_t kStepBytes = size_t{64} << 10;
+  while (warm_left_ > 0 && warm_span_ < warm_spans_.size()) {
+    const WarmSpan& s = warm_spans_[warm_span_];
+    if (warm_offset_ >= s.bytes) {
+      ++warm_span_;
+      warm_offset_ = 0;
+      continue;
+    }
+    const size_t n = static_cast<size_t>(std::min<uint64_t>({kStepBytes, s.bytes - warm_offset_, warm_left_}));
+    TouchCacheLines(s.data + warm_offset_, n);
+    warm_offset_ += n;
+    warm_left_ -= n;
+    stats_[static_cast<size_t>(warm_group_)].warm_next_bytes += n;
+    return true;
+  }
+  return false;
 }
 
 void OffloadGroupStats::Add(const OffloadGroupStats& o) {
@@ -883,6 +937,7 @@ void OffloadGroupStats::Add(const OffloadGroupStats& o) {
   lookahead_ns += o.lookahead_ns;
   lookahead_verify_ns += o.lookahead_verify_ns;
   io_wait_ns += o.io_wait_ns;
+  warm_next_bytes += o.warm_next_bytes;
 }
 
 OffloadGroupStats OffloadFfn::TotalStats() const {

@@ -169,6 +169,12 @@ struct OffloadOptions {
   bool lookahead_adaptive = false;
   LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
   double lookahead_wait_share = kDefaultLookaheadWaitShare;
+  // Full mode, decode: while the compute thread waits for a layer's reads it streams up to this many bytes of the
+  // weights computed next (the next layer's attention matrices; after the last layer, the output matrix) through
+  // its caches instead of sleeping, so that they are read from the last-level cache, not DRAM (docs/runtime.md,
+  // "Warming the next weights while waiting"). -1: half the last-level cache (LastLevelCacheBytes; off when unknown),
+  // 0: off.
+  int64_t warm_next_bytes = -1;
   // The flash file's direct-I/O alignment (DirectReader::alignment, from statx): sizes the cold slots (ColdReadBytes).
   // kSlotAlignment keeps them whole 4 KiB-aligned groups.
   uint64_t dio_alignment = kSlotAlignment;
@@ -305,6 +311,7 @@ struct OffloadGroupStats {
   uint64_t lookahead_ns = 0;  // compute thread: choosing the next layer's bundles (its gate rows or predictor)
   uint64_t lookahead_verify_ns = 0;  // compute thread: verifying the bundles read ahead (after their reads landed)
   uint64_t io_wait_ns = 0;  // compute thread: blocked on this group's reads (and its lookahead's), token path only
+  uint64_t warm_next_bytes = 0;  // compute thread: weights streamed through the caches while waiting (warm_next_bytes)
 
   // Adds every counter of `o` (totals over groups).
   void Add(const OffloadGroupStats& o);
@@ -364,6 +371,8 @@ class OffloadFfn : public FfnBackend {
   // Bundles read ahead per layer at most that `options` give for this deployment (0 when lookahead does not apply).
   static int64_t LookaheadSlots(const packer::Deployment& deployment, const OffloadOptions& options);
   int64_t lookahead_slots() const { return la_slots_; }
+  // Bytes streamed through the caches per layer wait at most (OffloadOptions::warm_next_bytes resolved); 0: off.
+  uint64_t warm_next_cap() const { return warm_cap_; }
   const OffloadOptions& options() const { return options_; }
   // Whether the lookahead reads ahead now (adaptive: once the I/O wait turned it on), and after how many tokens it
   // started (0: from the start; -1: never).
@@ -538,6 +547,21 @@ class OffloadFfn : public FfnBackend {
   int64_t staging_slots_ = 0;       // misses that can go without a cold slot in one group (StagingSlots)
   std::unique_ptr<NeuronCache> cache_;
   std::unique_ptr<IoWorker> io_;
+  // Warming (OffloadOptions::warm_next_bytes): the byte ranges to stream while waiting, the position in them and the
+  // bytes left to stream for the current layer; the group whose stats count them.
+  struct WarmSpan {
+    const uint8_t* data = nullptr;
+    size_t bytes = 0;
+  };
+  std::vector<WarmSpan> warm_spans_;
+  size_t warm_span_ = 0, warm_offset_ = 0;
+  uint64_t warm_left_ = 0;
+  uint64_t warm_cap_ = 0;  // warm_next_bytes resolved (-1: half the last-level cache)
+  int64_t warm_group_ = -1;
+  // Arms the warming for a layer's waits: the weights computed after it (ForwardToken, at the layer's first FFN).
+  void ArmWarming(int64_t layer, int64_t group);
+  // One step of the warming (IoWorker idle work): returns whether more steps are left.
+  bool WarmStep();
   std::vector<float> thresholds_;  // per group (layer x n_experts_ + expert)
   std::vector<OffloadGroupStats> stats_;
   uint64_t sync_wait_ns_ = 0;

@@ -200,6 +200,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.two_phase = options.two_phase;
   oo.lookahead_slots = options.lookahead_slots;
   oo.lookahead_keep = options.lookahead_keep;
+  oo.warm_next_bytes = options.warm_next_bytes;
   oo.lookahead_adaptive = options.lookahead_adaptive;
   oo.lookahead_wait_share = options.lookahead_wait_share;
   oo.lookahead_source = options.lookahead_source;

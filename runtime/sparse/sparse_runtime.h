@@ -79,6 +79,8 @@ struct SparseRuntimeOptions {
   int64_t lookahead_slots = -1;
   // OffloadOptions::lookahead_keep.
   double lookahead_keep = kDefaultLookaheadKeep;
+  // OffloadOptions::warm_next_bytes.
+  int64_t warm_next_bytes = -1;
   // OffloadOptions::lookahead_adaptive and the share of time waiting for reads that turns it on.
   bool lookahead_adaptive = false;
   double lookahead_wait_share = kDefaultLookaheadWaitShare;

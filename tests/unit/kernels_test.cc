@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
 #include <random>
 #include <string>
@@ -585,6 +587,55 @@ TEST(KernelDeathTest, OutOfRangeRowIndexAborts) {
   const Activation narrow(x.data(), 1, 32);
   std::vector<float> y4(4);
   EXPECT_DEATH(Gemv(w, narrow, y4.data(), nullptr), "activation has 32 columns, weights have 64");
+}
+
+TEST(TouchCacheLinesTest, ReadsOneByteOfEveryLine) {
+  std::vector<uint8_t> bytes(64 * 300 + 17);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 7 + 3);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{64}, size_t{65}, size_t{256}, size_t{1000}, bytes.size()}) {
+    uint64_t expected = 0;
+    for (size_t i = 0; i < n; i += 64) expected += bytes[i];
+    EXPECT_EQ(TouchCacheLines(bytes.data(), n), expected) << n << " bytes";
+  }
+}
+
+TEST(CacheSizeTest, ParsesSysfsSizes) {
+  EXPECT_EQ(ParseCacheSize("32768K"), uint64_t{32} << 20);
+  EXPECT_EQ(ParseCacheSize("48K\n"), uint64_t{48} << 10);
+  EXPECT_EQ(ParseCacheSize("2M"), uint64_t{2} << 20);
+  EXPECT_EQ(ParseCacheSize("512"), 512u);
+  EXPECT_EQ(ParseCacheSize(""), 0u);
+  EXPECT_EQ(ParseCacheSize("K"), 0u);
+  EXPECT_EQ(ParseCacheSize("12X"), 0u);
+}
+
+// LastLevelCacheBytes against the same sysfs tree walked here another way (directory iteration, streams).
+TEST(CacheSizeTest, LastLevelCacheIsCpu0sHighestDataOrUnifiedCache) {
+  namespace fs = std::filesystem;
+  const fs::path root = "/sys/devices/system/cpu/cpu0/cache";
+  int best_level = 0;
+  uint64_t best = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    if (e.path().filename().string().rfind("index", 0) != 0) continue;
+    std::string type, size;
+    int level = 0;
+    std::ifstream(e.path() / "type") >> type;
+    std::ifstream(e.path() / "level") >> level;
+    std::ifstream(e.path() / "size") >> size;
+    if (type == "Instruction" || size.empty()) continue;
+    uint64_t bytes = std::stoull(size);
+    if (size.back() == 'K') bytes <<= 10;
+    if (size.back() == 'M') bytes <<= 20;
+    if (level > best_level || (level == best_level && bytes > best)) {
+      best_level = level;
+      best = bytes;
+    }
+  }
+  EXPECT_EQ(LastLevelCacheBytes(), best) << "level " << best_level;
+  if (best > 0) {
+    EXPECT_GE(best_level, 2);
+  }
 }
 
 }  // namespace

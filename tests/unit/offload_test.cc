@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -12,6 +13,7 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "converter/readers.h"
@@ -754,6 +756,75 @@ Result<std::unique_ptr<SparseRuntime>> OpenWithFaults(const std::string& dir, Of
     return f;
   };
   return SparseRuntime::Open(dir, o, pool);
+}
+
+// A flash file whose every read takes `delay` longer: the compute thread reaches each chunk's wait before its reads
+// land.
+class SlowFile final : public ReadableFile {
+ public:
+  SlowFile(std::shared_ptr<const ReadableFile> base, std::chrono::microseconds delay)
+      : base_(std::move(base)), delay_(delay) {}
+  Status ReadAt(uint64_t offset, size_t size, void* dst) const override {
+    std::this_thread::sleep_for(delay_);
+    return base_->ReadAt(offset, size, dst);
+  }
+  uint64_t Size() const override { return base_->Size(); }
+  const std::string& Path() const override { return base_->Path(); }
+
+ private:
+  std::shared_ptr<const ReadableFile> base_;
+  std::chrono::microseconds delay_;
+};
+
+// Streaming the next weights through the caches while a layer waits for its reads changes when memory is read, not
+// what is computed; it streams only while waiting, at most warm_next_bytes per layer and token, and at most the
+// weights computed next (the next layer's attention matrices, the output matrix after the last layer).
+TEST_F(OffloadTest, WarmingTheNextWeightsChangesTimingNotResults) {
+  ASSERT_TRUE(sparse_);
+  for (uint64_t cap : {uint64_t{0}, uint64_t{4096}, uint64_t{1} << 30}) {
+    SCOPED_TRACE("warm_next_bytes " + std::to_string(cap));
+    SparseRuntimeOptions o;
+    o.active_set = ActiveSetSource::kOracle;
+    o.cold_slots = 50;
+    o.hot_slots = 1;
+    o.warm_next_bytes = static_cast<int64_t>(cap);
+    o.wrap_flash = [](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
+      return std::make_shared<SlowFile>(std::move(base), std::chrono::microseconds(300));
+    };
+    auto rt = Open(o);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    EXPECT_EQ((*rt)->ffn().warm_next_cap(), cap);
+    auto run = Greedy((*rt)->context(), n_vocab_, 12);
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    ASSERT_TRUE(SameLogits(*run, *sparse_));
+    const Model& m = (*rt)->model();
+    auto bytes = [](const MatrixView& w) { return static_cast<uint64_t>(w.rows) * w.row_bytes; };
+    const size_t n_layers = m.layers().size();
+    uint64_t warmed = 0;
+    for (size_t l = 0; l < n_layers; ++l) {
+      uint64_t next = bytes(m.output());  // what layer l's wait may stream
+      if (l + 1 < n_layers) {
+        const LayerWeights& w = m.layers()[l + 1];
+        next = bytes(w.wq) + bytes(w.wk) + bytes(w.wv) + bytes(w.wo);
+      }
+      const OffloadGroupStats& st = (*rt)->ffn().stats()[l];
+      warmed += st.warm_next_bytes;
+      EXPECT_LE(st.warm_next_bytes, std::min(cap, next) * static_cast<uint64_t>(st.tokens)) << "layer " << l;
+    }
+    if (cap == 0) {
+      EXPECT_EQ(warmed, 0u);
+    } else {
+      EXPECT_GT(warmed, 0u) << "every read takes 300 us: the layers wait, and stream meanwhile";
+    }
+  }
+  // The default: half the last-level cache.
+  SparseRuntimeOptions o;
+  o.active_set = ActiveSetSource::kOracle;
+  o.cold_slots = 50;
+  o.hot_slots = 1;
+  auto rt = Open(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  EXPECT_EQ((*rt)->ffn().warm_next_cap(), LastLevelCacheBytes() / 2);
 }
 
 TEST_F(OffloadTest, TransientFaultsAreRetriedOnce) {
