@@ -42,6 +42,7 @@ struct RuntimeFlags {
   int64_t lookahead = -1;
   double lookahead_keep = kDefaultLookaheadKeep;
   double warm_next_mib = -1.0;
+  uint64_t warm_next_ab = 0;
   std::string lookahead_source = "next-layer";
   std::string cold_pool = "per-layer";
   std::string hot_policy = "pinned";

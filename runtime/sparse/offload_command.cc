@@ -28,6 +28,14 @@
 namespace nflash::sparse {
 namespace {
 
+// SplitMix64's finalizer: a well-mixed 64-bit value from a counter (the per-token A/B draw of --warm-next-ab).
+uint64_t SplitMix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
 // -d, -c, -t and the flags that shape the runtime are RuntimeFlags (shared with `nflash serve -d`).
 struct OffloadFlags : RuntimeFlags {
   std::string prompt = "Once upon a time";
@@ -151,6 +159,8 @@ Status RunOffload(const OffloadFlags& f) {
   std::vector<double> miss_rate;  // per measured token: share of its active neurons read from flash
   std::vector<int64_t> tok_requests;  // per measured token: reads issued (lookahead included)
   std::vector<double> tok_wait_ms;    // per measured token: compute thread's time waiting for reads
+  std::vector<int> tok_warm_on;       // --warm-next-ab: per measured token, whether the warming was on
+  std::vector<double> tok_warm_mb;    // per measured token: MB streamed through the caches while waiting
   Detokenizer detok(*tok);
   std::string text;
   for (int32_t t : ids) text += detok.Push(t);
@@ -166,6 +176,8 @@ Status RunOffload(const OffloadFlags& f) {
       miss_rate.clear();
       tok_requests.clear();
       tok_wait_ms.clear();
+      tok_warm_on.clear();
+      tok_warm_mb.clear();
       t1 = Clock::now();
     }
     const float* lg = ctx.logits();
@@ -173,6 +185,10 @@ Status RunOffload(const OffloadFlags& f) {
     out.push_back(next);
     text += detok.Push(next);
     if (next == tok->eos_id()) break;
+    // --warm-next-ab: on or off at random per token (SplitMix64 of the seed and the step), so that the two groups
+    // share the machine's state and the tokens' mix of reads.
+    const bool warm_on = f.warm_next_ab == 0 || (SplitMix64(f.warm_next_ab * 0x100000001B3ull + static_cast<uint64_t>(i)) & 1);
+    rt.ffn().SetWarmNextEnabled(warm_on);
     const OffloadGroupStats before = rt.ffn().TotalStats();
     const uint64_t wait_before = rt.ffn().io_wait_ns();
     const auto s = Clock::now();
@@ -181,6 +197,8 @@ Status RunOffload(const OffloadFlags& f) {
     const OffloadGroupStats after = rt.ffn().TotalStats();
     tok_requests.push_back(after.requests - before.requests);
     tok_wait_ms.push_back(static_cast<double>(rt.ffn().io_wait_ns() - wait_before) / 1e6);
+    tok_warm_on.push_back(warm_on ? 1 : 0);
+    tok_warm_mb.push_back(static_cast<double>(after.warm_next_bytes - before.warm_next_bytes) / 1e6);
     if (after.active > before.active) {
       miss_rate.push_back(static_cast<double>(after.missed - before.missed) /
                           static_cast<double>(after.active - before.active));
@@ -237,6 +255,7 @@ Status RunOffload(const OffloadFlags& f) {
       {"token_latencies_ms", lat_ms},
       {"token_requests", tok_requests},
       {"token_io_wait_ms", tok_wait_ms},
+      {"token_warm_next_mb", tok_warm_mb},
       {"token_ms_mean", token_ms_mean},
       {"hot_hit_rate", hot.HitRate()},
       {"cold_hit_rate", cold.HitRate()},
@@ -309,6 +328,23 @@ Status RunOffload(const OffloadFlags& f) {
     }
   }
   j["decode_layers"] = decode_layers;
+  if (f.warm_next_ab != 0) {
+    // Measured tokens with the warming on and off (scripts/ab_tokens.py fits token time on reads and the switch over
+    // several runs' JSON).
+    double on_ms = 0, off_ms = 0;
+    int64_t on_n = 0;
+    for (size_t i = 0; i < lat_ms.size(); ++i) {
+      (tok_warm_on[i] ? on_ms : off_ms) += lat_ms[i];
+      on_n += tok_warm_on[i];
+    }
+    const int64_t off_n = static_cast<int64_t>(lat_ms.size()) - on_n;
+    j["warm_next_ab"] = {{"seed", f.warm_next_ab},
+                         {"token_on", tok_warm_on},
+                         {"on_tokens", on_n},
+                         {"off_tokens", off_n},
+                         {"on_ms_mean", on_n > 0 ? on_ms / static_cast<double>(on_n) : 0.0},
+                         {"off_ms_mean", off_n > 0 ? off_ms / static_cast<double>(off_n) : 0.0}};
+  }
   nlohmann::json layers = nlohmann::json::array();
   for (const PrefillLayerTiming& l : rt.ffn().prefill_layers()) {
     layers.push_back({{"chunk", l.chunk},
@@ -378,6 +414,13 @@ Status RunOffload(const OffloadFlags& f) {
               static_cast<double>(st.bytes_read) / 1e6 / steps, static_cast<double>(st.requests) / steps,
               io_wait_ms / steps, static_cast<long long>(st.retries),
               rt.reader() && !rt.reader()->direct_io() ? " (O_DIRECT refused: reads went through the page cache)" : "");
+  if (f.warm_next_ab != 0) {
+    const nlohmann::json& ab = j["warm_next_ab"];
+    std::printf("warm-next A/B (seed %llu): on %lld tokens, %.2f ms mean; off %lld tokens, %.2f ms mean\n",
+                static_cast<unsigned long long>(f.warm_next_ab), static_cast<long long>(ab["on_tokens"].get<int64_t>()),
+                ab["on_ms_mean"].get<double>(), static_cast<long long>(ab["off_tokens"].get<int64_t>()),
+                ab["off_ms_mean"].get<double>());
+  }
   if (rt.ffn().lookahead_slots() > 0 && !rt.ffn().lookahead_on()) {
     std::printf("lookahead adaptive, never on: waiting for reads stayed under its share of the time\n");
   } else if (rt.ffn().lookahead_slots() > 0) {
@@ -579,6 +622,10 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "MiB of the weights computed next (the next layer's attention) streamed through the CPU caches "
                   "while a layer waits for its reads (full mode): -1 half the last-level cache, 0 off")
       ->check(CLI::Range(-1.0, 1024.0))
+      ->capture_default_str();
+  cmd->add_option("--warm-next-ab", flags->warm_next_ab,
+                  "A/B inside one run: the warming (--warm-next) on or off at random per token, drawn from this seed "
+                  "(0: always on); the JSON's warm_next_ab gives each measured token's switch and both groups' means")
       ->capture_default_str();
   cmd->add_option("--cold-pool", flags->cold_pool,
                   "With --plan: per-layer (each layer's cold slots its own LRU, as planned) or shared (the plan's cold "

@@ -892,7 +892,7 @@ void OffloadFfn::ArmWarming(int64_t layer, int64_t group) {
   } else {
     add(model_.output());
   }
-  warm_left_ = warm_cap_;
+  warm_left_ = warm_enabled_ ? warm_cap_ : 0;
   warm_group_ = group;
 }
 

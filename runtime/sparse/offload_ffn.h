@@ -373,6 +373,9 @@ class OffloadFfn : public FfnBackend {
   int64_t lookahead_slots() const { return la_slots_; }
   // Bytes streamed through the caches per layer wait at most (OffloadOptions::warm_next_bytes resolved); 0: off.
   uint64_t warm_next_cap() const { return warm_cap_; }
+  // Switches the warming off (and on again) from the next layer on, e.g. per token for an A/B comparison inside one
+  // process (`nflash offload --warm-next-ab`). On by default (when warm_next_cap() > 0).
+  void SetWarmNextEnabled(bool on) { warm_enabled_ = on; }
   const OffloadOptions& options() const { return options_; }
   // Whether the lookahead reads ahead now (adaptive: once the I/O wait turned it on), and after how many tokens it
   // started (0: from the start; -1: never).
@@ -557,6 +560,7 @@ class OffloadFfn : public FfnBackend {
   size_t warm_span_ = 0, warm_offset_ = 0;
   uint64_t warm_left_ = 0;
   uint64_t warm_cap_ = 0;  // warm_next_bytes resolved (-1: half the last-level cache)
+  bool warm_enabled_ = true;
   int64_t warm_group_ = -1;
   // Arms the warming for a layer's waits: the weights computed after it (ForwardToken, at the layer's first FFN).
   void ArmWarming(int64_t layer, int64_t group);

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/core/kernels.h"
 #include "tests/test_util.h"
 
 namespace nflash {
@@ -87,6 +88,54 @@ TEST_F(OffloadCliTest, BudgetBelowTheFixedPartIsAUsageError) {
 // generated token's layers), ascending neuron indices. The oracle's sets are the exact ReLU zeros' complement, so their
 // share of the FFN must be near the model README's measurement (86.4% exact zeros over the calibration text), and the
 // decode lines must add up to the run's own active-neuron count.
+// --warm-next-ab: the warming on or off at random per token. The JSON gives each measured token's switch, and the
+// groups' counts and means must be those of the per-token latencies; a token with the warming off streams nothing.
+TEST_F(OffloadCliTest, WarmNextAbSwitchesPerToken) {
+  auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
+                                   " --active-set oracle --memory 3M --json -n 40 --warmup 4 --warm-next-ab 5",
+                               /*capture_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.output;
+  EXPECT_EQ(j["warm_next_bytes"].get<uint64_t>(), LastLevelCacheBytes() / 2) << "the default: half the LLC";
+  const auto lat = j["token_latencies_ms"].get<std::vector<double>>();
+  const auto mb = j["token_warm_next_mb"].get<std::vector<double>>();
+  const nlohmann::json& ab = j["warm_next_ab"];
+  ASSERT_TRUE(ab.is_object()) << r.output;
+  EXPECT_EQ(ab["seed"].get<uint64_t>(), 5u);
+  const auto on = ab["token_on"].get<std::vector<int>>();
+  ASSERT_EQ(on.size(), lat.size());
+  ASSERT_EQ(mb.size(), lat.size());
+  double on_ms = 0, off_ms = 0;
+  int on_n = 0, off_n = 0;
+  for (size_t i = 0; i < lat.size(); ++i) {
+    ASSERT_TRUE(on[i] == 0 || on[i] == 1) << i;
+    if (on[i]) {
+      on_ms += lat[i];
+      ++on_n;
+    } else {
+      off_ms += lat[i];
+      ++off_n;
+      EXPECT_EQ(mb[i], 0.0) << "token " << i << " streamed with the warming off";
+    }
+    EXPECT_GE(mb[i], 0.0);
+  }
+  ASSERT_GT(on_n, 0) << "36 fair draws: both groups";
+  ASSERT_GT(off_n, 0);
+  EXPECT_EQ(ab["on_tokens"].get<int>(), on_n);
+  EXPECT_EQ(ab["off_tokens"].get<int>(), off_n);
+  EXPECT_NEAR(ab["on_ms_mean"].get<double>(), on_ms / on_n, 1e-9);
+  EXPECT_NEAR(ab["off_ms_mean"].get<double>(), off_ms / off_n, 1e-9);
+  // Another seed draws other tokens.
+  auto r2 = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
+                                    " --active-set oracle --memory 3M --json -n 40 --warmup 4 --warm-next-ab 6",
+                                /*capture_stderr=*/false);
+  ASSERT_EQ(r2.exit_code, 0) << r2.output;
+  const auto j2 = nlohmann::json::parse(r2.output, nullptr, false);
+  ASSERT_FALSE(j2.is_discarded()) << r2.output;
+  EXPECT_NE(j2["warm_next_ab"]["token_on"].get<std::vector<int>>(), on);
+}
+
 TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {
   const std::string trace = dir_->File("active.txt");
   const int n = 12;
