@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <string>
 
 #include "runtime/core/kernels_internal.h"
@@ -208,14 +209,9 @@ uint64_t ParseCacheSize(const std::string& text) {
 
 uint64_t LastLevelCacheBytes() {
   static const uint64_t bytes = [] {
-    auto read = [](const std::string& path) {
+    auto read = [](const std::string& path) {  // a sysfs file's one word ("3", "Unified", "32768K")
       std::string s;
-      if (FILE* f = std::fopen(path.c_str(), "r")) {
-        char buf[64];
-        if (std::fgets(buf, sizeof buf, f) != nullptr) s = buf;
-        std::fclose(f);
-      }
-      while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+      std::ifstream(path) >> s;
       return s;
     };
     uint64_t best = 0;

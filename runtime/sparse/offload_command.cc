@@ -460,9 +460,10 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   } else if (f.mode == "llmflash") {
     o->mode = OffloadMode::kLlmFlash;
   } else {
-    return Status::InvalidArgument("--mode " + f.mode + ": expected full or llmflash (dense-mmap: `nflash run -m MODEL.gguf`, or `nflash bench --modes "
-                                   "dense-mmap,full,llmflash,in-memory --deploy DIR -m MODEL.gguf` for every mode side "
-                                   "by side, dense-mmap in a memory cgroup of the budget)");
+    return Status::InvalidArgument("--mode " + f.mode +
+                                   ": expected full or llmflash (dense-mmap: `nflash run -m MODEL.gguf`, or `nflash "
+                                   "bench --modes dense-mmap,full,llmflash,in-memory --deploy DIR -m MODEL.gguf` for "
+                                   "every mode side by side, dense-mmap in a memory cgroup of the budget)");
   }
   if (f.active_set == "auto") o->active_set = ActiveSetSource::kAuto;
   else if (f.active_set == "predictor") o->active_set = ActiveSetSource::kPredictor;
