@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
@@ -357,12 +358,13 @@ Result<std::unique_ptr<Deployment>> Deployment::Open(const std::string& dir, con
   }
 
   std::vector<ByteRange> holes;
+  std::optional<GgufFile> probe;
   if (options.resident_in_memory && options.embedding_on_flash) {
-    // Where token_embd.weight lies: the metadata only (a few KiB through pread).
-    NF_ASSIGN_OR_RETURN(GgufFile probe, GgufFile::OpenPath(d->resident_path(), /*use_mmap=*/false));
-    const GgufTensorInfo* emb = probe.FindTensor("token_embd.weight");
-    if (emb != nullptr && probe.FindTensor("output.weight") != nullptr) {
-      d->embedding_range_ = ByteRange{probe.data_offset() + emb->offset, emb->n_bytes};
+    // Where token_embd.weight lies: the metadata only, through pread; the directory is kept for the copy in memory.
+    NF_ASSIGN_OR_RETURN(probe, GgufFile::OpenPath(d->resident_path(), /*use_mmap=*/false));
+    const GgufTensorInfo* emb = probe->FindTensor("token_embd.weight");
+    if (emb != nullptr && probe->FindTensor("output.weight") != nullptr) {
+      d->embedding_range_ = ByteRange{probe->data_offset() + emb->offset, emb->n_bytes};
       holes.push_back(d->embedding_range_);
     }
   }
@@ -371,7 +373,9 @@ Result<std::unique_ptr<Deployment>> Deployment::Open(const std::string& dir, con
                                                  : OpenMmapFile(d->resident_path()));
   d->resident_memory_bytes_ = m.resident_bytes;
   d->resident_memory_bytes_ -= InnerBlocks(d->embedding_range_).size;  // the pages ReadFileDirect left out
-  NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::Open(std::shared_ptr<const ReadableFile>(std::move(resident_file))));
+  std::shared_ptr<const ReadableFile> resident_bytes(std::move(resident_file));
+  NF_ASSIGN_OR_RETURN(GgufFile resident, probe ? std::move(*probe).Rebind(std::move(resident_bytes))
+                                               : GgufFile::Open(std::move(resident_bytes)));
   d->resident_ = std::make_shared<const GgufFile>(std::move(resident));
   const GgufFile& rf = *d->resident_;
 

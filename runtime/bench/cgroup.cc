@@ -7,21 +7,19 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 #include <vector>
 
+#include "runtime/core/file.h"
 #include "runtime/sparse/memory_budget.h"
 
 namespace nflash::bench {
 namespace {
 
 std::string ReadSmallFile(const std::string& path, bool* ok) {
-  std::ifstream in(path);
-  *ok = static_cast<bool>(in);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  std::optional<std::string> text = ReadKernelTextFile(path);
+  *ok = text.has_value();
+  return text ? std::move(*text) : std::string();
 }
 
 bool HasWord(const std::string& list, const std::string& word, char sep) {

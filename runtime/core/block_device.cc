@@ -5,7 +5,8 @@
 #include <sys/sysmacros.h>
 
 #include <filesystem>
-#include <fstream>
+
+#include "runtime/core/file.h"
 
 namespace nflash {
 
@@ -36,11 +37,10 @@ BlockQueueInfo DescribeBlockQueue(const std::string& path) {
                                ec);
   if (ec) return info;  // no block device (tmpfs, btrfs subvolume's anonymous device, ...)
   if (fs::exists(dir / "partition", ec)) dir = dir.parent_path();
-  std::ifstream in(dir / "queue" / "scheduler");
-  std::string line;
-  if (!in || !std::getline(in, line)) return info;
+  const std::optional<std::string> text = ReadKernelTextFile(dir / "queue" / "scheduler");
+  if (!text) return info;
   info.device = dir.filename().string();
-  info.scheduler = ActiveScheduler(line);
+  info.scheduler = ActiveScheduler(std::string_view(*text).substr(0, text->find('\n')));
   return info;
 }
 

@@ -307,6 +307,34 @@ bool FileExists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
+std::optional<std::string> ReadKernelTextFile(const std::string& path, size_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  std::string text;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      ::close(fd);
+      return std::nullopt;
+    }
+    if (n == 0 || text.size() >= max_bytes) break;
+    text.append(buf, std::min(static_cast<size_t>(n), max_bytes - text.size()));
+  }
+  ::close(fd);
+  return text;
+}
+
+std::string ReadKernelWord(const std::string& path) {
+  const std::optional<std::string> text = ReadKernelTextFile(path, 4096);
+  if (!text) return "";
+  const size_t b = text->find_first_not_of(" \t\n");
+  if (b == std::string::npos) return "";
+  const size_t e = text->find_first_of(" \t\n", b);
+  return text->substr(b, e == std::string::npos ? std::string::npos : e - b);
+}
+
 Status MemoryFile::ReadAt(uint64_t offset, size_t size, void* dst) const {
   NF_RETURN_IF_ERROR(CheckRange(path_, bytes_.size(), offset, size));
   if (size > 0) std::memcpy(dst, bytes_.data() + offset, size);

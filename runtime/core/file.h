@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -170,5 +171,12 @@ class AtomicFileWriter {
 // Convenience: the whole file as bytes.
 Result<std::vector<uint8_t>> ReadWholeFile(const std::string& path);
 bool FileExists(const std::string& path);
+
+// A small text file the kernel generates (sysfs, procfs, cgroupfs), read to its end: such files report a size of 0,
+// so the bytes are read until EOF rather than sized by stat. Empty optional when the file cannot be opened or read;
+// at most `max_bytes` are kept.
+std::optional<std::string> ReadKernelTextFile(const std::string& path, size_t max_bytes = 1 << 20);
+// Its first whitespace-separated word ("3", "Unified", "32768K"); empty when there is none or no file.
+std::string ReadKernelWord(const std::string& path);
 
 }  // namespace nflash

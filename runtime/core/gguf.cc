@@ -510,6 +510,15 @@ Result<GgufFile> GgufFile::OpenPath(const std::string& path, bool use_mmap) {
   return Open(std::shared_ptr<const ReadableFile>(std::move(file)));
 }
 
+Result<GgufFile> GgufFile::Rebind(std::shared_ptr<const ReadableFile> file) && {
+  if (file->Size() != file_->Size()) {
+    return Status::Corruption(file->Path() + ": " + std::to_string(file->Size()) + " bytes, but its directory was parsed from " +
+                              file_->Path() + " of " + std::to_string(file_->Size()) + " bytes");
+  }
+  file_ = std::move(file);
+  return std::move(*this);
+}
+
 const GgufValue* GgufFile::Find(std::string_view key) const {
   auto it = kv_index_.find(key);
   return it == kv_index_.end() ? nullptr : &kv_[it->second].second;

@@ -96,6 +96,10 @@ class GgufFile {
   // found values. Nothing is read past the tensor directory except to check that every tensor lies inside the file.
   static Result<GgufFile> Open(std::shared_ptr<const ReadableFile> file);
   static Result<GgufFile> OpenPath(const std::string& path, bool use_mmap = true);
+  // The same parsed directory over another copy of the file's bytes (e.g. the file read into memory after its metadata
+  // was parsed through pread): nothing is parsed again. The copy must hold the same bytes; only its size is checked
+  // (a Corruption naming both paths when it differs).
+  Result<GgufFile> Rebind(std::shared_ptr<const ReadableFile> file) &&;
 
   uint32_t version() const { return version_; }
   uint32_t alignment() const { return alignment_; }

@@ -5,9 +5,9 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <string>
 
+#include "runtime/core/file.h"
 #include "runtime/core/kernels_internal.h"
 #include "runtime/core/round.h"
 
@@ -209,21 +209,16 @@ uint64_t ParseCacheSize(const std::string& text) {
 
 uint64_t LastLevelCacheBytes() {
   static const uint64_t bytes = [] {
-    auto read = [](const std::string& path) {  // a sysfs file's one word ("3", "Unified", "32768K")
-      std::string s;
-      std::ifstream(path) >> s;
-      return s;
-    };
     uint64_t best = 0;
     int best_level = 0;
     for (int i = 0; i < 16; ++i) {
       const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
-      const std::string level = read(dir + "level");
+      const std::string level = ReadKernelWord(dir + "level");
       if (level.empty()) break;
-      const std::string type = read(dir + "type");
+      const std::string type = ReadKernelWord(dir + "type");
       if (type != "Data" && type != "Unified") continue;
       const int l = std::atoi(level.c_str());
-      const uint64_t size = ParseCacheSize(read(dir + "size"));
+      const uint64_t size = ParseCacheSize(ReadKernelWord(dir + "size"));
       if (size > 0 && l >= best_level) {
         best_level = l;
         best = size;

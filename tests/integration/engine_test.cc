@@ -55,7 +55,9 @@ std::vector<int32_t> Greedy(InferenceContext& ctx, int64_t n_vocab, std::vector<
     const float* lg = ctx.logits();
     int32_t next = static_cast<int32_t>(std::max_element(lg, lg + n_vocab) - lg);
     out.push_back(next);
-    if (i + 1 < n) EXPECT_TRUE(ctx.Eval({&next, 1}, false).ok());
+    if (i + 1 < n) {
+      EXPECT_TRUE(ctx.Eval({&next, 1}, false).ok());
+    }
   }
   return out;
 }

@@ -252,6 +252,37 @@ TEST(GgufTest, ReadsHandBuiltBytes) {
   EXPECT_EQ(f[3], 0.0f);
 }
 
+// Rebind keeps the parsed directory and reads tensors from the new copy (here a copy whose tensor bytes differ, to
+// show which file the data comes from); a copy of another size is refused with both names.
+TEST(GgufTest, RebindReadsTensorsFromTheNewCopy) {
+  auto g = GgufFile::Open(std::make_shared<MemoryFile>("first.gguf", HandBuiltTiny()));
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  std::vector<uint8_t> copy = HandBuiltTiny();
+  const float two = 2.0f;
+  std::memcpy(copy.data() + 160, &two, sizeof two);  // the data section starts at 160 (ReadsHandBuiltBytes)
+  auto r = std::move(*g).Rebind(std::make_shared<MemoryFile>("second.gguf", copy));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->path(), "second.gguf");
+  EXPECT_EQ(*r->GetString("name"), "x");
+  ASSERT_EQ(r->tensors().size(), 1u);
+  std::vector<uint8_t> scratch;
+  auto data = r->TensorData(r->tensors()[0], &scratch);
+  ASSERT_TRUE(data.ok());
+  float f0 = 0.0f;
+  std::memcpy(&f0, data->data(), sizeof f0);
+  EXPECT_EQ(f0, 2.0f);
+
+  auto h = GgufFile::Open(std::make_shared<MemoryFile>("first.gguf", HandBuiltTiny()));
+  ASSERT_TRUE(h.ok());
+  std::vector<uint8_t> longer = HandBuiltTiny();
+  longer.push_back(0);
+  auto bad = std::move(*h).Rebind(std::make_shared<MemoryFile>("longer.gguf", longer));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(bad.status().message().find("longer.gguf"), std::string::npos) << bad.status().ToString();
+  EXPECT_NE(bad.status().message().find("first.gguf"), std::string::npos) << bad.status().ToString();
+}
+
 TEST(GgufTest, WriterOutputEqualsHandBuiltBytes) {
   TempDir dir;
   GgufWriter w;

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <filesystem>
@@ -200,6 +201,36 @@ TEST(BlockDeviceTest, DescribesTheDiskOfAFile) {
     EXPECT_EQ(ActiveScheduler(line), info.scheduler);
   }
   EXPECT_TRUE(DescribeBlockQueue("/proc/self/status").device.empty()) << "procfs is on no disk";
+}
+
+// Kernel-generated files report a size of 0 to stat; ReadKernelTextFile reads them to EOF. Checked against a regular
+// file written here (exact bytes, the cap), against /proc/self/status (stat size 0, yet the text has this process's
+// pid), and on a missing path.
+TEST(FileTest, ReadsKernelTextFilesToTheirEnd) {
+  testing::TempDir dir;
+  const std::string path = dir.File("kernel_text.txt");
+  std::string body = "  32768K\nsecond line\n";
+  body += std::string(10000, 'x');  // longer than one read() of the reader's buffer
+  { std::ofstream(path) << body; }
+  const std::optional<std::string> whole = ReadKernelTextFile(path);
+  ASSERT_TRUE(whole.has_value());
+  EXPECT_EQ(*whole, body);
+  const std::optional<std::string> capped = ReadKernelTextFile(path, 5000);
+  ASSERT_TRUE(capped.has_value());
+  EXPECT_EQ(*capped, body.substr(0, 5000));
+  EXPECT_EQ(ReadKernelWord(path), "32768K");
+
+  struct stat st {};
+  ASSERT_EQ(::stat("/proc/self/status", &st), 0);
+  EXPECT_EQ(st.st_size, 0) << "procfs files have no size: the reason the reader reads to EOF";
+  const std::optional<std::string> status = ReadKernelTextFile("/proc/self/status");
+  ASSERT_TRUE(status.has_value());
+  EXPECT_NE(status->find("Pid:\t" + std::to_string(::getpid()) + "\n"), std::string::npos) << *status;
+
+  EXPECT_FALSE(ReadKernelTextFile(dir.File("no_such_file")).has_value());
+  EXPECT_EQ(ReadKernelWord(dir.File("no_such_file")), "");
+  { std::ofstream(path) << " \n\t"; }
+  EXPECT_EQ(ReadKernelWord(path), "");
 }
 
 }  // namespace

@@ -197,7 +197,9 @@ TEST(SynthPopularityTest, MeanCapAndOrder) {
       EXPECT_NEAR(mean, 1 - s, 1e-6) << s << " " << skew;
       EXPECT_LE(*std::max_element(p->begin(), p->end()), kSynthMaxPopularity);
       EXPECT_TRUE(std::is_sorted(p->rbegin(), p->rend()));
-      if (skew == 0.0) EXPECT_NEAR(p->front(), p->back(), 1e-9);
+      if (skew == 0.0) {
+        EXPECT_NEAR(p->front(), p->back(), 1e-9);
+      }
     }
   }
   EXPECT_FALSE(PopularityTargets(100, 0.01, 1.0).ok());  // mean 0.99 exceeds the cap
