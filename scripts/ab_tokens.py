@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Per-token A/B of `nflash offload --warm-next-ab SEED --json` runs: fits
+"""Per-token A/B of `nflash offload --warm-next-ab SEED --json` (or `--pin-threads-ab SEED`) runs: fits
 
     token_ms = run level + b * reads + effect * on
 
@@ -19,22 +19,29 @@ import sys
 import numpy as np
 
 
+SWITCHES = {"warm_next_ab": "warming", "pin_threads_ab": "pinning"}
+
+
 def main(paths):
     rows = []  # (ms, reads, on, run)
+    name = None
     for r, path in enumerate(paths):
         with open(path) as f:
             d = json.load(f)
-        ab = d.get("warm_next_ab")
-        if ab is None:
-            sys.exit(f"{path}: no warm_next_ab (run with --warm-next-ab SEED --json)")
+        keys = [k for k in SWITCHES if k in d]
+        if len(keys) != 1 or (name is not None and keys[0] != name):
+            sys.exit(f"{path}: expected exactly one of {', '.join(SWITCHES)}, the same in every run "
+                     "(run with --warm-next-ab SEED or --pin-threads-ab SEED, and --json)")
+        name = keys[0]
+        ab = d[name]
         lat, req, on = d["token_latencies_ms"], d["token_requests"], ab["token_on"]
         if not (len(lat) == len(req) == len(on)):
-            sys.exit(f"{path}: token_latencies_ms, token_requests and warm_next_ab.token_on differ in length "
+            sys.exit(f"{path}: token_latencies_ms, token_requests and {name}.token_on differ in length "
                      f"({len(lat)}, {len(req)}, {len(on)})")
         rows += [(a, b, c, r) for a, b, c in zip(lat, req, on)]
     a = np.array(rows, dtype=float)
     if len(a) == 0 or a[:, 2].min() == a[:, 2].max():
-        sys.exit("need tokens with the warming on and off")
+        sys.exit(f"need tokens with the {SWITCHES[name]} on and off")
     runs = len(paths)
     x = np.column_stack([a[:, 1], a[:, 2]] + [(a[:, 3] == r).astype(float) for r in range(runs)])
     coef, _, _, _ = np.linalg.lstsq(x, a[:, 0], rcond=None)
@@ -44,7 +51,7 @@ def main(paths):
     on, off = a[a[:, 2] == 1, 0], a[a[:, 2] == 0, 0]
     print(f"{len(a)} tokens in {runs} runs: {len(on)} on, {len(off)} off")
     print(f"mean on {on.mean():.2f} ms, off {off.mean():.2f} ms; median on {np.median(on):.2f}, off {np.median(off):.2f}")
-    print(f"fit: {coef[0] * 1000:.2f} us per read; warming effect {coef[1]:+.2f} ms per token "
+    print(f"fit: {coef[0] * 1000:.2f} us per read; {SWITCHES[name]} effect {coef[1]:+.2f} ms per token "
           f"(standard error {np.sqrt(cov[1, 1]):.2f})")
 
 

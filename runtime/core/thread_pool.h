@@ -29,6 +29,12 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int NumThreads() const { return num_threads_; }
+  // The workers' threads (NumThreads() - 1 of them; worker i runs thread_index i + 1), e.g. to set their CPU affinity.
+  std::vector<std::thread::native_handle_type> WorkerHandles() {
+    std::vector<std::thread::native_handle_type> h;
+    for (auto& t : workers_) h.push_back(t.native_handle());
+    return h;
+  }
   // Calls fn(begin, end, thread_index) over a partition of [0, n) into at most NumThreads() contiguous chunks whose
   // sizes are multiples of `grain` (except the last); the partition depends only on n, grain and NumThreads(). Each
   // chunk runs once, on whichever thread claims it: one thread may run several chunks (one after the other, with its

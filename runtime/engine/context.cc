@@ -330,16 +330,19 @@ Status InferenceContext::Eval(std::span<const int32_t> tokens, bool all_logits) 
   const int64_t base = total / chunks, longer = total % chunks;
   n_logits_ = all_logits ? total : 1;
   logits_.resize(static_cast<size_t>(n_logits_ * hp_.n_vocab));
+  if (ffn_backend_ != nullptr) ffn_backend_->BeginEval();
   int64_t at = 0;
-  for (int64_t c = 0; c < chunks; ++c) {
+  Status status;
+  for (int64_t c = 0; c < chunks && status.ok(); ++c) {
     const int64_t n = base + (c < longer ? 1 : 0);
     const bool last = c + 1 == chunks;
     chunk_first_ = at;
-    NF_RETURN_IF_ERROR(EvalChunk(tokens.subspan(static_cast<size_t>(at), static_cast<size_t>(n)), all_logits, last,
-                                 all_logits ? at : 0));
+    status = EvalChunk(tokens.subspan(static_cast<size_t>(at), static_cast<size_t>(n)), all_logits, last,
+                       all_logits ? at : 0);
     at += n;
   }
-  return Status::Ok();
+  if (ffn_backend_ != nullptr) ffn_backend_->EndEval();
+  return status;
 }
 
 Status InferenceContext::EvalChunk(std::span<const int32_t> tokens, bool all_logits, bool last_logits, int64_t row) {

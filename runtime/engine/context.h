@@ -45,6 +45,11 @@ class FfnBackend {
     (void)xn;
     (void)n;
   }
+  // Around each InferenceContext::Eval, on the thread calling it (which runs the whole batch, with the pool): a
+  // backend may place its threads for the batch (e.g. pin them to CPUs) and restore them afterwards. Must not change
+  // any result.
+  virtual void BeginEval() {}
+  virtual void EndEval() {}
   // MoE: before layer `layer`'s experts run, how many of the batch's tokens the router sent to each expert (n_experts
   // items; Forward is then called for the experts with tokens, in ascending order). A backend may plan reads for the
   // experts to come. Must not change any result.

@@ -43,6 +43,8 @@ struct RuntimeFlags {
   double lookahead_keep = kDefaultLookaheadKeep;
   double warm_next_mib = -1.0;
   uint64_t warm_next_ab = 0;
+  std::string pin_threads = "auto";
+  uint64_t pin_threads_ab = 0;
   std::string lookahead_source = "next-layer";
   std::string cold_pool = "per-layer";
   std::string hot_policy = "pinned";
@@ -57,7 +59,9 @@ inline constexpr int64_t kDefaultChunkRequests = 16;
 
 // Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
 // --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter, --slot-alignment, --resident-embedding,
-// --two-phase, --lookahead, --lookahead-keep, --cold-pool, --cold-protected, --no-cold-overflow, --kv-type and --plan.
+// --two-phase, --lookahead, --lookahead-keep, --warm-next, --pin-threads, --cold-pool, --cold-protected,
+// --no-cold-overflow, --kv-type and --plan (and the A/B switches --warm-next-ab and --pin-threads-ab, which only
+// `nflash offload` uses).
 void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);
 
 // The options of SparseRuntime::Open for `f`: the context is f.ctx, or `default_ctx` when f.ctx is 0 (<= 0: the

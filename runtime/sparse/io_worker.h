@@ -26,6 +26,8 @@ class IoWorker {
   ~IoWorker();
   IoWorker(const IoWorker&) = delete;
   IoWorker& operator=(const IoWorker&) = delete;
+  // The I/O thread, e.g. to set its CPU affinity.
+  std::thread::native_handle_type ThreadHandle() { return thread_.native_handle(); }
 
   // Starts reading requests[0, chunk_ends[0]), [chunk_ends[0], chunk_ends[1]), ... as one ReadBatchProgress stream;
   // chunk i is done when its last request has arrived (chunks may complete out of order). Returns at once. The

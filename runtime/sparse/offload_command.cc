@@ -107,6 +107,12 @@ Status RunOffload(const OffloadFlags& f) {
   NF_ASSIGN_OR_RETURN(LlamaHparams rhp, ReadLlamaHparams(resident));
   std::vector<int32_t> ids = tok->Encode(f.prompt, tok->add_bos());
   if (ids.empty()) return Status::InvalidArgument("the prompt is empty and the model adds no BOS token: pass -p");
+  if (f.warm_next_ab != 0 && f.pin_threads_ab != 0) {
+    return Status::InvalidArgument("--warm-next-ab and --pin-threads-ab: one A/B switch per run");
+  }
+  // The per-token A/B switch, if any: its seed and its JSON key.
+  const uint64_t ab_seed = f.warm_next_ab != 0 ? f.warm_next_ab : f.pin_threads_ab;
+  const char* ab_key = f.warm_next_ab != 0 ? "warm_next_ab" : "pin_threads_ab";
   SparseRuntimeOptions o;
   int threads = 0;
   NF_RETURN_IF_ERROR(MakeRuntimeOptions(
@@ -159,7 +165,7 @@ Status RunOffload(const OffloadFlags& f) {
   std::vector<double> miss_rate;  // per measured token: share of its active neurons read from flash
   std::vector<int64_t> tok_requests;  // per measured token: reads issued (lookahead included)
   std::vector<double> tok_wait_ms;    // per measured token: compute thread's time waiting for reads
-  std::vector<int> tok_warm_on;       // --warm-next-ab: per measured token, whether the warming was on
+  std::vector<int> tok_ab_on;         // --warm-next-ab / --pin-threads-ab: per measured token, whether it was on
   std::vector<double> tok_warm_mb;    // per measured token: MB streamed through the caches while waiting
   Detokenizer detok(*tok);
   std::string text;
@@ -176,7 +182,7 @@ Status RunOffload(const OffloadFlags& f) {
       miss_rate.clear();
       tok_requests.clear();
       tok_wait_ms.clear();
-      tok_warm_on.clear();
+      tok_ab_on.clear();
       tok_warm_mb.clear();
       t1 = Clock::now();
     }
@@ -185,10 +191,11 @@ Status RunOffload(const OffloadFlags& f) {
     out.push_back(next);
     text += detok.Push(next);
     if (next == tok->eos_id()) break;
-    // --warm-next-ab: on or off at random per token (SplitMix64 of the seed and the step), so that the two groups
-    // share the machine's state and the tokens' mix of reads.
-    const bool warm_on = f.warm_next_ab == 0 || (SplitMix64(f.warm_next_ab * 0x100000001B3ull + static_cast<uint64_t>(i)) & 1);
-    rt.ffn().SetWarmNextEnabled(warm_on);
+    // --warm-next-ab / --pin-threads-ab: on or off at random per token (SplitMix64 of the seed and the step), so that
+    // the two groups share the machine's state and the tokens' mix of reads.
+    const bool ab_on = ab_seed == 0 || (SplitMix64(ab_seed * 0x100000001B3ull + static_cast<uint64_t>(i)) & 1);
+    if (f.warm_next_ab != 0) rt.ffn().SetWarmNextEnabled(ab_on);
+    if (f.pin_threads_ab != 0) rt.ffn().SetPinThreadsEnabled(ab_on);
     const OffloadGroupStats before = rt.ffn().TotalStats();
     const uint64_t wait_before = rt.ffn().io_wait_ns();
     const auto s = Clock::now();
@@ -197,7 +204,7 @@ Status RunOffload(const OffloadFlags& f) {
     const OffloadGroupStats after = rt.ffn().TotalStats();
     tok_requests.push_back(after.requests - before.requests);
     tok_wait_ms.push_back(static_cast<double>(rt.ffn().io_wait_ns() - wait_before) / 1e6);
-    tok_warm_on.push_back(warm_on ? 1 : 0);
+    tok_ab_on.push_back(ab_on ? 1 : 0);
     tok_warm_mb.push_back(static_cast<double>(after.warm_next_bytes - before.warm_next_bytes) / 1e6);
     if (after.active > before.active) {
       miss_rate.push_back(static_cast<double>(after.missed - before.missed) /
@@ -272,6 +279,7 @@ Status RunOffload(const OffloadFlags& f) {
       // Weights streamed through the CPU caches while waiting for reads (--warm-next), per token.
       {"warm_next_mb_per_token", static_cast<double>(st.warm_next_bytes) / 1e6 / steps},
       {"warm_next_bytes", rt.ffn().warm_next_cap()},
+      {"pin_threads", f.pin_threads},
       {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns - io0.submit_cpu_ns) / 1e6},
       {"io_latency_us_p50", Percentile(io_lat_us, 0.5)},
       {"io_latency_us_p90", Percentile(io_lat_us, 0.9)},
@@ -328,22 +336,28 @@ Status RunOffload(const OffloadFlags& f) {
     }
   }
   j["decode_layers"] = decode_layers;
-  if (f.warm_next_ab != 0) {
-    // Measured tokens with the warming on and off (scripts/ab_tokens.py fits token time on reads and the switch over
+  // Where the threads ran (--pin-threads): the caller's, the workers' and the I/O thread's CPU; null when unpinned.
+  if (const ThreadCpuPlan* tp = rt.ffn().thread_plan()) {
+    j["thread_cpus"] = {{"caller", tp->caller}, {"workers", tp->workers}, {"io", tp->io}};
+  } else {
+    j["thread_cpus"] = nullptr;
+  }
+  if (ab_seed != 0) {
+    // Measured tokens with the switch on and off (scripts/ab_tokens.py fits token time on reads and the switch over
     // several runs' JSON).
     double on_ms = 0, off_ms = 0;
     int64_t on_n = 0;
     for (size_t i = 0; i < lat_ms.size(); ++i) {
-      (tok_warm_on[i] ? on_ms : off_ms) += lat_ms[i];
-      on_n += tok_warm_on[i];
+      (tok_ab_on[i] ? on_ms : off_ms) += lat_ms[i];
+      on_n += tok_ab_on[i];
     }
     const int64_t off_n = static_cast<int64_t>(lat_ms.size()) - on_n;
-    j["warm_next_ab"] = {{"seed", f.warm_next_ab},
-                         {"token_on", tok_warm_on},
-                         {"on_tokens", on_n},
-                         {"off_tokens", off_n},
-                         {"on_ms_mean", on_n > 0 ? on_ms / static_cast<double>(on_n) : 0.0},
-                         {"off_ms_mean", off_n > 0 ? off_ms / static_cast<double>(off_n) : 0.0}};
+    j[ab_key] = {{"seed", ab_seed},
+                 {"token_on", tok_ab_on},
+                 {"on_tokens", on_n},
+                 {"off_tokens", off_n},
+                 {"on_ms_mean", on_n > 0 ? on_ms / static_cast<double>(on_n) : 0.0},
+                 {"off_ms_mean", off_n > 0 ? off_ms / static_cast<double>(off_n) : 0.0}};
   }
   nlohmann::json layers = nlohmann::json::array();
   for (const PrefillLayerTiming& l : rt.ffn().prefill_layers()) {
@@ -414,12 +428,12 @@ Status RunOffload(const OffloadFlags& f) {
               static_cast<double>(st.bytes_read) / 1e6 / steps, static_cast<double>(st.requests) / steps,
               io_wait_ms / steps, static_cast<long long>(st.retries),
               rt.reader() && !rt.reader()->direct_io() ? " (O_DIRECT refused: reads went through the page cache)" : "");
-  if (f.warm_next_ab != 0) {
-    const nlohmann::json& ab = j["warm_next_ab"];
-    std::printf("warm-next A/B (seed %llu): on %lld tokens, %.2f ms mean; off %lld tokens, %.2f ms mean\n",
-                static_cast<unsigned long long>(f.warm_next_ab), static_cast<long long>(ab["on_tokens"].get<int64_t>()),
-                ab["on_ms_mean"].get<double>(), static_cast<long long>(ab["off_tokens"].get<int64_t>()),
-                ab["off_ms_mean"].get<double>());
+  if (ab_seed != 0) {
+    const nlohmann::json& ab = j[ab_key];
+    std::printf("%s A/B (seed %llu): on %lld tokens, %.2f ms mean; off %lld tokens, %.2f ms mean\n",
+                f.warm_next_ab != 0 ? "warm-next" : "pin-threads", static_cast<unsigned long long>(ab_seed),
+                static_cast<long long>(ab["on_tokens"].get<int64_t>()), ab["on_ms_mean"].get<double>(),
+                static_cast<long long>(ab["off_tokens"].get<int64_t>()), ab["off_ms_mean"].get<double>());
   }
   if (rt.ffn().lookahead_slots() > 0 && !rt.ffn().lookahead_on()) {
     std::printf("lookahead adaptive, never on: waiting for reads stayed under its share of the time\n");
@@ -501,6 +515,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->two_phase = f.two_phase != "off";
   o->lookahead_keep = f.lookahead_keep;
   o->warm_next_bytes = f.warm_next_mib < 0 ? -1 : static_cast<int64_t>(f.warm_next_mib * 1048576.0);
+  NF_ASSIGN_OR_RETURN(o->pin_threads, ParsePinThreads(f.pin_threads));
   NF_ASSIGN_OR_RETURN(o->lookahead_source, ParseLookaheadSource(f.lookahead_source));
   if (f.cold_pool != "per-layer" && f.cold_pool != "shared") {
     return Status::InvalidArgument("--cold-pool " + f.cold_pool + ": expected per-layer or shared");
@@ -627,6 +642,17 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_option("--warm-next-ab", flags->warm_next_ab,
                   "A/B inside one run: the warming (--warm-next) on or off at random per token, drawn from this seed "
                   "(0: always on); the JSON's warm_next_ab gives each measured token's switch and both groups' means")
+      ->capture_default_str();
+  cmd->add_option("--pin-threads", flags->pin_threads,
+                  "auto, on or off (full mode): pin the thread calling the model to a CPU of its own, each pool "
+                  "worker to one, and the I/O thread beside the last worker, for each evaluation (auto: when the "
+                  "compute threads take every CPU the process may use)")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
+  cmd->add_option("--pin-threads-ab", flags->pin_threads_ab,
+                  "A/B inside one run: the pinning (--pin-threads) on or off at random per token, drawn from this "
+                  "seed (0: as --pin-threads says); the JSON's pin_threads_ab gives each measured token's switch and "
+                  "both groups' means")
       ->capture_default_str();
   cmd->add_option("--cold-pool", flags->cold_pool,
                   "With --plan: per-layer (each layer's cold slots its own LRU, as planned) or shared (the plan's cold "

@@ -2,6 +2,8 @@
 // accumulation (see offload_ffn.h).
 #include "runtime/sparse/offload_ffn.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -10,6 +12,7 @@
 #include <numeric>
 #include <string>
 
+#include "runtime/core/cpu_affinity.h"
 #include "runtime/core/ffn_activation.h"
 #include "runtime/core/kernels.h"
 #include "runtime/core/log.h"
@@ -274,6 +277,13 @@ Status OffloadFfn::Init() {
     warm_cap_ = options_.warm_next_bytes >= 0 ? static_cast<uint64_t>(options_.warm_next_bytes)
                                               : LastLevelCacheBytes() / 2;
     if (warm_cap_ > 0) io_->SetIdleWork([this] { return WarmStep(); });
+    const std::vector<int> allowed = ThreadCpus(pthread_self());
+    const int compute_threads = pool_ != nullptr ? pool_->NumThreads() : 1;
+    if (std::optional<ThreadCpuPlan> plan = PlanThreadCpus(options_.pin_threads, compute_threads, allowed)) {
+      placement_.emplace(std::move(*plan),
+                         pool_ != nullptr ? pool_->WorkerHandles() : std::vector<std::thread::native_handle_type>{},
+                         io_->ThreadHandle());
+    }
   }
   NF_RETURN_IF_ERROR(InitLookahead());
   NF_RETURN_IF_ERROR(InitPrefill());
@@ -867,6 +877,18 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   if (LastFfnOfLayer(layer, expert)) warm_left_ = 0;  // other waits (prefill's) do not warm
   if (la_slots_ > 0 && !la_on_ && layer + 1 == hp.n_layers && LastFfnOfLayer(layer, expert)) WatchTokenEnd();
   return Status::Ok();
+}
+
+void OffloadFfn::BeginEval() {
+  if (!placement_ || !pin_enabled_) return;
+  if (Status st = placement_->Begin(); !st.ok()) {
+    NF_LOG(Warning) << "thread placement off: " << st.message();
+    placement_.reset();
+  }
+}
+
+void OffloadFfn::EndEval() {
+  if (placement_) placement_->End();
 }
 
 void OffloadFfn::ArmWarming(int64_t layer, int64_t group) {

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -52,6 +53,7 @@
 #include "runtime/io/direct_reader.h"
 #include "runtime/sparse/io_worker.h"
 #include "runtime/sparse/neuron_cache.h"
+#include "runtime/sparse/thread_placement.h"
 
 namespace nflash::sparse {
 
@@ -175,6 +177,9 @@ struct OffloadOptions {
   // "Warming the next weights while waiting"). -1: half the last-level cache (LastLevelCacheBytes; off when unknown),
   // 0: off.
   int64_t warm_next_bytes = -1;
+  // Full mode: whether the caller, the pool's workers and the I/O thread are pinned to CPUs for each Eval
+  // (runtime/sparse/thread_placement.h; auto: when the compute threads take every CPU the process may use).
+  PinThreads pin_threads = PinThreads::kAuto;
   // The flash file's direct-I/O alignment (DirectReader::alignment, from statx): sizes the cold slots (ColdReadBytes).
   // kSlotAlignment keeps them whole 4 KiB-aligned groups.
   uint64_t dio_alignment = kSlotAlignment;
@@ -329,6 +334,8 @@ class OffloadFfn : public FfnBackend {
   void BeforeAttention(int64_t layer, const float* xn, int64_t n) override;
   void BeforeExperts(int64_t layer, std::span<const int64_t> tokens_per_expert) override;
   Result<bool> Forward(int64_t layer, int64_t expert, const Activation& x, float* out) override;
+  void BeginEval() override;
+  void EndEval() override;
 
   const NeuronCache& cache() const { return *cache_; }
   const std::vector<OffloadGroupStats>& stats() const { return stats_; }
@@ -376,6 +383,11 @@ class OffloadFfn : public FfnBackend {
   // Switches the warming off (and on again) from the next layer on, e.g. per token for an A/B comparison inside one
   // process (`nflash offload --warm-next-ab`). On by default (when warm_next_cap() > 0).
   void SetWarmNextEnabled(bool on) { warm_enabled_ = on; }
+  // Where the threads are pinned for each Eval (OffloadOptions::pin_threads), or nullptr when they are not.
+  const ThreadCpuPlan* thread_plan() const { return placement_ ? &placement_->plan() : nullptr; }
+  // Switches the pinning off (and on again) from the next Eval on, e.g. per token for an A/B comparison inside one
+  // process (`nflash offload --pin-threads-ab`).
+  void SetPinThreadsEnabled(bool on) { pin_enabled_ = on; }
   const OffloadOptions& options() const { return options_; }
   // Whether the lookahead reads ahead now (adaptive: once the I/O wait turned it on), and after how many tokens it
   // started (0: from the start; -1: never).
@@ -561,6 +573,8 @@ class OffloadFfn : public FfnBackend {
   uint64_t warm_left_ = 0;
   uint64_t warm_cap_ = 0;  // warm_next_bytes resolved (-1: half the last-level cache)
   bool warm_enabled_ = true;
+  std::optional<ThreadPlacement> placement_;  // full mode, when OffloadOptions::pin_threads applies
+  bool pin_enabled_ = true;
   int64_t warm_group_ = -1;
   // Arms the warming for a layer's waits: the weights computed after it (ForwardToken, at the layer's first FFN).
   void ArmWarming(int64_t layer, int64_t group);

@@ -201,6 +201,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.lookahead_slots = options.lookahead_slots;
   oo.lookahead_keep = options.lookahead_keep;
   oo.warm_next_bytes = options.warm_next_bytes;
+  oo.pin_threads = options.pin_threads;
   oo.lookahead_adaptive = options.lookahead_adaptive;
   oo.lookahead_wait_share = options.lookahead_wait_share;
   oo.lookahead_source = options.lookahead_source;

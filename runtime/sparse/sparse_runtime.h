@@ -81,6 +81,8 @@ struct SparseRuntimeOptions {
   double lookahead_keep = kDefaultLookaheadKeep;
   // OffloadOptions::warm_next_bytes.
   int64_t warm_next_bytes = -1;
+  // OffloadOptions::pin_threads.
+  PinThreads pin_threads = PinThreads::kAuto;
   // OffloadOptions::lookahead_adaptive and the share of time waiting for reads that turns it on.
   bool lookahead_adaptive = false;
   double lookahead_wait_share = kDefaultLookaheadWaitShare;

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/core/cpu_affinity.h"
 #include "runtime/core/kernels.h"
 #include "tests/test_util.h"
 
@@ -88,8 +89,34 @@ TEST_F(OffloadCliTest, BudgetBelowTheFixedPartIsAUsageError) {
 // generated token's layers), ascending neuron indices. The oracle's sets are the exact ReLU zeros' complement, so their
 // share of the FFN must be near the model README's measurement (86.4% exact zeros over the calibration text), and the
 // decode lines must add up to the run's own active-neuron count.
-// --warm-next-ab: the warming on or off at random per token. The JSON gives each measured token's switch, and the
-// groups' counts and means must be those of the per-token latencies; a token with the warming off streams nothing.
+// An A/B run's JSON block `key` (--warm-next-ab, --pin-threads-ab): the seed, one switch per measured token, and the
+// groups' counts and means recomputed from the per-token latencies. Returns the switches.
+std::vector<int> CheckAbGroups(const nlohmann::json& j, const char* key, uint64_t seed) {
+  const auto lat = j["token_latencies_ms"].get<std::vector<double>>();
+  const nlohmann::json& ab = j[key];
+  EXPECT_TRUE(ab.is_object()) << key;
+  if (!ab.is_object()) return {};
+  EXPECT_EQ(ab["seed"].get<uint64_t>(), seed);
+  const auto on = ab["token_on"].get<std::vector<int>>();
+  EXPECT_EQ(on.size(), lat.size());
+  double on_ms = 0, off_ms = 0;
+  int on_n = 0, off_n = 0;
+  for (size_t i = 0; i < lat.size() && i < on.size(); ++i) {
+    EXPECT_TRUE(on[i] == 0 || on[i] == 1) << i;
+    (on[i] ? on_ms : off_ms) += lat[i];
+    (on[i] ? on_n : off_n) += 1;
+  }
+  EXPECT_GT(on_n, 0) << "36 fair draws: both groups";
+  EXPECT_GT(off_n, 0);
+  EXPECT_EQ(ab["on_tokens"].get<int>(), on_n);
+  EXPECT_EQ(ab["off_tokens"].get<int>(), off_n);
+  if (on_n > 0) EXPECT_NEAR(ab["on_ms_mean"].get<double>(), on_ms / on_n, 1e-9);
+  if (off_n > 0) EXPECT_NEAR(ab["off_ms_mean"].get<double>(), off_ms / off_n, 1e-9);
+  return on;
+}
+
+// --warm-next-ab: the warming on or off at random per token; a token with the warming off streams nothing, and
+// another seed draws other tokens.
 TEST_F(OffloadCliTest, WarmNextAbSwitchesPerToken) {
   auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
                                    " --active-set oracle --memory 3M --json -n 40 --warmup 4 --warm-next-ab 5",
@@ -98,35 +125,13 @@ TEST_F(OffloadCliTest, WarmNextAbSwitchesPerToken) {
   const auto j = nlohmann::json::parse(r.output, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << r.output;
   EXPECT_EQ(j["warm_next_bytes"].get<uint64_t>(), LastLevelCacheBytes() / 2) << "the default: half the LLC";
-  const auto lat = j["token_latencies_ms"].get<std::vector<double>>();
+  const std::vector<int> on = CheckAbGroups(j, "warm_next_ab", 5);
   const auto mb = j["token_warm_next_mb"].get<std::vector<double>>();
-  const nlohmann::json& ab = j["warm_next_ab"];
-  ASSERT_TRUE(ab.is_object()) << r.output;
-  EXPECT_EQ(ab["seed"].get<uint64_t>(), 5u);
-  const auto on = ab["token_on"].get<std::vector<int>>();
-  ASSERT_EQ(on.size(), lat.size());
-  ASSERT_EQ(mb.size(), lat.size());
-  double on_ms = 0, off_ms = 0;
-  int on_n = 0, off_n = 0;
-  for (size_t i = 0; i < lat.size(); ++i) {
-    ASSERT_TRUE(on[i] == 0 || on[i] == 1) << i;
-    if (on[i]) {
-      on_ms += lat[i];
-      ++on_n;
-    } else {
-      off_ms += lat[i];
-      ++off_n;
-      EXPECT_EQ(mb[i], 0.0) << "token " << i << " streamed with the warming off";
-    }
+  ASSERT_EQ(mb.size(), on.size());
+  for (size_t i = 0; i < on.size(); ++i) {
+    if (!on[i]) EXPECT_EQ(mb[i], 0.0) << "token " << i << " streamed with the warming off";
     EXPECT_GE(mb[i], 0.0);
   }
-  ASSERT_GT(on_n, 0) << "36 fair draws: both groups";
-  ASSERT_GT(off_n, 0);
-  EXPECT_EQ(ab["on_tokens"].get<int>(), on_n);
-  EXPECT_EQ(ab["off_tokens"].get<int>(), off_n);
-  EXPECT_NEAR(ab["on_ms_mean"].get<double>(), on_ms / on_n, 1e-9);
-  EXPECT_NEAR(ab["off_ms_mean"].get<double>(), off_ms / off_n, 1e-9);
-  // Another seed draws other tokens.
   auto r2 = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
                                     " --active-set oracle --memory 3M --json -n 40 --warmup 4 --warm-next-ab 6",
                                 /*capture_stderr=*/false);
@@ -134,6 +139,45 @@ TEST_F(OffloadCliTest, WarmNextAbSwitchesPerToken) {
   const auto j2 = nlohmann::json::parse(r2.output, nullptr, false);
   ASSERT_FALSE(j2.is_discarded()) << r2.output;
   EXPECT_NE(j2["warm_next_ab"]["token_on"].get<std::vector<int>>(), on);
+}
+
+// --pin-threads: where the JSON says the threads ran (the rule of runtime/sparse/thread_placement.h on the CPUs this
+// test may use, which the child inherits), pinning never changes the text, and --pin-threads-ab switches it per token.
+TEST_F(OffloadCliTest, PinThreadsPlacesThreadsWithoutChangingResults) {
+  const std::vector<int> allowed = ThreadCpus(pthread_self());
+  ASSERT_FALSE(allowed.empty());
+  const std::string base = Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n 40 --warmup 4";
+  auto run = [&](const std::string& flags) {
+    auto r = testing::RunCommand(base + " " + flags, /*capture_stderr=*/false);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return nlohmann::json::parse(r.output, nullptr, false);
+  };
+  const auto on = run("-t 1 --pin-threads on");
+  ASSERT_FALSE(on.is_discarded());
+  ASSERT_TRUE(on["thread_cpus"].is_object()) << on.dump();
+  EXPECT_EQ(on["thread_cpus"]["caller"].get<int>(), allowed[0]);
+  EXPECT_TRUE(on["thread_cpus"]["workers"].empty());
+  EXPECT_EQ(on["thread_cpus"]["io"].get<int>(), allowed.size() > 1 ? allowed[1] : allowed[0]);
+  EXPECT_EQ(on["pin_threads"].get<std::string>(), "on");
+  const auto off = run("-t 1 --pin-threads off");
+  ASSERT_FALSE(off.is_discarded());
+  EXPECT_TRUE(off["thread_cpus"].is_null());
+  EXPECT_EQ(on["text"], off["text"]);
+  EXPECT_EQ(golden_->rfind(on["text"].get<std::string>(), 0), 0u) << "a prefix of the golden text: " << on["text"];
+  // auto with one compute thread leaves the scheduler alone (a CPU is left for the I/O thread, or none to pin to).
+  const auto automatic = run("-t 1");
+  ASSERT_FALSE(automatic.is_discarded());
+  EXPECT_TRUE(automatic["thread_cpus"].is_null());
+  if (allowed.size() >= 2) {
+    const auto ab = run("-t 2 --pin-threads on --pin-threads-ab 3");
+    ASSERT_FALSE(ab.is_discarded());
+    EXPECT_EQ(ab["thread_cpus"]["workers"].get<std::vector<int>>(), std::vector<int>{allowed[1]});
+    CheckAbGroups(ab, "pin_threads_ab", 3);
+    EXPECT_EQ(ab["text"], off["text"]);
+  }
+  auto both = testing::RunCommand(base + " --warm-next-ab 1 --pin-threads-ab 2", /*capture_stderr=*/true);
+  EXPECT_NE(both.exit_code, 0);
+  EXPECT_NE(both.output.find("one A/B switch per run"), std::string::npos) << both.output;
 }
 
 TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {

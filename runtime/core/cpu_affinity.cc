@@ -1,0 +1,37 @@
+// pthread_{get,set}affinity_np over lists of CPU numbers.
+#include "runtime/core/cpu_affinity.h"
+
+#include <string>
+
+namespace nflash {
+
+std::vector<int> ThreadCpus(pthread_t thread) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (pthread_getaffinity_np(thread, sizeof set, &set) != 0) return cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  return cpus;
+}
+
+Status SetThreadCpus(pthread_t thread, std::span<const int> cpus) {
+  if (cpus.empty()) return Status::InvalidArgument("no CPU to run the thread on");
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) {
+    if (c < 0 || c >= CPU_SETSIZE) {
+      return Status::InvalidArgument("CPU " + std::to_string(c) + " outside [0, " + std::to_string(CPU_SETSIZE) + ")");
+    }
+    CPU_SET(c, &set);
+  }
+  if (const int err = pthread_setaffinity_np(thread, sizeof set, &set); err != 0) {
+    return Status::FromErrno("pthread_setaffinity_np to CPU " + std::to_string(cpus.front()) +
+                                 (cpus.size() > 1 ? " and " + std::to_string(cpus.size() - 1) + " more" : std::string()),
+                             err);
+  }
+  return Status::Ok();
+}
+
+}  // namespace nflash

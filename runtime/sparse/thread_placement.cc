@@ -1,0 +1,63 @@
+// PlanThreadCpus and ThreadPlacement (see thread_placement.h).
+#include "runtime/sparse/thread_placement.h"
+
+#include "runtime/core/cpu_affinity.h"
+
+namespace nflash::sparse {
+
+Result<PinThreads> ParsePinThreads(const std::string& name) {
+  if (name == "auto") return PinThreads::kAuto;
+  if (name == "on") return PinThreads::kOn;
+  if (name == "off") return PinThreads::kOff;
+  return Status::InvalidArgument("--pin-threads " + name + ": expected auto, on or off");
+}
+
+const char* PinThreadsName(PinThreads p) {
+  switch (p) {
+    case PinThreads::kAuto: return "auto";
+    case PinThreads::kOn: return "on";
+    case PinThreads::kOff: return "off";
+  }
+  return "?";
+}
+
+std::optional<ThreadCpuPlan> PlanThreadCpus(PinThreads policy, int compute_threads, std::span<const int> allowed) {
+  const int cpus = static_cast<int>(allowed.size());
+  if (policy == PinThreads::kOff || compute_threads < 1 || cpus < compute_threads) return std::nullopt;
+  if (policy == PinThreads::kAuto && (compute_threads < 2 || cpus > compute_threads)) return std::nullopt;
+  ThreadCpuPlan plan;
+  plan.caller = allowed[0];
+  for (int i = 1; i < compute_threads; ++i) plan.workers.push_back(allowed[static_cast<size_t>(i)]);
+  plan.io = cpus > compute_threads ? allowed[static_cast<size_t>(compute_threads)]
+                                   : allowed[static_cast<size_t>(compute_threads - 1)];
+  return plan;
+}
+
+ThreadPlacement::ThreadPlacement(ThreadCpuPlan plan, std::vector<pthread_t> workers, pthread_t io)
+    : plan_(std::move(plan)), workers_(std::move(workers)), io_(io) {}
+
+Status ThreadPlacement::Pin(pthread_t thread, int cpu) {
+  std::vector<int> before = ThreadCpus(thread);
+  if (before.empty()) return Status::Internal("cannot read a thread's CPU affinity");
+  const int one[] = {cpu};
+  NF_RETURN_IF_ERROR(SetThreadCpus(thread, one));
+  saved_.push_back(Saved{thread, std::move(before)});
+  return Status::Ok();
+}
+
+Status ThreadPlacement::Begin() {
+  End();
+  Status st = Pin(pthread_self(), plan_.caller);
+  for (size_t i = 0; st.ok() && i < workers_.size() && i < plan_.workers.size(); ++i) st = Pin(workers_[i], plan_.workers[i]);
+  if (st.ok()) st = Pin(io_, plan_.io);
+  if (!st.ok()) End();
+  return st;
+}
+
+void ThreadPlacement::End() {
+  // Newest first: the caller's own list comes back last, after the threads it placed.
+  for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) (void)SetThreadCpus(it->thread, it->cpus);
+  saved_.clear();
+}
+
+}  // namespace nflash::sparse

@@ -1,0 +1,67 @@
+// Where the decode's threads run when the compute threads take every CPU (docs/runtime.md, "Thread placement").
+//
+// The offloaded runtime has three kinds of threads: the one calling InferenceContext::Eval (it runs every serial step:
+// the predictor's choice, the cache lookups, submitting reads, the lookahead, and takes part in every parallel loop),
+// the pool's workers, and the I/O thread. With as many compute threads as CPUs, the scheduler places the I/O thread
+// wherever it wakes it, often on the caller's CPU, preempting the serial steps everyone else waits for. Pinned, the
+// caller has a CPU of its own and the I/O thread shares the last worker's, whose loop chunks the caller takes over
+// while it is preempted (ThreadPool claims chunks, it does not assign them).
+#pragma once
+
+#include <pthread.h>
+
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "runtime/core/status.h"
+
+namespace nflash::sparse {
+
+enum class PinThreads : uint8_t {
+  kAuto,  // pin when the compute threads take every allowed CPU (and there are at least 2)
+  kOn,    // pin whenever every compute thread can have a CPU of its own
+  kOff,   // leave every thread to the scheduler
+};
+Result<PinThreads> ParsePinThreads(const std::string& name);
+const char* PinThreadsName(PinThreads p);
+
+// One CPU per thread: the caller, the pool's workers (thread_index 1, 2, ...), the I/O thread.
+struct ThreadCpuPlan {
+  int caller = -1;
+  std::vector<int> workers;
+  int io = -1;
+};
+
+// The plan for `compute_threads` threads (caller + workers) and an I/O thread on the CPUs the process may use
+// (`allowed`, ascending): the caller on allowed[0], worker i on allowed[i], the I/O thread on the first CPU left over,
+// else beside the last worker. Empty: no pinning (policy off; auto with a CPU to spare or fewer than 2 compute
+// threads; fewer CPUs than compute threads).
+std::optional<ThreadCpuPlan> PlanThreadCpus(PinThreads policy, int compute_threads, std::span<const int> allowed);
+
+// Applies a plan around one Eval and puts every thread back where it was allowed to run before.
+// Thread-safety: Begin and End are called by the caller thread only, in pairs.
+class ThreadPlacement {
+ public:
+  ThreadPlacement(ThreadCpuPlan plan, std::vector<pthread_t> workers, pthread_t io);
+  // Pins the calling thread, the workers and the I/O thread, saving their CPU lists first. On failure, restores what
+  // it pinned and returns the error.
+  Status Begin();
+  // Restores the saved CPU lists (no-op without a successful Begin).
+  void End();
+  const ThreadCpuPlan& plan() const { return plan_; }
+
+ private:
+  struct Saved {
+    pthread_t thread;
+    std::vector<int> cpus;
+  };
+  Status Pin(pthread_t thread, int cpu);
+  ThreadCpuPlan plan_;
+  std::vector<pthread_t> workers_;
+  pthread_t io_;
+  std::vector<Saved> saved_;
+};
+
+}  // namespace nflash::sparse
