@@ -141,7 +141,8 @@ Status OpenEngine(const RowSpec& s, int64_t n_ctx, Engine* e, std::string* unava
   o.memory_budget = s.memory_budget;
   o.n_ctx = n_ctx;
   NF_ASSIGN_OR_RETURN(o.kv_type, ParseKvType(s.kv_type));
-  const sparse::LookaheadChoice lookahead = sparse::AutoLookahead(s.lookahead, s.threads);
+  const sparse::LookaheadChoice lookahead =
+      sparse::AutoLookahead(s.lookahead, s.threads, sparse::ThreadsPinned(o.mode, o.pin_threads, s.threads));
   o.lookahead_slots = lookahead.slots;
   o.lookahead_adaptive = lookahead.adaptive;
   if (s.mode == BenchMode::kBundles) {

@@ -549,7 +549,8 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
       o->chunk_requests = f.chunk_requests;
     }
   }
-  const LookaheadChoice lookahead = AutoLookahead(f.lookahead, *threads);
+  const LookaheadChoice lookahead =
+      AutoLookahead(f.lookahead, *threads, ThreadsPinned(o->mode, o->pin_threads, *threads));
   o->lookahead_slots = lookahead.slots;
   o->lookahead_adaptive = lookahead.adaptive;
   return Status::Ok();

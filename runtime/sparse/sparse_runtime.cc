@@ -1,11 +1,14 @@
 // Assembles the sparse runtime from a deployment directory (see sparse_runtime.h).
 #include "runtime/sparse/sparse_runtime.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <numeric>
 #include <string>
 #include <utility>
 
+#include "runtime/core/cpu_affinity.h"
 #include "runtime/core/log.h"
 
 namespace nflash::sparse {
@@ -222,7 +225,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   NF_ASSIGN_OR_RETURN(rt->ffn_, OffloadFfn::Create(d, *rt->model_, rt->flash_, oo, pool));
   rt->ctx_->SetFfnBackend(rt->ffn_.get());
   if (rt->ffn_->lookahead_slots() > 0 && options.lookahead_adaptive) {
-    NF_LOG(Info) << "lookahead adaptive: the compute threads take every core, so it starts off and turns on if "
+    NF_LOG(Info) << "lookahead adaptive: unpinned compute threads take every core, so it starts off and turns on if "
                  << "waiting for reads takes " << static_cast<int>(kDefaultLookaheadWaitShare * 100.0 + 0.5) << "% of "
                  << kDefaultLookaheadWindowTokens << " tokens (--lookahead N: always, 0: never)";
   } else if (hp.n_experts > 0 && options.lookahead_slots < 0 && options.mode == OffloadMode::kFull) {
@@ -234,11 +237,16 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
 
 std::string SparseRuntime::Accounting() const { return DescribeAccounting(budget_, fixed_, split_); }
 
-LookaheadChoice AutoLookahead(int64_t flag, int compute_threads) {
+bool ThreadsPinned(OffloadMode mode, PinThreads pin, int compute_threads) {
+  const int threads = compute_threads > 0 ? compute_threads : ThreadPool::HardwareThreads();
+  return mode == OffloadMode::kFull && PlanThreadCpus(pin, threads, ThreadCpus(pthread_self())).has_value();
+}
+
+LookaheadChoice AutoLookahead(int64_t flag, int compute_threads, bool threads_pinned) {
   if (flag >= 0) return {flag, false};
   const int cores = ThreadPool::HardwareThreads();
   const int threads = compute_threads > 0 ? compute_threads : cores;
-  if (threads < cores) return {-1, false};
+  if (threads < cores || threads_pinned) return {-1, false};
   return {-1, true};  // logged by SparseRuntime::Open when the lookahead applies
 }
 

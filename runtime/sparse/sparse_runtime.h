@@ -100,16 +100,22 @@ struct SparseRuntimeOptions {
 };
 
 // The lookahead that `--lookahead` (`flag`, -1: auto) asks for, with `compute_threads` compute threads (0: every
-// core). The lookahead trades CPU (a second predictor pass per layer, more read requests, their verification) for I/O
-// wait. With a core beyond the compute threads, auto reads ahead from the start (n_ff / 8 bundles). Where the compute
-// threads take every core, that CPU is short, and whether the trade pays depends on the disk (SYNTHETIC 7B at 1392M
-// on 2 vCPUs: ~3% slower on a disk of ~140k IOPS, median +5% on one of ~70k): auto is then adaptive, off until
-// waiting for reads takes kDefaultLookaheadWaitShare of a window of tokens (OffloadOptions::lookahead_adaptive).
+// core), `threads_pinned` when the decode's threads are pinned (thread_placement.h). The lookahead trades CPU (a second
+// predictor pass per layer, more read requests, their verification) for I/O wait. With a core beyond the compute
+// threads, or with the threads pinned (the I/O thread then no longer preempts the caller's serial steps: SYNTHETIC 7B
+// at 1392M on 2 vCPUs, pinned, the lookahead cut the wait from ~12 to ~8.5 ms per token, +3-10% tok/s in 3 of 3
+// pairs), auto reads ahead from the start (n_ff / 8 bundles). Where unpinned compute threads take every core, that CPU
+// is short, and whether the trade pays depends on the disk (the same model unpinned: ~3% slower on a disk of ~140k
+// IOPS, median +5% on one of ~70k): auto is then adaptive, off until waiting for reads takes
+// kDefaultLookaheadWaitShare of a window of tokens (OffloadOptions::lookahead_adaptive).
 struct LookaheadChoice {
   int64_t slots = 0;      // OffloadOptions::lookahead_slots
   bool adaptive = false;  // OffloadOptions::lookahead_adaptive
 };
-LookaheadChoice AutoLookahead(int64_t flag, int compute_threads);
+LookaheadChoice AutoLookahead(int64_t flag, int compute_threads, bool threads_pinned);
+// Whether a runtime opened with `mode` and `pin` and `compute_threads` threads (0: every core) from this thread will
+// pin them (OffloadFfn: full mode, PlanThreadCpus on the CPUs the calling thread may use).
+bool ThreadsPinned(OffloadMode mode, PinThreads pin, int compute_threads);
 
 // Thread-safety: not thread-safe (one sequence). The pool must outlive it.
 class SparseRuntime {

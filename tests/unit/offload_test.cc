@@ -444,18 +444,20 @@ TEST_F(OffloadTest, SameLayerLookaheadChangesReadsNotResults) {
   EXPECT_FALSE(ParseLookaheadSource("previous").ok());
 }
 
-// --lookahead -1 (auto) reads ahead from the start when a core is left beyond the compute threads, else adaptively;
-// a given value is kept, never adaptive.
-TEST(AutoLookaheadTest, FromTheStartOnlyWithACoreToSpare) {
+// --lookahead -1 (auto) reads ahead from the start when a core is left beyond the compute threads or the threads are
+// pinned, else adaptively; a given value is kept, never adaptive.
+TEST(AutoLookaheadTest, FromTheStartOnlyWithACoreToSpareOrPinnedThreads) {
   const int cores = ThreadPool::HardwareThreads();
   auto is = [](LookaheadChoice c, int64_t slots, bool adaptive) { return c.slots == slots && c.adaptive == adaptive; };
-  EXPECT_TRUE(is(AutoLookahead(0, 1), 0, false));
-  EXPECT_TRUE(is(AutoLookahead(7, cores), 7, false));
-  EXPECT_TRUE(is(AutoLookahead(-1, cores), -1, true));
-  EXPECT_TRUE(is(AutoLookahead(-1, 0), -1, true)) << "0 threads means every core";
-  EXPECT_TRUE(is(AutoLookahead(-1, cores + 2), -1, true));
+  EXPECT_TRUE(is(AutoLookahead(0, 1, false), 0, false));
+  EXPECT_TRUE(is(AutoLookahead(7, cores, false), 7, false));
+  EXPECT_TRUE(is(AutoLookahead(-1, cores, false), -1, true));
+  EXPECT_TRUE(is(AutoLookahead(-1, cores, true), -1, false)) << "pinned: from the start";
+  EXPECT_TRUE(is(AutoLookahead(0, cores, true), 0, false)) << "a given value is kept";
+  EXPECT_TRUE(is(AutoLookahead(-1, 0, false), -1, true)) << "0 threads means every core";
+  EXPECT_TRUE(is(AutoLookahead(-1, cores + 2, false), -1, true));
   if (cores > 1) {
-    EXPECT_TRUE(is(AutoLookahead(-1, cores - 1), -1, false));
+    EXPECT_TRUE(is(AutoLookahead(-1, cores - 1, false), -1, false));
   }
 }
 
