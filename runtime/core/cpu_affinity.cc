@@ -27,9 +27,8 @@ Status SetThreadCpus(pthread_t thread, std::span<const int> cpus) {
     CPU_SET(c, &set);
   }
   if (const int err = pthread_setaffinity_np(thread, sizeof set, &set); err != 0) {
-    return Status::FromErrno("pthread_setaffinity_np to CPU " + std::to_string(cpus.front()) +
-                                 (cpus.size() > 1 ? " and " + std::to_string(cpus.size() - 1) + " more" : std::string()),
-                             err);
+    const std::string more = cpus.size() > 1 ? " and " + std::to_string(cpus.size() - 1) + " more" : "";
+    return Status::FromErrno("pthread_setaffinity_np to CPU " + std::to_string(cpus.front()) + more, err);
   }
   return Status::Ok();
 }

@@ -512,8 +512,9 @@ Result<GgufFile> GgufFile::OpenPath(const std::string& path, bool use_mmap) {
 
 Result<GgufFile> GgufFile::Rebind(std::shared_ptr<const ReadableFile> file) && {
   if (file->Size() != file_->Size()) {
-    return Status::Corruption(file->Path() + ": " + std::to_string(file->Size()) + " bytes, but its directory was parsed from " +
-                              file_->Path() + " of " + std::to_string(file_->Size()) + " bytes");
+    return Status::Corruption(file->Path() + ": " + std::to_string(file->Size()) +
+                              " bytes, but its directory was parsed from " + file_->Path() + " of " +
+                              std::to_string(file_->Size()) + " bytes");
   }
   file_ = std::move(file);
   return std::move(*this);

@@ -48,7 +48,9 @@ Status ThreadPlacement::Pin(pthread_t thread, int cpu) {
 Status ThreadPlacement::Begin() {
   End();
   Status st = Pin(pthread_self(), plan_.caller);
-  for (size_t i = 0; st.ok() && i < workers_.size() && i < plan_.workers.size(); ++i) st = Pin(workers_[i], plan_.workers[i]);
+  for (size_t i = 0; st.ok() && i < workers_.size() && i < plan_.workers.size(); ++i) {
+    st = Pin(workers_[i], plan_.workers[i]);
+  }
   if (st.ok()) st = Pin(io_, plan_.io);
   if (!st.ok()) End();
   return st;

@@ -146,7 +146,8 @@ TEST_F(OffloadCliTest, WarmNextAbSwitchesPerToken) {
 TEST_F(OffloadCliTest, PinThreadsPlacesThreadsWithoutChangingResults) {
   const std::vector<int> allowed = ThreadCpus(pthread_self());
   ASSERT_FALSE(allowed.empty());
-  const std::string base = Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n 40 --warmup 4";
+  const std::string base =
+      Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n 40 --warmup 4";
   auto run = [&](const std::string& flags) {
     auto r = testing::RunCommand(base + " " + flags, /*capture_stderr=*/false);
     EXPECT_EQ(r.exit_code, 0) << r.output;

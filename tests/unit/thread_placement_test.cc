@@ -95,7 +95,9 @@ TEST(ThreadPlacementTest, BeginPinsEveryThreadAndEndRestoresThem) {
   std::vector<std::atomic<int>> cpu_of_thread(static_cast<size_t>(threads));
   for (auto& c : cpu_of_thread) c.store(-1);
   std::this_thread::yield();
-  pool.ParallelFor(1 << 12, 1, [&](int64_t, int64_t, int t) { cpu_of_thread[static_cast<size_t>(t)].store(sched_getcpu()); });
+  pool.ParallelFor(1 << 12, 1, [&](int64_t, int64_t, int t) {
+    cpu_of_thread[static_cast<size_t>(t)].store(sched_getcpu());
+  });
   EXPECT_EQ(cpu_of_thread[0].load(), plan->caller);
   for (int t = 1; t < threads; ++t) {
     const int cpu = cpu_of_thread[static_cast<size_t>(t)].load();
