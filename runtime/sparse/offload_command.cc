@@ -337,11 +337,13 @@ Status RunOffload(const OffloadFlags& f) {
   }
   j["decode_layers"] = decode_layers;
   // Where the threads ran (--pin-threads): the caller's, the workers' and the I/O thread's CPU; null when unpinned.
+  // And the flash disk's interrupts per CPU when the runtime opened, which chose those CPUs (empty: unknown).
   if (const ThreadCpuPlan* tp = rt.ffn().thread_plan()) {
     j["thread_cpus"] = {{"caller", tp->caller}, {"workers", tp->workers}, {"io", tp->io}};
   } else {
     j["thread_cpus"] = nullptr;
   }
+  j["disk_interrupts_per_cpu"] = rt.ffn().disk_interrupts();
   if (ab_seed != 0) {
     // Measured tokens with the switch on and off (scripts/ab_tokens.py fits token time on reads and the switch over
     // several runs' JSON).

@@ -12,6 +12,7 @@
 #include <numeric>
 #include <string>
 
+#include "runtime/core/block_device.h"
 #include "runtime/core/cpu_affinity.h"
 #include "runtime/core/ffn_activation.h"
 #include "runtime/core/kernels.h"
@@ -279,7 +280,15 @@ Status OffloadFfn::Init() {
     if (warm_cap_ > 0) io_->SetIdleWork([this] { return WarmStep(); });
     const std::vector<int> allowed = ThreadCpus(pthread_self());
     const int compute_threads = pool_ != nullptr ? pool_->NumThreads() : 1;
-    if (std::optional<ThreadCpuPlan> plan = PlanThreadCpus(options_.pin_threads, compute_threads, allowed)) {
+    disk_interrupts_ = DiskInterruptsPerCpu(flash_->Path());
+    if (std::optional<ThreadCpuPlan> plan =
+            PlanThreadCpus(options_.pin_threads, compute_threads, allowed, disk_interrupts_)) {
+      std::string workers;
+      for (int w : plan->workers) workers += " " + std::to_string(w);
+      const bool known = std::any_of(disk_interrupts_.begin(), disk_interrupts_.end(), [](uint64_t n) { return n > 0; });
+      NF_LOG(Info) << "threads pinned for each evaluation (--pin-threads): caller on CPU " << plan->caller
+                   << (workers.empty() ? "" : ", workers on CPU" + workers) << ", I/O thread on CPU " << plan->io
+                   << (known ? " (where most of the disk's interrupts arrive)" : " (the disk's interrupts unknown)");
       placement_.emplace(std::move(*plan),
                          pool_ != nullptr ? pool_->WorkerHandles() : std::vector<std::thread::native_handle_type>{},
                          io_->ThreadHandle());

@@ -385,6 +385,8 @@ class OffloadFfn : public FfnBackend {
   void SetWarmNextEnabled(bool on) { warm_enabled_ = on; }
   // Where the threads are pinned for each Eval (OffloadOptions::pin_threads), or nullptr when they are not.
   const ThreadCpuPlan* thread_plan() const { return placement_ ? &placement_->plan() : nullptr; }
+  // The flash disk's interrupts per CPU when the runtime opened (DiskInterruptsPerCpu; empty: unknown, or not full mode).
+  const std::vector<uint64_t>& disk_interrupts() const { return disk_interrupts_; }
   // Switches the pinning off (and on again) from the next Eval on, e.g. per token for an A/B comparison inside one
   // process (`nflash offload --pin-threads-ab`).
   void SetPinThreadsEnabled(bool on) { pin_enabled_ = on; }
@@ -574,6 +576,7 @@ class OffloadFfn : public FfnBackend {
   uint64_t warm_cap_ = 0;  // warm_next_bytes resolved (-1: half the last-level cache)
   bool warm_enabled_ = true;
   std::optional<ThreadPlacement> placement_;  // full mode, when OffloadOptions::pin_threads applies
+  std::vector<uint64_t> disk_interrupts_;
   bool pin_enabled_ = true;
   int64_t warm_group_ = -1;
   // Arms the warming for a layer's waits: the weights computed after it (ForwardToken, at the layer's first FFN).

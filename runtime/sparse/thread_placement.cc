@@ -1,6 +1,8 @@
 // PlanThreadCpus and ThreadPlacement (see thread_placement.h).
 #include "runtime/sparse/thread_placement.h"
 
+#include <algorithm>
+
 #include "runtime/core/cpu_affinity.h"
 
 namespace nflash::sparse {
@@ -21,15 +23,23 @@ const char* PinThreadsName(PinThreads p) {
   return "?";
 }
 
-std::optional<ThreadCpuPlan> PlanThreadCpus(PinThreads policy, int compute_threads, std::span<const int> allowed) {
+std::optional<ThreadCpuPlan> PlanThreadCpus(PinThreads policy, int compute_threads, std::span<const int> allowed,
+                                            std::span<const uint64_t> disk_interrupts) {
   const int cpus = static_cast<int>(allowed.size());
   if (policy == PinThreads::kOff || compute_threads < 1 || cpus < compute_threads) return std::nullopt;
   if (policy == PinThreads::kAuto && (compute_threads < 2 || cpus > compute_threads)) return std::nullopt;
+  auto interrupts = [&](int cpu) {
+    return cpu >= 0 && static_cast<size_t>(cpu) < disk_interrupts.size() ? disk_interrupts[static_cast<size_t>(cpu)]
+                                                                         : uint64_t{0};
+  };
+  std::vector<int> order(allowed.begin(), allowed.end());
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    return interrupts(a) != interrupts(b) ? interrupts(a) < interrupts(b) : a < b;
+  });
   ThreadCpuPlan plan;
-  plan.caller = allowed[0];
-  for (int i = 1; i < compute_threads; ++i) plan.workers.push_back(allowed[static_cast<size_t>(i)]);
-  plan.io = cpus > compute_threads ? allowed[static_cast<size_t>(compute_threads)]
-                                   : allowed[static_cast<size_t>(compute_threads - 1)];
+  plan.caller = order[0];
+  for (int i = 1; i < compute_threads; ++i) plan.workers.push_back(order[static_cast<size_t>(i)]);
+  plan.io = cpus > compute_threads ? order.back() : order[static_cast<size_t>(compute_threads - 1)];
   return plan;
 }
 

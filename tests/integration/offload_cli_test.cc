@@ -3,6 +3,7 @@
 // a budget below the fixed part exits with 2 and names the minimum.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -156,9 +157,18 @@ TEST_F(OffloadCliTest, PinThreadsPlacesThreadsWithoutChangingResults) {
   const auto on = run("-t 1 --pin-threads on");
   ASSERT_FALSE(on.is_discarded());
   ASSERT_TRUE(on["thread_cpus"].is_object()) << on.dump();
-  EXPECT_EQ(on["thread_cpus"]["caller"].get<int>(), allowed[0]);
+  const int caller = on["thread_cpus"]["caller"].get<int>(), io = on["thread_cpus"]["io"].get<int>();
+  EXPECT_NE(std::find(allowed.begin(), allowed.end(), caller), allowed.end()) << caller;
+  EXPECT_NE(std::find(allowed.begin(), allowed.end(), io), allowed.end()) << io;
   EXPECT_TRUE(on["thread_cpus"]["workers"].empty());
-  EXPECT_EQ(on["thread_cpus"]["io"].get<int>(), allowed.size() > 1 ? allowed[1] : allowed[0]);
+  if (allowed.size() > 1) EXPECT_NE(caller, io) << "one compute thread: the I/O thread gets a CPU of its own";
+  // The caller where the disk's interrupts arrive least, the I/O thread where they arrive most.
+  const auto irq = on["disk_interrupts_per_cpu"].get<std::vector<uint64_t>>();
+  auto count = [&](int cpu) { return static_cast<size_t>(cpu) < irq.size() ? irq[static_cast<size_t>(cpu)] : 0; };
+  for (int c : allowed) {
+    EXPECT_LE(count(caller), count(c)) << "CPU " << c;
+    if (c != caller) EXPECT_GE(count(io), count(c)) << "CPU " << c;
+  }
   EXPECT_EQ(on["pin_threads"].get<std::string>(), "on");
   const auto off = run("-t 1 --pin-threads off");
   ASSERT_FALSE(off.is_discarded());
@@ -172,7 +182,7 @@ TEST_F(OffloadCliTest, PinThreadsPlacesThreadsWithoutChangingResults) {
   if (allowed.size() >= 2) {
     const auto ab = run("-t 2 --pin-threads on --pin-threads-ab 3");
     ASSERT_FALSE(ab.is_discarded());
-    EXPECT_EQ(ab["thread_cpus"]["workers"].get<std::vector<int>>(), std::vector<int>{allowed[1]});
+    EXPECT_EQ(ab["thread_cpus"]["workers"].get<std::vector<int>>().size(), 1u);
     CheckAbGroups(ab, "pin_threads_ab", 3);
     EXPECT_EQ(ab["text"], off["text"]);
   }

@@ -4,9 +4,12 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
+#include <vector>
 
 #include "runtime/core/block_device.h"
 #include "runtime/core/file.h"
@@ -201,6 +204,71 @@ TEST(BlockDeviceTest, DescribesTheDiskOfAFile) {
     EXPECT_EQ(ActiveScheduler(line), info.scheduler);
   }
   EXPECT_TRUE(DescribeBlockQueue("/proc/self/status").device.empty()) << "procfs is on no disk";
+}
+
+TEST(BlockDeviceTest, ParsesPerCpuCounts) {
+  EXPECT_EQ(ParsePerCpuCounts("0,11521331\n"), (std::vector<uint64_t>{0, 11521331}));
+  EXPECT_EQ(ParsePerCpuCounts("7"), std::vector<uint64_t>{7});
+  EXPECT_TRUE(ParsePerCpuCounts("").empty());
+  EXPECT_TRUE(ParsePerCpuCounts("1,,2").empty());
+  EXPECT_TRUE(ParsePerCpuCounts("1,x").empty());
+}
+
+// The per-CPU interrupt counts of the test binary's disk, against /proc/interrupts read before and after (counts only
+// grow), for the interrupt lines found here another way: the msi_irqs of the PCI function that /sys/block/<disk>/device
+// leads to. No such lines (no disk, or not a PCI device): the function finds none either.
+TEST(BlockDeviceTest, DiskInterruptsMatchProcInterrupts) {
+  namespace fs = std::filesystem;
+  const std::string exe = fs::canonical("/proc/self/exe").string();
+  const BlockQueueInfo info = DescribeBlockQueue(exe);
+  std::vector<int> irqs;
+  std::error_code ec;
+  if (!info.device.empty()) {
+    const fs::path device = fs::canonical("/sys/block/" + info.device + "/device", ec);
+    for (fs::path d = device; !ec && d.string().size() > 12; d = d.parent_path()) {
+      std::error_code missing;
+      if (fs::is_directory(d / "msi_irqs", missing)) {
+        for (const auto& e : fs::directory_iterator(d / "msi_irqs")) irqs.push_back(std::stoi(e.path().filename()));
+        break;
+      }
+    }
+  }
+  // Per CPU: the sum over `irqs` of their /proc/interrupts columns.
+  auto proc_counts = [&] {
+    std::ifstream in("/proc/interrupts");
+    std::string header;
+    std::getline(in, header);
+    std::vector<int> cpus;
+    std::istringstream hs(header);
+    for (std::string w; hs >> w;) cpus.push_back(std::stoi(w.substr(3)));  // "CPU0"
+    std::vector<uint64_t> sum(cpus.empty() ? 0 : static_cast<size_t>(cpus.back()) + 1, 0);
+    for (std::string line; std::getline(in, line);) {
+      std::istringstream ls(line);
+      std::string label;
+      ls >> label;
+      if (label.empty() || label.back() != ':' || label.find_first_not_of("0123456789:") != std::string::npos) continue;
+      const int irq = std::stoi(label);
+      if (std::find(irqs.begin(), irqs.end(), irq) == irqs.end()) continue;
+      for (int c : cpus) {
+        uint64_t n = 0;
+        ls >> n;
+        sum[static_cast<size_t>(c)] += n;
+      }
+    }
+    return sum;
+  };
+  const std::vector<uint64_t> before = proc_counts();
+  const std::vector<uint64_t> got = DiskInterruptsPerCpu(exe);
+  const std::vector<uint64_t> after = proc_counts();
+  if (irqs.empty()) {
+    EXPECT_TRUE(got.empty()) << info.device;
+    return;
+  }
+  ASSERT_EQ(got.size(), before.size()) << "one count per CPU";
+  for (size_t c = 0; c < got.size(); ++c) {
+    EXPECT_LE(before[c], got[c]) << "CPU " << c;
+    EXPECT_LE(got[c], after[c]) << "CPU " << c;
+  }
 }
 
 // Kernel-generated files report a size of 0 to stat; ReadKernelTextFile reads them to EOF. Checked against a regular

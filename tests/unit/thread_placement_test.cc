@@ -31,18 +31,38 @@ TEST(ThreadPlacementTest, PlanFollowsTheRule) {
   EXPECT_FALSE(PlanThreadCpus(PinThreads::kAuto, 2, four).has_value());
   EXPECT_FALSE(PlanThreadCpus(PinThreads::kAuto, 1, std::vector<int>{4}).has_value());
   EXPECT_FALSE(PlanThreadCpus(PinThreads::kAuto, 3, two).has_value());
-  // on: the allowed CPUs in order, the I/O thread on the first one left over.
+  // on: the allowed CPUs in order, the I/O thread on the last one left over.
   p = PlanThreadCpus(PinThreads::kOn, 2, four);
   ASSERT_TRUE(p.has_value());
   EXPECT_EQ(p->caller, 2);
   EXPECT_EQ(p->workers, std::vector<int>{3});
-  EXPECT_EQ(p->io, 5);
+  EXPECT_EQ(p->io, 7);
   p = PlanThreadCpus(PinThreads::kAuto, 4, four);  // every CPU computes: beside the last worker
   ASSERT_TRUE(p.has_value());
   EXPECT_EQ(p->caller, 2);
   EXPECT_EQ(p->workers, (std::vector<int>{3, 5, 7}));
   EXPECT_EQ(p->io, 7);
   EXPECT_FALSE(PlanThreadCpus(PinThreads::kOn, 5, four).has_value()) << "a CPU per compute thread or nothing";
+  // The disk's interrupts: the caller where fewest arrive, the I/O thread where most do.
+  const std::vector<uint64_t> on_cpu0 = {9000, 12};
+  p = PlanThreadCpus(PinThreads::kAuto, 2, two, on_cpu0);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->caller, 1);
+  EXPECT_EQ(p->workers, std::vector<int>{0});
+  EXPECT_EQ(p->io, 0);
+  const std::vector<uint64_t> on_cpu1 = {12, 9000};
+  p = PlanThreadCpus(PinThreads::kAuto, 2, two, on_cpu1);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->caller, 0);
+  EXPECT_EQ(p->io, 1);
+  // CPUs 2, 3, 5, 7 with interrupts on 3 (counts beyond the list's end are 0): 2 threads compute on 2 and 5, the I/O
+  // thread goes to 3.
+  const std::vector<uint64_t> on_cpu3 = {0, 0, 0, 500};
+  p = PlanThreadCpus(PinThreads::kOn, 2, four, on_cpu3);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->caller, 2);
+  EXPECT_EQ(p->workers, std::vector<int>{5});
+  EXPECT_EQ(p->io, 3);
   EXPECT_FALSE(PlanThreadCpus(PinThreads::kOff, 2, two).has_value());
   EXPECT_EQ(*ParsePinThreads("auto"), PinThreads::kAuto);
   EXPECT_EQ(*ParsePinThreads("off"), PinThreads::kOff);
