@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Issue 6's 0.7x ratio, side by side: N rounds, each running the in-memory sparse run (`nflash run --sparse predictor`
 # with the first deployment's predictor, weights read into memory) and then every offloaded configuration given
-# (`nflash offload --plan`), interleaved so that the host's load drifts through all of them alike. Prints each round's
+# (`nflash offload --plan`), interleaved so that the host's load drifts through all of them alike, in ABBA order (odd
+# rounds: the in-memory run, then the configurations; even rounds: the configurations in reverse, then the in-memory
+# run): on the development VM the run right after an in-memory run was the slowest of three in 3 of 3, so a fixed order
+# penalised the first configuration (docs/results.md, twenty-first run). Prints each round's
 # tok/s (decode after WARMUP tokens), each configuration's I/O wait per token and ratio to that round's in-memory run,
 # and the median ratios (the lower middle for an even count). The same prompt, token count and threads everywhere.
 # Usage: [ROUNDS=6] [TOKENS=40] [WARMUP=8] [THREADS=2] scripts/ab_offload.sh MODEL.gguf DEPLOY_DIR:PLAN.json
@@ -38,19 +41,29 @@ trap 'rm -f "$RESULTS"' EXIT
 printf 'round  in-memory'
 for cfg in "$@"; do printf '  | %s' "$cfg"; done
 printf '\n'
+CFGS=("$@")
 for r in $(seq "$ROUNDS"); do
-  base=$(inmem)
-  line="$r  $base"
-  c=0
-  for cfg in "$@"; do
-    IFS=: read -r deploy plan extra <<< "$cfg"
+  order=$(seq 0 $((${#CFGS[@]} - 1)))
+  if [ $((r % 2)) -eq 1 ]; then
+    base=$(inmem)
+  else
+    order=$(seq $((${#CFGS[@]} - 1)) -1 0)
+  fi
+  declare -A got=()
+  for c in $order; do
+    IFS=: read -r deploy plan extra <<< "${CFGS[$c]}"
     # shellcheck disable=SC2086
-    read -r speed wait <<< "$(offload "$deploy" "$plan" ${extra//,/ })"
+    got[$c]=$(offload "$deploy" "$plan" ${extra//,/ })
+  done
+  if [ $((r % 2)) -eq 0 ]; then base=$(inmem); fi
+  line="$r  $base"
+  for c in $(seq 0 $((${#CFGS[@]} - 1))); do
+    read -r speed wait <<< "${got[$c]}"
     ratio=$(python3 -c "print('%.3f' % ($speed / $base))")
     line="$line  | $speed tok/s, wait $wait ms, x$ratio"
     echo "$c $ratio $speed" >> "$RESULTS"
-    c=$((c + 1))
   done
+  unset got
   echo "$line"
 done
 c=0
