@@ -344,6 +344,13 @@ Status RunOffload(const OffloadFlags& f) {
     j["thread_cpus"] = nullptr;
   }
   j["disk_interrupts_per_cpu"] = rt.ffn().disk_interrupts();
+  // Where the FFN's time went, per measured token (OffloadFfn::kFfnStepNames; the token path's wall time, every layer).
+  nlohmann::json ffn_steps = nlohmann::json::object();
+  for (int i = 0; i < OffloadFfn::kFfnSteps; ++i) {
+    const double ns = static_cast<double>(rt.ffn().step_ns()[static_cast<size_t>(i)]);
+    ffn_steps[OffloadFfn::kFfnStepNames[i]] = ns / 1e6 / steps;
+  }
+  j["ffn_step_ms_per_token"] = ffn_steps;
   if (ab_seed != 0) {
     // Measured tokens with the switch on and off (scripts/ab_tokens.py fits token time on reads and the switch over
     // several runs' JSON).

@@ -747,6 +747,12 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   const float thr = thresholds_[static_cast<size_t>(group)];
   OffloadGroupStats& st = stats_[static_cast<size_t>(group)];
   const uint64_t wait0 = io_wait_ns();
+  uint64_t step_t = SteadyNowNs();
+  auto step_done = [&](int step) {  // the time since the last step goes to `step`
+    const uint64_t now = SteadyNowNs();
+    step_ns_[static_cast<size_t>(step)] += now - step_t;
+    step_t = now;
+  };
   // A prefetched region must not race with this token's reads. Within a batch a later batched FFN wants it (MoE: this
   // expert has too few tokens and runs between batched ones), so its read completes first and the buffer stays (its
   // wait is prefill's exposed I/O); otherwise (e.g. after a failed prefill) nobody will use it. The slots a batched
@@ -796,12 +802,14 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     trace_line_ += '\n';
     NF_RETURN_IF_ERROR(active_trace_->Append(trace_line_.data(), trace_line_.size()));
   }
+  step_done(0);
 
   // 2. Cache lookups and the reads the misses need.
   if (Status resolved = Resolve(group, *region); !resolved.ok()) {
     AbandonPending();  // nothing was submitted for this layer; drop what it pinned
     return resolved;
   }
+  step_done(1);
   // Full mode: the misses' reads go out before the hits are pinned (their lookups then overlap the reads).
   const bool early_reads = !two_phase_ && options_.mode == OffloadMode::kFull;
   size_t base = 0;
@@ -810,6 +818,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     io_open_ = true;
   }
   ResolveHits(group);
+  step_done(2);
   st.tokens += 1;
   st.active += static_cast<int64_t>(active_.size());
   st.missed += static_cast<int64_t>(active_.size() - ready_items_.size());
@@ -829,9 +838,12 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
         LastFfnOfLayer(layer, expert)) {
       IssueLookahead(layer, x);
     }
+    step_done(3);
     ComputeItems(ready_items_, x, thr);  // cache hits: while the first reads are in flight
+    step_done(4);
     status = ConsumeLookahead();
     if (status.ok()) ComputeItems(la_items_, x, thr);
+    step_done(5);
     size_t pos = 0;  // in unit_order_
     for (size_t c = 0; c < chunk_ends_.size() && status.ok(); ++c) {
       Status read = io_->WaitChunk(base + c);
@@ -864,6 +876,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
       ComputeItems(items_by_chunk_, x, thr);
     }
   }
+  step_done(6);  // full: the chunks; llmflash and two-phase: every read and the compute
   if (!status.ok()) {
     AbandonPending();
     return status;
@@ -881,7 +894,9 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   st.used += static_cast<int64_t>(used_down_.size());
   std::fill(out, out + hp.dim, 0.0f);
   AccumulateRowPtrs(PartShape(lay, lay.down_type, lay.down_bytes), used_down_, used_hidden_.data(), out, pool_);
+  step_done(7);
   ReleaseAll();  // after the accumulation: the down columns were read from the pinned slots
+  step_done(8);
   st.io_wait_ns += io_wait_ns() - wait0;
   if (LastFfnOfLayer(layer, expert)) warm_left_ = 0;  // other waits (prefill's) do not warm
   if (la_slots_ > 0 && !la_on_ && layer + 1 == hp.n_layers && LastFfnOfLayer(layer, expert)) WatchTokenEnd();
@@ -979,6 +994,7 @@ OffloadGroupStats OffloadFfn::TotalStats() const {
 
 void OffloadFfn::ResetStats() {
   for (auto& s : stats_) s = OffloadGroupStats();
+  step_ns_.fill(0);
   cache_->hot().ResetCounters();
   cache_->cold().ResetCounters();
 }

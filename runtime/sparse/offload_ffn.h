@@ -34,6 +34,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -341,6 +342,21 @@ class OffloadFfn : public FfnBackend {
   const std::vector<OffloadGroupStats>& stats() const { return stats_; }
   OffloadGroupStats TotalStats() const;
   void ResetStats();
+  // Where the token path's FFN time goes, in steps (wall time on the calling thread, summed over layers and tokens
+  // since ResetStats): kFfnStepNames[i] names step_ns()[i].
+  static constexpr int kFfnSteps = 9;
+  static constexpr const char* kFfnStepNames[kFfnSteps] = {
+      "predict",        // the active set (predictor or oracle)
+      "lookup_misses",  // cache lookups; the misses' slots and reads built
+      "pin_hits",       // the misses' reads submitted, the hits pinned
+      "guess_next",     // the lookahead: the next layer's guess, its slots and reads
+      "hits",           // gate and up rows of the cache hits
+      "lookahead_wait", // this layer's reads ahead waited for, verified and computed
+      "reads",          // the layer's own reads waited for, verified and computed (llmflash, two-phase: all reads)
+      "down",           // the down accumulation
+      "release",        // the slots released
+  };
+  const std::array<uint64_t, kFfnSteps>& step_ns() const { return step_ns_; }
   // Records every active set of the decode path (a token's layer or expert, after the predictor or the oracle): one
   // text line each, the group (layer x max(1, n_experts) + expert) then the neuron indices, ascending, separated by
   // spaces. For cache-policy studies (scripts/cache_policy_sim.py). nullptr: off. The writer must outlive its use.
@@ -576,6 +592,7 @@ class OffloadFfn : public FfnBackend {
   uint64_t warm_cap_ = 0;  // warm_next_bytes resolved (-1: half the last-level cache)
   bool warm_enabled_ = true;
   std::optional<ThreadPlacement> placement_;  // full mode, when OffloadOptions::pin_threads applies
+  std::array<uint64_t, kFfnSteps> step_ns_{};
   std::vector<uint64_t> disk_interrupts_;
   bool pin_enabled_ = true;
   int64_t warm_group_ = -1;

@@ -191,6 +191,41 @@ TEST_F(OffloadCliTest, PinThreadsPlacesThreadsWithoutChangingResults) {
   EXPECT_NE(both.output.find("one A/B switch per run"), std::string::npos) << both.output;
 }
 
+// ffn_step_ms_per_token: every step named, none negative; together they are part of the token (at most its mean time)
+// and hold the time spent waiting for reads (reads + lookahead_wait >= io_wait_ms_per_token: the waits happen inside
+// them); llmflash has no lookahead and computes everything in its `reads` step.
+TEST_F(OffloadCliTest, FfnStepsAccountForTheTokenPath) {
+  const char* names[] = {"predict", "lookup_misses", "pin_hits", "guess_next", "hits", "lookahead_wait", "reads",
+                         "down", "release"};
+  for (const char* mode : {"full", "llmflash"}) {
+    auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json" +
+                                     " -n 40 --warmup 4 --mode " + mode,
+                                 /*capture_stderr=*/false);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto j = nlohmann::json::parse(r.output, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << r.output;
+    const nlohmann::json& s = j["ffn_step_ms_per_token"];
+    ASSERT_EQ(s.size(), std::size(names)) << s.dump();
+    double sum = 0;
+    for (const char* n : names) {
+      ASSERT_TRUE(s.contains(n)) << n;
+      EXPECT_GE(s[n].get<double>(), 0.0) << n;
+      sum += s[n].get<double>();
+    }
+    EXPECT_GT(sum, 0.0) << mode;
+    EXPECT_LE(sum, j["token_ms_mean"].get<double>()) << mode << ": the FFN is part of the token";
+    EXPECT_GE(s["reads"].get<double>() + s["lookahead_wait"].get<double>(),
+              j["io_wait_ms_per_token"].get<double>() * 0.999)
+        << mode;
+    if (std::string(mode) == "llmflash") {
+      EXPECT_EQ(s["guess_next"].get<double>(), 0.0);
+      EXPECT_EQ(s["hits"].get<double>(), 0.0);
+      EXPECT_EQ(s["lookahead_wait"].get<double>(), 0.0);
+      EXPECT_GT(s["reads"].get<double>(), 0.0);
+    }
+  }
+}
+
 TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {
   const std::string trace = dir_->File("active.txt");
   const int n = 12;
