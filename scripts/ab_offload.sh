@@ -49,7 +49,7 @@ for r in $(seq "$ROUNDS"); do
   else
     order=$(seq $((${#CFGS[@]} - 1)) -1 0)
   fi
-  declare -A got=()
+  got=()
   for c in $order; do
     IFS=: read -r deploy plan extra <<< "${CFGS[$c]}"
     # shellcheck disable=SC2086
@@ -63,7 +63,6 @@ for r in $(seq "$ROUNDS"); do
     line="$line  | $speed tok/s, wait $wait ms, x$ratio"
     echo "$c $ratio $speed" >> "$RESULTS"
   done
-  unset got
   echo "$line"
 done
 c=0

@@ -43,6 +43,11 @@ std::filesystem::path DiskDir(const std::string& path) {
   return dir;
 }
 
+// A non-negative decimal of at most 20 digits (a CPU's interrupt count, an interrupt number).
+bool IsDecimal(std::string_view s) {
+  return !s.empty() && s.size() <= 20 && s.find_first_not_of("0123456789") == std::string_view::npos;
+}
+
 }  // namespace
 
 std::vector<uint64_t> ParsePerCpuCounts(std::string_view line) {
@@ -52,10 +57,9 @@ std::vector<uint64_t> ParsePerCpuCounts(std::string_view line) {
   size_t at = 0;
   for (;;) {
     const size_t comma = line.find(',', at);
-    const std::string_view field = line.substr(at, comma == std::string_view::npos ? std::string_view::npos : comma - at);
-    if (field.empty() || field.size() > 20 || field.find_first_not_of("0123456789") != std::string_view::npos) {
-      return {};
-    }
+    const std::string_view field =
+        line.substr(at, comma == std::string_view::npos ? std::string_view::npos : comma - at);
+    if (!IsDecimal(field)) return {};
     counts.push_back(std::stoull(std::string(field)));
     if (comma == std::string_view::npos) return counts;
     at = comma + 1;
@@ -73,16 +77,19 @@ std::vector<uint64_t> DiskInterruptsPerCpu(const std::string& path) {
     if (fs::is_directory(dir / "msi_irqs", ec)) {
       for (const auto& e : fs::directory_iterator(dir / "msi_irqs", ec)) {
         const std::string name = e.path().filename().string();
-        if (!name.empty() && name.find_first_not_of("0123456789") == std::string::npos) irqs.push_back(std::stoi(name));
+        if (IsDecimal(name) && name.size() < 10) irqs.push_back(std::stoi(name));
       }
-    } else if (const std::string irq = ReadKernelWord((dir / "irq").string()); !irq.empty() && irq != "0") {
-      if (irq.find_first_not_of("0123456789") == std::string::npos) irqs.push_back(std::stoi(irq));
+    } else if (const std::string irq = ReadKernelWord((dir / "irq").string());
+               IsDecimal(irq) && irq.size() < 10 && irq != "0") {
+      irqs.push_back(std::stoi(irq));
     }
   }
   std::vector<uint64_t> total;
   for (int irq : irqs) {
-    const std::vector<uint64_t> c =
-        ParsePerCpuCounts(ReadKernelWord("/sys/kernel/irq/" + std::to_string(irq) + "/per_cpu_count"));
+    // The whole line (ReadKernelWord keeps 4 KiB at most, which could cut a many-CPU machine's last count short).
+    const std::optional<std::string> line =
+        ReadKernelTextFile("/sys/kernel/irq/" + std::to_string(irq) + "/per_cpu_count");
+    const std::vector<uint64_t> c = line ? ParsePerCpuCounts(*line) : std::vector<uint64_t>{};
     if (c.size() > total.size()) total.resize(c.size(), 0);
     for (size_t i = 0; i < c.size(); ++i) total[i] += c[i];
   }

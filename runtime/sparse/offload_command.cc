@@ -654,9 +654,10 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "(0: always on); the JSON's warm_next_ab gives each measured token's switch and both groups' means")
       ->capture_default_str();
   cmd->add_option("--pin-threads", flags->pin_threads,
-                  "auto, on or off (full mode): pin the thread calling the model to a CPU of its own, each pool "
-                  "worker to one, and the I/O thread beside the last worker, for each evaluation (auto: when the "
-                  "compute threads take every CPU the process may use)")
+                  "auto, on or off (full mode): pin the thread calling the model, each pool worker and the I/O thread "
+                  "to a CPU each for each evaluation, the caller where the flash disk's interrupts arrive least and "
+                  "the I/O thread where they arrive most (beside a worker when no CPU is left; auto: when the compute "
+                  "threads take every CPU the process may use)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   cmd->add_option("--pin-threads-ab", flags->pin_threads_ab,

@@ -14,15 +14,6 @@ Result<PinThreads> ParsePinThreads(const std::string& name) {
   return Status::InvalidArgument("--pin-threads " + name + ": expected auto, on or off");
 }
 
-const char* PinThreadsName(PinThreads p) {
-  switch (p) {
-    case PinThreads::kAuto: return "auto";
-    case PinThreads::kOn: return "on";
-    case PinThreads::kOff: return "off";
-  }
-  return "?";
-}
-
 std::optional<ThreadCpuPlan> PlanThreadCpus(PinThreads policy, int compute_threads, std::span<const int> allowed,
                                             std::span<const uint64_t> disk_interrupts) {
   const int cpus = static_cast<int>(allowed.size());
@@ -33,7 +24,7 @@ std::optional<ThreadCpuPlan> PlanThreadCpus(PinThreads policy, int compute_threa
                                                                          : uint64_t{0};
   };
   std::vector<int> order(allowed.begin(), allowed.end());
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
     return interrupts(a) != interrupts(b) ? interrupts(a) < interrupts(b) : a < b;
   });
   ThreadCpuPlan plan;

@@ -25,7 +25,6 @@ enum class PinThreads : uint8_t {
   kOff,   // leave every thread to the scheduler
 };
 Result<PinThreads> ParsePinThreads(const std::string& name);
-const char* PinThreadsName(PinThreads p);
 
 // One CPU per thread: the caller, the pool's workers (thread_index 1, 2, ...), the I/O thread.
 struct ThreadCpuPlan {
