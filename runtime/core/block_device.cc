@@ -43,11 +43,6 @@ std::filesystem::path DiskDir(const std::string& path) {
   return dir;
 }
 
-// A non-negative decimal of at most 20 digits (a CPU's interrupt count, an interrupt number).
-bool IsDecimal(std::string_view s) {
-  return !s.empty() && s.size() <= 20 && s.find_first_not_of("0123456789") == std::string_view::npos;
-}
-
 }  // namespace
 
 std::vector<uint64_t> ParsePerCpuCounts(std::string_view line) {

@@ -1,7 +1,10 @@
 // pthread_{get,set}affinity_np over lists of CPU numbers.
 #include "runtime/core/cpu_affinity.h"
 
+#include <algorithm>
 #include <string>
+
+#include "runtime/core/file.h"
 
 namespace nflash {
 
@@ -31,6 +34,27 @@ Status SetThreadCpus(pthread_t thread, std::span<const int> cpus) {
     return Status::FromErrno("pthread_setaffinity_np to CPU " + std::to_string(cpus.front()) + more, err);
   }
   return Status::Ok();
+}
+
+std::vector<uint64_t> CpuCapacities(std::span<const int> cpus, const std::string& root) {
+  if (cpus.empty()) return {};
+  const int top = *std::max_element(cpus.begin(), cpus.end());
+  if (top < 0 || top >= CPU_SETSIZE) return {};
+  for (const char* leaf : {"cpu_capacity", "cpufreq/cpuinfo_max_freq"}) {
+    std::vector<uint64_t> capacity(static_cast<size_t>(top) + 1, 0);
+    bool all = true;
+    for (int c : cpus) {
+      const std::string word = ReadKernelWord(root + "/cpu" + std::to_string(c) + "/" + leaf);
+      // 19 digits at most: a value std::stoull cannot overflow on (no real capacity or kHz comes near).
+      if (c < 0 || !IsDecimal(word) || word.size() > 19 || std::stoull(word) == 0) {
+        all = false;
+        break;
+      }
+      capacity[static_cast<size_t>(c)] = std::stoull(word);
+    }
+    if (all) return capacity;
+  }
+  return {};
 }
 
 }  // namespace nflash

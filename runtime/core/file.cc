@@ -484,4 +484,8 @@ Status AtomicFileWriter::Commit() {
   return Status::Ok();
 }
 
+bool IsDecimal(std::string_view s) {
+  return !s.empty() && s.size() <= 20 && s.find_first_not_of("0123456789") == std::string_view::npos;
+}
+
 }  // namespace nflash

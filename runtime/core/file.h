@@ -10,6 +10,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "runtime/core/round.h"
@@ -178,5 +179,7 @@ bool FileExists(const std::string& path);
 std::optional<std::string> ReadKernelTextFile(const std::string& path, size_t max_bytes = 1 << 20);
 // Its first whitespace-separated word ("3", "Unified", "32768K"); empty when there is none or no file.
 std::string ReadKernelWord(const std::string& path);
+// A non-negative decimal of at most 20 digits, as such files hold them (a count, an interrupt number, a frequency).
+bool IsDecimal(std::string_view s);
 
 }  // namespace nflash

@@ -344,6 +344,7 @@ Status RunOffload(const OffloadFlags& f) {
     j["thread_cpus"] = nullptr;
   }
   j["disk_interrupts_per_cpu"] = rt.ffn().disk_interrupts();
+  j["cpu_capacity"] = rt.ffn().cpu_capacity();
   // Where the FFN's time went, per measured token (OffloadFfn::kFfnStepNames; the token path's wall time, every layer).
   nlohmann::json ffn_steps = nlohmann::json::object();
   for (int i = 0; i < OffloadFfn::kFfnSteps; ++i) {

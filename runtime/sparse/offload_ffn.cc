@@ -281,14 +281,19 @@ Status OffloadFfn::Init() {
     const std::vector<int> allowed = ThreadCpus(pthread_self());
     const int compute_threads = pool_ != nullptr ? pool_->NumThreads() : 1;
     disk_interrupts_ = DiskInterruptsPerCpu(flash_->Path());
+    cpu_capacity_ = CpuCapacities(allowed);
     if (std::optional<ThreadCpuPlan> plan =
-            PlanThreadCpus(options_.pin_threads, compute_threads, allowed, disk_interrupts_)) {
-      std::string workers;
+            PlanThreadCpus(options_.pin_threads, compute_threads, allowed, disk_interrupts_, cpu_capacity_)) {
+      std::string workers, capacities;
       for (int w : plan->workers) workers += " " + std::to_string(w);
+      for (int c : allowed) {
+        if (static_cast<size_t>(c) < cpu_capacity_.size()) capacities += " " + std::to_string(cpu_capacity_[c]);
+      }
       const bool known = std::any_of(disk_interrupts_.begin(), disk_interrupts_.end(), [](uint64_t n) { return n > 0; });
       NF_LOG(Info) << "threads pinned for each evaluation (--pin-threads): caller on CPU " << plan->caller
                    << (workers.empty() ? "" : ", workers on CPU" + workers) << ", I/O thread on CPU " << plan->io
-                   << (known ? " (where most of the disk's interrupts arrive)" : " (the disk's interrupts unknown)");
+                   << (known ? " (where most of the disk's interrupts arrive)" : " (the disk's interrupts unknown)")
+                   << (capacities.empty() ? "; CPU capacities unknown" : "; CPU capacities" + capacities);
       placement_.emplace(std::move(*plan),
                          pool_ != nullptr ? pool_->WorkerHandles() : std::vector<std::thread::native_handle_type>{},
                          io_->ThreadHandle());

@@ -403,6 +403,9 @@ class OffloadFfn : public FfnBackend {
   const ThreadCpuPlan* thread_plan() const { return placement_ ? &placement_->plan() : nullptr; }
   // The flash disk's interrupts per CPU when the runtime opened (DiskInterruptsPerCpu; empty: unknown, or not full mode).
   const std::vector<uint64_t>& disk_interrupts() const { return disk_interrupts_; }
+  // Each allowed CPU's capacity when the runtime opened (CpuCapacities, per CPU number; empty: unknown, or not full
+  // mode): the pinned compute threads take the fastest.
+  const std::vector<uint64_t>& cpu_capacity() const { return cpu_capacity_; }
   // Switches the pinning off (and on again) from the next Eval on, e.g. per token for an A/B comparison inside one
   // process (`nflash offload --pin-threads-ab`).
   void SetPinThreadsEnabled(bool on) { pin_enabled_ = on; }
@@ -594,6 +597,7 @@ class OffloadFfn : public FfnBackend {
   std::optional<ThreadPlacement> placement_;  // full mode, when OffloadOptions::pin_threads applies
   std::array<uint64_t, kFfnSteps> step_ns_{};
   std::vector<uint64_t> disk_interrupts_;
+  std::vector<uint64_t> cpu_capacity_;  // per CPU number (cpu_capacity())
   bool pin_enabled_ = true;
   int64_t warm_group_ = -1;
   // Arms the warming for a layer's waits: the weights computed after it (ForwardToken, at the layer's first FFN).

@@ -239,7 +239,8 @@ std::string SparseRuntime::Accounting() const { return DescribeAccounting(budget
 
 bool ThreadsPinned(OffloadMode mode, PinThreads pin, int compute_threads) {
   const int threads = compute_threads > 0 ? compute_threads : ThreadPool::HardwareThreads();
-  return mode == OffloadMode::kFull && PlanThreadCpus(pin, threads, ThreadCpus(pthread_self())).has_value();
+  const std::vector<int> allowed = ThreadCpus(pthread_self());
+  return mode == OffloadMode::kFull && PlanThreadCpus(pin, threads, allowed, {}, CpuCapacities(allowed)).has_value();
 }
 
 LookaheadChoice AutoLookahead(int64_t flag, int compute_threads, bool threads_pinned) {

@@ -15,22 +15,42 @@ Result<PinThreads> ParsePinThreads(const std::string& name) {
 }
 
 std::optional<ThreadCpuPlan> PlanThreadCpus(PinThreads policy, int compute_threads, std::span<const int> allowed,
-                                            std::span<const uint64_t> disk_interrupts) {
+                                            std::span<const uint64_t> disk_interrupts,
+                                            std::span<const uint64_t> capacity) {
   const int cpus = static_cast<int>(allowed.size());
   if (policy == PinThreads::kOff || compute_threads < 1 || cpus < compute_threads) return std::nullopt;
-  if (policy == PinThreads::kAuto && (compute_threads < 2 || cpus > compute_threads)) return std::nullopt;
-  auto interrupts = [&](int cpu) {
-    return cpu >= 0 && static_cast<size_t>(cpu) < disk_interrupts.size() ? disk_interrupts[static_cast<size_t>(cpu)]
-                                                                         : uint64_t{0};
+  auto count = [](std::span<const uint64_t> per_cpu, int cpu) {
+    return cpu >= 0 && static_cast<size_t>(cpu) < per_cpu.size() ? per_cpu[static_cast<size_t>(cpu)] : uint64_t{0};
   };
+  // Capacity classes: each CPU's capacity in steps of kAlikeCapacityShare of the largest (counted down from it, so the
+  // largest and everything within one step of it share class 0); all 0 when the capacities are unknown.
+  uint64_t top = 0;
+  for (int c : allowed) top = std::max(top, count(capacity, c));
+  auto slower = [&](int cpu) -> int64_t {
+    if (top == 0) return 0;
+    const double share = static_cast<double>(top - count(capacity, cpu)) / static_cast<double>(top);
+    return static_cast<int64_t>(share / kAlikeCapacityShare);
+  };
+  const bool mixed = std::any_of(allowed.begin(), allowed.end(), [&](int c) { return slower(c) > 0; });
+  if (policy == PinThreads::kAuto && !mixed && (compute_threads < 2 || cpus > compute_threads)) return std::nullopt;
   std::vector<int> order(allowed.begin(), allowed.end());
   std::sort(order.begin(), order.end(), [&](int a, int b) {
-    return interrupts(a) != interrupts(b) ? interrupts(a) < interrupts(b) : a < b;
+    if (slower(a) != slower(b)) return slower(a) < slower(b);
+    const uint64_t ia = count(disk_interrupts, a), ib = count(disk_interrupts, b);
+    return ia != ib ? ia < ib : a < b;
   });
   ThreadCpuPlan plan;
   plan.caller = order[0];
   for (int i = 1; i < compute_threads; ++i) plan.workers.push_back(order[static_cast<size_t>(i)]);
-  plan.io = cpus > compute_threads ? order.back() : order[static_cast<size_t>(compute_threads - 1)];
+  plan.io = order[static_cast<size_t>(compute_threads - 1)];
+  if (cpus > compute_threads) {
+    // Left over: the most interrupts, then the fastest, then the highest number (the last in order).
+    plan.io = *std::max_element(order.begin() + compute_threads, order.end(), [&](int a, int b) {
+      const uint64_t ia = count(disk_interrupts, a), ib = count(disk_interrupts, b);
+      if (ia != ib) return ia < ib;
+      return slower(a) != slower(b) ? slower(a) > slower(b) : a < b;
+    });
+  }
   return plan;
 }
 

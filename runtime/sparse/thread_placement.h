@@ -1,4 +1,5 @@
-// Where the decode's threads run when the compute threads take every CPU (docs/runtime.md, "Thread placement").
+// Where the decode's threads run when the compute threads take every CPU or the CPUs differ in speed (docs/runtime.md,
+// "Thread placement").
 //
 // The offloaded runtime has three kinds of threads: the one calling InferenceContext::Eval (it runs every serial step:
 // the predictor's choice, the cache lookups, submitting reads, the lookahead, and takes part in every parallel loop),
@@ -20,7 +21,8 @@
 namespace nflash::sparse {
 
 enum class PinThreads : uint8_t {
-  kAuto,  // pin when the compute threads take every allowed CPU (and there are at least 2)
+  kAuto,  // pin when the compute threads take every allowed CPU (and there are at least 2), or when the CPUs differ in
+          // speed (big and little cores) and the compute threads fit on them
   kOn,    // pin whenever every compute thread can have a CPU of its own
   kOff,   // leave every thread to the scheduler
 };
@@ -33,16 +35,25 @@ struct ThreadCpuPlan {
   int io = -1;
 };
 
+// CPUs whose capacities (CpuCapacities) differ by less than this share of the largest count as alike: AMD's preferred
+// cores differ by ~5% in cpuinfo_max_freq and are not worth a placement; a phone's little cores have 20-40% of a big
+// one's capacity, its middle cores 50-90%.
+inline constexpr double kAlikeCapacityShare = 0.1;
+
 // The plan for `compute_threads` threads (caller + workers) and an I/O thread on the CPUs the process may use
-// (`allowed`), taken in order of the flash disk's interrupts on them (`disk_interrupts`, per CPU number, e.g.
-// DiskInterruptsPerCpu; fewest first, ties and CPUs it does not cover in ascending order; empty: ascending): the caller
-// on the first, worker i on the i-th, the I/O thread on the CPU left over with the most interrupts, else beside the
-// last worker. So the I/O thread, which the completions wake, runs where they arrive, and the caller away from them
-// (on the development VM, with its disk's interrupts on CPU 1: caller on CPU 0 +6.6% over the reverse, 6 ABBA pairs).
-// Empty: no pinning (policy off; auto with a CPU to spare or fewer than 2 compute threads; fewer CPUs than compute
-// threads).
+// (`allowed`). The CPUs are taken fastest first (`capacity`, per CPU number, e.g. CpuCapacities; CPUs within
+// kAlikeCapacityShare of each other count as alike; empty or missing: all alike), then in order of the flash disk's
+// interrupts on them (`disk_interrupts`, per CPU number, e.g. DiskInterruptsPerCpu; fewest first, ties and CPUs it
+// does not cover in ascending order): the caller on the first (it runs every serial step, so the fastest core), worker
+// i on the i-th, the I/O thread on the CPU left over with the most interrupts (the fastest of those), else beside the
+// last worker. So the compute threads run on the big cores, the I/O thread, which the completions wake, where they
+// arrive, and the caller away from them (on the development VM, with its disk's interrupts on CPU 1: caller on CPU 0
+// +6.6% over the reverse, 6 ABBA pairs).
+// Empty: no pinning (policy off; fewer CPUs than compute threads; auto on CPUs alike with a CPU to spare or fewer than
+// 2 compute threads).
 std::optional<ThreadCpuPlan> PlanThreadCpus(PinThreads policy, int compute_threads, std::span<const int> allowed,
-                                            std::span<const uint64_t> disk_interrupts = {});
+                                            std::span<const uint64_t> disk_interrupts = {},
+                                            std::span<const uint64_t> capacity = {});
 
 // Applies a plan around one Eval and puts every thread back where it was allowed to run before.
 // Thread-safety: Begin and End are called by the caller thread only, in pairs.

@@ -6,6 +6,9 @@
 #include <sched.h>
 
 #include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
 #include <thread>
 #include <vector>
 
@@ -14,6 +17,7 @@
 #include "runtime/core/thread_pool.h"
 #include "runtime/sparse/io_worker.h"
 #include "runtime/sparse/thread_placement.h"
+#include "tests/test_util.h"
 
 namespace nflash::sparse {
 namespace {
@@ -69,6 +73,104 @@ TEST(ThreadPlacementTest, PlanFollowsTheRule) {
   EXPECT_FALSE(ParsePinThreads("yes").ok());
 }
 
+TEST(ThreadPlacementTest, PlanPutsComputeOnTheFastestCpus) {
+  // A phone's CPUs: 0-3 little (capacity 325), 4-6 middle (870), 7 big (1024); its flash's interrupts on CPU 0.
+  const std::vector<int> eight = {0, 1, 2, 3, 4, 5, 6, 7};
+  const std::vector<uint64_t> phone = {325, 325, 325, 325, 870, 870, 870, 1024};
+  const std::vector<uint64_t> on_cpu0 = {9000, 0, 0, 0, 0, 0, 0, 0};
+  // auto pins on mixed CPUs even with CPUs to spare: the caller on the big core, the workers on the middle ones, the
+  // I/O thread where the interrupts arrive.
+  auto p = PlanThreadCpus(PinThreads::kAuto, 4, eight, on_cpu0, phone);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->caller, 7);
+  EXPECT_EQ(p->workers, (std::vector<int>{4, 5, 6}));
+  EXPECT_EQ(p->io, 0);
+  // Interrupts unknown: the I/O thread on the fastest CPU left over (the last middle core).
+  p = PlanThreadCpus(PinThreads::kAuto, 2, eight, {}, phone);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->caller, 7);
+  EXPECT_EQ(p->workers, std::vector<int>{4});
+  EXPECT_EQ(p->io, 6);
+  // One compute thread: pinned to the big core too.
+  p = PlanThreadCpus(PinThreads::kAuto, 1, eight, on_cpu0, phone);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->caller, 7);
+  EXPECT_TRUE(p->workers.empty());
+  EXPECT_EQ(p->io, 0);
+  // Among the little cores only (a cpuset), nothing to choose: auto leaves them to the scheduler.
+  const std::vector<int> little = {0, 1, 2, 3};
+  EXPECT_FALSE(PlanThreadCpus(PinThreads::kAuto, 2, little, on_cpu0, phone).has_value());
+  // Interrupts on a middle core: within the middle cores the caller avoids it, and the I/O thread takes it when left.
+  const std::vector<uint64_t> on_cpu4 = {0, 0, 0, 0, 700, 0, 0, 0};
+  p = PlanThreadCpus(PinThreads::kAuto, 3, eight, on_cpu4, phone);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->caller, 7);
+  EXPECT_EQ(p->workers, (std::vector<int>{5, 6}));
+  EXPECT_EQ(p->io, 4);
+  // Capacities within 10% of the largest are alike (AMD's preferred cores: 5.7 against 5.3 GHz): the rule without
+  // capacities, so auto with a CPU to spare does not pin, and on keeps the interrupts' order.
+  const std::vector<int> two = {0, 1};
+  const std::vector<uint64_t> preferred = {5300000, 5700000};
+  EXPECT_FALSE(PlanThreadCpus(PinThreads::kAuto, 1, two, {}, preferred).has_value());
+  p = PlanThreadCpus(PinThreads::kAuto, 2, two, std::vector<uint64_t>{12, 9000}, preferred);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->caller, 0);
+  EXPECT_EQ(p->io, 1);
+  // 11% slower is another class: the faster CPU computes.
+  const std::vector<uint64_t> hybrid = {5700000, 5070000};
+  p = PlanThreadCpus(PinThreads::kAuto, 1, two, {}, hybrid);
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->caller, 0);
+  EXPECT_EQ(p->io, 1);
+  // Capacities cover the listed CPUs only (a CPU beyond the vector counts as 0, i.e. the slowest).
+  p = PlanThreadCpus(PinThreads::kOn, 1, std::vector<int>{1, 3}, {}, std::vector<uint64_t>{0, 500});
+  ASSERT_TRUE(p.has_value());
+  EXPECT_EQ(p->caller, 1);
+  EXPECT_EQ(p->io, 3);
+}
+
+TEST(ThreadPlacementTest, CpuCapacitiesReadsSysfsFiles) {
+  testing::TempDir dir;
+  auto put = [&](const std::string& rel, const std::string& text) {
+    std::filesystem::create_directories(std::filesystem::path(dir.File(rel)).parent_path());
+    std::ofstream(dir.File(rel)) << text;
+  };
+  put("cpu0/cpu_capacity", "1024\n");
+  put("cpu1/cpu_capacity", "446\n");
+  put("cpu0/cpufreq/cpuinfo_max_freq", "3000000\n");
+  put("cpu1/cpufreq/cpuinfo_max_freq", "1800000\n");
+  put("cpu2/cpufreq/cpuinfo_max_freq", "2400000\n");
+  EXPECT_EQ(CpuCapacities(std::vector<int>{0, 1}, dir.path()), (std::vector<uint64_t>{1024, 446}));
+  // Only the listed CPUs: index = CPU number, 0 for the others.
+  EXPECT_EQ(CpuCapacities(std::vector<int>{1}, dir.path()), (std::vector<uint64_t>{0, 446}));
+  // cpu2 has no cpu_capacity: the maximum frequencies of all three instead (one source for every CPU).
+  EXPECT_EQ(CpuCapacities(std::vector<int>{0, 1, 2}, dir.path()), (std::vector<uint64_t>{3000000, 1800000, 2400000}));
+  // cpu3 has neither, cpu4 garbage, cpu5 a zero: nothing to tell them apart by.
+  put("cpu4/cpu_capacity", "fast\n");
+  put("cpu5/cpu_capacity", "0\n");
+  EXPECT_TRUE(CpuCapacities(std::vector<int>{0, 3}, dir.path()).empty());
+  EXPECT_TRUE(CpuCapacities(std::vector<int>{0, 4}, dir.path()).empty());
+  EXPECT_TRUE(CpuCapacities(std::vector<int>{0, 5}, dir.path()).empty());
+  EXPECT_TRUE(CpuCapacities(std::vector<int>{}, dir.path()).empty());
+  EXPECT_TRUE(CpuCapacities(std::vector<int>{-1}, dir.path()).empty());
+  // This machine: what the kernel says, read here with plain streams (or nothing, when a CPU lacks both files).
+  const std::vector<int> allowed = ThreadCpus(pthread_self());
+  const std::vector<uint64_t> got = CpuCapacities(allowed);
+  bool every_cpu_has_capacity = true;
+  for (int c : allowed) {
+    std::ifstream f("/sys/devices/system/cpu/cpu" + std::to_string(c) + "/cpu_capacity");
+    uint64_t v = 0;
+    if (!(f >> v) || v == 0) every_cpu_has_capacity = false;
+    if (every_cpu_has_capacity) {
+      ASSERT_LT(static_cast<size_t>(c), got.size());
+      EXPECT_EQ(got[static_cast<size_t>(c)], v) << "CPU " << c;
+    }
+  }
+  if (!every_cpu_has_capacity) {
+    std::cout << "this machine's CPUs lack cpu_capacity; CpuCapacities gave " << got.size() << " entries\n";
+  }
+}
+
 TEST(ThreadPlacementTest, SetThreadCpusRejectsBadListsAndPinsARealThread) {
   const pthread_t self = pthread_self();
   EXPECT_FALSE(SetThreadCpus(self, std::vector<int>{}).ok());
@@ -121,7 +223,9 @@ TEST(ThreadPlacementTest, BeginPinsEveryThreadAndEndRestoresThem) {
   EXPECT_EQ(cpu_of_thread[0].load(), plan->caller);
   for (int t = 1; t < threads; ++t) {
     const int cpu = cpu_of_thread[static_cast<size_t>(t)].load();
-    if (cpu >= 0) EXPECT_EQ(cpu, plan->workers[static_cast<size_t>(t - 1)]) << "worker " << t;  // if it took a chunk
+    if (cpu >= 0) {  // if it took a chunk
+      EXPECT_EQ(cpu, plan->workers[static_cast<size_t>(t - 1)]) << "worker " << t;
+    }
   }
   placement.End();
   EXPECT_EQ(ThreadCpus(pthread_self()), allowed);
