@@ -656,9 +656,10 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
       ->capture_default_str();
   cmd->add_option("--pin-threads", flags->pin_threads,
                   "auto, on or off (full mode): pin the thread calling the model, each pool worker and the I/O thread "
-                  "to a CPU each for each evaluation, the caller where the flash disk's interrupts arrive least and "
-                  "the I/O thread where they arrive most (beside a worker when no CPU is left; auto: when the compute "
-                  "threads take every CPU the process may use)")
+                  "to a CPU each for each evaluation: the compute threads on the fastest CPUs (sysfs cpu_capacity), "
+                  "the caller where the flash disk's interrupts arrive least among those, the I/O thread where they "
+                  "arrive most (beside a worker when no CPU is left; auto: when the compute threads take every CPU the "
+                  "process may use, or the CPUs differ in speed)")
       ->check(CLI::IsMember({"auto", "on", "off"}))
       ->capture_default_str();
   cmd->add_option("--pin-threads-ab", flags->pin_threads_ab,
