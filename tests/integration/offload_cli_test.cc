@@ -283,7 +283,8 @@ TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {
     std::ifstream sched("/sys/block/" + j["block_device"].get<std::string>() + "/queue/scheduler");
     std::string sched_line;
     ASSERT_TRUE(std::getline(sched, sched_line)) << j["block_device"];
-    EXPECT_NE(sched_line.find("[" + j["io_scheduler"].get<std::string>() + "]"), std::string::npos) << sched_line;
+    const std::string marked = std::string(1, '[').append(j["io_scheduler"].get<std::string>()).append(1, ']');
+    EXPECT_NE(sched_line.find(marked), std::string::npos) << sched_line;
   }
   EXPECT_GE(j["voluntary_switches_per_token"].get<double>(), 0.0);
   EXPECT_GE(j["involuntary_switches_per_token"].get<double>(), 0.0);
