@@ -297,6 +297,10 @@ Status RunOffload(const OffloadFlags& f) {
       {"lookahead_slots", rt.ffn().lookahead_slots()},
       {"lookahead_started_token", rt.ffn().lookahead_started_token()},
       {"lookahead_source", LookaheadSourceName(rt.ffn().options().lookahead_source)},
+      {"lookahead_replay", rt.ffn().options().lookahead_replay.empty()
+                               ? nlohmann::json(nullptr)
+                               : nlohmann::json(rt.ffn().options().lookahead_replay)},
+      {"lookahead_replay_followed", rt.ffn().replay_followed()},
       {"kv_type", KvTypeName(rt.context().kv_type())},
       {"kv_cache_bytes", rt.fixed().kv_cache},
       {"prefetched_per_token", static_cast<double>(st.prefetched) / steps},
@@ -527,6 +531,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->warm_next_bytes = f.warm_next_mib < 0 ? -1 : static_cast<int64_t>(f.warm_next_mib * 1048576.0);
   NF_ASSIGN_OR_RETURN(o->pin_threads, ParsePinThreads(f.pin_threads));
   NF_ASSIGN_OR_RETURN(o->lookahead_source, ParseLookaheadSource(f.lookahead_source));
+  o->lookahead_replay = f.lookahead_replay;
   if (f.cold_pool != "per-layer" && f.cold_pool != "shared") {
     return Status::InvalidArgument("--cold-pool " + f.cold_pool + ": expected per-layer or shared");
   }
@@ -641,6 +646,9 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "same-layer (before the layer's attention, from its input)")
       ->check(CLI::IsMember({"next-layer", "same-layer"}))
       ->capture_default_str();
+  cmd->add_option("--lookahead-replay", flags->lookahead_replay,
+                  "Measure what a perfect guess would give: read ahead exactly the active sets an earlier "
+                  "--trace-active run of the same prompt and settings recorded (dense models; results unchanged)");
   cmd->add_option("--lookahead-keep", flags->lookahead_keep,
                   "With a predictor: the share of the lookahead's candidates read ahead, largest logits first (1: all)")
       ->check(CLI::Range(0.0, 1.0))

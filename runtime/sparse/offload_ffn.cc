@@ -785,6 +785,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     }
   }
 
+  ReplayStep(group);
   // 1. The active set, ascending.
   active_.clear();
   if (oracle_) {

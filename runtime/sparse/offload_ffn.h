@@ -172,6 +172,12 @@ struct OffloadOptions {
   bool lookahead_adaptive = false;
   LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
   double lookahead_wait_share = kDefaultLookaheadWaitShare;
+  // A measurement of what a perfect guess would give (dense models): the active sets of an earlier run of the same
+  // prompt and settings (`--trace-active` FILE: one line per layer step, the group, then its active neurons). Each
+  // guess still runs as configured (its CPU is spent), then reads exactly the next step's cold neurons from the file
+  // instead of its own picks, up to the usual cap. Results are unchanged either way; if the file's steps stop matching
+  // the run's (another prompt, batching, an error), it is dropped with a warning. Empty: off.
+  std::string lookahead_replay;
   // Full mode, decode: while the compute thread waits for a layer's reads it streams up to this many bytes of the
   // weights computed next (the next layer's attention matrices; after the last layer, the output matrix) through
   // its caches instead of sleeping, so that they are read from the last-level cache, not DRAM (docs/runtime.md,
@@ -406,6 +412,8 @@ class OffloadFfn : public FfnBackend {
   // Each allowed CPU's capacity when the runtime opened (CpuCapacities, per CPU number; empty: unknown, or not full
   // mode): the pinned compute threads take the fastest.
   const std::vector<uint64_t>& cpu_capacity() const { return cpu_capacity_; }
+  // OffloadOptions::lookahead_replay: whether the run still followed the file (false also when there is none).
+  bool replay_followed() const { return replay_on_; }
   // Switches the pinning off (and on again) from the next Eval on, e.g. per token for an A/B comparison inside one
   // process (`nflash offload --pin-threads-ab`).
   void SetPinThreadsEnabled(bool on) { pin_enabled_ = on; }
@@ -511,8 +519,11 @@ class OffloadFfn : public FfnBackend {
   void CutPhase2Chunks(bool flush);
   // Decides whether two_phase applies (logs why not once).
   void InitTwoPhase();
-  // Lookahead (offload_lookahead.cc). Sets up the scratch and the norm ratios.
+  // Lookahead (offload_lookahead.cc). Sets up the scratch and the norm ratios; loads lookahead_replay.
   Status InitLookahead();
+  Status LoadLookaheadReplay(const std::string& path);
+  // Replay: ForwardToken's step for `group` begins (checks that the file still follows the run).
+  void ReplayStep(int64_t group);
   // Layer `layer` runs with FFN input x: selects layer+1's probable cold misses and appends their reads to the I/O job.
   void IssueLookahead(int64_t layer, const Activation& x);
   // The guess for layer `next` while layer `current` runs (the same layer for the same-layer source), from `input`
@@ -686,6 +697,12 @@ class OffloadFfn : public FfnBackend {
   std::vector<float> la_router_;         // MoE: the guessed layer's router logits
   std::vector<int64_t> la_experts_;      // MoE: its top-k experts
   int la_current_ = -1;                  // set the current token's Resolve uses (-1: none)
+  // OffloadOptions::lookahead_replay: per step of the file its group and active neurons; the current step (-1: none
+  // yet) and whether the run still follows the file.
+  std::vector<int64_t> replay_group_;
+  std::vector<std::vector<int32_t>> replay_set_;
+  int64_t replay_step_ = -1;
+  bool replay_on_ = false;
   std::vector<int32_t> la_items_;        // items served by a read ahead
   std::vector<uint8_t> la_taken_;        // per item: served by a read ahead (set by Resolve when a set was current)
   std::vector<float> la_scale_;          // per layer l x dim: ffn_norm[l+1] / ffn_norm[l] (next-layer, up to

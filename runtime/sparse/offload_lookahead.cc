@@ -2,8 +2,11 @@
 // into their cache slots while layer l computes.
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <string_view>
 
 #include "runtime/core/ffn_activation.h"
+#include "runtime/core/file.h"
 #include "runtime/core/kernels.h"
 #include "runtime/core/log.h"
 #include "runtime/core/stats.h"
@@ -39,8 +42,14 @@ Status OffloadFfn::InitLookahead() {
   la_on_ = !options_.lookahead_adaptive;
   if (la_slots_ == 0 || cache_->cold().SlotCount() == 0) {
     la_slots_ = 0;
+    if (!options_.lookahead_replay.empty()) {
+      return Status::InvalidArgument("--lookahead-replay " + options_.lookahead_replay +
+                                     ": the run has no lookahead (full mode, whole-bundle reads, cold slots and "
+                                     "--lookahead other than 0 are needed)");
+    }
     return Status::Ok();
   }
+  if (!options_.lookahead_replay.empty()) NF_RETURN_IF_ERROR(LoadLookaheadReplay(options_.lookahead_replay));
   const LlamaHparams& hp = model_.hparams();
   const size_t dim = static_cast<size_t>(hp.dim);
   const size_t n = static_cast<size_t>(la_slots_);
@@ -88,6 +97,71 @@ Status OffloadFfn::InitLookahead() {
     for (size_t i = 0; i < dim; ++i) la_scale_[static_cast<size_t>(l) * dim + i] = w[i] != 0.0f ? w1[i] / w[i] : 0.0f;
   }
   return Status::Ok();
+}
+
+Status OffloadFfn::LoadLookaheadReplay(const std::string& path) {
+  const LlamaHparams& hp = model_.hparams();
+  if (hp.n_experts > 0) {
+    return Status::InvalidArgument("--lookahead-replay " + path + ": dense models only (this one has " +
+                                   std::to_string(hp.n_experts) + " experts)");
+  }
+  NF_ASSIGN_OR_RETURN(const std::vector<uint8_t> bytes, ReadWholeFile(path));
+  const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  replay_group_.clear();
+  replay_set_.clear();
+  size_t at = 0;
+  for (int64_t line_no = 1; at < text.size(); ++line_no) {
+    size_t end = text.find('\n', at);
+    if (end == std::string_view::npos) end = text.size();
+    const std::string_view line = text.substr(at, end - at);
+    at = end + 1;
+    auto bad = [&](const std::string& what) {
+      return Status::InvalidArgument(path + " line " + std::to_string(line_no) + ": " + what);
+    };
+    std::vector<int64_t> values;
+    size_t p = 0;
+    while (p < line.size()) {
+      while (p < line.size() && line[p] == ' ') ++p;
+      if (p == line.size()) break;
+      size_t q = p;
+      while (q < line.size() && line[q] != ' ') ++q;
+      const std::string_view word = line.substr(p, q - p);
+      if (!IsDecimal(word) || word.size() > 9) return bad("expected non-negative integers, found \"" + std::string(word) + "\"");
+      values.push_back(std::stoll(std::string(word)));
+      p = q;
+    }
+    if (values.empty()) return bad("empty line (expected: the group, then its active neurons)");
+    if (values[0] >= n_groups_) {
+      return bad("group " + std::to_string(values[0]) + ", expected below " + std::to_string(n_groups_));
+    }
+    std::vector<int32_t> set;
+    for (size_t i = 1; i < values.size(); ++i) {
+      if (values[i] >= hp.n_ff) {
+        return bad("neuron " + std::to_string(values[i]) + ", expected below n_ff = " + std::to_string(hp.n_ff));
+      }
+      set.push_back(static_cast<int32_t>(values[i]));
+    }
+    replay_group_.push_back(values[0]);
+    replay_set_.push_back(std::move(set));
+  }
+  if (replay_group_.empty()) return Status::InvalidArgument("--lookahead-replay " + path + ": no steps in the file");
+  replay_step_ = -1;
+  replay_on_ = true;
+  NF_LOG(Info) << "lookahead replays " << replay_group_.size() << " steps of " << path
+               << " (a perfect guess at the guess's own cost; results unchanged)";
+  return Status::Ok();
+}
+
+void OffloadFfn::ReplayStep(int64_t group) {
+  if (!replay_on_) return;
+  ++replay_step_;
+  const size_t s = static_cast<size_t>(replay_step_);
+  if (s < replay_group_.size() && replay_group_[s] == group) return;
+  replay_on_ = false;
+  NF_LOG(Warning) << "--lookahead-replay " << options_.lookahead_replay << ": step " << replay_step_
+                  << (s < replay_group_.size() ? " is group " + std::to_string(replay_group_[s]) + " in the file, "
+                                               : " is past the file's end, ")
+                  << "group " << group << " in this run: replay off, the guesses are the run's own from here";
 }
 
 void OffloadFfn::WatchTokenStart() {
@@ -229,6 +303,15 @@ void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0) {
       std::nth_element(la_pick_.begin(), la_pick_.begin() + static_cast<std::ptrdiff_t>(keep), la_pick_.end(),
                        [&](int32_t a, int32_t c) { return logit[a] != logit[c] ? logit[a] > logit[c] : a < c; });
       la_pick_.resize(keep);
+    }
+  }
+  // Replay: the guess above was made (its time counts), but the next step's actual set is read instead.
+  const size_t next_step = static_cast<size_t>(replay_step_ + 1);
+  if (replay_on_ && next_step < replay_group_.size() && replay_group_[next_step] == g) {
+    la_pick_.clear();
+    for (int32_t n : replay_set_[next_step]) {
+      if (static_cast<int64_t>(la_pick_.size()) == limit) break;
+      if (cold_candidate(n)) la_pick_.push_back(n);
     }
   }
   // File order; each bundle gets a cold slot now (pinned until the next layer settles it); neighbours on flash merge

@@ -88,6 +88,8 @@ struct SparseRuntimeOptions {
   double lookahead_wait_share = kDefaultLookaheadWaitShare;
   // OffloadOptions::lookahead_source.
   LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
+  // OffloadOptions::lookahead_replay.
+  std::string lookahead_replay;
   // Cold slots are the bundle rounded up to this alignment (OffloadOptions::dio_alignment, ColdReadBytes); 0: the flash
   // file's direct-I/O alignment (statx; 4096 when unknown or without O_DIRECT). kSlotAlignment: whole 4 KiB groups (a
   // comparison).

@@ -257,6 +257,68 @@ TEST_F(OffloadCliTest, FfnStepsAccountForTheTokenPath) {
   }
 }
 
+// --lookahead-replay: fed the trace of the same run, every bundle read ahead is one the next step uses (the file holds
+// exactly the steps' active sets), the reads ahead are the ones the trace implies, the text is unchanged; a file that
+// stops matching is dropped with a warning; a malformed one is an error naming its line.
+TEST_F(OffloadCliTest, LookaheadReplayReadsAheadWhatTheTraceSaw) {
+  const std::string trace = dir_->File("replay.txt");
+  const std::string base = Nflash() + " -q offload -d " + Deploy() +
+                           " --active-set oracle --memory 3M --json -n 24 --warmup 4 --lookahead 64 -t 1";
+  auto run = [&](const std::string& flags) {
+    auto r = testing::RunCommand(base + " " + flags, /*capture_stderr=*/false);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return nlohmann::json::parse(r.output, nullptr, false);
+  };
+  const auto traced = run("--trace-active " + trace);
+  ASSERT_FALSE(traced.is_discarded());
+  EXPECT_TRUE(traced["lookahead_replay"].is_null());
+  const auto replayed = run("--lookahead-replay " + trace);
+  ASSERT_FALSE(replayed.is_discarded());
+  EXPECT_EQ(replayed["text"], traced["text"]);
+  EXPECT_EQ(replayed["lookahead_replay"].get<std::string>(), trace);
+  EXPECT_TRUE(replayed["lookahead_replay_followed"].get<bool>());
+  const double ahead = replayed["prefetched_per_token"].get<double>();
+  ASSERT_GT(ahead, 0.0) << "3M leaves cold misses to read ahead";
+  EXPECT_DOUBLE_EQ(replayed["prefetch_used_per_token"].get<double>(), ahead) << "every bundle read ahead was used";
+  EXPECT_LT(traced["prefetch_used_per_token"].get<double>(), ahead) << "the oracle's own guesses miss some";
+  // The file's lines against the run: no more read ahead per step than the next step's active neurons.
+  std::ifstream in(trace);
+  std::string line;
+  int64_t steps = 0, active = 0;
+  while (std::getline(in, line)) {
+    std::istringstream words(line);
+    int64_t v = 0;
+    words >> v;  // the group
+    while (words >> v) ++active;
+    ++steps;
+  }
+  ASSERT_GT(steps, 0);
+  EXPECT_LE(ahead * (24 - 4), static_cast<double>(active)) << "reads ahead beyond what the file lists";
+  // A file whose first step names another group: dropped at once, the run's own guesses, the same text.
+  const std::string other = dir_->File("other.txt");
+  std::ofstream(other) << "4 1 2 3\n";
+  const auto dropped = run("--lookahead-replay " + other);
+  ASSERT_FALSE(dropped.is_discarded());
+  EXPECT_FALSE(dropped["lookahead_replay_followed"].get<bool>());
+  EXPECT_EQ(dropped["text"], traced["text"]);
+  EXPECT_DOUBLE_EQ(dropped["prefetched_per_token"].get<double>(), traced["prefetched_per_token"].get<double>());
+  // Malformed: an error naming the file and the line.
+  const std::string bad = dir_->File("bad.txt");
+  std::ofstream(bad) << "0 1 2\n1 7 x\n";
+  auto r = testing::RunCommand(base + " --lookahead-replay " + bad, /*capture_stderr=*/true);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find(bad + " line 2"), std::string::npos) << r.output;
+  std::ofstream(bad) << "0 1 2\n1 999999\n";
+  r = testing::RunCommand(base + " --lookahead-replay " + bad, /*capture_stderr=*/true);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("neuron 999999, expected below n_ff = 172"), std::string::npos) << r.output;
+  r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
+                              " --active-set oracle --memory 3M -n 4 --lookahead 0 --lookahead-replay " + trace,
+                          /*capture_stderr=*/true);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("the run has no lookahead"), std::string::npos) << r.output;
+}
+
 TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {
   const std::string trace = dir_->File("active.txt");
   const int n = 12;
