@@ -7,9 +7,12 @@
 # penalised the first configuration (docs/results.md, twenty-first run). Prints each round's
 # tok/s (decode after WARMUP tokens), each configuration's I/O wait per token and ratio to that round's in-memory run,
 # and the median ratios (the lower middle for an even count). The same prompt, token count and threads everywhere.
-# Usage: [ROUNDS=6] [TOKENS=40] [WARMUP=8] [THREADS=2] scripts/ab_offload.sh MODEL.gguf DEPLOY_DIR:PLAN.json
-#        [DEPLOY_DIR:PLAN.json ...]
+# Usage: [ROUNDS=6] [TOKENS=40] [WARMUP=8] [THREADS=2] [HW=hw.json] [LLMFLASH=1] scripts/ab_offload.sh MODEL.gguf
+#        DEPLOY_DIR:PLAN.json [DEPLOY_DIR:PLAN.json ...]
 # Extra offload flags per configuration: DEPLOY_DIR:PLAN.json:--flag,value (commas become spaces).
+# The issue's other two targets in the same rounds: HW (a `nflash profile-hw` file) adds each configuration's token time
+# over max(compute floor, I/O floor) (`--hw`; target <= 1.3), LLMFLASH=1 adds a run of the first configuration in
+# llmflash mode to every round (in the same interleaved order) and each configuration's speed over it (target >= 3).
 # Needs build/runtime/cli/nflash (or $NFLASH) and python3 (to read JSON; not the product).
 set -euo pipefail
 if [ $# -lt 2 ]; then
@@ -19,7 +22,7 @@ fi
 MODEL=$1
 shift
 NF=${NFLASH:-build/runtime/cli/nflash}
-ROUNDS=${ROUNDS:-6} TOKENS=${TOKENS:-40} WARMUP=${WARMUP:-8} THREADS=${THREADS:-2}
+ROUNDS=${ROUNDS:-6} TOKENS=${TOKENS:-40} WARMUP=${WARMUP:-8} THREADS=${THREADS:-2} HW=${HW:-} LLMFLASH=${LLMFLASH:-0}
 PROMPT="Once upon a time"
 FIRST_DEPLOY=${1%%:*}
 
@@ -32,16 +35,26 @@ inmem() {
 offload() {  # DEPLOY PLAN [flags]
   local deploy=$1 plan=$2
   shift 2
-  "$NF" -q offload -d "$deploy" --plan "$plan" -n "$TOKENS" --warmup "$WARMUP" -p "$PROMPT" --json "$@" |
-    python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.2f %.1f" % (d["decode_tok_s"], d["io_wait_ms_per_token"]))'
+  local hw=()
+  if [ -n "$HW" ]; then hw=(--hw "$HW"); fi
+  "$NF" -q offload -d "$deploy" --plan "$plan" -n "$TOKENS" --warmup "$WARMUP" -p "$PROMPT" --json "${hw[@]}" "$@" |
+    python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.2f %.1f %.3f" % (d["decode_tok_s"], d["io_wait_ms_per_token"], d.get("floor_ratio", 0.0)))'
 }
 
 RESULTS=$(mktemp)
 trap 'rm -f "$RESULTS"' EXIT
-printf 'round  in-memory'
-for cfg in "$@"; do printf '  | %s' "$cfg"; done
-printf '\n'
 CFGS=("$@")
+NAMES=("$@")
+if [ "$LLMFLASH" = 1 ]; then
+  IFS=: read -r deploy plan _ <<< "$1"
+  CFGS+=("$deploy:$plan:--mode,llmflash")
+  NAMES+=("llmflash")
+fi
+LF=$((${#CFGS[@]} - 1))  # the llmflash run's index when LLMFLASH=1
+printf 'round  in-memory'
+for cfg in "${NAMES[@]}"; do printf '  | %s' "$cfg"; done
+printf '\n'
+
 for r in $(seq "$ROUNDS"); do
   order=$(seq 0 $((${#CFGS[@]} - 1)))
   if [ $((r % 2)) -eq 1 ]; then
@@ -57,17 +70,38 @@ for r in $(seq "$ROUNDS"); do
   done
   if [ $((r % 2)) -eq 0 ]; then base=$(inmem); fi
   line="$r  $base"
+  lf_speed=0
+  if [ "$LLMFLASH" = 1 ]; then read -r lf_speed _ <<< "${got[$LF]}"; fi
   for c in $(seq 0 $((${#CFGS[@]} - 1))); do
-    read -r speed wait <<< "${got[$c]}"
+    read -r speed wait floor <<< "${got[$c]}"
     ratio=$(python3 -c "print('%.3f' % ($speed / $base))")
     line="$line  | $speed tok/s, wait $wait ms, x$ratio"
-    echo "$c $ratio $speed" >> "$RESULTS"
+    if [ -n "$HW" ]; then line="$line, floor x$floor"; fi
+    vs_lf=0
+    if [ "$LLMFLASH" = 1 ] && [ "$c" != "$LF" ]; then
+      vs_lf=$(python3 -c "print('%.3f' % ($speed / $lf_speed))")
+      line="$line, x$vs_lf llmflash"
+    fi
+    echo "$c $ratio $speed $floor $vs_lf" >> "$RESULTS"
   done
   echo "$line"
 done
-c=0
-for cfg in "$@"; do
-  awk -v c="$c" '$1 == c {print $2, $3}' "$RESULTS" | sort -g | awk -v name="$cfg" '
-    {r[NR]=$1; s[NR]=$2} END {m=int((NR+1)/2); printf "%s: median ratio %.3f (%.3f-%.3f) over %d rounds\n", name, r[m], r[1], r[NR], NR}'
-  c=$((c + 1))
+# Medians per configuration (the lower middle for an even count) and how many rounds met each target.
+for c in $(seq 0 $((${#CFGS[@]} - 1))); do
+  awk -v c="$c" '$1 == c' "$RESULTS" | python3 -c '
+import sys
+name, hw, lf = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
+rows = [list(map(float, l.split()[1:])) for l in sys.stdin]
+def med(i):
+    v = sorted(r[i] for r in rows)
+    return v[(len(v) - 1) // 2], v[0], v[-1]
+m, lo, hi = med(0)
+out = "%s: median ratio %.3f (%.3f-%.3f) over %d rounds, >= 0.7 in %d" % (name, m, lo, hi, len(rows), sum(r[0] >= 0.7 for r in rows))
+if hw:
+    m, lo, hi = med(2)
+    out += "; floor x%.3f (%.3f-%.3f), <= 1.3 in %d" % (m, lo, hi, sum(r[2] <= 1.3 for r in rows))
+if lf:
+    m, lo, hi = med(3)
+    out += "; x%.3f llmflash (%.3f-%.3f), >= 3 in %d" % (m, lo, hi, sum(r[3] >= 3 for r in rows))
+print(out)' "${NAMES[$c]}" "$([ -n "$HW" ] && echo 1 || echo 0)" "$([ "$LLMFLASH" = 1 ] && [ "$c" != "$LF" ] && echo 1 || echo 0)"
 done
