@@ -151,7 +151,9 @@ void RunTrace(const RegionConfig& config, uint64_t seed, int tokens) {
   const CacheCounters total = r.TotalCounters();
   EXPECT_GT(total.hits, 0u);
   EXPECT_GT(total.misses, 0u);
-  if (n_slots > 0) EXPECT_GT(total.evictions, 0u);
+  if (n_slots > 0) {
+    EXPECT_GT(total.evictions, 0u);
+  }
 }
 
 TEST(NeuronCacheTest, PerGroupBudgetsMatchReferenceLru) {
@@ -286,7 +288,9 @@ TEST(NeuronCacheTest, ArenaLayoutIsAlignedAndDisjoint) {
     EXPECT_EQ(reinterpret_cast<uintptr_t>(spans[i].first) % 4096, 0u);
     EXPECT_GE(spans[i].first, c.arena());
     EXPECT_LE(spans[i].first + spans[i].second, c.arena() + c.arena_bytes());
-    if (i > 0) EXPECT_GE(spans[i].first, spans[i - 1].first + spans[i - 1].second) << "slots overlap";
+    if (i > 0) {
+      EXPECT_GE(spans[i].first, spans[i - 1].first + spans[i - 1].second) << "slots overlap";
+    }
   }
   // Writing every slot fully must stay inside the arena (checked by ASan builds) and not disturb other slots.
   for (int32_t s = 0; s < c.cold().SlotCount(); ++s) std::fill_n(c.cold().SlotData(s), cold_stride, uint8_t(s + 1));
