@@ -4,18 +4,23 @@
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <pthread.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <sstream>
+#include <thread>
+#include <vector>
 
 #include "packer/deployment.h"
 #include "profiler/predictor_train.h"
 #include "runtime/cli/model_loader.h"
 #include "runtime/core/checksum.h"
+#include "runtime/core/cpu_affinity.h"
 #include "runtime/core/file.h"
 #include "runtime/core/log.h"
 #include "runtime/core/proc_stats.h"
@@ -25,6 +30,7 @@
 #include "runtime/engine/predictor.h"
 #include "runtime/engine/sparse_ffn.h"
 #include "runtime/sparse/sparse_runtime.h"
+#include "runtime/sparse/thread_placement.h"
 #include "runtime/text/sampler.h"
 
 namespace nflash::cli {
@@ -188,6 +194,7 @@ struct RunFlags {
   std::string kv_type = "f32";
   int64_t max_batch = kDefaultMaxBatch;
   int threads = 0;
+  std::string pin_threads = "auto";
   bool no_mmap = false;
   bool json = false;
   SamplerConfig sampler;
@@ -215,7 +222,22 @@ Status RunGenerate(const RunFlags& f) {
                                    " tokens, more than the context size " + std::to_string(n_ctx));
   }
   NF_ASSIGN_OR_RETURN(const KvType kv_type, ParseKvType(f.kv_type));
+  NF_ASSIGN_OR_RETURN(const sparse::PinThreads pin, sparse::ParsePinThreads(f.pin_threads));
   ThreadPool pool(f.threads);
+  // The same placement rule as `nflash offload` (runtime/sparse/thread_placement.h), for a like-for-like comparison:
+  // the caller and the workers on the fastest CPUs, one each, for the whole run (there is no I/O thread here).
+  const std::vector<int> allowed = ThreadCpus(pthread_self());
+  const std::optional<sparse::ThreadCpuPlan> placed =
+      sparse::PlanThreadCpus(pin, pool.NumThreads(), allowed, {}, CpuCapacities(allowed));
+  if (placed) {
+    const int caller[] = {placed->caller};
+    NF_RETURN_IF_ERROR(SetThreadCpus(pthread_self(), caller));
+    const std::vector<std::thread::native_handle_type> workers = pool.WorkerHandles();
+    for (size_t i = 0; i < workers.size() && i < placed->workers.size(); ++i) {
+      const int cpu[] = {placed->workers[i]};
+      NF_RETURN_IF_ERROR(SetThreadCpus(workers[i], cpu));
+    }
+  }
   InferenceContext ctx(*lm.model, &pool, n_ctx, kv_type);
   ctx.SetMaxBatch(f.max_batch);
   // Sparse decode only: the prompt's batched prefill stays dense.
@@ -252,6 +274,9 @@ Status RunGenerate(const RunFlags& f) {
   j["synthetic"] = hp.synthetic;
   j["load"] = lm.description;
   j["threads"] = pool.NumThreads();
+  j["pin_threads"] = f.pin_threads;
+  j["thread_cpus"] = placed ? nlohmann::json{{"caller", placed->caller}, {"workers", placed->workers}}
+                            : nlohmann::json(nullptr);
   j["prompt_tokens"] = ids.size();
   j["generated_tokens"] = g.generated_tokens;
   j["stop_reason"] = StopReasonName(reason);
@@ -486,6 +511,12 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   AddBatchOption(sub, &f->max_batch, "; the same default as `nflash offload --batch`");
+  sub->add_option("--pin-threads", f->pin_threads,
+                  "auto, on or off: pin the calling thread and each pool worker to a CPU each, fastest CPUs first "
+                  "(sysfs cpu_capacity), as `nflash offload --pin-threads` does (auto: when the threads take every CPU "
+                  "the process may use, or the CPUs differ in speed)")
+      ->check(CLI::IsMember({"auto", "on", "off"}))
+      ->capture_default_str();
   sub->callback([f, action] { *action = [f] { return RunGenerate(*f); }; });
 }
 

@@ -2,16 +2,20 @@
 // the published perplexity, logits against the independent NumPy reference, and quantization quality bounds.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <pthread.h>
 
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <regex>
 #include <sstream>
+#include <vector>
 
+#include "runtime/core/cpu_affinity.h"
 #include "runtime/core/file.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
+#include "runtime/sparse/thread_placement.h"
 #include "tests/test_util.h"
 
 namespace nflash {
@@ -83,6 +87,35 @@ TEST(RunCliTest, JsonSummaryAndSeededSampling) {
   double sum = 0;
   for (const auto& v : lat) sum += v.get<double>();
   EXPECT_NEAR(sum / static_cast<double>(lat.size()), j.at("latency_ms").at("mean").get<double>(), 1e-9);
+}
+
+// --pin-threads: the caller and the workers each on an allowed CPU of their own as the shared rule plans it (the child
+// inherits this test's CPUs), the same text pinned or not; auto follows the rule too.
+TEST(RunCliTest, PinThreadsPlacesTheThreadsWithoutChangingTheText) {
+  const std::vector<int> allowed = ThreadCpus(pthread_self());
+  ASSERT_FALSE(allowed.empty());
+  const int threads = allowed.size() >= 2 ? 2 : 1;
+  const std::string common = " run -m " + Stories() + " -p 'Once upon a time' -n 24 --temp 0 --json -t " +
+                             std::to_string(threads);
+  auto run = [&](const std::string& pin) {
+    auto r = testing::RunCommand(Nflash() + common + " --pin-threads " + pin, /*capture_stderr=*/false);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return nlohmann::json::parse(r.output, nullptr, false);
+  };
+  const auto on = run("on"), off = run("off"), automatic = run("auto");
+  ASSERT_FALSE(on.is_discarded() || off.is_discarded() || automatic.is_discarded());
+  const auto want = sparse::PlanThreadCpus(sparse::PinThreads::kOn, threads, allowed, {}, CpuCapacities(allowed));
+  ASSERT_TRUE(want.has_value());
+  ASSERT_TRUE(on.at("thread_cpus").is_object()) << on.dump();
+  EXPECT_EQ(on["thread_cpus"]["caller"].get<int>(), want->caller);
+  EXPECT_EQ(on["thread_cpus"]["workers"].get<std::vector<int>>(), want->workers);
+  EXPECT_TRUE(off.at("thread_cpus").is_null());
+  const bool auto_pins =
+      sparse::PlanThreadCpus(sparse::PinThreads::kAuto, threads, allowed, {}, CpuCapacities(allowed)).has_value();
+  EXPECT_EQ(automatic.at("thread_cpus").is_null(), !auto_pins);
+  EXPECT_EQ(on.at("text"), off.at("text"));
+  EXPECT_EQ(automatic.at("text"), off.at("text"));
+  EXPECT_EQ(testing::RunCommand(Nflash() + common + " --pin-threads sometimes").exit_code, 2);
 }
 
 // --batch: a 5-token prompt in chunks of at most 2 tokens (2, 2, 1) gives the one-batch run's sampled text (chunking
