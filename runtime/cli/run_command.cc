@@ -13,7 +13,6 @@
 #include <memory>
 #include <optional>
 #include <sstream>
-#include <thread>
 #include <vector>
 
 #include "packer/deployment.h"
@@ -229,14 +228,10 @@ Status RunGenerate(const RunFlags& f) {
   const std::vector<int> allowed = ThreadCpus(pthread_self());
   const std::optional<sparse::ThreadCpuPlan> placed =
       sparse::PlanThreadCpus(pin, pool.NumThreads(), allowed, {}, CpuCapacities(allowed));
+  std::optional<sparse::ThreadPlacement> placement;
   if (placed) {
-    const int caller[] = {placed->caller};
-    NF_RETURN_IF_ERROR(SetThreadCpus(pthread_self(), caller));
-    const std::vector<std::thread::native_handle_type> workers = pool.WorkerHandles();
-    for (size_t i = 0; i < workers.size() && i < placed->workers.size(); ++i) {
-      const int cpu[] = {placed->workers[i]};
-      NF_RETURN_IF_ERROR(SetThreadCpus(workers[i], cpu));
-    }
+    placement.emplace(*placed, pool.WorkerHandles(), std::nullopt);
+    NF_RETURN_IF_ERROR(placement->Begin());
   }
   InferenceContext ctx(*lm.model, &pool, n_ctx, kv_type);
   ctx.SetMaxBatch(f.max_batch);

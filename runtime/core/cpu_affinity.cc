@@ -46,11 +46,12 @@ std::vector<uint64_t> CpuCapacities(std::span<const int> cpus, const std::string
     for (int c : cpus) {
       const std::string word = ReadKernelWord(root + "/cpu" + std::to_string(c) + "/" + leaf);
       // 19 digits at most: a value std::stoull cannot overflow on (no real capacity or kHz comes near).
-      if (c < 0 || !IsDecimal(word) || word.size() > 19 || std::stoull(word) == 0) {
+      const uint64_t value = c >= 0 && IsDecimal(word) && word.size() <= 19 ? std::stoull(word) : 0;
+      if (value == 0) {
         all = false;
         break;
       }
-      capacity[static_cast<size_t>(c)] = std::stoull(word);
+      capacity[static_cast<size_t>(c)] = value;
     }
     if (all) return capacity;
   }

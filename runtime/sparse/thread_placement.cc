@@ -54,7 +54,7 @@ std::optional<ThreadCpuPlan> PlanThreadCpus(PinThreads policy, int compute_threa
   return plan;
 }
 
-ThreadPlacement::ThreadPlacement(ThreadCpuPlan plan, std::vector<pthread_t> workers, pthread_t io)
+ThreadPlacement::ThreadPlacement(ThreadCpuPlan plan, std::vector<pthread_t> workers, std::optional<pthread_t> io)
     : plan_(std::move(plan)), workers_(std::move(workers)), io_(io) {}
 
 Status ThreadPlacement::Pin(pthread_t thread, int cpu) {
@@ -72,7 +72,7 @@ Status ThreadPlacement::Begin() {
   for (size_t i = 0; st.ok() && i < workers_.size() && i < plan_.workers.size(); ++i) {
     st = Pin(workers_[i], plan_.workers[i]);
   }
-  if (st.ok()) st = Pin(io_, plan_.io);
+  if (st.ok() && io_) st = Pin(*io_, plan_.io);
   if (!st.ok()) End();
   return st;
 }

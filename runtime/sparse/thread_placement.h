@@ -55,11 +55,12 @@ std::optional<ThreadCpuPlan> PlanThreadCpus(PinThreads policy, int compute_threa
                                             std::span<const uint64_t> disk_interrupts = {},
                                             std::span<const uint64_t> capacity = {});
 
-// Applies a plan around one Eval and puts every thread back where it was allowed to run before.
+// Applies a plan around one Eval (or a whole run) and puts every thread back where it was allowed to run before.
 // Thread-safety: Begin and End are called by the caller thread only, in pairs.
 class ThreadPlacement {
  public:
-  ThreadPlacement(ThreadCpuPlan plan, std::vector<pthread_t> workers, pthread_t io);
+  // `io`: the I/O thread, or nullopt when there is none (the in-memory engine; plan.io is then not used).
+  ThreadPlacement(ThreadCpuPlan plan, std::vector<pthread_t> workers, std::optional<pthread_t> io);
   // Pins the calling thread, the workers and the I/O thread, saving their CPU lists first. On failure, restores what
   // it pinned and returns the error.
   Status Begin();
@@ -75,7 +76,7 @@ class ThreadPlacement {
   Status Pin(pthread_t thread, int cpu);
   ThreadCpuPlan plan_;
   std::vector<pthread_t> workers_;
-  pthread_t io_;
+  std::optional<pthread_t> io_;
   std::vector<Saved> saved_;
 };
 
