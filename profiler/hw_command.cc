@@ -13,6 +13,7 @@
 #include "profiler/hw_profile.h"
 #include "runtime/core/file.h"
 #include "runtime/core/log.h"
+#include "runtime/core/thread_placement.h"
 
 namespace nflash::profiler {
 namespace {
@@ -25,6 +26,7 @@ struct HwFlags {
   bool quick = false;
   bool force = false;
   std::vector<int> threads;
+  std::string pin_threads = "auto";
 };
 
 // The default test directory: the current one, else /var/tmp; never a tmpfs (/tmp often is), which holds RAM.
@@ -39,6 +41,7 @@ Status RunProfileHw(const HwFlags& flags) {
   HwProfileOptions options;
   options.quick = flags.quick;
   options.threads = flags.threads;
+  NF_ASSIGN_OR_RETURN(options.pin_threads, ParsePinThreads(flags.pin_threads));
   options.dir = flags.dir.empty() ? DefaultDir() : flags.dir;
   std::error_code ec;
   if (!fs::exists(options.dir, ec)) return Status::InvalidArgument("--dir " + options.dir + " does not exist");
@@ -75,6 +78,9 @@ void RegisterProfileHwCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_flag("--quick", flags->quick, "Small sizes and short cells (< 30 s; numbers indicative only)");
   cmd->add_option("--threads-list", flags->threads, "Thread counts to measure, e.g. 1,2 (default: 1..cores)")
       ->delimiter(',');
+  cmd->add_option("--pin-threads", flags->pin_threads,
+                  "Where each thread count's threads run while timed: auto (default), on, off; the rule of `nflash "
+                  "offload --pin-threads`, so each count is measured on the CPUs the decode would use");
   cmd->add_flag("--force", flags->force, "Overwrite the output if it exists");
   cmd->callback([flags, action] { *action = [flags] { return RunProfileHw(*flags); }; });
 }

@@ -6,24 +6,31 @@
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/sysmacros.h>
+#include <sched.h>
 #include <sys/utsname.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
+#include <set>
 #include <sstream>
+#include <thread>
 
 #include "profiler/median_timing.h"
 #include "runtime/core/block_device.h"
+#include "runtime/core/cpu_affinity.h"
 #include "runtime/core/kernels.h"
 #include "runtime/core/log.h"
 #include "runtime/core/quant.h"
+#include "runtime/core/thread_placement.h"
 #include "runtime/core/thread_pool.h"
 #include "runtime/io/direct_reader.h"
 
@@ -90,6 +97,101 @@ json MachineInfo() {
           {"load_average_1m", LoadAverage()}};
 }
 
+// ---- threads -------------------------------------------------------------------------------------------------------
+
+// One pool per thread count, placed as the decode places its compute threads (PlanThreadCpus under the same
+// --pin-threads policy, fastest CPUs first by CpuCapacities): on big and little cores the decode's threads run on the
+// fastest CPUs, and a cell timed wherever the scheduler happened to put its threads would rate other cores. Enter(i),
+// untimed before each of pool i's calls, moves the calling thread and pool i's workers to pool i's CPUs; the
+// destructor gives every thread its CPUs back.
+class PlacedPools {
+ public:
+  PlacedPools(const std::vector<int>& thread_counts, PinThreads policy)
+      : thread_counts_(thread_counts), allowed_(ThreadCpus(pthread_self())), capacity_(CpuCapacities(allowed_)) {
+    for (int threads : thread_counts) {
+      pools_.push_back(std::make_unique<ThreadPool>(threads));
+      std::optional<ThreadCpuPlan> plan = PlanThreadCpus(policy, threads, allowed_, {}, capacity_);
+      if (plan) placements_.emplace_back(std::in_place, *plan, pools_.back()->WorkerHandles(), std::nullopt);
+      else placements_.emplace_back(std::nullopt);
+    }
+    observed_.resize(pools_.size());
+  }
+  ~PlacedPools() { Leave(); }
+  PlacedPools(const PlacedPools&) = delete;
+  PlacedPools& operator=(const PlacedPools&) = delete;
+
+  size_t size() const { return pools_.size(); }
+  int threads(size_t i) const { return thread_counts_[i]; }
+  ThreadPool& pool(size_t i) { return *pools_[i]; }
+  ThreadPool& largest() { return *pools_.back(); }
+
+  void Enter(size_t i) {
+    if (current_ == static_cast<int>(i)) return;
+    Leave();
+    current_ = static_cast<int>(i);
+    if (!placements_[i]) return;
+    if (Status st = placements_[i]->Begin(); !st.ok()) {
+      NF_LOG(Warning) << "profile-hw: " << thread_counts_[i] << " thread(s) not pinned: " << st.message();
+      placements_[i].reset();
+    }
+  }
+
+  // Records the CPUs pool i's threads run on now, for the profile: what the placement achieved, not what it asked
+  // for. Each chunk of a few jobs notes its CPU and then waits (up to 100 ms) for every chunk to start, so that no
+  // thread takes two and each thread's CPU is seen.
+  void Observe(size_t i) {
+    Enter(i);
+    const int n = pools_[i]->NumThreads();
+    std::vector<int> seen(static_cast<size_t>(n), -1);
+    for (int job = 0; job < 4; ++job) {
+      std::atomic<int> started{0};
+      pools_[i]->ParallelFor(n, 1, [&](int64_t begin, int64_t, int) {
+        seen[static_cast<size_t>(begin)] = sched_getcpu();
+        started.fetch_add(1);
+        const auto deadline = Clock::now() + std::chrono::milliseconds(100);
+        while (started.load() < n && Clock::now() < deadline) std::this_thread::yield();
+      });
+      for (int cpu : seen) {
+        if (cpu >= 0) observed_[i].insert(cpu);
+      }
+    }
+  }
+
+  json Describe() const {
+    json pools = json::array();
+    for (size_t i = 0; i < pools_.size(); ++i) {
+      json cpus = nullptr;
+      if (placements_[i]) {
+        const ThreadCpuPlan& p = placements_[i]->plan();
+        cpus = json::array({p.caller});
+        for (int w : p.workers) cpus.push_back(w);
+      }
+      pools.push_back({{"threads", thread_counts_[i]},
+                       {"cpus", cpus},
+                       {"observed_cpus", std::vector<int>(observed_[i].begin(), observed_[i].end())}});
+    }
+    std::vector<uint64_t> capacity;
+    for (int c : allowed_) {
+      capacity.push_back(static_cast<size_t>(c) < capacity_.size() ? capacity_[static_cast<size_t>(c)] : 0);
+    }
+    return {{"allowed_cpus", allowed_}, {"cpu_capacity", capacity_.empty() ? json(nullptr) : json(capacity)},
+            {"pools", pools}};
+  }
+
+ private:
+  void Leave() {
+    if (current_ >= 0 && placements_[static_cast<size_t>(current_)]) placements_[static_cast<size_t>(current_)]->End();
+    current_ = -1;
+  }
+  std::vector<int> thread_counts_;
+  std::vector<int> allowed_;
+  std::vector<uint64_t> capacity_;
+  std::vector<std::unique_ptr<ThreadPool>> pools_;
+  std::vector<std::optional<ThreadPlacement>> placements_;
+  std::vector<std::set<int>> observed_;
+  int current_ = -1;
+};
+
 // ---- compute -------------------------------------------------------------------------------------------------------
 
 // Several copies of one quantized matrix, used in turn: a real model's weights are far larger than the last-level
@@ -122,7 +224,7 @@ Weights MakeWeights(GgmlType type, int64_t dim, const std::vector<float>& values
   return w;
 }
 
-json MeasureCompute(const Mode& mode, const std::vector<int>& thread_counts) {
+json MeasureCompute(const Mode& mode, PlacedPools& pools) {
   const int64_t dim = mode.matrix_dim;
   std::mt19937 rng(1234);
   std::normal_distribution<float> normal(0.0f, 0.02f);
@@ -147,12 +249,10 @@ json MeasureCompute(const Mode& mode, const std::vector<int>& thread_counts) {
   size_t row_turn = 0;
   auto next_rows = [&]() -> std::span<const int32_t> { return row_sets[row_turn++ % kRowSets]; };
 
-  std::vector<std::unique_ptr<ThreadPool>> pools;
-  for (int threads : thread_counts) pools.push_back(std::make_unique<ThreadPool>(threads));
   json results = json::array();
   // One type at a time so only one set of copies is in memory.
   for (GgmlType type : {GgmlType::kF32, GgmlType::kF16, GgmlType::kQ8_0, GgmlType::kQ4_0}) {
-    const Weights w = MakeWeights(type, dim, values, mode.cold_weight_bytes, pools.back().get());
+    const Weights w = MakeWeights(type, dim, values, mode.cold_weight_bytes, &pools.largest());
     size_t turn = 0;
     auto next = [&]() -> const MatrixView& { return w.views[turn++ % w.views.size()]; };
     // neuron_path's row addresses and outputs (k neurons).
@@ -161,13 +261,13 @@ json MeasureCompute(const Mode& mode, const std::vector<int>& thread_counts) {
     const double bytes = static_cast<double>(w.matrix_bytes);
     // One cell: `call(pool)` timed with every thread count in turns (MedianSecondsEach), a result row each.
     auto cell = [&](const char* kernel, int64_t tokens, double fraction, auto&& call) {
-      const std::vector<double> secs =
-          MedianSecondsEach(mode.cell_seconds, pools.size(), [&](size_t pi) { call(*pools[pi]); });
+      const std::vector<double> secs = MedianSecondsEach(
+          mode.cell_seconds, pools.size(), [&](size_t pi) { call(pools.pool(pi)); }, [&](size_t pi) { pools.Enter(pi); });
       const double weight_bytes = bytes * fraction;
       const double flops =
           2.0 * static_cast<double>(dim) * static_cast<double>(dim) * fraction * static_cast<double>(tokens);
       for (size_t pi = 0; pi < pools.size(); ++pi) {
-        results.push_back({{"threads", thread_counts[pi]},
+        results.push_back({{"threads", pools.threads(pi)},
                            {"kernel", kernel},
                            {"type", std::string(GgmlTypeName(type))},
                            {"tokens", tokens},
@@ -220,17 +320,16 @@ json MeasureCompute(const Mode& mode, const std::vector<int>& thread_counts) {
   return {{"matrix_rows", dim}, {"matrix_cols", dim}, {"results", results}};
 }
 
-json MeasureMemory(const Mode& mode, const std::vector<int>& thread_counts) {
+json MeasureMemory(const Mode& mode, PlacedPools& pools) {
   const size_t words = mode.memory_bytes / sizeof(uint64_t);
   std::vector<uint64_t> buf(words);
   for (size_t i = 0; i < words; ++i) buf[i] = i * 0x9E3779B97F4A7C15ull;  // touches every page before timing
   json results = json::array();
   volatile uint64_t sink = 0;  // keeps the reads from being optimised away
-  std::vector<std::unique_ptr<ThreadPool>> pools;
-  for (int threads : thread_counts) pools.push_back(std::make_unique<ThreadPool>(threads));
+  auto enter = [&](size_t pi) { pools.Enter(pi); };
   // Each cell with every thread count in turns (MedianSecondsEach).
   const std::vector<double> read_s = MedianSecondsEach(mode.seq_cell_seconds, pools.size(), [&](size_t pi) {
-    ThreadPool& pool = *pools[pi];
+    ThreadPool& pool = pools.pool(pi);
     std::vector<uint64_t> partial(static_cast<size_t>(pool.NumThreads()), 0);
     pool.ParallelFor(static_cast<int64_t>(words), 4096, [&](int64_t b, int64_t e, int t) {
       uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;  // independent sums so loads are not serialized
@@ -245,16 +344,16 @@ json MeasureMemory(const Mode& mode, const std::vector<int>& thread_counts) {
       partial[static_cast<size_t>(t)] += s0 + s1 + s2 + s3;
     });
     for (uint64_t p : partial) sink = sink + p;
-  });
+  }, enter);
   // Copy: the first half onto the second; reported as bytes copied per second (each read once, written once).
   const size_t half = words / 2;
   const std::vector<double> copy_s = MedianSecondsEach(mode.seq_cell_seconds, pools.size(), [&](size_t pi) {
-    pools[pi]->ParallelFor(static_cast<int64_t>(half), 4096, [&](int64_t b, int64_t e, int) {
+    pools.pool(pi).ParallelFor(static_cast<int64_t>(half), 4096, [&](int64_t b, int64_t e, int) {
       std::memcpy(buf.data() + half + b, buf.data() + b, static_cast<size_t>(e - b) * sizeof(uint64_t));
     });
-  });
+  }, enter);
   for (size_t pi = 0; pi < pools.size(); ++pi) {
-    results.push_back({{"threads", thread_counts[pi]},
+    results.push_back({{"threads", pools.threads(pi)},
                        {"buffer_bytes", mode.memory_bytes},
                        {"read_gb_per_s", static_cast<double>(mode.memory_bytes) / read_s[pi] / 1e9},
                        {"copy_gb_per_s", static_cast<double>(half * sizeof(uint64_t)) / copy_s[pi] / 1e9}});
@@ -522,9 +621,16 @@ Result<json> MeasureHardware(const HwProfileOptions& options) {
   json profile = {{"format", "nflash.hw_profile"}, {"version", kHwProfileVersion}, {"quick", options.quick}};
   profile["machine"] = MachineInfo();
   NF_LOG(Info) << "profile-hw: compute kernels (" << mode.matrix_dim << "x" << mode.matrix_dim << ")";
-  json compute = MeasureCompute(mode, threads);
-  NF_LOG(Info) << "profile-hw: memory bandwidth (" << (mode.memory_bytes >> 20) << " MiB)";
-  compute["memory"] = MeasureMemory(mode, threads);
+  json compute;
+  {
+    PlacedPools pools(threads, options.pin_threads);
+    compute = MeasureCompute(mode, pools);
+    NF_LOG(Info) << "profile-hw: memory bandwidth (" << (mode.memory_bytes >> 20) << " MiB)";
+    compute["memory"] = MeasureMemory(mode, pools);
+    for (size_t i = 0; i < pools.size(); ++i) pools.Observe(i);
+    compute["placement"] = pools.Describe();
+    compute["placement"]["policy"] = PinThreadsName(options.pin_threads);
+  }
   profile["compute"] = std::move(compute);
   NF_LOG(Info) << "profile-hw: flash in " << options.dir << " (" << (mode.file_bytes >> 20) << " MiB test file)";
   NF_ASSIGN_OR_RETURN(profile["flash"], MeasureFlash(mode, options.dir));
@@ -558,6 +664,25 @@ std::string FormatHwProfile(const json& p) {
                   r["threads"].get<int>(), r["read_gb_per_s"].get<double>(), r["copy_gb_per_s"].get<double>(),
                   static_cast<unsigned long long>(r["buffer_bytes"].get<uint64_t>() >> 20));
     os << line;
+  }
+  // Profiles made before placement was recorded have none.
+  if (const auto pl = p["compute"].find("placement"); pl != p["compute"].end()) {
+    os << "\nthread placement (--pin-threads " << pl->value("policy", "?") << ")";
+    if ((*pl)["cpu_capacity"].is_array()) {
+      os << ", CPU capacities";
+      for (const json& c : (*pl)["cpu_capacity"]) os << " " << c.get<uint64_t>();
+    }
+    os << "\n";
+    auto list = [](const json& cpus) {
+      std::string text;
+      for (const json& c : cpus) text += (text.empty() ? "" : ",") + std::to_string(c.get<int>());
+      return text;
+    };
+    for (const json& pool : (*pl)["pools"]) {
+      os << "  " << pool["threads"].get<int>() << " thread(s): "
+         << (pool["cpus"].is_array() ? "pinned to CPUs " + list(pool["cpus"]) : std::string("not pinned"))
+         << ", ran on " << list(pool["observed_cpus"]) << "\n";
+    }
   }
   const json& f = p["flash"];
   const std::string scheduler = f.value("io_scheduler", "");  // absent from profiles made before it was recorded

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/core/status.h"
+#include "runtime/core/thread_placement.h"
 
 namespace nflash::profiler {
 
@@ -19,6 +20,9 @@ struct HwProfileOptions {
   std::string dir;           // where the temporary flash test file goes; must exist and be writable
   bool quick = false;        // small matrices, a 256 MiB file and 20 ms cells (< 30 s in total)
   std::vector<int> threads;  // thread counts for the compute section; empty: 1..hardware threads
+  // Where each thread count's threads run while timed: the decode's rule for the same policy (PlanThreadCpus), so a
+  // count is measured on the CPUs the decode would use (the fastest first on big and little cores).
+  PinThreads pin_threads = PinThreads::kAuto;
 };
 
 // Runs every measurement and returns the profile as JSON (schema version 1). The temporary file is unlinked right

@@ -17,14 +17,19 @@ inline double Seconds(std::chrono::steady_clock::time_point a, std::chrono::stea
 // host's load or clock under every variant alike, so their ratio is measured side by side: the thread counts of one
 // cell timed one after the other came out inverted on this project's shared 2-vCPU machine (Q4_0 GEMV 30.7 GB/s on
 // one thread, 26.9 on two, while a 2-thread decode ran 1.1x faster), and the planner chose one compute thread.
-template <typename Fn>
-std::vector<double> MedianSecondsEach(double budget, size_t n, Fn&& fn) {
+// `prepare(i)`, untimed, runs before every call of fn(i) (e.g. moving the calling thread to variant i's CPU).
+template <typename Fn, typename Prepare>
+std::vector<double> MedianSecondsEach(double budget, size_t n, Fn&& fn, Prepare&& prepare) {
   using Clock = std::chrono::steady_clock;
-  for (size_t i = 0; i < n; ++i) fn(i);
+  for (size_t i = 0; i < n; ++i) {
+    prepare(i);
+    fn(i);
+  }
   std::vector<std::vector<double>> times(n);
   const auto start = Clock::now();
   do {
     for (size_t i = 0; i < n; ++i) {
+      prepare(i);
       const auto t0 = Clock::now();
       fn(i);
       times[i].push_back(Seconds(t0, Clock::now()));
@@ -36,6 +41,11 @@ std::vector<double> MedianSecondsEach(double budget, size_t n, Fn&& fn) {
     medians.push_back(t[t.size() / 2]);
   }
   return medians;
+}
+
+template <typename Fn>
+std::vector<double> MedianSecondsEach(double budget, size_t n, Fn&& fn) {
+  return MedianSecondsEach(budget, n, fn, [](size_t) {});
 }
 
 // Runs fn at least twice (the first is a warm-up) and until `budget` seconds have passed; returns the median seconds

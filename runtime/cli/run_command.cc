@@ -29,7 +29,7 @@
 #include "runtime/engine/predictor.h"
 #include "runtime/engine/sparse_ffn.h"
 #include "runtime/sparse/sparse_runtime.h"
-#include "runtime/sparse/thread_placement.h"
+#include "runtime/core/thread_placement.h"
 #include "runtime/text/sampler.h"
 
 namespace nflash::cli {
@@ -221,14 +221,14 @@ Status RunGenerate(const RunFlags& f) {
                                    " tokens, more than the context size " + std::to_string(n_ctx));
   }
   NF_ASSIGN_OR_RETURN(const KvType kv_type, ParseKvType(f.kv_type));
-  NF_ASSIGN_OR_RETURN(const sparse::PinThreads pin, sparse::ParsePinThreads(f.pin_threads));
+  NF_ASSIGN_OR_RETURN(const PinThreads pin, ParsePinThreads(f.pin_threads));
   ThreadPool pool(f.threads);
-  // The same placement rule as `nflash offload` (runtime/sparse/thread_placement.h), for a like-for-like comparison:
+  // The same placement rule as `nflash offload` (runtime/core/thread_placement.h), for a like-for-like comparison:
   // the caller and the workers on the fastest CPUs, one each, for the whole run (there is no I/O thread here).
   const std::vector<int> allowed = ThreadCpus(pthread_self());
-  const std::optional<sparse::ThreadCpuPlan> placed =
-      sparse::PlanThreadCpus(pin, pool.NumThreads(), allowed, {}, CpuCapacities(allowed));
-  std::optional<sparse::ThreadPlacement> placement;
+  const std::optional<ThreadCpuPlan> placed =
+      PlanThreadCpus(pin, pool.NumThreads(), allowed, {}, CpuCapacities(allowed));
+  std::optional<ThreadPlacement> placement;
   if (placed) {
     placement.emplace(*placed, pool.WorkerHandles(), std::nullopt);
     NF_RETURN_IF_ERROR(placement->Begin());

@@ -54,7 +54,7 @@
 #include "runtime/io/direct_reader.h"
 #include "runtime/sparse/io_worker.h"
 #include "runtime/sparse/neuron_cache.h"
-#include "runtime/sparse/thread_placement.h"
+#include "runtime/core/thread_placement.h"
 
 namespace nflash::sparse {
 
@@ -185,7 +185,7 @@ struct OffloadOptions {
   // 0: off.
   int64_t warm_next_bytes = -1;
   // Full mode: whether the caller, the pool's workers and the I/O thread are pinned to CPUs for each Eval
-  // (runtime/sparse/thread_placement.h; auto: when the compute threads take every CPU the process may use).
+  // (runtime/core/thread_placement.h; auto: when the compute threads take every CPU the process may use).
   PinThreads pin_threads = PinThreads::kAuto;
   // The flash file's direct-I/O alignment (DirectReader::alignment, from statx): sizes the cold slots (ColdReadBytes).
   // kSlotAlignment keeps them whole 4 KiB-aligned groups.

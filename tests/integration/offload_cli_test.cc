@@ -14,7 +14,7 @@
 
 #include "runtime/core/cpu_affinity.h"
 #include "runtime/core/kernels.h"
-#include "runtime/sparse/thread_placement.h"
+#include "runtime/core/thread_placement.h"
 #include "tests/test_util.h"
 
 namespace nflash {
@@ -149,7 +149,7 @@ TEST_F(OffloadCliTest, WarmNextAbSwitchesPerToken) {
   EXPECT_NE(j2["warm_next_ab"]["token_on"].get<std::vector<int>>(), on);
 }
 
-// --pin-threads: where the JSON says the threads ran (the rule of runtime/sparse/thread_placement.h on the CPUs this
+// --pin-threads: where the JSON says the threads ran (the rule of runtime/core/thread_placement.h on the CPUs this
 // test may use, which the child inherits), pinning never changes the text, and --pin-threads-ab switches it per token.
 TEST_F(OffloadCliTest, PinThreadsPlacesThreadsWithoutChangingResults) {
   const std::vector<int> allowed = ThreadCpus(pthread_self());
@@ -189,7 +189,7 @@ TEST_F(OffloadCliTest, PinThreadsPlacesThreadsWithoutChangingResults) {
   const auto irq = on["disk_interrupts_per_cpu"].get<std::vector<uint64_t>>();
   auto count = [&](int cpu) { return static_cast<size_t>(cpu) < irq.size() ? irq[static_cast<size_t>(cpu)] : 0; };
   for (int c : allowed) {
-    EXPECT_GE(static_cast<double>(cap(caller)), (1.0 - sparse::kAlikeCapacityShare) * static_cast<double>(cap(c)))
+    EXPECT_GE(static_cast<double>(cap(caller)), (1.0 - kAlikeCapacityShare) * static_cast<double>(cap(c)))
         << "CPU " << c;
     if (cap(c) == cap(caller)) {
       EXPECT_LE(count(caller), count(c)) << "CPU " << c;
@@ -208,7 +208,7 @@ TEST_F(OffloadCliTest, PinThreadsPlacesThreadsWithoutChangingResults) {
   // unless the CPUs differ in speed.
   const auto automatic = run("-t 1");
   ASSERT_FALSE(automatic.is_discarded());
-  const bool mixed = sparse::PlanThreadCpus(sparse::PinThreads::kAuto, 1, allowed, {}, capacity).has_value();
+  const bool mixed = PlanThreadCpus(PinThreads::kAuto, 1, allowed, {}, capacity).has_value();
   EXPECT_EQ(automatic["thread_cpus"].is_null(), !mixed) << automatic["thread_cpus"].dump();
   if (allowed.size() >= 2) {
     const auto ab = run("-t 2 --pin-threads on --pin-threads-ab 3");

@@ -2,11 +2,15 @@
 // temporary file behind; bad directories and an existing output fail with clear messages and the usage exit code.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/core/cpu_affinity.h"
+#include "runtime/core/thread_placement.h"
 #include "tests/test_util.h"
 
 namespace nflash {
@@ -71,6 +75,62 @@ TEST(ProfileHwTest, QuickWritesValidJsonAndRemovesItsTempFile) {
   for (const auto& c : flash["sequential_read"]) ExpectPositive(c, "mb_per_s");
   ExpectPositive(flash["sequential_write"], "mb_per_s");
   ExpectPositive(p, "duration_seconds");
+}
+
+// The compute cells run where the decode would run the same number of threads: each pool's recorded plan is the
+// shared rule's (PlanThreadCpus, its own tests in thread_placement_test) for the policy asked, and the threads were seen
+// only on the CPUs planned (pinned) or allowed (not pinned).
+TEST(ProfileHwTest, ComputeThreadsRunWhereTheDecodeRulePlacesThem) {
+  const std::vector<int> allowed = ThreadCpus(pthread_self());
+  ASSERT_FALSE(allowed.empty());
+  const std::vector<uint64_t> capacity = CpuCapacities(allowed);
+  const int most = std::min<int>(2, static_cast<int>(allowed.size()));
+  for (const char* policy : {"on", "off"}) {
+    SCOPED_TRACE(policy);
+    TempDir out;
+    TempDir work;
+    const std::string json_path = out.File("hw.json");
+    std::string list = "1";
+    if (most == 2) list += ",2";
+    const auto r = RunCommand(NflashBinary() + " profile-hw --quick --threads-list " + list + " --pin-threads " +
+                              policy + " --dir " + work.path() + " -o " + json_path);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(std::string("thread placement (--pin-threads ") + policy + ")"), std::string::npos)
+        << r.output;
+    std::ifstream in(json_path);
+    const nlohmann::json placement = nlohmann::json::parse(in)["compute"]["placement"];
+    EXPECT_EQ(placement["policy"], policy);
+    EXPECT_EQ(placement["allowed_cpus"].get<std::vector<int>>(), allowed);
+    ASSERT_EQ(placement["pools"].size(), static_cast<size_t>(most));
+    for (const nlohmann::json& pool : placement["pools"]) {
+      const int threads = pool["threads"].get<int>();
+      const auto want = PlanThreadCpus(*ParsePinThreads(policy), threads, allowed, {}, capacity);
+      std::vector<int> allowed_here = allowed;
+      if (want) {
+        ASSERT_TRUE(pool["cpus"].is_array()) << pool.dump();
+        std::vector<int> planned = {want->caller};
+        planned.insert(planned.end(), want->workers.begin(), want->workers.end());
+        EXPECT_EQ(pool["cpus"].get<std::vector<int>>(), planned);
+        allowed_here = planned;
+      } else {
+        EXPECT_TRUE(pool["cpus"].is_null()) << pool.dump();
+      }
+      const auto seen = pool["observed_cpus"].get<std::vector<int>>();
+      EXPECT_FALSE(seen.empty()) << pool.dump();
+      for (int cpu : seen) {
+        EXPECT_NE(std::find(allowed_here.begin(), allowed_here.end(), cpu), allowed_here.end())
+            << "CPU " << cpu << " in " << pool.dump();
+      }
+    }
+  }
+}
+
+TEST(ProfileHwTest, BadPinThreadsIsAUsageError) {
+  TempDir out;
+  const auto r = RunCommand(NflashBinary() + " profile-hw --quick --pin-threads always -o " + out.File("hw.json"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--pin-threads always: expected auto, on or off"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(out.File("hw.json")));
 }
 
 TEST(ProfileHwTest, BadDirIsAUsageError) {

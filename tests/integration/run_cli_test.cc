@@ -15,7 +15,7 @@
 #include "runtime/core/file.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
-#include "runtime/sparse/thread_placement.h"
+#include "runtime/core/thread_placement.h"
 #include "tests/test_util.h"
 
 namespace nflash {
@@ -104,14 +104,14 @@ TEST(RunCliTest, PinThreadsPlacesTheThreadsWithoutChangingTheText) {
   };
   const auto on = run("on"), off = run("off"), automatic = run("auto");
   ASSERT_FALSE(on.is_discarded() || off.is_discarded() || automatic.is_discarded());
-  const auto want = sparse::PlanThreadCpus(sparse::PinThreads::kOn, threads, allowed, {}, CpuCapacities(allowed));
+  const auto want = PlanThreadCpus(PinThreads::kOn, threads, allowed, {}, CpuCapacities(allowed));
   ASSERT_TRUE(want.has_value());
   ASSERT_TRUE(on.at("thread_cpus").is_object()) << on.dump();
   EXPECT_EQ(on["thread_cpus"]["caller"].get<int>(), want->caller);
   EXPECT_EQ(on["thread_cpus"]["workers"].get<std::vector<int>>(), want->workers);
   EXPECT_TRUE(off.at("thread_cpus").is_null());
   const bool auto_pins =
-      sparse::PlanThreadCpus(sparse::PinThreads::kAuto, threads, allowed, {}, CpuCapacities(allowed)).has_value();
+      PlanThreadCpus(PinThreads::kAuto, threads, allowed, {}, CpuCapacities(allowed)).has_value();
   EXPECT_EQ(automatic.at("thread_cpus").is_null(), !auto_pins);
   EXPECT_EQ(on.at("text"), off.at("text"));
   EXPECT_EQ(automatic.at("text"), off.at("text"));

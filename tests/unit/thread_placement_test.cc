@@ -16,10 +16,10 @@
 #include "runtime/core/file.h"
 #include "runtime/core/thread_pool.h"
 #include "runtime/sparse/io_worker.h"
-#include "runtime/sparse/thread_placement.h"
+#include "runtime/core/thread_placement.h"
 #include "tests/test_util.h"
 
-namespace nflash::sparse {
+namespace nflash {
 namespace {
 
 TEST(ThreadPlacementTest, PlanFollowsTheRule) {
@@ -202,7 +202,7 @@ TEST(ThreadPlacementTest, BeginPinsEveryThreadAndEndRestoresThem) {
   const int threads = allowed.size() >= 2 ? 2 : 1;
   ThreadPool pool(threads);
   MemoryFile file("mem", std::vector<uint8_t>(4096, 1));
-  IoWorker io(&file);
+  sparse::IoWorker io(&file);
   std::optional<ThreadCpuPlan> plan = PlanThreadCpus(PinThreads::kOn, threads, allowed);
   ASSERT_TRUE(plan.has_value());
   const std::vector<pthread_t> workers = pool.WorkerHandles();
@@ -236,4 +236,4 @@ TEST(ThreadPlacementTest, BeginPinsEveryThreadAndEndRestoresThem) {
 }
 
 }  // namespace
-}  // namespace nflash::sparse
+}  // namespace nflash

@@ -18,7 +18,7 @@
 
 #include "runtime/core/status.h"
 
-namespace nflash::sparse {
+namespace nflash {
 
 enum class PinThreads : uint8_t {
   kAuto,  // pin when the compute threads take every allowed CPU (and there are at least 2), or when the CPUs differ in
@@ -27,6 +27,8 @@ enum class PinThreads : uint8_t {
   kOff,   // leave every thread to the scheduler
 };
 Result<PinThreads> ParsePinThreads(const std::string& name);
+// "auto", "on", "off": the name ParsePinThreads reads.
+const char* PinThreadsName(PinThreads policy);
 
 // One CPU per thread: the caller, the pool's workers (thread_index 1, 2, ...), the I/O thread.
 struct ThreadCpuPlan {
@@ -80,4 +82,4 @@ class ThreadPlacement {
   std::vector<Saved> saved_;
 };
 
-}  // namespace nflash::sparse
+}  // namespace nflash

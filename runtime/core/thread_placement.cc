@@ -1,17 +1,29 @@
 // PlanThreadCpus and ThreadPlacement (see thread_placement.h).
-#include "runtime/sparse/thread_placement.h"
+#include "runtime/core/thread_placement.h"
 
 #include <algorithm>
 
 #include "runtime/core/cpu_affinity.h"
 
-namespace nflash::sparse {
+namespace nflash {
 
 Result<PinThreads> ParsePinThreads(const std::string& name) {
   if (name == "auto") return PinThreads::kAuto;
   if (name == "on") return PinThreads::kOn;
   if (name == "off") return PinThreads::kOff;
   return Status::InvalidArgument("--pin-threads " + name + ": expected auto, on or off");
+}
+
+const char* PinThreadsName(PinThreads policy) {
+  switch (policy) {
+    case PinThreads::kOn:
+      return "on";
+    case PinThreads::kOff:
+      return "off";
+    case PinThreads::kAuto:
+      break;
+  }
+  return "auto";
 }
 
 std::optional<ThreadCpuPlan> PlanThreadCpus(PinThreads policy, int compute_threads, std::span<const int> allowed,
@@ -83,4 +95,4 @@ void ThreadPlacement::End() {
   saved_.clear();
 }
 
-}  // namespace nflash::sparse
+}  // namespace nflash
