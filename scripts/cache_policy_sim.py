@@ -7,8 +7,10 @@ pool behave close to that: SYNTHETIC 7B trace, runtime 0.085 against 0.084 here)
 not cached when its layer runs; a layer's own active neurons are never evicted while it runs (they are pinned).
 
 Policies: lru (the runtime's default), slru-P (segmented LRU with a protected share P, --cold-protected P), arc,
+srrip / brrip (re-reference interval prediction), bip (LRU inserting misses at the cold end but for 1/8 of them),
 tinylfu (LRU admitting a miss only when it was used more often than the victim; aged: counts halved every 4 x SLOTS
-uses), and belady (evicts the bundle whose next use is furthest away: the optimum for this trace, which needs the
+uses), lru with oracle admission (caches a miss only when it comes back within 32 tokens: the bound of any admission
+filter; needs the future), and belady (evicts the bundle whose next use is furthest away: the optimum for this trace, which needs the
 future).
 
 Dense models only (every layer appears once per token). Example:
@@ -170,6 +172,104 @@ def tinylfu(capacity, halve_every=0):
     return step
 
 
+def srrip(capacity, bits=2, bimodal=0.0, seed=1):
+    # Re-reference interval prediction: each bundle has an RRPV in 0..2^bits-1; a hit sets it to 0, a miss inserts it
+    # at max-1 (bimodal > 0: at max except with that probability, BRRIP); evictions take a bundle at max, ageing every
+    # bundle by one when there is none (the step's own bundles are pinned and skipped).
+    import random
+    rnd = random.Random(seed)
+    top = (1 << bits) - 1
+    rrpv = {}
+    buckets = [collections.OrderedDict() for _ in range(top + 1)]
+
+    def step(keys):
+        misses = 0
+        current = set(keys)
+        for k in keys:
+            if k in rrpv:
+                del buckets[rrpv[k]][k]
+                rrpv[k] = 0
+            else:
+                misses += 1
+                rrpv[k] = top if bimodal > 0 and rnd.random() >= bimodal else top - 1
+            buckets[rrpv[k]][k] = True
+        while len(rrpv) > capacity:
+            victim = next((k for k in buckets[top] if k not in current), None)
+            if victim is None:
+                for r in range(top - 1, -1, -1):
+                    for k in list(buckets[r]):
+                        if k not in current:
+                            del buckets[r][k]
+                            rrpv[k] = r + 1
+                            buckets[r + 1][k] = True
+                continue
+            del buckets[top][victim]
+            del rrpv[victim]
+        return misses
+
+    return step
+
+
+def bip(capacity, eps, seed=1):
+    # Bimodal insertion: LRU whose misses enter at the least recently used end except with probability eps.
+    import random
+    rnd = random.Random(seed)
+    cache = collections.OrderedDict()
+
+    def step(keys):
+        misses = 0
+        current = set(keys)
+        for k in keys:
+            if k in cache:
+                cache.move_to_end(k)
+                continue
+            misses += 1
+            cache[k] = True
+            if rnd.random() >= eps:
+                cache.move_to_end(k, last=False)
+        kept = []
+        while len(cache) > capacity:
+            k, _ = cache.popitem(last=False)
+            if k in current:
+                kept.append(k)
+        for k in reversed(kept):
+            cache[k] = True
+            cache.move_to_end(k, last=False)
+        return misses
+
+    return step
+
+
+def lru_oracle_admission(capacity, trace_keys, horizon_steps):
+    # LRU that caches a miss only when it is used again within horizon_steps steps (needs the future): the bound of
+    # any admission filter in front of LRU.
+    following = {}
+    next_use = [None] * len(trace_keys)
+    for i in range(len(trace_keys) - 1, -1, -1):
+        next_use[i] = [following.get(k, float("inf")) for k in trace_keys[i]]  # never again: never admitted
+        for k in trace_keys[i]:
+            following[k] = i
+    cache = collections.OrderedDict()
+    position = [0]
+
+    def step(keys):
+        i = position[0]
+        position[0] += 1
+        misses = 0
+        for k, use in zip(keys, next_use[i]):
+            if k in cache:
+                cache.move_to_end(k)
+            else:
+                misses += 1
+                if use - i <= horizon_steps:
+                    cache[k] = True
+        while len(cache) > capacity:
+            cache.popitem(last=False)  # the step's keys are the most recent
+        return misses
+
+    return step
+
+
 def belady(capacity, trace_keys):
     never = len(trace_keys)
     next_use = [None] * len(trace_keys)
@@ -218,8 +318,11 @@ def main():
         sys.exit("no active neurons in the measured steps")
     policies = [("lru", lru(args.slots))]
     policies += [(f"slru-{p:g}", slru(args.slots, p)) for p in (args.slru or [0.5])]
-    policies += [("arc", arc(args.slots)), ("tinylfu", tinylfu(args.slots)),
-                 ("tinylfu, aged", tinylfu(args.slots, 4 * args.slots)), ("belady (optimum)", belady(args.slots, keys))]
+    policies += [("arc", arc(args.slots)), ("srrip", srrip(args.slots)), ("brrip 1/32", srrip(args.slots, 2, 1 / 32)),
+                 ("bip 1/8", bip(args.slots, 1 / 8)), ("tinylfu", tinylfu(args.slots)),
+                 ("tinylfu, aged", tinylfu(args.slots, 4 * args.slots)),
+                 ("lru, oracle admission", lru_oracle_admission(args.slots, keys, 32 * groups)),
+                 ("belady (optimum)", belady(args.slots, keys))]
     print(f"{len(steps)} steps, {groups} layers, {args.slots} slots; measured: the last {len(steps) - first} steps, "
           f"{measured_active} active neurons")
     for name, policy in policies:
@@ -228,7 +331,7 @@ def main():
             m = policy(k)
             if i >= first:
                 misses += m
-        print(f"  {name:18s} miss rate {misses / measured_active:.4f}  ({misses} misses)")
+        print(f"  {name:22s} miss rate {misses / measured_active:.4f}  ({misses} misses)")
 
 
 if __name__ == "__main__":
