@@ -3,10 +3,10 @@
 #include "profiler/hw_profile.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/sysmacros.h>
-#include <sched.h>
 #include <sys/utsname.h>
 #include <unistd.h>
 

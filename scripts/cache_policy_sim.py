@@ -10,8 +10,8 @@ Policies: lru (the runtime's default), slru-P (segmented LRU with a protected sh
 srrip / brrip (re-reference interval prediction), bip (LRU inserting misses at the cold end but for 1/8 of them),
 tinylfu (LRU admitting a miss only when it was used more often than the victim; aged: counts halved every 4 x SLOTS
 uses), lru with oracle admission (caches a miss only when it comes back within 32 tokens: the bound of any admission
-filter; needs the future), and belady (evicts the bundle whose next use is furthest away: the optimum for this trace, which needs the
-future).
+filter; needs the future), and belady (evicts the bundle whose next use is furthest away: the optimum for this trace,
+which needs the future).
 
 Dense models only (every layer appears once per token). Example:
     nflash offload -d s7b16r.deploy --plan plan.json -n 40 --warmup 8 --json --trace-active trace.txt > run.json
@@ -20,6 +20,7 @@ Dense models only (every layer appears once per token). Example:
 import argparse
 import collections
 import heapq
+import random
 import sys
 
 
@@ -172,11 +173,21 @@ def tinylfu(capacity, halve_every=0):
     return step
 
 
+def next_uses(trace_keys, never):
+    # Per step, per key: the next step that uses the key again (`never` when none does).
+    next_use = [None] * len(trace_keys)
+    following = {}
+    for i in range(len(trace_keys) - 1, -1, -1):
+        next_use[i] = [following.get(k, never) for k in trace_keys[i]]
+        for k in trace_keys[i]:
+            following[k] = i
+    return next_use
+
+
 def srrip(capacity, bits=2, bimodal=0.0, seed=1):
     # Re-reference interval prediction: each bundle has an RRPV in 0..2^bits-1; a hit sets it to 0, a miss inserts it
     # at max-1 (bimodal > 0: at max except with that probability, BRRIP); evictions take a bundle at max, ageing every
     # bundle by one when there is none (the step's own bundles are pinned and skipped).
-    import random
     rnd = random.Random(seed)
     top = (1 << bits) - 1
     rrpv = {}
@@ -212,7 +223,6 @@ def srrip(capacity, bits=2, bimodal=0.0, seed=1):
 
 def bip(capacity, eps, seed=1):
     # Bimodal insertion: LRU whose misses enter at the least recently used end except with probability eps.
-    import random
     rnd = random.Random(seed)
     cache = collections.OrderedDict()
 
@@ -243,12 +253,7 @@ def bip(capacity, eps, seed=1):
 def lru_oracle_admission(capacity, trace_keys, horizon_steps):
     # LRU that caches a miss only when it is used again within horizon_steps steps (needs the future): the bound of
     # any admission filter in front of LRU.
-    following = {}
-    next_use = [None] * len(trace_keys)
-    for i in range(len(trace_keys) - 1, -1, -1):
-        next_use[i] = [following.get(k, float("inf")) for k in trace_keys[i]]  # never again: never admitted
-        for k in trace_keys[i]:
-            following[k] = i
+    next_use = next_uses(trace_keys, float("inf"))  # never again: never admitted
     cache = collections.OrderedDict()
     position = [0]
 
@@ -271,13 +276,7 @@ def lru_oracle_admission(capacity, trace_keys, horizon_steps):
 
 
 def belady(capacity, trace_keys):
-    never = len(trace_keys)
-    next_use = [None] * len(trace_keys)
-    following = {}
-    for i in range(len(trace_keys) - 1, -1, -1):
-        next_use[i] = [following.get(k, never) for k in trace_keys[i]]
-        for k in trace_keys[i]:
-            following[k] = i
+    next_use = next_uses(trace_keys, len(trace_keys))
     cache, heap = {}, []
     position = [0]
 

@@ -24,12 +24,12 @@
 #include "runtime/core/log.h"
 #include "runtime/core/proc_stats.h"
 #include "runtime/core/stats.h"
+#include "runtime/core/thread_placement.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/generate.h"
 #include "runtime/engine/predictor.h"
 #include "runtime/engine/sparse_ffn.h"
 #include "runtime/sparse/sparse_runtime.h"
-#include "runtime/core/thread_placement.h"
 #include "runtime/text/sampler.h"
 
 namespace nflash::cli {

@@ -46,6 +46,7 @@
 #include "packer/deployment.h"
 #include "runtime/core/file.h"
 #include "runtime/core/round.h"
+#include "runtime/core/thread_placement.h"
 #include "runtime/core/thread_pool.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
@@ -54,7 +55,6 @@
 #include "runtime/io/direct_reader.h"
 #include "runtime/sparse/io_worker.h"
 #include "runtime/sparse/neuron_cache.h"
-#include "runtime/core/thread_placement.h"
 
 namespace nflash::sparse {
 
