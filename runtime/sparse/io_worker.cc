@@ -24,7 +24,7 @@ IoWorker::~IoWorker() {
   thread_.join();
 }
 
-size_t IoWorker::Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends) {
+size_t IoWorker::Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends, const char* label) {
   {
     // A chunk is reported done as its last read lands, a moment before the worker finishes its segment's
     // bookkeeping: wait for that, so the worker never counts the old segment against the new job.
@@ -37,15 +37,16 @@ size_t IoWorker::Start(std::span<const ReadRequest> requests, std::span<const si
     statuses_.clear();
     read_ns_.clear();
   }
-  return Append(requests, chunk_ends);
+  return Append(requests, chunk_ends, label);
 }
 
-size_t IoWorker::Append(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends) {
+size_t IoWorker::Append(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends,
+                        const char* label) {
   size_t first = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     first = chunk_end_.size();
-    segments_.push_back(Segment{requests, chunk_end_.size(), chunk_ends.size()});
+    segments_.push_back(Segment{requests, chunk_end_.size(), chunk_ends.size(), label});
     for (size_t end : chunk_ends) {
       chunk_end_.push_back(end);
       chunk_done_.push_back(0);
@@ -76,8 +77,10 @@ void IoWorker::Loop() {
       begin = ends_[c];
     }
     const uint64_t t0 = NowNs();
+    uint64_t last_done = t0;  // when the last chunk so far was released to the caller
     auto finish_chunk = [&](size_t c) {
-      const uint64_t t = NowNs() - t0;
+      last_done = NowNs();
+      const uint64_t t = last_done - t0;
       std::lock_guard<std::mutex> g(mu_);
       chunk_done_[seg.first_chunk + c] = 1;
       read_ns_[seg.first_chunk + c] = t;
@@ -92,10 +95,17 @@ void IoWorker::Loop() {
       const size_t c = static_cast<size_t>(std::upper_bound(ends_.begin(), ends_.end(), i) - ends_.begin());
       if (c < seg.n_chunks && --remaining_[c] == 0) finish_chunk(c);
     });
+    // The stream's end: its last arrival (what the caller waited for), not this thread's return here, which a
+    // preemption may delay past the caller's next steps.
+    const uint64_t t_end = s.ok() ? last_done : NowNs();
     lock.lock();
+    busy_ns_ += t_end - t0;
+    if (trace_ != nullptr) {
+      trace_->Add(TraceSpan{seg.label, TraceLane::kIo, t0, t_end, -1, static_cast<int64_t>(seg.requests.size())});
+    }
     // A failed read is not reported (the stream goes on with the others): its chunk carries the error, and the caller
     // verifies that chunk's units and re-reads the ones whose bytes are wrong (its counted, single retry).
-    const uint64_t t = NowNs() - t0;
+    const uint64_t t = t_end - t0;
     for (size_t c = 0; c < seg.n_chunks; ++c) {
       if (!chunk_done_[seg.first_chunk + c]) {
         chunk_done_[seg.first_chunk + c] = 1;
@@ -112,6 +122,7 @@ Status IoWorker::WaitChunk(size_t i) {
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(mu_);
   auto done = [&] { return i < chunk_done_.size() && chunk_done_[i]; };
+  EventTrace* const trace = done() ? nullptr : trace_;  // a span only when the caller blocks
   if (idle_step_) {
     while (!done()) {
       lock.unlock();
@@ -121,9 +132,26 @@ Status IoWorker::WaitChunk(size_t i) {
     }
   }
   done_cv_.wait(lock, done);
-  wait_ns_ += static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  const auto t1 = std::chrono::steady_clock::now();
+  wait_ns_ += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count());
+  if (trace != nullptr) {
+    auto ns = [](std::chrono::steady_clock::time_point t) {
+      return static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+    };
+    trace->Add(TraceSpan{"wait", TraceLane::kCompute, ns(t0), ns(t1), -1, static_cast<int64_t>(i)});
+  }
   return statuses_[i];
+}
+
+uint64_t IoWorker::busy_ns() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return busy_ns_;
+}
+
+void IoWorker::SetTrace(EventTrace* trace) {
+  std::lock_guard<std::mutex> lock(mu_);
+  trace_ = trace;
 }
 
 uint64_t IoWorker::ChunkReadNs(size_t i) {

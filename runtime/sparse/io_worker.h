@@ -14,6 +14,7 @@
 
 #include "runtime/core/file.h"
 #include "runtime/core/status.h"
+#include "runtime/sparse/event_trace.h"
 
 namespace nflash::sparse {
 
@@ -32,11 +33,13 @@ class IoWorker {
   // Starts reading requests[0, chunk_ends[0]), [chunk_ends[0], chunk_ends[1]), ... as one ReadBatchProgress stream;
   // chunk i is done when its last request has arrived (chunks may complete out of order). Returns at once. The
   // previous job must be fully waited for (Drain). Returns 0 (the first chunk's index).
-  size_t Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
+  // `label` names the stream in the event trace (a string literal).
+  size_t Start(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends, const char* label = "reads");
   // Adds chunks to the current job (numbered after its existing ones), e.g. reads that depend on data an earlier
   // chunk brought (two-phase loading: up+down parts after the gate page). `chunk_ends` index into `requests`, which
   // must stay valid like Start's. Not after Drain. Returns the index of its first chunk.
-  size_t Append(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
+  size_t Append(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends,
+                const char* label = "reads");
   // Blocks until chunk `i` is read; its status. With idle work set, the caller first runs it, one step at a time,
   // for as long as the chunk is not done and the work has steps left, then blocks.
   Status WaitChunk(size_t i);
@@ -48,6 +51,12 @@ class IoWorker {
   void Drain();
   // Nanoseconds the caller spent blocked in WaitChunk/Drain since construction.
   uint64_t wait_ns() const { return wait_ns_; }
+  // Nanoseconds the I/O thread had a stream in progress (reads submitted and not all arrived) since construction:
+  // the streams run one after the other, so this is the time the file had reads in flight from this worker.
+  uint64_t busy_ns();
+  // Spans go to `trace` from now on (nullptr: none): each stream on the I/O lane ("reads", or the label given to
+  // Start/Append), each WaitChunk that blocked on the compute lane ("wait"). The trace must outlive its use.
+  void SetTrace(EventTrace* trace);
   // Nanoseconds from the start of chunk `i`'s stream (its Start/Append call's reads) to its last arrival; call after
   // WaitChunk(i).
   uint64_t ChunkReadNs(size_t i);
@@ -61,6 +70,7 @@ class IoWorker {
   struct Segment {
     std::span<const ReadRequest> requests;
     size_t first_chunk = 0, n_chunks = 0;
+    const char* label = "reads";
   };
   // Guarded by mu_.
   bool stop_ = false;
@@ -70,6 +80,8 @@ class IoWorker {
   std::vector<uint8_t> chunk_done_; // per chunk: every request arrived (or the segment failed)
   std::vector<Status> statuses_;    // per chunk
   std::vector<uint64_t> read_ns_;   // per chunk: from the start of its segment's stream to its last arrival
+  uint64_t busy_ns_ = 0;
+  EventTrace* trace_ = nullptr;
   // Worker thread only.
   std::vector<size_t> ends_, remaining_;
   uint64_t wait_ns_ = 0;          // caller thread only

@@ -44,6 +44,7 @@ struct OffloadFlags : RuntimeFlags {
   bool json = false;
   std::string hw;  // hw.json: report the speed floors
   std::string trace_active;  // every active set of the decode path, one line each (OffloadFfn::SetActiveTrace)
+  std::string trace_events;  // the decode's spans, Chrome Trace Event Format (OffloadFfn::SetEventTrace)
 };
 
 // plan.json (`nflash plan`) -> runtime options: the plan's memory limit, context, threads, queue depth, chunk size,
@@ -129,6 +130,11 @@ Status RunOffload(const OffloadFlags& f) {
     NF_ASSIGN_OR_RETURN(trace, AtomicFileWriter::Create(f.trace_active, /*overwrite=*/true));
     rt.ffn().SetActiveTrace(trace.get());
   }
+  // --trace-events: the output's directory must exist now, not after the run.
+  std::unique_ptr<AtomicFileWriter> events_probe;
+  if (!f.trace_events.empty()) {
+    NF_ASSIGN_OR_RETURN(events_probe, AtomicFileWriter::Create(f.trace_events, /*overwrite=*/true));
+  }
   const LlamaHparams& hp = rt.model().hparams();
   // The disk's I/O scheduler: with none the decode's scattered reads waited less (docs/runtime.md); advice only, the
   // setting is the machine's.
@@ -155,7 +161,10 @@ Status RunOffload(const OffloadFlags& f) {
   const OffloadPrefillStats pf1 = rt.ffn().prefill_stats();
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   rt.ffn().ResetStats();  // decode figures only
+  EventTrace events;
+  if (events_probe) rt.ffn().SetEventTrace(&events);  // the decode, warm-up steps included
   uint64_t wait0 = rt.ffn().io_wait_ns();
+  uint64_t busy0 = rt.ffn().io_busy_ns();
   io::IoCounters io0 = rt.reader() ? rt.reader()->Counters() : io::IoCounters{};
   double cpu0 = ProcessCpuSeconds();
   ContextSwitches csw0 = ProcessContextSwitches();
@@ -175,6 +184,7 @@ Status RunOffload(const OffloadFlags& f) {
       // The warm-up steps filled the caches: measure from here (steady state, what the planner predicts).
       rt.ffn().ResetStats();
       wait0 = rt.ffn().io_wait_ns();
+      busy0 = rt.ffn().io_busy_ns();
       io0 = rt.reader() ? rt.reader()->Counters() : io::IoCounters{};
       cpu0 = ProcessCpuSeconds();
       csw0 = ProcessContextSwitches();
@@ -198,9 +208,11 @@ Status RunOffload(const OffloadFlags& f) {
     if (f.pin_threads_ab != 0) rt.ffn().SetPinThreadsEnabled(ab_on);
     const OffloadGroupStats before = rt.ffn().TotalStats();
     const uint64_t wait_before = rt.ffn().io_wait_ns();
-    const auto s = Clock::now();
+    const uint64_t step_begin = SteadyNowNs();
     NF_RETURN_IF_ERROR(ctx.Eval(std::vector<int32_t>{next}, false));
-    lat_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - s).count());
+    const uint64_t step_end = SteadyNowNs();
+    lat_ms.push_back(static_cast<double>(step_end - step_begin) / 1e6);
+    if (events_probe) events.Add(TraceSpan{"token", TraceLane::kCompute, step_begin, step_end, -1, i});
     const OffloadGroupStats after = rt.ffn().TotalStats();
     tok_requests.push_back(after.requests - before.requests);
     tok_wait_ms.push_back(static_cast<double>(rt.ffn().io_wait_ns() - wait_before) / 1e6);
@@ -217,6 +229,12 @@ Status RunOffload(const OffloadFlags& f) {
     NF_RETURN_IF_ERROR(trace->Commit());
   }
   const auto t2 = Clock::now();
+  const uint64_t io_busy_ns = rt.ffn().io_busy_ns() - busy0;
+  if (events_probe) {
+    rt.ffn().SetEventTrace(nullptr);
+    events_probe.reset();  // its temporary file goes; Write makes its own
+    NF_RETURN_IF_ERROR(events.Write(f.trace_events));
+  }
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
   const double decode_cpu_s = ProcessCpuSeconds() - cpu0;  // every thread: compute, pool, I/O
   const ContextSwitches csw = ProcessContextSwitches();
@@ -276,6 +294,9 @@ Status RunOffload(const OffloadFlags& f) {
       {"requests_per_token", static_cast<double>(st.requests) / steps},
       {"scattered_requests_per_token", static_cast<double>(st.scattered_requests) / steps},
       {"io_wait_ms_per_token", io_wait_ms / steps},
+      // Share of the measured decode time with reads in flight from the I/O thread (full mode; 0 in llmflash mode,
+      // whose reads are the compute thread's own and counted in io_wait_ms_per_token).
+      {"io_busy_share", decode_s > 0 ? static_cast<double>(io_busy_ns) / 1e9 / decode_s : 0.0},
       // Weights streamed through the CPU caches while waiting for reads (--warm-next), per token.
       {"warm_next_mb_per_token", static_cast<double>(st.warm_next_bytes) / 1e6 / steps},
       {"warm_next_bytes", rt.ffn().warm_next_cap()},
@@ -435,12 +456,12 @@ Status RunOffload(const OffloadFlags& f) {
               j["decode_tok_s"].get<double>(), Percentile(lat_ms, 0.5), Percentile(lat_ms, 0.9), Percentile(lat_ms, 0.99),
               j["cpu_ms_per_token"].get<double>(), j["cpu_util"].get<double>());
   std::printf("cache: hot hit rate %.3f (%d slots), cold hit rate %.3f (%d slots); per token: %.1f active neurons "
-              "(miss rate mean %.3f, P99 %.3f), %.3f MB read in %.1f requests, %.3f ms waiting for I/O; %lld "
-              "retries%s\n",
+              "(miss rate mean %.3f, P99 %.3f), %.3f MB read in %.1f requests, %.3f ms waiting for I/O, reads in "
+              "flight %.0f%% of the time; %lld retries%s\n",
               hot.HitRate(), static_cast<int>(rt.split().hot_slots), cold.HitRate(),
               static_cast<int>(rt.split().cold_slots), static_cast<double>(st.active) / steps, miss_mean, miss_p99,
               static_cast<double>(st.bytes_read) / 1e6 / steps, static_cast<double>(st.requests) / steps,
-              io_wait_ms / steps, static_cast<long long>(st.retries),
+              io_wait_ms / steps, 100.0 * j["io_busy_share"].get<double>(), static_cast<long long>(st.retries),
               rt.reader() && !rt.reader()->direct_io() ? " (O_DIRECT refused: reads went through the page cache)" : "");
   if (ab_seed != 0) {
     const nlohmann::json& ab = j[ab_key];
@@ -704,6 +725,10 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
                   "Write every active set of the decode path (prompt and generated tokens) to this file: one line per "
                   "layer step, the layer then the active neuron indices; a prompt prefilled in batches (--prefill-batch-min) "
                   "has no lines (for cache-policy studies: scripts/cache_policy_sim.py)");
+  cmd->add_option("--trace-events", flags->trace_events,
+                  "Write the decode's timeline to this file (Chrome Trace Event Format, for chrome://tracing or "
+                  "ui.perfetto.dev; scripts/trace_summary.py): each token, each layer's attention and FFN, the waits for "
+                  "reads, and the I/O thread's read streams");
   cmd->callback([flags, action] { *action = [flags] { return RunOffload(*flags); }; });
 }
 

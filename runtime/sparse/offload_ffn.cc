@@ -742,6 +742,25 @@ void OffloadFfn::AbandonPending() {
 
 Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, const Activation& x, float* out,
                                 bool lookahead) {
+  // Event trace: this layer's attention (since BeforeAttention) and, at any return, its FFN with its reads.
+  struct FfnSpan {
+    OffloadFfn* self;
+    int64_t group;
+    uint64_t begin = 0;
+    bool resolved = false;  // requests_ are this layer's
+    ~FfnSpan() {
+      if (begin == 0) return;
+      self->event_trace_->Add(TraceSpan{"ffn", TraceLane::kCompute, begin, SteadyNowNs(), group,
+                                        resolved ? static_cast<int64_t>(self->requests_.size()) : -1});
+    }
+  } ffn_span{this, group};
+  if (event_trace_ != nullptr) {
+    ffn_span.begin = SteadyNowNs();
+    if (attention_begin_ns_ != 0) {
+      event_trace_->Add(TraceSpan{"attention", TraceLane::kCompute, attention_begin_ns_, ffn_span.begin, layer, -1});
+      attention_begin_ns_ = 0;
+    }
+  }
   const LlamaHparams& hp = model_.hparams();
   const packer::BundleLayout& lay = deploy_.layout();
   const packer::RegionInfo* region = deploy_.Region(layer, expert);
@@ -815,12 +834,13 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     AbandonPending();  // nothing was submitted for this layer; drop what it pinned
     return resolved;
   }
+  ffn_span.resolved = true;
   step_done(1);
   // Full mode: the misses' reads go out before the hits are pinned (their lookups then overlap the reads).
   const bool early_reads = !two_phase_ && options_.mode == OffloadMode::kFull;
   size_t base = 0;
   if (early_reads && !requests_.empty()) {
-    base = SubmitReads(requests_, chunk_ends_);
+    base = SubmitReads(requests_, chunk_ends_, "reads");
     io_open_ = true;
   }
   ResolveHits(group);
@@ -1003,6 +1023,12 @@ void OffloadFfn::ResetStats() {
   step_ns_.fill(0);
   cache_->hot().ResetCounters();
   cache_->cold().ResetCounters();
+}
+
+void OffloadFfn::SetEventTrace(EventTrace* trace) {
+  event_trace_ = trace;
+  attention_begin_ns_ = 0;
+  if (io_) io_->SetTrace(trace);
 }
 
 uint64_t OffloadFfn::io_wait_ns() const { return sync_wait_ns_ + (io_ ? io_->wait_ns() : 0); }

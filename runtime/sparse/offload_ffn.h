@@ -367,8 +367,14 @@ class OffloadFfn : public FfnBackend {
   // text line each, the group (layer x max(1, n_experts) + expert) then the neuron indices, ascending, separated by
   // spaces. For cache-policy studies (scripts/cache_policy_sim.py). nullptr: off. The writer must outlive its use.
   void SetActiveTrace(AtomicFileWriter* trace) { active_trace_ = trace; }
+  // Records the decode path's spans (event_trace.h) from now on: each layer's attention (from BeforeAttention to its
+  // FFN) and FFN on the compute lane, the waits for reads, the I/O thread's streams ("reads": a layer's misses,
+  // "reads ahead": the lookahead's). Batched prefill is not traced. nullptr: off. The trace must outlive its use.
+  void SetEventTrace(EventTrace* trace);
   // Nanoseconds the compute thread waited for reads (full: blocked on chunks; llmflash: inside the blocking reads).
   uint64_t io_wait_ns() const;
+  // Nanoseconds the I/O thread had reads in flight (full mode; 0 without the I/O thread).
+  uint64_t io_busy_ns() const { return io_ ? io_->busy_ns() : 0; }
   // Bytes this backend holds besides the cache arena: scratch, staging for misses without a slot, oracle gate rows.
   uint64_t scratch_bytes() const;
   uint64_t oracle_bytes() const;
@@ -568,7 +574,7 @@ class OffloadFfn : public FfnBackend {
   }
   // Submits reads to the I/O thread: a new job, or appended to the open one (a lookahead is pending); returns the
   // first chunk's index in the job.
-  size_t SubmitReads(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends);
+  size_t SubmitReads(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends, const char* label);
   // Releases this token's pins in acquisition order (lookahead items, misses, then hits: the LRU order follows it).
   void ReleaseAll();
   // After an error: drops the slots whose reads were pending (their contents are unknown), releases the rest.
@@ -580,6 +586,8 @@ class OffloadFfn : public FfnBackend {
   OffloadOptions options_;
   AtomicFileWriter* active_trace_ = nullptr;
   std::string trace_line_;
+  EventTrace* event_trace_ = nullptr;
+  uint64_t attention_begin_ns_ = 0;  // event trace: the current token's layer attention began (0: not traced)
   ThreadPool* pool_;
   int64_t n_groups_ = 0, n_experts_ = 0;
   int64_t cluster_neurons_ = 0;   // neurons (slots) per hot cluster

@@ -194,8 +194,9 @@ void OffloadFfn::WatchTokenEnd() {
   la_window_wait_ns_ = 0;
 }
 
-size_t OffloadFfn::SubmitReads(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends) {
-  return io_open_ ? io_->Append(requests, chunk_ends) : io_->Start(requests, chunk_ends);
+size_t OffloadFfn::SubmitReads(std::span<const ReadRequest> requests, std::span<const size_t> chunk_ends,
+                               const char* label) {
+  return io_open_ ? io_->Append(requests, chunk_ends, label) : io_->Start(requests, chunk_ends, label);
 }
 
 const char* LookaheadSourceName(LookaheadSource source) {
@@ -209,6 +210,7 @@ Result<LookaheadSource> ParseLookaheadSource(const std::string& name) {
 }
 
 void OffloadFfn::BeforeAttention(int64_t layer, const float* xn, int64_t n) {
+  if (event_trace_ != nullptr && n == 1) attention_begin_ns_ = SteadyNowNs();
   if (layer == 0) {
     if (n > 1) {
       prefill_batch_begins_ = true;
@@ -354,7 +356,7 @@ void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0) {
     st.bytes_read += r.size;
     st.prefetch_bytes += r.size;
   }
-  la_first_chunk_[b] = SubmitReads(reqs, ends);
+  la_first_chunk_[b] = SubmitReads(reqs, ends, "reads ahead");
   la_group_[b] = g;
   io_open_ = true;
 }

@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <sstream>
 #include <vector>
@@ -317,6 +319,105 @@ TEST_F(OffloadCliTest, LookaheadReplayReadsAheadWhatTheTraceSaw) {
                           /*capture_stderr=*/true);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("the run has no lookahead"), std::string::npos) << r.output;
+}
+
+// --trace-events: the decode's timeline. One span per token (its latency), per layer an attention span that ends where
+// the layer's FFN span begins, FFN spans inside their token in layer order, waits inside FFNs; the I/O streams' request
+// counts add up to the run's reads and their durations to its io_busy_share. A directory that does not exist is an
+// error before the run.
+TEST_F(OffloadCliTest, TraceEventsTimeTheDecode) {
+  const std::string path = dir_->File("events.json");
+  const int n = 12;
+  auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n " +
+                                   std::to_string(n) + " --trace-events " + path,
+                               /*capture_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.output;
+  const auto lat = j["token_latencies_ms"].get<std::vector<double>>();
+  ASSERT_EQ(lat.size(), static_cast<size_t>(n));
+  const auto trace = nlohmann::json::parse(ReadText(path), nullptr, false);
+  ASSERT_FALSE(trace.is_discarded()) << path;
+  EXPECT_EQ(trace["otherData"]["dropped_spans"].get<int>(), 0);
+  struct Span {
+    double b, e;
+    int64_t layer, count;
+  };
+  std::map<std::string, std::vector<Span>> by;
+  for (const auto& ev : trace["traceEvents"]) {
+    if (ev["ph"] == "M") continue;
+    ASSERT_EQ(ev["ph"], "X") << ev.dump();
+    const std::string name = ev["name"].get<std::string>();
+    const int tid = ev["tid"].get<int>();
+    EXPECT_EQ(tid, name == "reads" || name == "reads ahead" ? 2 : 1) << name;
+    ASSERT_GE(ev["dur"].get<double>(), 0.0);
+    const auto& a = ev["args"];
+    by[name].push_back({ev["ts"].get<double>(), ev["ts"].get<double>() + ev["dur"].get<double>(),
+                        a.contains("layer") ? a["layer"].get<int64_t>() : -1,
+                        a.contains("count") ? a["count"].get<int64_t>() : -1});
+  }
+  for (const auto& [name, spans] : by) {
+    EXPECT_TRUE(name == "token" || name == "attention" || name == "ffn" || name == "wait" || name == "reads" ||
+                name == "reads ahead")
+        << name;
+  }
+  constexpr int64_t kLayers = 5;  // stories260K-relu
+  const auto& tokens = by["token"];
+  ASSERT_EQ(tokens.size(), lat.size());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    EXPECT_EQ(tokens[i].count, static_cast<int64_t>(i));
+    // Both time the same Eval call (two clock reads apart).
+    EXPECT_NEAR((tokens[i].e - tokens[i].b) / 1e3, lat[i], 0.05 + 0.02 * lat[i]) << i;
+  }
+  auto token_of = [&](double b, double e) {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (b >= tokens[i].b && e <= tokens[i].e) return static_cast<int64_t>(i);
+    }
+    return int64_t{-1};
+  };
+  const auto& ffn = by["ffn"];
+  const auto& attention = by["attention"];
+  ASSERT_EQ(ffn.size(), static_cast<size_t>(n * kLayers));
+  ASSERT_EQ(attention.size(), ffn.size());
+  int64_t demand = 0;
+  for (size_t i = 0; i < ffn.size(); ++i) {
+    EXPECT_EQ(ffn[i].layer, static_cast<int64_t>(i) % kLayers) << i;
+    EXPECT_EQ(token_of(ffn[i].b, ffn[i].e), static_cast<int64_t>(i) / kLayers) << i;
+    EXPECT_EQ(attention[i].layer, ffn[i].layer) << i;
+    EXPECT_NEAR(attention[i].e, ffn[i].b, 1e-3) << "the attention span ends where its FFN begins: " << i;
+    EXPECT_EQ(token_of(attention[i].b, attention[i].e), static_cast<int64_t>(i) / kLayers) << i;
+    ASSERT_GE(ffn[i].count, 0);
+    demand += ffn[i].count;
+  }
+  for (const Span& w : by["wait"]) {
+    EXPECT_TRUE(std::any_of(ffn.begin(), ffn.end(), [&](const Span& f) { return w.b >= f.b && w.e <= f.e; }))
+        << "a wait outside every FFN at " << w.b;
+  }
+  int64_t requests = 0, ahead = 0;
+  double busy_us = 0;
+  for (const char* name : {"reads", "reads ahead"}) {
+    for (const Span& s : by[name]) {
+      EXPECT_GE(token_of(s.b, s.e), 0) << name << " stream outside the tokens at " << s.b;
+      requests += s.count;
+      if (std::string(name) == "reads ahead") ahead += s.count;
+      busy_us += s.e - s.b;
+    }
+  }
+  ASSERT_GT(requests, 0) << "3M leaves reads";
+  EXPECT_EQ(requests, std::llround(j["requests_per_token"].get<double>() * n)) << "every read of the decode, once";
+  EXPECT_EQ(requests - ahead, demand) << "the FFN spans count their own layer's reads";
+  const double decode_s = n / j["decode_tok_s"].get<double>();
+  const double share = j["io_busy_share"].get<double>();
+  EXPECT_GT(share, 0.0);
+  EXPECT_LE(share, 1.0);
+  EXPECT_NEAR(share, busy_us / 1e6 / decode_s, 1e-6 + 1e-3 * share) << "the streams' durations are the busy time";
+  // Its directory must exist: an error before the run, no file.
+  const std::string bad = dir_->File("no-such-dir/events.json");
+  auto e = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M -n 2 " +
+                               "--trace-events " + bad);
+  EXPECT_NE(e.exit_code, 0);
+  EXPECT_NE(e.output.find("no-such-dir"), std::string::npos) << e.output;
+  EXPECT_FALSE(std::filesystem::exists(bad));
 }
 
 TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {

@@ -10,7 +10,11 @@
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "runtime/core/file.h"
+#include "runtime/core/stats.h"
+#include "runtime/sparse/event_trace.h"
 #include "runtime/sparse/io_worker.h"
 
 namespace nflash::sparse {
@@ -91,6 +95,92 @@ TEST(IoWorkerTest, WaitBlocksOnceTheIdleWorkRunsOut) {
   EXPECT_EQ(buf[100], 9);
   opener.join();
   EXPECT_GE(worker.wait_ns(), uint64_t{40'000'000}) << "the time of the steps and the block counts as waiting";
+}
+
+// The event trace and the busy time: one span per stream on the I/O lane (its label and request count), whose
+// duration is exactly what busy_ns() adds; a "wait" span on the compute lane only for a WaitChunk that blocked.
+TEST(IoWorkerTest, TraceAndBusyTimeCoverEachStream) {
+  GatedFile file;
+  IoWorker worker(&file);
+  EventTrace trace;
+  worker.SetTrace(&trace);
+  std::vector<uint8_t> buf(3 * 512, 0);
+  const ReadRequest rs[] = {{0, 512, buf.data()}, {512, 512, buf.data() + 512}, {1024, 512, buf.data() + 1024}};
+  const size_t ends[] = {2, 3};
+  const uint64_t busy0 = worker.busy_ns();
+  const size_t c = worker.Start(rs, ends, "reads ahead");
+  std::atomic<uint64_t> opened_ns{0};
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    opened_ns = SteadyNowNs();
+    file.Open();
+  });
+  ASSERT_TRUE(worker.WaitChunk(c).ok());
+  ASSERT_TRUE(worker.WaitChunk(c + 1).ok());
+  opener.join();
+  worker.Drain();  // the stream's span is added when the whole stream is read
+  // A chunk already read when waited for: no span.
+  const ReadRequest again{2048, 512, buf.data()};
+  const size_t one[] = {1};
+  const size_t d = worker.Start(std::span<const ReadRequest>(&again, 1), one);
+  worker.Drain();
+  const size_t before = trace.Spans().size();
+  ASSERT_TRUE(worker.WaitChunk(d).ok());
+  EXPECT_EQ(trace.Spans().size(), before) << "a wait that did not block";
+  const std::vector<TraceSpan> spans = trace.Spans();
+  std::vector<TraceSpan> io, waits;
+  for (const TraceSpan& s : spans) (s.lane == TraceLane::kIo ? io : waits).push_back(s);
+  ASSERT_EQ(io.size(), 2u);
+  EXPECT_STREQ(io[0].name, "reads ahead");
+  EXPECT_EQ(io[0].count, 3);
+  EXPECT_GE(io[0].end_ns, opened_ns.load()) << "the reads could not land before the file opened";
+  EXPECT_STREQ(io[1].name, "reads");
+  EXPECT_EQ(io[1].count, 1);
+  EXPECT_EQ(worker.busy_ns() - busy0, (io[0].end_ns - io[0].begin_ns) + (io[1].end_ns - io[1].begin_ns));
+  ASSERT_GE(waits.size(), 1u);
+  ASSERT_LE(waits.size(), 2u) << "chunk 1 lands right after chunk 0; the third stream was read before its wait";
+  EXPECT_STREQ(waits[0].name, "wait");
+  EXPECT_EQ(waits[0].count, static_cast<int64_t>(c));
+  EXPECT_LE(waits[0].begin_ns, opened_ns.load()) << "the caller blocked before the file opened";
+  EXPECT_GE(waits[0].end_ns, opened_ns.load());
+  worker.SetTrace(nullptr);
+}
+
+// Spans beyond the capacity are counted, not kept; the JSON is the Chrome Trace Event Format, times in microseconds
+// from the earliest span, in begin order, with the two lanes named.
+TEST(EventTraceTest, CapacityAndChromeFormat) {
+  EventTrace trace(3);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&trace, t] {
+      for (int i = 0; i < 2; ++i) {
+        const uint64_t b = 1'000'000 + static_cast<uint64_t>(t * 10 + i) * 1000;
+        trace.Add(TraceSpan{t == 0 ? "ffn" : "reads", t == 0 ? TraceLane::kCompute : TraceLane::kIo, b, b + 2500,
+                            t == 0 ? i : -1, 7});
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(trace.Spans().size(), 3u);
+  EXPECT_EQ(trace.dropped(), 1u);
+  const auto j = nlohmann::json::parse(trace.ToJson());
+  EXPECT_EQ(j["otherData"]["dropped_spans"].get<int>(), 1);
+  const auto& ev = j["traceEvents"];
+  ASSERT_EQ(ev.size(), 5u);  // 2 thread names + 3 spans
+  EXPECT_EQ(ev[0]["ph"], "M");
+  EXPECT_EQ(ev[1]["ph"], "M");
+  double last = -1;
+  for (size_t i = 2; i < ev.size(); ++i) {
+    EXPECT_EQ(ev[i]["ph"], "X");
+    EXPECT_DOUBLE_EQ(ev[i]["dur"].get<double>(), 2.5);
+    EXPECT_EQ(ev[i]["args"]["count"].get<int>(), 7);
+    EXPECT_GE(ev[i]["ts"].get<double>(), last);
+    last = ev[i]["ts"].get<double>();
+    const bool ffn = ev[i]["name"] == "ffn";
+    EXPECT_EQ(ev[i]["tid"].get<int>(), ffn ? 1 : 2);
+    EXPECT_EQ(ev[i]["args"].contains("layer"), ffn);
+  }
+  EXPECT_DOUBLE_EQ(ev[2]["ts"].get<double>(), 0.0);
 }
 
 }  // namespace
