@@ -54,7 +54,7 @@ def main():
     reads = sorted(by_name.get("reads", []))
     ahead = sorted(by_name.get("reads ahead", []))
     rows = {k: 0.0 for k in ("token", "attention", "ffn", "wait", "io", "io_attention", "io_ffn", "requests",
-                             "requests_ahead", "streams")}
+                             "requests_ahead", "streams", "ahead_in_ffn")}
     for lo, hi, _ in tokens:
         rows["token"] += hi - lo
         rows["attention"] += overlap(attention, lo, hi)
@@ -63,6 +63,11 @@ def main():
         rows["io"] += overlap(io, lo, hi)
         rows["io_attention"] += sum(overlap(io, a, b) for a, b in attention if lo <= a < hi)
         rows["io_ffn"] += sum(overlap(io, a, b) for a, b in ffn if lo <= a < hi)
+        # Reads ahead for a layer (streams that began before its FFN) still in flight after the FFN began: its own
+        # misses' stream queues behind them.
+        for a, b in ffn:
+            if lo <= a < hi:
+                rows["ahead_in_ffn"] += sum(max(0.0, min(e, b) - a) for s0, e, _ in ahead if s0 < a)
         rows["requests"] += sum(x.get("count", 0) for a, _, x in reads if lo <= a < hi)
         rows["requests_ahead"] += sum(x.get("count", 0) for a, _, x in ahead if lo <= a < hi)
         rows["streams"] += sum(1 for a, _, _ in reads + ahead if lo <= a < hi)
@@ -76,6 +81,8 @@ def main():
     print(f"  reads in flight      {ms['io']:8.2f} ms  ({100 * ms['io'] / ms['token']:.0f}% of the time): "
           f"{ms['io_attention']:.2f} ms during attention ({100 * ms['io_attention'] / max(ms['attention'], 1e-9):.0f}% "
           f"of it), {ms['io_ffn']:.2f} ms during the FFN ({100 * ms['io_ffn'] / max(ms['ffn'], 1e-9):.0f}% of it)")
+    print(f"  late reads ahead     {ms['ahead_in_ffn']:8.2f} ms  (a layer's guessed reads still in flight after its "
+          f"FFN began: its misses queue behind them)")
     print(f"  requests             {rows['requests'] / n:8.1f} for the layer's misses, "
           f"{rows['requests_ahead'] / n:.1f} read ahead, in {rows['streams'] / n:.1f} streams")
     dropped = doc.get("otherData", {}).get("dropped_spans", 0)
