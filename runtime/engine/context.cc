@@ -385,6 +385,7 @@ Status InferenceContext::EvalChunk(std::span<const int32_t> tokens, bool all_log
     }
 
     for (int64_t t = 0; t < n; ++t) RmsNorm(x_.data() + t * dim, L.ffn_norm, dim, hp_.norm_eps, xn_.data() + t * dim);
+    if (ffn_backend_ != nullptr) ffn_backend_->BeforeFfn(l, x_.data(), n);
     if (hp_.n_experts == 0) {
       NF_RETURN_IF_ERROR(DenseFfn(L, l, n));
     } else {

@@ -318,6 +318,7 @@ Status RunOffload(const OffloadFlags& f) {
       {"lookahead_slots", rt.ffn().lookahead_slots()},
       {"lookahead_started_token", rt.ffn().lookahead_started_token()},
       {"lookahead_source", LookaheadSourceName(rt.ffn().options().lookahead_source)},
+      {"lookahead_input", LookaheadInputName(rt.ffn().options().lookahead_input)},
       {"lookahead_replay", rt.ffn().options().lookahead_replay.empty()
                                ? nlohmann::json(nullptr)
                                : nlohmann::json(rt.ffn().options().lookahead_replay)},
@@ -477,9 +478,10 @@ Status RunOffload(const OffloadFlags& f) {
       std::printf("lookahead adaptive, on after %lld tokens (the statistics cover the whole run)\n",
                   static_cast<long long>(rt.ffn().lookahead_started_token()));
     }
-    std::printf("lookahead (%s, %lld bundles per layer at most), per token: %.1f bundles read ahead, %.1f of them used "
-                "(%.1f%% of the misses); %.3f ms choosing them, %.3f ms verifying them\n",
+    std::printf("lookahead (%s from %s, %lld bundles per layer at most), per token: %.1f bundles read ahead, %.1f of "
+                "them used (%.1f%% of the misses); %.3f ms choosing them, %.3f ms verifying them\n",
                 LookaheadSourceName(rt.ffn().options().lookahead_source),
+                LookaheadInputName(rt.ffn().options().lookahead_input),
                 static_cast<long long>(rt.ffn().lookahead_slots()), static_cast<double>(st.prefetched) / steps,
                 static_cast<double>(st.prefetch_used) / steps,
                 st.missed > 0 ? 100.0 * static_cast<double>(st.prefetch_used) / static_cast<double>(st.missed) : 0.0,
@@ -552,6 +554,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->warm_next_bytes = f.warm_next_mib < 0 ? -1 : static_cast<int64_t>(f.warm_next_mib * 1048576.0);
   NF_ASSIGN_OR_RETURN(o->pin_threads, ParsePinThreads(f.pin_threads));
   NF_ASSIGN_OR_RETURN(o->lookahead_source, ParseLookaheadSource(f.lookahead_source));
+  NF_ASSIGN_OR_RETURN(o->lookahead_input, ParseLookaheadInput(f.lookahead_input));
   o->lookahead_replay = f.lookahead_replay;
   if (f.cold_pool != "per-layer" && f.cold_pool != "shared") {
     return Status::InvalidArgument("--cold-pool " + f.cold_pool + ": expected per-layer or shared");
@@ -666,6 +669,12 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "Where a layer's guess comes from: next-layer (during the previous layer's FFN, from its input) or "
                   "same-layer (before the layer's attention, from its input)")
       ->check(CLI::IsMember({"next-layer", "same-layer"}))
+      ->capture_default_str();
+  cmd->add_option("--lookahead-input", flags->lookahead_input,
+                  "What the next-layer guess is computed from: hits (the residual plus the layer's cache hits' share of "
+                  "its output, once they are computed; dense models) or ffn-input (the layer's FFN input, as soon as its "
+                  "misses are submitted; MoE always): ffn-input for comparison only")
+      ->check(CLI::IsMember({"hits", "ffn-input"}))
       ->capture_default_str();
   cmd->add_option("--lookahead-replay", flags->lookahead_replay,
                   "Measure what a perfect guess would give: read ahead exactly the active sets an earlier "

@@ -860,13 +860,19 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     // The next layer's probable misses, queued behind this layer's (the I/O thread reads them while this layer and
     // the next one's attention compute).
     // MoE: once per layer, after its last routed expert's own reads.
-    if (lookahead && la_on_ && options_.lookahead_source == LookaheadSource::kNextLayer &&
-        LastFfnOfLayer(layer, expert)) {
-      IssueLookahead(layer, x);
-    }
+    // With LookaheadInput::kHits the guess waits for the hits (their share of the output makes it closer to the next
+    // layer's input); its reads still queue right behind this layer's, which take longer than the hits.
+    const bool guess = lookahead && la_on_ && options_.lookahead_source == LookaheadSource::kNextLayer &&
+                       LastFfnOfLayer(layer, expert);
+    const bool after_hits = guess && GuessAfterHits(layer);
+    if (guess && !after_hits) IssueLookahead(layer, x);
     step_done(3);
     ComputeItems(ready_items_, x, thr);  // cache hits: while the first reads are in flight
     step_done(4);
+    if (after_hits) {
+      IssueLookaheadAfterHits(layer);
+      step_done(3);
+    }
     status = ConsumeLookahead();
     if (status.ok()) ComputeItems(la_items_, x, thr);
     step_done(5);

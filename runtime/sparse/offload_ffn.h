@@ -89,6 +89,16 @@ enum class LookaheadSource : uint8_t { kNextLayer, kSameLayer };
 const char* LookaheadSourceName(LookaheadSource source);
 Result<LookaheadSource> ParseLookaheadSource(const std::string& name);
 
+// What the next-layer guess is computed from (OffloadOptions::lookahead_input). kHits (dense models, decode): once
+// layer l's cache hits are computed, rmsnorm(residual + the hits' share of l's FFN output) * ffn_norm[l+1], i.e. layer
+// l+1's FFN input but for l+1's attention and l's misses (SYNTHETIC 7B at 1392M: 503 of 592 bundles read ahead used
+// per token against 341 of 475, I/O wait 7.0-7.4 against 9.2-10.1 ms; docs/results.md, twenty-fourth run). kFfnInput:
+// l's FFN input rescaled by ffn_norm[l+1] / ffn_norm[l], as soon as l's misses are submitted (the rule before; MoE
+// always).
+enum class LookaheadInput : uint8_t { kHits, kFfnInput };
+const char* LookaheadInputName(LookaheadInput input);
+Result<LookaheadInput> ParseLookaheadInput(const std::string& name);
+
 // Adaptive lookahead (OffloadOptions::lookahead_adaptive): the share of a window's time spent waiting for reads at
 // which the lookahead turns on, and the window in tokens. On 2 vCPUs both ways were measured: on a virtio disk of
 // ~70k IOPS (8 KiB reads at queue depth 64: 581 MB/s) the SYNTHETIC 7B waited 14-18 ms of 61-76 ms per token without
@@ -171,6 +181,7 @@ struct OffloadOptions {
   // lookahead's CPU (a second predictor pass per layer, more requests) only pays when reads keep the compute waiting.
   bool lookahead_adaptive = false;
   LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
+  LookaheadInput lookahead_input = LookaheadInput::kHits;
   double lookahead_wait_share = kDefaultLookaheadWaitShare;
   // A measurement of what a perfect guess would give (dense models): the active sets of an earlier run of the same
   // prompt and settings (`--trace-active` FILE: one line per layer step, the group, then its active neurons). Each
@@ -339,6 +350,7 @@ class OffloadFfn : public FfnBackend {
   ~OffloadFfn() override;
 
   void BeforeAttention(int64_t layer, const float* xn, int64_t n) override;
+  void BeforeFfn(int64_t layer, const float* x, int64_t n) override;
   void BeforeExperts(int64_t layer, std::span<const int64_t> tokens_per_expert) override;
   Result<bool> Forward(int64_t layer, int64_t expert, const Activation& x, float* out) override;
   void BeginEval() override;
@@ -532,6 +544,11 @@ class OffloadFfn : public FfnBackend {
   void ReplayStep(int64_t group);
   // Layer `layer` runs with FFN input x: selects layer+1's probable cold misses and appends their reads to the I/O job.
   void IssueLookahead(int64_t layer, const Activation& x);
+  // Whether layer `layer`'s next-layer guess waits for its hits (LookaheadInput::kHits applies to this token).
+  bool GuessAfterHits(int64_t layer) const;
+  // The kHits guess for layer+1, once `layer`'s hits (ready_items_) are computed: from the residual plus their down
+  // columns' sum.
+  void IssueLookaheadAfterHits(int64_t layer);
   // The guess for layer `next` while layer `current` runs (the same layer for the same-layer source), from `input`
   // (current's FFN or attention input, dim floats) rescaled by la_scale_; MoE: for the top-k experts next's router
   // picks on that input. `t0`: when the caller started (lookahead_ns).
@@ -587,6 +604,8 @@ class OffloadFfn : public FfnBackend {
   AtomicFileWriter* active_trace_ = nullptr;
   std::string trace_line_;
   EventTrace* event_trace_ = nullptr;
+  const float* residual_ = nullptr;  // the current token's residual stream at this FFN (BeforeFfn), or nullptr
+  std::vector<float> la_resid_;      // kHits guess: the residual plus the hits' share of the FFN output
   uint64_t attention_begin_ns_ = 0;  // event trace: the current token's layer attention began (0: not traced)
   ThreadPool* pool_;
   int64_t n_groups_ = 0, n_experts_ = 0;

@@ -203,6 +203,16 @@ const char* LookaheadSourceName(LookaheadSource source) {
   return source == LookaheadSource::kSameLayer ? "same-layer" : "next-layer";
 }
 
+const char* LookaheadInputName(LookaheadInput input) {
+  return input == LookaheadInput::kHits ? "hits" : "ffn-input";
+}
+
+Result<LookaheadInput> ParseLookaheadInput(const std::string& name) {
+  if (name == "hits") return LookaheadInput::kHits;
+  if (name == "ffn-input") return LookaheadInput::kFfnInput;
+  return Status::InvalidArgument("lookahead input \"" + name + "\": expected hits or ffn-input");
+}
+
 Result<LookaheadSource> ParseLookaheadSource(const std::string& name) {
   if (name == "next-layer") return LookaheadSource::kNextLayer;
   if (name == "same-layer") return LookaheadSource::kSameLayer;
@@ -220,6 +230,47 @@ void OffloadFfn::BeforeAttention(int64_t layer, const float* xn, int64_t n) {
   }
   if (options_.lookahead_source != LookaheadSource::kSameLayer || n != 1 || la_slots_ == 0 || !la_on_) return;
   IssueGuess(layer, layer, xn, SteadyNowNs());
+}
+
+void OffloadFfn::BeforeFfn(int64_t layer, const float* x, int64_t n) {
+  (void)layer;
+  residual_ = n == 1 ? x : nullptr;  // a batch prefills (no lookahead)
+}
+
+bool OffloadFfn::GuessAfterHits(int64_t layer) const {
+  const LlamaHparams& hp = model_.hparams();
+  return options_.lookahead_input == LookaheadInput::kHits && residual_ != nullptr && hp.n_experts == 0 &&
+         la_slots_ > 0 && layer + 1 < hp.n_layers;
+}
+
+void OffloadFfn::IssueLookaheadAfterHits(int64_t layer) {
+  const uint64_t t0 = SteadyNowNs();
+  const LlamaHparams& hp = model_.hparams();
+  const packer::BundleLayout& lay = deploy_.layout();
+  const size_t dim = static_cast<size_t>(hp.dim);
+  // residual + sum over the used hits of h * down column (any order: a guess, not a result).
+  la_resid_.assign(residual_, residual_ + dim);
+  used_down_.clear();
+  used_hidden_.clear();
+  for (int32_t k : ready_items_) {
+    if (!used_flag_[k]) continue;
+    used_down_.push_back(down_ptr_[k]);
+    used_hidden_.push_back(hidden_[k]);
+  }
+  if (!used_down_.empty()) {
+    AccumulateRowPtrs(PartShape(lay, lay.down_type, lay.down_bytes), used_down_, used_hidden_.data(),
+                      la_resid_.data(), pool_);
+  }
+  // The next layer's FFN normalisation of it (InferenceContext's RmsNorm).
+  double ss = 0;
+  for (size_t i = 0; i < dim; ++i) ss += static_cast<double>(la_resid_[i]) * la_resid_[i];
+  const float scale = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(dim)) + hp.norm_eps);
+  const float* w = model_.layers()[static_cast<size_t>(layer + 1)].ffn_norm;
+  for (size_t i = 0; i < dim; ++i) la_x_[i] = la_resid_[i] * scale * w[i];
+  la_act_.Set(la_x_.data(), 1, hp.dim);
+  const int b = static_cast<int>((layer + 1) % 2);  // dense: one set per layer
+  if (la_group_[static_cast<size_t>(b)] >= 0) DropLookahead(layer);  // a stale one (not expected)
+  GuessGroup(layer + 1, b, t0);
 }
 
 void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {

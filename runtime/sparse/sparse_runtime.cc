@@ -208,6 +208,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.lookahead_adaptive = options.lookahead_adaptive;
   oo.lookahead_wait_share = options.lookahead_wait_share;
   oo.lookahead_source = options.lookahead_source;
+  oo.lookahead_input = options.lookahead_input;
   oo.lookahead_replay = options.lookahead_replay;
   oo.dio_alignment = dio_alignment;
   // The cache arena registered with the ring, so reads into it skip per-request page pinning.

@@ -88,6 +88,8 @@ struct SparseRuntimeOptions {
   double lookahead_wait_share = kDefaultLookaheadWaitShare;
   // OffloadOptions::lookahead_source.
   LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
+  // OffloadOptions::lookahead_input.
+  LookaheadInput lookahead_input = LookaheadInput::kHits;
   // OffloadOptions::lookahead_replay.
   std::string lookahead_replay;
   // Cold slots are the bundle rounded up to this alignment (OffloadOptions::dio_alignment, ColdReadBytes); 0: the flash
