@@ -91,10 +91,11 @@ Result<LookaheadSource> ParseLookaheadSource(const std::string& name);
 
 // What the next-layer guess is computed from (OffloadOptions::lookahead_input). kHits (dense models, decode): once
 // layer l's cache hits are computed, rmsnorm(residual + the hits' share of l's FFN output) * ffn_norm[l+1], i.e. layer
-// l+1's FFN input but for l+1's attention and l's misses (SYNTHETIC 7B at 1392M: 503 of 592 bundles read ahead used
-// per token against 341 of 475, I/O wait 7.0-7.4 against 9.2-10.1 ms; docs/results.md, twenty-fourth run). kFfnInput:
-// l's FFN input rescaled by ffn_norm[l+1] / ffn_norm[l], as soon as l's misses are submitted (the rule before; MoE
-// always).
+// l+1's FFN input but for l+1's attention and l's misses (SYNTHETIC 7B at 1392M, 8 interleaved pairs: 503 of 592
+// bundles read ahead used per token against 341 of 475, I/O wait 7.3 against 9.4 ms, but the hits' down sum and the
+// larger guess cost ~2 ms of CPU per token, so on 2 vCPUs the speed is within 1.5%; docs/results.md, twenty-fourth
+// run). kFfnInput: l's FFN input rescaled by ffn_norm[l+1] / ffn_norm[l], as soon as l's misses are submitted (the
+// rule before; MoE always).
 enum class LookaheadInput : uint8_t { kHits, kFfnInput };
 const char* LookaheadInputName(LookaheadInput input);
 Result<LookaheadInput> ParseLookaheadInput(const std::string& name);
