@@ -754,6 +754,8 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
                                         resolved ? static_cast<int64_t>(self->requests_.size()) : -1});
     }
   } ffn_span{this, group};
+  const float* const residual = residual_;  // BeforeFfn's, for this call only
+  residual_ = nullptr;
   if (event_trace_ != nullptr) {
     ffn_span.begin = SteadyNowNs();
     if (attention_begin_ns_ != 0) {
@@ -864,13 +866,13 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     // layer's input); its reads still queue right behind this layer's, which take longer than the hits.
     const bool guess = lookahead && la_on_ && options_.lookahead_source == LookaheadSource::kNextLayer &&
                        LastFfnOfLayer(layer, expert);
-    const bool after_hits = guess && GuessAfterHits(layer);
+    const bool after_hits = guess && GuessAfterHits(layer, residual);
     if (guess && !after_hits) IssueLookahead(layer, x);
     step_done(3);
     ComputeItems(ready_items_, x, thr);  // cache hits: while the first reads are in flight
     step_done(4);
     if (after_hits) {
-      IssueLookaheadAfterHits(layer);
+      IssueLookaheadAfterHits(layer, residual);
       step_done(3);
     }
     status = ConsumeLookahead();

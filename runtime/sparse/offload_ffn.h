@@ -546,10 +546,10 @@ class OffloadFfn : public FfnBackend {
   // Layer `layer` runs with FFN input x: selects layer+1's probable cold misses and appends their reads to the I/O job.
   void IssueLookahead(int64_t layer, const Activation& x);
   // Whether layer `layer`'s next-layer guess waits for its hits (LookaheadInput::kHits applies to this token).
-  bool GuessAfterHits(int64_t layer) const;
+  bool GuessAfterHits(int64_t layer, const float* residual) const;
   // The kHits guess for layer+1, once `layer`'s hits (ready_items_) are computed: from the residual plus their down
   // columns' sum.
-  void IssueLookaheadAfterHits(int64_t layer);
+  void IssueLookaheadAfterHits(int64_t layer, const float* residual);
   // The guess for layer `next` while layer `current` runs (the same layer for the same-layer source), from `input`
   // (current's FFN or attention input, dim floats) rescaled by la_scale_; MoE: for the top-k experts next's router
   // picks on that input. `t0`: when the caller started (lookahead_ns).
@@ -605,7 +605,8 @@ class OffloadFfn : public FfnBackend {
   AtomicFileWriter* active_trace_ = nullptr;
   std::string trace_line_;
   EventTrace* event_trace_ = nullptr;
-  const float* residual_ = nullptr;  // the current token's residual stream at this FFN (BeforeFfn), or nullptr
+  // The residual stream BeforeFfn gave for the next ForwardToken, which takes it (once: nullptr afterwards).
+  const float* residual_ = nullptr;
   std::vector<float> la_resid_;      // kHits guess: the residual plus the hits' share of the FFN output
   uint64_t attention_begin_ns_ = 0;  // event trace: the current token's layer attention began (0: not traced)
   ThreadPool* pool_;

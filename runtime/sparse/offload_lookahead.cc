@@ -237,19 +237,19 @@ void OffloadFfn::BeforeFfn(int64_t layer, const float* x, int64_t n) {
   residual_ = n == 1 ? x : nullptr;  // a batch prefills (no lookahead)
 }
 
-bool OffloadFfn::GuessAfterHits(int64_t layer) const {
+bool OffloadFfn::GuessAfterHits(int64_t layer, const float* residual) const {
   const LlamaHparams& hp = model_.hparams();
-  return options_.lookahead_input == LookaheadInput::kHits && residual_ != nullptr && hp.n_experts == 0 &&
+  return options_.lookahead_input == LookaheadInput::kHits && residual != nullptr && hp.n_experts == 0 &&
          la_slots_ > 0 && layer + 1 < hp.n_layers;
 }
 
-void OffloadFfn::IssueLookaheadAfterHits(int64_t layer) {
+void OffloadFfn::IssueLookaheadAfterHits(int64_t layer, const float* residual) {
   const uint64_t t0 = SteadyNowNs();
   const LlamaHparams& hp = model_.hparams();
   const packer::BundleLayout& lay = deploy_.layout();
   const size_t dim = static_cast<size_t>(hp.dim);
   // residual + sum over the used hits of h * down column (any order: a guess, not a result).
-  la_resid_.assign(residual_, residual_ + dim);
+  la_resid_.assign(residual, residual + dim);
   used_down_.clear();
   used_hidden_.clear();
   for (int32_t k : ready_items_) {
