@@ -411,6 +411,20 @@ TEST_F(OffloadCliTest, TraceEventsTimeTheDecode) {
   EXPECT_GT(share, 0.0);
   EXPECT_LE(share, 1.0);
   EXPECT_NEAR(share, busy_us / 1e6 / decode_s, 1e-6 + 1e-3 * share) << "the streams' durations are the busy time";
+  // scripts/trace_summary.py reads the file back: every token, the run's requests and its wait (the JSON counts the
+  // waits that did not block too: microseconds).
+  auto summary = testing::RunCommand(std::string(NFLASH_PYTHON) + " " + NFLASH_SOURCE_DIR +
+                                     "/scripts/trace_summary.py " + path);
+  ASSERT_EQ(summary.exit_code, 0) << summary.output;
+  EXPECT_NE(summary.output.find(std::to_string(n) + " tokens (after 0 skipped)"), std::string::npos) << summary.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(summary.output, m, std::regex("waiting for reads ([0-9.]+) ms"))) << summary.output;
+  EXPECT_NEAR(std::stod(m[1].str()), j["io_wait_ms_per_token"].get<double>(),
+              0.01 + 0.05 * j["io_wait_ms_per_token"].get<double>());
+  ASSERT_TRUE(std::regex_search(summary.output, m, std::regex("requests +([0-9.]+) for the layer's misses, ([0-9.]+) "
+                                                              "read ahead")))
+      << summary.output;
+  EXPECT_NEAR(std::stod(m[1].str()) + std::stod(m[2].str()), j["requests_per_token"].get<double>(), 0.1);
   // Its directory must exist: an error before the run, no file.
   const std::string bad = dir_->File("no-such-dir/events.json");
   auto e = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M -n 2 " +
