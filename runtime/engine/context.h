@@ -45,9 +45,6 @@ class FfnBackend {
     (void)xn;
     (void)n;
   }
-  // Around each InferenceContext::Eval, on the thread calling it (which runs the whole batch, with the pool): a
-  // backend may place its threads for the batch (e.g. pin them to CPUs) and restore them afterwards. Must not change
-  // any result.
   // Before layer `layer`'s FFN, with the residual stream its input is the rmsnorm of (x, n tokens; valid until the
   // FFN returns). A backend may use it to guess ahead (e.g. the next layer's reads). Must not change any result.
   virtual void BeforeFfn(int64_t layer, const float* x, int64_t n) {
@@ -55,6 +52,9 @@ class FfnBackend {
     (void)x;
     (void)n;
   }
+  // Around each InferenceContext::Eval, on the thread calling it (which runs the whole batch, with the pool): a
+  // backend may place its threads for the batch (e.g. pin them to CPUs) and restore them afterwards. Must not change
+  // any result.
   virtual void BeginEval() {}
   virtual void EndEval() {}
   // MoE: before layer `layer`'s experts run, how many of the batch's tokens the router sent to each expert (n_experts

@@ -2,16 +2,10 @@
 #include "runtime/sparse/io_worker.h"
 
 #include <algorithm>
-#include <chrono>
+
+#include "runtime/core/stats.h"
 
 namespace nflash::sparse {
-
-namespace {
-uint64_t NowNs() {
-  return static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
-}
-}  // namespace
 
 IoWorker::IoWorker(const ReadableFile* file) : file_(file), thread_([this] { Loop(); }) {}
 
@@ -76,10 +70,10 @@ void IoWorker::Loop() {
       remaining_[c] = ends_[c] - begin;
       begin = ends_[c];
     }
-    const uint64_t t0 = NowNs();
+    const uint64_t t0 = SteadyNowNs();
     uint64_t last_done = t0;  // when the last chunk so far was released to the caller
     auto finish_chunk = [&](size_t c) {
-      last_done = NowNs();
+      last_done = SteadyNowNs();
       const uint64_t t = last_done - t0;
       std::lock_guard<std::mutex> g(mu_);
       chunk_done_[seg.first_chunk + c] = 1;
@@ -97,7 +91,7 @@ void IoWorker::Loop() {
     });
     // The stream's end: its last arrival (what the caller waited for), not this thread's return here, which a
     // preemption may delay past the caller's next steps.
-    const uint64_t t_end = s.ok() ? last_done : NowNs();
+    const uint64_t t_end = s.ok() ? last_done : SteadyNowNs();
     lock.lock();
     busy_ns_ += t_end - t0;
     if (trace_ != nullptr) {
@@ -119,7 +113,7 @@ void IoWorker::Loop() {
 }
 
 Status IoWorker::WaitChunk(size_t i) {
-  const auto t0 = std::chrono::steady_clock::now();
+  const uint64_t t0 = SteadyNowNs();
   std::unique_lock<std::mutex> lock(mu_);
   auto done = [&] { return i < chunk_done_.size() && chunk_done_[i]; };
   EventTrace* const trace = done() ? nullptr : trace_;  // a span only when the caller blocks
@@ -132,15 +126,9 @@ Status IoWorker::WaitChunk(size_t i) {
     }
   }
   done_cv_.wait(lock, done);
-  const auto t1 = std::chrono::steady_clock::now();
-  wait_ns_ += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count());
-  if (trace != nullptr) {
-    auto ns = [](std::chrono::steady_clock::time_point t) {
-      return static_cast<uint64_t>(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
-    };
-    trace->Add(TraceSpan{"wait", TraceLane::kCompute, ns(t0), ns(t1), -1, static_cast<int64_t>(i)});
-  }
+  const uint64_t t1 = SteadyNowNs();
+  wait_ns_ += t1 - t0;
+  if (trace != nullptr) trace->Add(TraceSpan{"wait", TraceLane::kCompute, t0, t1, -1, static_cast<int64_t>(i)});
   return statuses_[i];
 }
 
