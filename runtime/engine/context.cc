@@ -16,7 +16,6 @@
 #include "runtime/core/quant.h"
 
 namespace nflash {
-namespace {
 
 void RmsNorm(const float* x, const float* w, int64_t n, float eps, float* out) {
   double ss = 0;
@@ -24,6 +23,8 @@ void RmsNorm(const float* x, const float* w, int64_t n, float eps, float* out) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(n)) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * w[i];
 }
+
+namespace {
 
 // gate <- act(gate); hidden = gate * up (silu, relu) or gate * relu(up) (drelu).
 void ApplyFfnActivation(FfnActivation a, int64_t count, float* gate, const float* up, float* hidden) {

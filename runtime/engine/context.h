@@ -89,6 +89,10 @@ inline constexpr int64_t kAttentionTile = 64;
 // guesses of it.
 void TopExperts(const float* logits, int64_t k, std::span<int64_t> order);
 
+// out = x / rms(x) * w over n elements (eps added to the mean square): the model's normalisation, shared with the
+// offloaded runtime's guesses of a layer's input.
+void RmsNorm(const float* x, const float* w, int64_t n, float eps, float* out);
+
 // Thread-safety: not thread-safe; one context per sequence. The model and pool must outlive it.
 class InferenceContext {
  public:

@@ -261,12 +261,9 @@ void OffloadFfn::IssueLookaheadAfterHits(int64_t layer, const float* residual) {
     AccumulateRowPtrs(PartShape(lay, lay.down_type, lay.down_bytes), used_down_, used_hidden_.data(),
                       la_resid_.data(), pool_);
   }
-  // The next layer's FFN normalisation of it (InferenceContext's RmsNorm).
-  double ss = 0;
-  for (size_t i = 0; i < dim; ++i) ss += static_cast<double>(la_resid_[i]) * la_resid_[i];
-  const float scale = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(dim)) + hp.norm_eps);
-  const float* w = model_.layers()[static_cast<size_t>(layer + 1)].ffn_norm;
-  for (size_t i = 0; i < dim; ++i) la_x_[i] = la_resid_[i] * scale * w[i];
+  // The next layer's FFN normalisation of it.
+  RmsNorm(la_resid_.data(), model_.layers()[static_cast<size_t>(layer + 1)].ffn_norm, hp.dim, hp.norm_eps,
+          la_x_.data());
   la_act_.Set(la_x_.data(), 1, hp.dim);
   const int b = static_cast<int>((layer + 1) % 2);  // dense: one set per layer
   if (la_group_[static_cast<size_t>(b)] >= 0) DropLookahead(layer);  // a stale one (not expected)
