@@ -1,11 +1,8 @@
 #include "runtime/sparse/event_trace.h"
 
 #include <algorithm>
-#include <memory>
 
 #include <nlohmann/json.hpp>
-
-#include "runtime/core/file.h"
 
 namespace nflash::sparse {
 
@@ -57,13 +54,6 @@ std::string EventTrace::ToJson() const {
                             {"displayTimeUnit", "ms"},
                             {"otherData", {{"dropped_spans", dropped()}}}};
   return j.dump();
-}
-
-Status EventTrace::Write(const std::string& path) const {
-  NF_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> out, AtomicFileWriter::Create(path, /*overwrite=*/true));
-  const std::string text = ToJson();
-  NF_RETURN_IF_ERROR(out->Append(text.data(), text.size()));
-  return out->Commit();
 }
 
 }  // namespace nflash::sparse

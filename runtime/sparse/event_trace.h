@@ -10,8 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "runtime/core/status.h"
-
 namespace nflash::sparse {
 
 // The thread a span ran on (the trace's tid).
@@ -37,8 +35,6 @@ class EventTrace {
   // The trace as Chrome Trace Event Format JSON: {"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}},
   // times in microseconds from the first span's begin.
   std::string ToJson() const;
-  // Writes ToJson() to `path` through a temporary file renamed when complete.
-  Status Write(const std::string& path) const;
 
  private:
   mutable std::mutex mu_;

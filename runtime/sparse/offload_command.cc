@@ -130,10 +130,10 @@ Status RunOffload(const OffloadFlags& f) {
     NF_ASSIGN_OR_RETURN(trace, AtomicFileWriter::Create(f.trace_active, /*overwrite=*/true));
     rt.ffn().SetActiveTrace(trace.get());
   }
-  // --trace-events: the output's directory must exist now, not after the run.
-  std::unique_ptr<AtomicFileWriter> events_probe;
+  // --trace-events: opened now (a missing directory fails before the run), written and renamed after it.
+  std::unique_ptr<AtomicFileWriter> events_out;
   if (!f.trace_events.empty()) {
-    NF_ASSIGN_OR_RETURN(events_probe, AtomicFileWriter::Create(f.trace_events, /*overwrite=*/true));
+    NF_ASSIGN_OR_RETURN(events_out, AtomicFileWriter::Create(f.trace_events, /*overwrite=*/true));
   }
   const LlamaHparams& hp = rt.model().hparams();
   // The disk's I/O scheduler: with none the decode's scattered reads waited less (docs/runtime.md); advice only, the
@@ -162,7 +162,7 @@ Status RunOffload(const OffloadFlags& f) {
   const double prefill_s = std::chrono::duration<double>(t1 - t0).count();
   rt.ffn().ResetStats();  // decode figures only
   EventTrace events;
-  if (events_probe) rt.ffn().SetEventTrace(&events);  // the decode, warm-up steps included
+  if (events_out) rt.ffn().SetEventTrace(&events);  // the decode, warm-up steps included
   uint64_t wait0 = rt.ffn().io_wait_ns();
   uint64_t busy0 = rt.ffn().io_busy_ns();
   io::IoCounters io0 = rt.reader() ? rt.reader()->Counters() : io::IoCounters{};
@@ -212,7 +212,7 @@ Status RunOffload(const OffloadFlags& f) {
     NF_RETURN_IF_ERROR(ctx.Eval(std::vector<int32_t>{next}, false));
     const uint64_t step_end = SteadyNowNs();
     lat_ms.push_back(static_cast<double>(step_end - step_begin) / 1e6);
-    if (events_probe) events.Add(TraceSpan{"token", TraceLane::kCompute, step_begin, step_end, -1, i});
+    if (events_out) events.Add(TraceSpan{"token", TraceLane::kCompute, step_begin, step_end, -1, i});
     const OffloadGroupStats after = rt.ffn().TotalStats();
     tok_requests.push_back(after.requests - before.requests);
     tok_wait_ms.push_back(static_cast<double>(rt.ffn().io_wait_ns() - wait_before) / 1e6);
@@ -230,10 +230,11 @@ Status RunOffload(const OffloadFlags& f) {
   }
   const auto t2 = Clock::now();
   const uint64_t io_busy_ns = rt.ffn().io_busy_ns() - busy0;
-  if (events_probe) {
+  if (events_out) {
     rt.ffn().SetEventTrace(nullptr);
-    events_probe.reset();  // its temporary file goes; Write makes its own
-    NF_RETURN_IF_ERROR(events.Write(f.trace_events));
+    const std::string text = events.ToJson();
+    NF_RETURN_IF_ERROR(events_out->Append(text.data(), text.size()));
+    NF_RETURN_IF_ERROR(events_out->Commit());
   }
   const double decode_s = std::chrono::duration<double>(t2 - t1).count();
   const double decode_cpu_s = ProcessCpuSeconds() - cpu0;  // every thread: compute, pool, I/O
