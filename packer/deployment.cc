@@ -125,6 +125,10 @@ std::string ManifestToJson(const Manifest& m) {
   j["resident_bytes"] = m.resident_bytes;
   j["flash_bytes"] = m.flash_bytes;
   j["predictor_bytes"] = m.predictor_bytes;
+  if (!m.lookahead_hash.empty()) {
+    j["lookahead_hash"] = m.lookahead_hash;
+    j["lookahead_bytes"] = m.lookahead_bytes;
+  }
   j["activation"] = m.activation;
   j["dim"] = m.dim;
   j["n_ff"] = m.n_ff;
@@ -179,6 +183,10 @@ Result<Manifest> ParseManifest(const std::string& text, const std::string& sourc
   NF_RETURN_IF_ERROR(root.Get("resident_bytes", &m.resident_bytes));
   NF_RETURN_IF_ERROR(root.Get("flash_bytes", &m.flash_bytes));
   NF_RETURN_IF_ERROR(root.Get("predictor_bytes", &m.predictor_bytes));
+  if (root.Has("lookahead_hash")) {  // optional: deployments packed before lookahead.gguf existed have none
+    NF_RETURN_IF_ERROR(root.Get("lookahead_hash", &m.lookahead_hash));
+    NF_RETURN_IF_ERROR(root.Get("lookahead_bytes", &m.lookahead_bytes));
+  }
   NF_RETURN_IF_ERROR(root.Get("activation", &m.activation));
   NF_RETURN_IF_ERROR(root.Get("dim", &m.dim));
   NF_RETURN_IF_ERROR(root.Get("n_ff", &m.n_ff));
@@ -352,9 +360,17 @@ Result<std::unique_ptr<Deployment>> Deployment::Open(const std::string& dir, con
                                 " records predictor_bytes " + std::to_string(m.predictor_bytes));
     }
   }
+  if (!m.lookahead_hash.empty()) {
+    NF_ASSIGN_OR_RETURN(uint64_t lsize, FileSize(d->lookahead_path()));
+    if (lsize != m.lookahead_bytes) {
+      return Status::Corruption(d->lookahead_path() + ": " + std::to_string(lsize) + " bytes, " + manifest_path +
+                                " records lookahead_bytes " + std::to_string(m.lookahead_bytes));
+    }
+  }
   if (options.verify_resident_hash) {
     NF_RETURN_IF_ERROR(CheckFileHash(d->resident_path(), m.resident_hash, manifest_path));
     if (!m.predictor_hash.empty()) NF_RETURN_IF_ERROR(CheckFileHash(d->predictor_path(), m.predictor_hash, manifest_path));
+    if (!m.lookahead_hash.empty()) NF_RETURN_IF_ERROR(CheckFileHash(d->lookahead_path(), m.lookahead_hash, manifest_path));
   }
 
   std::vector<ByteRange> holes;
@@ -410,6 +426,10 @@ Result<std::unique_ptr<Deployment>> Deployment::Open(const std::string& dir, con
 
 std::string Deployment::predictor_path() const {
   return manifest_.predictor_hash.empty() ? std::string() : dir_ + "/" + kPredictorFileName;
+}
+
+std::string Deployment::lookahead_path() const {
+  return manifest_.lookahead_hash.empty() ? std::string() : dir_ + "/" + kLookaheadFileName;
 }
 
 const RegionInfo* Deployment::Region(int64_t layer, int64_t expert) const {

@@ -10,6 +10,8 @@
 //   ffn.bin         the flash image: one region per (layer, expert), each starting at a multiple of kDeployAlignment;
 //                   a region holds n_neurons bundles in slot order, hot neurons (most popular first) in the first slots
 //   predictor.gguf  optional: the --predictor file, copied verbatim (Predictor::Load reads it as is)
+//   lookahead.gguf  optional (dense models with a predictor): the lookahead projection table, computed from the
+//                   predictor and the bundles' down columns (packer/lookahead_table.h)
 //   profile.gguf    the profile packed from, copied verbatim (hash: manifest profile_hash): `nflash plan` reads it
 //
 // A bundle (neuron i of a region): [gate row i][up row i][down column i], parts back to back, gate first so that a
@@ -42,6 +44,7 @@ inline constexpr char kManifestFileName[] = "manifest.json";
 inline constexpr char kResidentFileName[] = "resident.gguf";
 inline constexpr char kFlashFileName[] = "ffn.bin";
 inline constexpr char kPredictorFileName[] = "predictor.gguf";
+inline constexpr char kLookaheadFileName[] = "lookahead.gguf";
 // The profile the deployment was packed from (optional copy, hash = manifest profile_hash): the planner's input.
 inline constexpr char kProfileFileName[] = "profile.gguf";
 
@@ -125,6 +128,10 @@ struct Manifest {
   std::string resident_hash;   // HashToHex(HashFile(resident.gguf))
   std::string predictor_hash;  // "" when no predictor.gguf
   uint64_t resident_bytes = 0, flash_bytes = 0, predictor_bytes = 0;
+  // lookahead.gguf (packer/lookahead_table.h): "" / 0 when absent (no predictor, a mixture of experts, or packed
+  // before the file existed; manifest fields optional).
+  std::string lookahead_hash;
+  uint64_t lookahead_bytes = 0;
   std::string activation;      // silu / relu / drelu
   int64_t dim = 0, n_ff = 0, n_layers = 0, n_experts = 0;  // n_experts 0: dense
   uint64_t alignment = kDeployAlignment;
@@ -158,7 +165,8 @@ BundleView ViewBundle(const BundleLayout& layout, const uint8_t* bundle, uint64_
 class Deployment {
  public:
   struct Options {
-    // Re-hash resident.gguf (and predictor.gguf) against the manifest: a full read; `nflash verify` sets it.
+    // Re-hash resident.gguf (and predictor.gguf, lookahead.gguf) against the manifest: a full read; `nflash verify`
+    // sets it.
     bool verify_resident_hash = false;
     // Read resident.gguf with O_DIRECT into anonymous memory (ReadFileDirect: what the runtime computes from) instead
     // of mapping it (enough for tools that only read its metadata and index tensors).
@@ -180,6 +188,8 @@ class Deployment {
   std::string flash_path() const { return dir_ + "/" + kFlashFileName; }
   // "" when the deployment has no predictor.
   std::string predictor_path() const;
+  // "" when the deployment has no lookahead table.
+  std::string lookahead_path() const;
   // resident.gguf (mmapped): bind attention, embeddings, norms and output head from it like Model::Load does.
   const GgufFile& resident() const { return *resident_; }
   std::shared_ptr<const GgufFile> resident_shared() const { return resident_; }

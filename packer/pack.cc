@@ -12,12 +12,14 @@
 #include <numeric>
 
 #include "packer/deployment.h"
+#include "packer/lookahead_table.h"
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
 #include "runtime/core/gguf.h"
 #include "runtime/core/log.h"
 #include "runtime/core/quant.h"
 #include "runtime/engine/model.h"
+#include "runtime/engine/predictor.h"
 
 namespace nflash::packer {
 namespace fs = std::filesystem;
@@ -133,6 +135,16 @@ Result<const GgufTensorInfo*> FindShaped(const GgufFile& f, const std::string& n
                                "; the packer handles f32, f16, bf16, q8_0, q4_0");
   }
   return t;
+}
+
+// Layer `layer`'s FFN norm weights as floats (the lookahead table's input).
+Result<std::vector<float>> ReadNormWeights(const GgufFile& f, int64_t layer, int64_t dim, std::vector<uint8_t>* scratch) {
+  NF_ASSIGN_OR_RETURN(const GgufTensorInfo* t, FindShaped(f, "blk." + std::to_string(layer) + ".ffn_norm.weight",
+                                                          {static_cast<uint64_t>(dim)}));
+  NF_ASSIGN_OR_RETURN(std::span<const uint8_t> bytes, f.TensorData(*t, scratch));
+  std::vector<float> w(static_cast<size_t>(dim));
+  NF_RETURN_IF_ERROR(DequantizeRow(t->type, bytes.data(), w.data(), dim));
+  return w;
 }
 
 Result<RegionSource> FindRegionSource(const GgufFile& f, int64_t layer, int64_t expert, int64_t n_experts, int64_t dim,
@@ -374,6 +386,25 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
     }
   }
 
+  // lookahead.gguf (dense models with a predictor): layer l's table from its down columns, while its region is in
+  // memory.
+  std::unique_ptr<Predictor> predictor;
+  std::unique_ptr<LookaheadTableWriter> lookahead;
+  const std::string lookahead_path = tmp + "/" + kLookaheadFileName;
+  if (!options.predictor_path.empty() && hp.n_experts == 0 && hp.n_layers >= 2) {
+    NF_ASSIGN_OR_RETURN(predictor, Predictor::Load(options.predictor_path));
+    if (predictor->dim() != hp.dim || predictor->n_ff() != hp.n_ff || predictor->n_layers() != hp.n_layers) {
+      return Status::InvalidArgument(options.predictor_path + ": a predictor for dim " +
+                                     std::to_string(predictor->dim()) + ", n_ff " + std::to_string(predictor->n_ff()) +
+                                     ", " + std::to_string(predictor->n_layers()) + " layers; " + model_path +
+                                     " has dim " + std::to_string(hp.dim) + ", n_ff " + std::to_string(hp.n_ff) + ", " +
+                                     std::to_string(hp.n_layers) + " layers");
+    }
+    NF_ASSIGN_OR_RETURN(lookahead, LookaheadTableWriter::Begin(lookahead_path, *predictor));
+  }
+  std::vector<float> norm_next;
+  std::vector<uint8_t> norm_scratch;
+
   // ffn.bin, one region at a time.
   NF_ASSIGN_OR_RETURN(auto flash, AtomicFileWriter::Create(tmp + "/" + kFlashFileName, false));
   const uint64_t region_bytes = layout.RegionBytes(hp.n_ff);
@@ -418,6 +449,15 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
     NF_RETURN_IF_ERROR(FillRegion(src, layout, hp.n_ff, neuron_of_slot, m.bundle_hash, pool, &region_buf,
                                   &tb.gate_hash, &tb.updown_hash));
     NF_RETURN_IF_ERROR(flash->Append(region_buf.data(), region_buf.size()));
+    if (lookahead && layer + 1 < hp.n_layers) {
+      NF_ASSIGN_OR_RETURN(norm_next, ReadNormWeights(model, layer + 1, hp.dim, &norm_scratch));
+      auto column = [&](int64_t k, float* dst) {
+        const int64_t slot = tb.slot_of_neuron[static_cast<size_t>(k)];
+        const BundleView v = ViewBundle(layout, region_buf.data() + layout.SlotOffset(slot), layout.bundle_bytes);
+        (void)DequantizeRow(v.down.type, v.down.data, dst, hp.dim);  // a bundle type: DequantizeRow handles it
+      };
+      NF_RETURN_IF_ERROR(lookahead->WriteLayer(layer, norm_next.data(), column, pool));
+    }
     active_weighted += fp.mean_active_fraction * static_cast<double>(hp.n_ff);
     stats.hot_neurons += r.hot_count;
     stats.neurons += r.n_neurons;
@@ -449,6 +489,12 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
     NF_ASSIGN_OR_RETURN(uint64_t ph, HashFile(dst));
     m.predictor_hash = HashToHex(ph);
     m.predictor_bytes = fs::file_size(dst, ec);
+  }
+  if (lookahead) {
+    NF_RETURN_IF_ERROR(lookahead->Finish());
+    NF_ASSIGN_OR_RETURN(uint64_t lh, HashFile(lookahead_path));
+    m.lookahead_hash = HashToHex(lh);
+    m.lookahead_bytes = fs::file_size(lookahead_path, ec);
   }
   if (!options.profile_path.empty()) {
     const std::string dst = tmp + "/" + kProfileFileName;

@@ -350,11 +350,14 @@ void Predictor::PrepareScratch(PredictorScratch* scratch) const {
   scratch->live_h.reserve(static_cast<size_t>(max_rank));
 }
 
-void Predictor::Logits(int64_t group, const float* x, PredictorScratch* scratch, ThreadPool* pool) const {
-  const Layer& L = layers_[static_cast<size_t>(group)];
-  float* h = scratch->hidden.data();
+void Predictor::Hidden(int64_t group, const float* x, PredictorScratch* scratch, ThreadPool* pool) const {
   scratch->x_act.Set(x, 1, dim_, /*quantize=*/false);  // fc1 is F32 or F16 (Load checks): no Q8_0 copy
-  Gemv(L.fc1, scratch->x_act, h, pool);
+  Gemv(layers_[static_cast<size_t>(group)].fc1, scratch->x_act, scratch->hidden.data(), pool);
+}
+
+void Predictor::LogitsFromHidden(int64_t group, PredictorScratch* scratch, ThreadPool* pool) const {
+  const Layer& L = layers_[static_cast<size_t>(group)];
+  const float* h = scratch->hidden.data();
   scratch->live.clear();
   scratch->live_h.clear();
   for (int64_t i = 0; i < L.info.rank; ++i) {
@@ -368,11 +371,14 @@ void Predictor::Logits(int64_t group, const float* x, PredictorScratch* scratch,
   AccumulateRows(L.fc2t, scratch->live, scratch->live_h.data(), lg, pool);
 }
 
-void Predictor::Predict(int64_t group, const Activation& x, int64_t token, PredictorScratch* scratch,
-                        std::vector<int32_t>* active, ThreadPool* pool) const {
-  Logits(group, x.f32() + token * x.cols(), scratch, pool);
+void Predictor::Logits(int64_t group, const float* x, PredictorScratch* scratch, ThreadPool* pool) const {
+  Hidden(group, x, scratch, pool);
+  LogitsFromHidden(group, scratch, pool);
+}
+
+void Predictor::ActiveFromLogits(int64_t group, const PredictorScratch& scratch, std::vector<int32_t>* active) const {
   const float thr = layers_[static_cast<size_t>(group)].info.logit_threshold;
-  const float* lg = scratch->logits.data();
+  const float* lg = scratch.logits.data();
   active->clear();
   // 64 comparisons into a mask, then its set bits: no branch per neuron (about a tenth pass, at random).
   for (int64_t b = 0; b < n_ff_; b += 64) {
@@ -381,6 +387,12 @@ void Predictor::Predict(int64_t group, const Activation& x, int64_t token, Predi
     for (int64_t i = b; i < e; ++i) m |= static_cast<uint64_t>(lg[i] > thr) << (i - b);
     for (; m != 0; m &= m - 1) active->push_back(static_cast<int32_t>(b + std::countr_zero(m)));
   }
+}
+
+void Predictor::Predict(int64_t group, const Activation& x, int64_t token, PredictorScratch* scratch,
+                        std::vector<int32_t>* active, ThreadPool* pool) const {
+  Logits(group, x.f32() + token * x.cols(), scratch, pool);
+  ActiveFromLogits(group, *scratch, active);
 }
 
 uint64_t Predictor::LayerBytes(int64_t group) const {

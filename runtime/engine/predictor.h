@@ -116,6 +116,15 @@ class Predictor {
                std::vector<int32_t>* active, ThreadPool* pool) const;
   // Logits only (n_ff floats into scratch->logits), for measurements.
   void Logits(int64_t group, const float* x, PredictorScratch* scratch, ThreadPool* pool) const;
+  // Predict in steps, for a caller that builds the hidden layer another way (the offloaded runtime's lookahead adds
+  // precomputed fc1 projections to it): Hidden writes fc1 . x (before the ReLU, rank floats) into scratch->hidden;
+  // LogitsFromHidden applies the ReLU and fc2 (+ bias) to scratch->hidden; ActiveFromLogits thresholds
+  // scratch->logits into the ascending active list. The three in a row equal Predict.
+  void Hidden(int64_t group, const float* x, PredictorScratch* scratch, ThreadPool* pool) const;
+  void LogitsFromHidden(int64_t group, PredictorScratch* scratch, ThreadPool* pool) const;
+  void ActiveFromLogits(int64_t group, const PredictorScratch& scratch, std::vector<int32_t>* active) const;
+  // fc1 of `group` (rank rows of dim, F32 or F16).
+  const MatrixView& fc1(int64_t group) const { return layers_[static_cast<size_t>(group)].fc1; }
 
   // Bytes of the predictor weights of all groups (what the runtime holds in memory).
   uint64_t PredictorBytes() const;

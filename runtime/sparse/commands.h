@@ -46,7 +46,7 @@ struct RuntimeFlags {
   std::string pin_threads = "auto";
   uint64_t pin_threads_ab = 0;
   std::string lookahead_source = "next-layer";
-  std::string lookahead_input = "hits";
+  std::string lookahead_input = "projected";
   std::string lookahead_replay;
   std::string cold_pool = "per-layer";
   std::string hot_policy = "pinned";

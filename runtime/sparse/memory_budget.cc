@@ -90,6 +90,7 @@ std::string FixedMemory::Describe() const {
   std::string s = "resident weights " + FormatBytes(resident_weights) + ", KV cache " + FormatBytes(kv_cache) +
                   ", scratch " + FormatBytes(scratch);
   if (predictor > 0) s += ", predictor " + FormatBytes(predictor);
+  if (lookahead > 0) s += ", lookahead table " + FormatBytes(lookahead);
   return s;
 }
 
@@ -142,6 +143,7 @@ std::string DescribeAccounting(uint64_t budget, const FixedMemory& fixed, const 
   s += row("KV cache", fixed.kv_cache);
   s += row("scratch", fixed.scratch);
   s += row("predictor", fixed.predictor);
+  if (fixed.lookahead > 0) s += row("lookahead table", fixed.lookahead);
   s += row("hot region", split.hot_bytes);
   s += row("cold region", split.cold_bytes);
   s += row("total", fixed.Total() + split.hot_bytes + split.cold_bytes);

@@ -30,8 +30,9 @@ struct FixedMemory {
   uint64_t kv_cache = 0;          // KvCacheBytes
   uint64_t scratch = 0;           // activations, logits, per-token read buffers for misses that get no cache slot
   uint64_t predictor = 0;         // predictor weights (0 in oracle mode)
-  uint64_t Total() const { return resident_weights + kv_cache + scratch + predictor; }
-  // "resident weights A, KV cache B, scratch C[, predictor D]"
+  uint64_t lookahead = 0;         // the lookahead projection table (lookahead.gguf; 0 when not used)
+  uint64_t Total() const { return resident_weights + kv_cache + scratch + predictor + lookahead; }
+  // "resident weights A, KV cache B, scratch C[, predictor D][, lookahead table E]"
   std::string Describe() const;
 };
 

@@ -672,10 +672,12 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
       ->check(CLI::IsMember({"next-layer", "same-layer"}))
       ->capture_default_str();
   cmd->add_option("--lookahead-input", flags->lookahead_input,
-                  "What the next-layer guess is computed from: hits (the residual plus the layer's cache hits' share of "
-                  "its output, once they are computed; dense models) or ffn-input (the layer's FFN input, as soon as its "
-                  "misses are submitted; MoE always): ffn-input for comparison only")
-      ->check(CLI::IsMember({"hits", "ffn-input"}))
+                  "What the next-layer guess is computed from: projected (the hits' guess through the deployment's "
+                  "lookahead table: no down columns summed; hits without the table), hits (the residual plus the "
+                  "layer's cache hits' share of its output, once they are computed; dense models) or ffn-input (the "
+                  "layer's FFN input, as soon as its misses are submitted; MoE always): hits and ffn-input for "
+                  "comparison")
+      ->check(CLI::IsMember({"projected", "hits", "ffn-input"}))
       ->capture_default_str();
   cmd->add_option("--lookahead-replay", flags->lookahead_replay,
                   "Measure what a perfect guess would give: read ahead exactly the active sets an earlier "

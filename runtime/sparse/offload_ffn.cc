@@ -928,6 +928,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   st.used += static_cast<int64_t>(used_down_.size());
   std::fill(out, out + hp.dim, 0.0f);
   AccumulateRowPtrs(PartShape(lay, lay.down_type, lay.down_bytes), used_down_, used_hidden_.data(), out, pool_);
+  NoteLayerRmsRatio(layer, residual, out);
   step_done(7);
   ReleaseAll();  // after the accumulation: the down columns were read from the pinned slots
   step_done(8);

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "packer/deployment.h"
+#include "packer/lookahead_table.h"
 #include "runtime/core/file.h"
 #include "runtime/core/round.h"
 #include "runtime/core/thread_placement.h"
@@ -95,8 +96,12 @@ Result<LookaheadSource> ParseLookaheadSource(const std::string& name);
 // bundles read ahead used per token against 341 of 475, I/O wait 7.3 against 9.4 ms, but the hits' down sum and the
 // larger guess cost ~2 ms of CPU per token, so on 2 vCPUs the speed is within 1.5%; docs/results.md, twenty-fourth
 // run). kFfnInput: l's FFN input rescaled by ffn_norm[l+1] / ffn_norm[l], as soon as l's misses are submitted (the
-// rule before; MoE always).
-enum class LookaheadInput : uint8_t { kHits, kFfnInput };
+// rule before; MoE always). kProjected: kHits' input without its down sum, through the deployment's lookahead
+// table (packer/lookahead_table.h): the predictor's hidden layer is fc1 . (ffn_norm[l+1] * residual) plus, per used
+// hit, its activation times the table's row (rank multiply-adds instead of a 4096-long Q4_0 column), over rms(the
+// residual) times last token's rms(layer output) / rms(residual) of the same layer; a layer without that ratio yet,
+// or a deployment without the table, guesses as kHits.
+enum class LookaheadInput : uint8_t { kHits, kFfnInput, kProjected };
 const char* LookaheadInputName(LookaheadInput input);
 Result<LookaheadInput> ParseLookaheadInput(const std::string& name);
 
@@ -183,6 +188,8 @@ struct OffloadOptions {
   bool lookahead_adaptive = false;
   LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
   LookaheadInput lookahead_input = LookaheadInput::kHits;
+  // kProjected's table (owned by the caller; nullptr: kProjected guesses as kHits).
+  const packer::LookaheadTable* lookahead_table = nullptr;
   double lookahead_wait_share = kDefaultLookaheadWaitShare;
   // A measurement of what a perfect guess would give (dense models): the active sets of an earlier run of the same
   // prompt and settings (`--trace-active` FILE: one line per layer step, the group, then its active neurons). Each
@@ -555,7 +562,12 @@ class OffloadFfn : public FfnBackend {
   // picks on that input. `t0`: when the caller started (lookahead_ns).
   void IssueGuess(int64_t next, int64_t current, const float* input, uint64_t t0);
   // One group's guess from la_act_ into lookahead set `b`: slots, requests, submission.
-  void GuessGroup(int64_t group, int b, uint64_t t0);
+  // `predicted`: la_rows_ and pred_scratch_.logits already hold the predictor's guess (kProjected).
+  void GuessGroup(int64_t group, int b, uint64_t t0, bool predicted = false);
+  // kProjected: the guess's predictor pass from the table into la_rows_; false when the layer has no ratio yet.
+  bool PredictProjected(int64_t layer, const float* residual);
+  // kProjected: after layer `layer`'s FFN, its rms(residual + out) / rms(residual) for the next token's guess.
+  void NoteLayerRmsRatio(int64_t layer, const float* residual, const float* out);
   // Waits for the reads of lookahead set `b` and verifies them: a bundle an item took is retried once (then an
   // error); the others are released into the cache, or dropped when bad. The set is empty afterwards.
   Status SettleLookahead(int b);
@@ -608,6 +620,8 @@ class OffloadFfn : public FfnBackend {
   // The residual stream BeforeFfn gave for the next ForwardToken, which takes it (once: nullptr afterwards).
   const float* residual_ = nullptr;
   std::vector<float> la_resid_;      // kHits guess: the residual plus the hits' share of the FFN output
+  std::vector<int32_t> la_hit_rows_;  // kProjected guess: the used hits' neurons
+  std::vector<float> la_rms_ratio_;   // kProjected: per layer, last token's rms(output) / rms(residual); 0: none yet
   uint64_t attention_begin_ns_ = 0;  // event trace: the current token's layer attention began (0: not traced)
   ThreadPool* pool_;
   int64_t n_groups_ = 0, n_experts_ = 0;

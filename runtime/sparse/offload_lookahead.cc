@@ -83,6 +83,8 @@ Status OffloadFfn::InitLookahead() {
   la_score_.resize(static_cast<size_t>(hp.n_ff));
   la_pick_.reserve(static_cast<size_t>(hp.n_ff));
   la_x_.resize(dim);
+  la_rms_ratio_.assign(static_cast<size_t>(hp.n_layers), 0.0f);
+  la_hit_rows_.reserve(static_cast<size_t>(hp.n_ff));
   // The guess's input: layer l's FFN input rescaled to layer l+1's (next-layer), or layer l's attention input
   // rescaled to its FFN input (same-layer). rmsnorm(h) * w1 = (rmsnorm(h) * w) * (w1 / w); a zero weight loses that
   // coordinate (it stays 0).
@@ -204,13 +206,19 @@ const char* LookaheadSourceName(LookaheadSource source) {
 }
 
 const char* LookaheadInputName(LookaheadInput input) {
-  return input == LookaheadInput::kHits ? "hits" : "ffn-input";
+  switch (input) {
+    case LookaheadInput::kHits: return "hits";
+    case LookaheadInput::kFfnInput: return "ffn-input";
+    case LookaheadInput::kProjected: return "projected";
+  }
+  return "?";
 }
 
 Result<LookaheadInput> ParseLookaheadInput(const std::string& name) {
   if (name == "hits") return LookaheadInput::kHits;
   if (name == "ffn-input") return LookaheadInput::kFfnInput;
-  return Status::InvalidArgument("lookahead input \"" + name + "\": expected hits or ffn-input");
+  if (name == "projected") return LookaheadInput::kProjected;
+  return Status::InvalidArgument("lookahead input \"" + name + "\": expected projected, hits or ffn-input");
 }
 
 Result<LookaheadSource> ParseLookaheadSource(const std::string& name) {
@@ -239,13 +247,68 @@ void OffloadFfn::BeforeFfn(int64_t layer, const float* x, int64_t n) {
 
 bool OffloadFfn::GuessAfterHits(int64_t layer, const float* residual) const {
   const LlamaHparams& hp = model_.hparams();
-  return options_.lookahead_input == LookaheadInput::kHits && residual != nullptr && hp.n_experts == 0 &&
+  return options_.lookahead_input != LookaheadInput::kFfnInput && residual != nullptr && hp.n_experts == 0 &&
          la_slots_ > 0 && layer + 1 < hp.n_layers;
+}
+
+void OffloadFfn::NoteLayerRmsRatio(int64_t layer, const float* residual, const float* out) {
+  if (options_.lookahead_input != LookaheadInput::kProjected || options_.lookahead_table == nullptr ||
+      residual == nullptr || la_slots_ == 0 || layer + 1 >= model_.hparams().n_layers) {
+    return;
+  }
+  const LlamaHparams& hp = model_.hparams();
+  double rr = 0.0, vv = 0.0;
+  for (int64_t i = 0; i < hp.dim; ++i) {
+    const double r = residual[i], v = r + out[i];
+    rr += r * r;
+    vv += v * v;
+  }
+  const double n = static_cast<double>(hp.dim), eps = hp.norm_eps;
+  la_rms_ratio_[static_cast<size_t>(layer)] = static_cast<float>(std::sqrt((vv / n + eps) / (rr / n + eps)));
+}
+
+bool OffloadFfn::PredictProjected(int64_t layer, const float* residual) {
+  const float ratio = la_rms_ratio_[static_cast<size_t>(layer)];
+  if (ratio <= 0.0f || options_.predictor == nullptr) return false;
+  const LlamaHparams& hp = model_.hparams();
+  const Predictor& pred = *options_.predictor;
+  const int64_t next = layer + 1;
+  const float* w = model_.layers()[static_cast<size_t>(next)].ffn_norm;
+  double rr = 0.0;
+  for (int64_t i = 0; i < hp.dim; ++i) {
+    la_x_[static_cast<size_t>(i)] = residual[i] * w[i];
+    rr += static_cast<double>(residual[i]) * residual[i];
+  }
+  pred.Hidden(next, la_x_.data(), &pred_scratch_, pool_);
+  la_hit_rows_.clear();
+  used_hidden_.clear();
+  for (int32_t k : ready_items_) {
+    if (!used_flag_[k]) continue;
+    la_hit_rows_.push_back(active_[static_cast<size_t>(k)]);
+    used_hidden_.push_back(hidden_[k]);
+  }
+  float* h = pred_scratch_.hidden.data();
+  // rank columns: too narrow to split over threads
+  AccumulateRows(options_.lookahead_table->layer(layer), la_hit_rows_, used_hidden_.data(), h, nullptr);
+  const double rms = std::sqrt(rr / static_cast<double>(hp.dim) + hp.norm_eps) * ratio;
+  const float inv = static_cast<float>(1.0 / rms);
+  const int64_t rank = pred.info(next).rank;
+  for (int64_t r = 0; r < rank; ++r) h[r] *= inv;
+  pred.LogitsFromHidden(next, &pred_scratch_, pool_);
+  pred.ActiveFromLogits(next, pred_scratch_, &la_rows_);
+  return true;
 }
 
 void OffloadFfn::IssueLookaheadAfterHits(int64_t layer, const float* residual) {
   const uint64_t t0 = SteadyNowNs();
   const LlamaHparams& hp = model_.hparams();
+  if (options_.lookahead_input == LookaheadInput::kProjected && options_.lookahead_table != nullptr &&
+      PredictProjected(layer, residual)) {
+    const int b = static_cast<int>((layer + 1) % 2);
+    if (la_group_[static_cast<size_t>(b)] >= 0) DropLookahead(layer);  // a stale one (not expected)
+    GuessGroup(layer + 1, b, t0, /*predicted=*/true);
+    return;
+  }
   const packer::BundleLayout& lay = deploy_.layout();
   const size_t dim = static_cast<size_t>(hp.dim);
   // residual + sum over the used hits of h * down column (any order: a guess, not a result).
@@ -302,7 +365,7 @@ void OffloadFfn::IssueGuess(int64_t next, int64_t current, const float* input, u
   }
 }
 
-void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0) {
+void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0, bool predicted) {
   const LlamaHparams& hp = model_.hparams();
   const int64_t next = GroupLayer(g), expert = GroupExpert(g);
   SlotRegion& cold = cache_->cold();
@@ -340,7 +403,7 @@ void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0) {
     }
     for (int32_t& j : la_pick_) j = la_rows_[static_cast<size_t>(j)];
   } else {
-    options_.predictor->Predict(g, la_act_, 0, &pred_scratch_, &la_rows_, pool_);
+    if (!predicted) options_.predictor->Predict(g, la_act_, 0, &pred_scratch_, &la_rows_, pool_);
     for (int32_t n : la_rows_) {
       if (cold_candidate(n)) la_pick_.push_back(n);
     }

@@ -86,6 +86,23 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   // Index tables of every region: slot_of_neuron, neuron_of_slot (4 bytes each), two hashes (8 bytes each).
   f.scratch += static_cast<uint64_t>(d.manifest().regions.size()) * static_cast<uint64_t>(hp.n_ff) * 24;
   f.predictor = oracle ? OffloadFfn::EstimateOracleBytes(d, true) : rt->predictor_->PredictorBytes();
+  // The lookahead table, when the guess it serves runs (kProjected; otherwise, or without the file, kHits' rule).
+  rt->lookahead_input_ = options.lookahead_input;
+  if (rt->lookahead_input_ == LookaheadInput::kProjected) {
+    const bool usable = !oracle && hp.n_experts == 0 && !d.lookahead_path().empty() &&
+                        options.mode == OffloadMode::kFull && !options.two_phase && options.lookahead_slots != 0 &&
+                        options.lookahead_source == LookaheadSource::kNextLayer;
+    if (usable) {
+      NF_ASSIGN_OR_RETURN(rt->lookahead_table_, packer::LookaheadTable::Load(d.lookahead_path(), *rt->predictor_));
+      f.lookahead = rt->lookahead_table_->bytes();
+    } else {
+      rt->lookahead_input_ = LookaheadInput::kHits;
+      if (!oracle && hp.n_experts == 0 && d.lookahead_path().empty() && options.mode == OffloadMode::kFull) {
+        NF_LOG(Info) << deploy_dir << " has no lookahead table (packed before lookahead.gguf existed): the lookahead "
+                     << "guesses from the hits' down columns (--lookahead-input hits)";
+      }
+    }
+  }
   CacheShape shape;
   shape.n_groups = static_cast<int64_t>(d.manifest().regions.size());
   shape.hot_slot_bytes = OffloadFfn::HotSlotBytes(d, options.cluster_groups);
@@ -208,7 +225,8 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.lookahead_adaptive = options.lookahead_adaptive;
   oo.lookahead_wait_share = options.lookahead_wait_share;
   oo.lookahead_source = options.lookahead_source;
-  oo.lookahead_input = options.lookahead_input;
+  oo.lookahead_input = rt->lookahead_input_;
+  oo.lookahead_table = rt->lookahead_table_.get();
   oo.lookahead_replay = options.lookahead_replay;
   oo.dio_alignment = dio_alignment;
   // The cache arena registered with the ring, so reads into it skip per-request page pinning.

@@ -88,8 +88,8 @@ struct SparseRuntimeOptions {
   double lookahead_wait_share = kDefaultLookaheadWaitShare;
   // OffloadOptions::lookahead_source.
   LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
-  // OffloadOptions::lookahead_input.
-  LookaheadInput lookahead_input = LookaheadInput::kHits;
+  // OffloadOptions::lookahead_input (kProjected falls back to kHits without the deployment's lookahead table).
+  LookaheadInput lookahead_input = LookaheadInput::kProjected;
   // OffloadOptions::lookahead_replay.
   std::string lookahead_replay;
   // Cold slots are the bundle rounded up to this alignment (OffloadOptions::dio_alignment, ColdReadBytes); 0: the flash
@@ -133,6 +133,7 @@ class SparseRuntime {
   InferenceContext& context() { return *ctx_; }
   OffloadFfn& ffn() { return *ffn_; }
   const Predictor* predictor() const { return predictor_.get(); }
+  LookaheadInput lookahead_input() const { return lookahead_input_; }
   // nullptr when the flash file is not read through io_uring.
   const io::DirectReader* reader() const { return reader_; }
   const FixedMemory& fixed() const { return fixed_; }
@@ -150,6 +151,8 @@ class SparseRuntime {
   std::unique_ptr<packer::Deployment> deploy_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<Predictor> predictor_;
+  std::unique_ptr<packer::LookaheadTable> lookahead_table_;  // kProjected's table (nullptr: not used)
+  LookaheadInput lookahead_input_ = LookaheadInput::kHits;  // what the lookahead really guesses from
   std::shared_ptr<const ReadableFile> flash_;
   uint64_t cold_slot_bytes_ = 0;
   std::unique_ptr<FlashEmbedding> embedding_;

@@ -446,13 +446,15 @@ TEST_F(OffloadTest, SameLayerLookaheadChangesReadsNotResults) {
 
 // The next-layer guess from the hits (LookaheadInput::kHits: the residual plus the layer's cache hits' share of its
 // output, normalised as the next layer's FFN input) against the one from the layer's FFN input alone: the results stay
-// bitwise those of the in-memory sparse FFN, and the guess closer to the next layer's input is right more often.
+// bitwise those of the in-memory sparse FFN, and the guess closer to the next layer's input is right more often. The
+// same guess through the deployment's lookahead table (kProjected; the predictor deployment has one, the oracle needs
+// none and guesses as kHits) reads as well as kHits' within a few bundles (the rms it divides by is last token's).
 TEST_F(OffloadTest, LookaheadFromTheHitsGuessesBetterNotDifferently) {
   ASSERT_TRUE(predicted_ && sparse_);
   for (bool predictor : {true, false}) {
     SCOPED_TRACE(predictor ? "predictor" : "oracle");
-    OffloadGroupStats by_input[2];
-    for (LookaheadInput input : {LookaheadInput::kHits, LookaheadInput::kFfnInput}) {
+    OffloadGroupStats by_input[3];
+    for (LookaheadInput input : {LookaheadInput::kHits, LookaheadInput::kFfnInput, LookaheadInput::kProjected}) {
       SparseRuntimeOptions o;
       o.active_set = predictor ? ActiveSetSource::kAuto : ActiveSetSource::kOracle;
       o.batched_prefill = false;
@@ -466,12 +468,30 @@ TEST_F(OffloadTest, LookaheadFromTheHitsGuessesBetterNotDifferently) {
       auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(20, ref.tokens.size()));
       ASSERT_TRUE(run.ok()) << run.status().ToString();
       ASSERT_TRUE(SameLogits(*run, ref));
-      by_input[input == LookaheadInput::kHits ? 0 : 1] = (*rt)->ffn().TotalStats();
+      by_input[static_cast<int>(input)] = (*rt)->ffn().TotalStats();
+      const bool projected = input == LookaheadInput::kProjected && predictor;
+      EXPECT_EQ((*rt)->lookahead_input(), projected ? LookaheadInput::kProjected
+                                                     : (input == LookaheadInput::kProjected ? LookaheadInput::kHits : input));
+      EXPECT_EQ((*rt)->fixed().lookahead, projected ? (*rt)->ffn().options().lookahead_table->bytes() : 0u);
       const SlotRegion& cold = (*rt)->ffn().cache().cold();
       for (int32_t s = 0; s < cold.SlotCount(); ++s) ASSERT_EQ(cold.PinCount(s), 0) << "slot " << s << " still pinned";
     }
+    static_assert(static_cast<int>(LookaheadInput::kHits) == 0 && static_cast<int>(LookaheadInput::kFfnInput) == 1 &&
+                  static_cast<int>(LookaheadInput::kProjected) == 2);
     const OffloadGroupStats& hits = by_input[0];
     const OffloadGroupStats& input = by_input[1];
+    const OffloadGroupStats& projected = by_input[2];
+    std::printf("lookahead (%s) through the table: %lld of %lld used\n", predictor ? "predictor" : "oracle",
+                static_cast<long long>(projected.prefetch_used), static_cast<long long>(projected.prefetched));
+    if (predictor) {
+      ASSERT_GT(projected.prefetched, 0);
+      EXPECT_GE(projected.prefetch_used, input.prefetch_used);
+      EXPECT_NEAR(static_cast<double>(projected.prefetch_used), static_cast<double>(hits.prefetch_used),
+                  0.05 * static_cast<double>(hits.prefetch_used));
+    } else {
+      EXPECT_EQ(projected.prefetched, hits.prefetched) << "the oracle guesses as kHits";
+      EXPECT_EQ(projected.prefetch_used, hits.prefetch_used);
+    }
     std::printf("lookahead (%s) from the hits: %lld of %lld used; from the FFN input: %lld of %lld\n",
                 predictor ? "predictor" : "oracle", static_cast<long long>(hits.prefetch_used),
                 static_cast<long long>(hits.prefetched), static_cast<long long>(input.prefetch_used),
@@ -488,6 +508,7 @@ TEST_F(OffloadTest, LookaheadFromTheHitsGuessesBetterNotDifferently) {
   }
   EXPECT_EQ(ParseLookaheadInput("hits").value(), LookaheadInput::kHits);
   EXPECT_EQ(ParseLookaheadInput("ffn-input").value(), LookaheadInput::kFfnInput);
+  EXPECT_EQ(ParseLookaheadInput("projected").value(), LookaheadInput::kProjected);
   EXPECT_FALSE(ParseLookaheadInput("attention").ok());
 }
 

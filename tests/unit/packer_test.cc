@@ -13,12 +13,15 @@
 #include "converter/readers.h"
 #include "converter/synth.h"
 #include "packer/deployment.h"
+#include "packer/lookahead_table.h"
 #include "packer/pack.h"
 #include "packer/verify.h"
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
+#include "runtime/core/float16.h"
 #include "runtime/core/gguf.h"
 #include "runtime/core/quant.h"
+#include "runtime/engine/predictor.h"
 #include "tests/test_util.h"
 
 namespace nflash::packer {
@@ -612,6 +615,168 @@ TEST(PackerOrderTest, DefaultChainsAndFallsBackToPopularityWithoutPartners) {
   EXPECT_EQ(rw.neuron_of_slot, OrderNeurons(f, rw.hot_count, NeuronOrder::kCoactivation));
   EXPECT_EQ(rn.neuron_of_slot, OrderNeurons(f, rn.hot_count, NeuronOrder::kHotness));
   EXPECT_NE(rw.neuron_of_slot, rn.neuron_of_slot);
+}
+
+}  // namespace
+}  // namespace nflash::packer
+
+namespace nflash::packer {
+namespace {
+
+// A predictor for PackSmall's 2-layer model (dim 64, n_ff 96) with ranks 8 and 16, weights N(0, 0.3) from `seed`.
+PredictorData SmallPredictor(const std::string& model_path, uint64_t seed) {
+  PredictorData pd;
+  pd.model_hash = HashToHex(*HashFile(model_path));
+  pd.model_name = "test";
+  pd.activation = "relu";
+  pd.dim = 64;
+  pd.n_ff = 96;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  for (int64_t rank : {8, 16}) {
+    PredictorLayerData ld;
+    ld.info.rank = rank;
+    ld.fc1.resize(static_cast<size_t>(rank * 64));
+    ld.fc2.resize(static_cast<size_t>(96 * rank));
+    for (float& w : ld.fc1) w = normal(rng);
+    for (float& w : ld.fc2) w = normal(rng);
+    pd.layers.push_back(std::move(ld));
+  }
+  return pd;
+}
+
+// A pack with a predictor writes lookahead.gguf (manifest: hash and size): row k of layer 0's table is layer 1's fc1
+// times (layer 1's ffn_norm * layer 0's down column k), computed here in double from the source model's down matrix
+// (an F32 model: the bundles hold the columns exactly); the hits' share of the guess through the table equals the
+// same product of their down sum.
+TEST(PackerLookaheadTest, TableRowsAreTheNextFc1OfTheNormalisedDownColumns) {
+  TempDir tmp;
+  const std::string model_path = tmp.File("m.gguf");
+  ASSERT_EQ(WriteModel(model_path, GgmlType::kF32), "");
+  const PredictorData pd = SmallPredictor(model_path, 5);
+  ASSERT_TRUE(SavePredictor(pd, tmp.File("p.gguf"), false).ok());
+  PackOptions o;
+  o.progress = false;
+  o.predictor_path = tmp.File("p.gguf");
+  ThreadPool pool(2);
+  auto packed = PackDeployment(model_path, MakeProfile(model_path, 0, 3), "x", tmp.File("d"), o, &pool);
+  ASSERT_TRUE(packed.ok()) << packed.status().ToString();
+  auto d = Deployment::Open(tmp.File("d"), Deployment::Options{.verify_resident_hash = true});
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  const Manifest& m = (*d)->manifest();
+  ASSERT_FALSE(m.lookahead_hash.empty());
+  EXPECT_EQ(m.lookahead_bytes, fs::file_size((*d)->lookahead_path()));
+  auto pred = Predictor::Load((*d)->predictor_path());
+  ASSERT_TRUE(pred.ok()) << pred.status().ToString();
+  auto table = LookaheadTable::Load((*d)->lookahead_path(), **pred);
+  ASSERT_TRUE(table.ok()) << table.status().ToString();
+  EXPECT_EQ((*table)->bytes(), 96u * 16u * 2u) << "one layer (the last has no next), rank 16, F16";
+  const MatrixView& t = (*table)->layer(0);
+  ASSERT_EQ(t.rows, 96);
+  ASSERT_EQ(t.cols, 16);
+
+  auto model = GgufFile::OpenPath(model_path);
+  ASSERT_TRUE(model.ok());
+  std::vector<uint8_t> s1, s2;
+  const GgufTensorInfo* down = model->FindTensor("blk.0.ffn_down.weight");  // 64 rows of 96
+  const GgufTensorInfo* norm = model->FindTensor("blk.1.ffn_norm.weight");
+  ASSERT_TRUE(down && norm && down->type == GgmlType::kF32 && norm->type == GgmlType::kF32);
+  const float* dn = reinterpret_cast<const float*>(model->TensorData(*down, &s1)->data());
+  const float* w = reinterpret_cast<const float*>(model->TensorData(*norm, &s2)->data());
+  const std::vector<float>& fc1 = pd.layers[1].fc1;  // 16 x 64
+  auto row = [&](int64_t k, int64_t r) {
+    return Fp16ToFp32(reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(t.data) + k * t.row_bytes)[r]);
+  };
+  for (int64_t k = 0; k < 96; ++k) {
+    for (int64_t r = 0; r < 16; ++r) {
+      double want = 0.0;
+      for (int64_t i = 0; i < 64; ++i) want += static_cast<double>(fc1[r * 64 + i]) * w[i] * dn[i * 96 + k];
+      ASSERT_NEAR(row(k, r), want, 2e-3 * (1.0 + std::fabs(want))) << "neuron " << k << " unit " << r;
+    }
+  }
+  // The guess's hidden layer: fc1 . (w * residual) + sum over hits of h * row == fc1 . (w * (residual + sum h down)).
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> resid(64), v(64), wr(64);
+  for (float& x : resid) x = normal(rng);
+  v = resid;
+  std::vector<int32_t> hits;
+  std::vector<float> h;
+  for (int32_t k = 0; k < 96; k += 7) {
+    hits.push_back(k);
+    h.push_back(normal(rng));
+    for (int64_t i = 0; i < 64; ++i) v[i] += h.back() * dn[i * 96 + k];
+  }
+  for (int64_t i = 0; i < 64; ++i) wr[i] = w[i] * resid[i];
+  PredictorScratch scratch;
+  (*pred)->PrepareScratch(&scratch);
+  (*pred)->Hidden(1, wr.data(), &scratch, nullptr);
+  AccumulateRows(t, hits, h.data(), scratch.hidden.data(), nullptr);
+  for (int64_t r = 0; r < 16; ++r) {
+    double want = 0.0;
+    for (int64_t i = 0; i < 64; ++i) want += static_cast<double>(fc1[r * 64 + i]) * w[i] * v[i];
+    EXPECT_NEAR(scratch.hidden[r], want, 5e-3 * (1.0 + std::fabs(want))) << "unit " << r;
+  }
+}
+
+// The table is checked against the predictor it serves and against corruption: another predictor's ranks, a file
+// that is not a table, a modified or truncated file (manifest hash and size), a MoE predictor, layers out of order.
+TEST(PackerLookaheadTest, MismatchesAndCorruptionAreClearErrors) {
+  TempDir tmp;
+  const std::string model_path = tmp.File("m.gguf");
+  ASSERT_EQ(WriteModel(model_path, GgmlType::kQ8_0), "");
+  ASSERT_TRUE(SavePredictor(SmallPredictor(model_path, 5), tmp.File("p.gguf"), false).ok());
+  PackOptions o;
+  o.progress = false;
+  o.predictor_path = tmp.File("p.gguf");
+  ThreadPool pool(2);
+  ASSERT_TRUE(PackDeployment(model_path, MakeProfile(model_path, 0, 3), "x", tmp.File("d"), o, &pool).ok());
+  const std::string table_path = tmp.File("d/lookahead.gguf");
+  ASSERT_TRUE(fs::exists(table_path));
+
+  PredictorData wider = SmallPredictor(model_path, 5);
+  wider.layers[1].info.rank = 8;
+  wider.layers[1].fc1.resize(8 * 64);
+  wider.layers[1].fc2.resize(96 * 8);
+  auto other = Predictor::FromData(wider);
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  auto mismatch = LookaheadTable::Load(table_path, **other);
+  ASSERT_FALSE(mismatch.ok());
+  EXPECT_NE(mismatch.status().message().find("blk.0.proj is f16 [16 x 96], expected f16 [8 x 96]"), std::string::npos)
+      << mismatch.status().message();
+  auto own = Predictor::Load(tmp.File("p.gguf"));
+  ASSERT_TRUE(own.ok());
+  auto not_table = LookaheadTable::Load(tmp.File("p.gguf"), **own);
+  ASSERT_FALSE(not_table.ok());
+  EXPECT_NE(not_table.status().message().find("expected \"nflash-lookahead\""), std::string::npos)
+      << not_table.status().message();
+
+  FlipByte(table_path, fs::file_size(table_path) - 5);
+  auto flipped = VerifyDeployment(tmp.File("d"), false);
+  ASSERT_FALSE(flipped.ok());
+  EXPECT_NE(flipped.status().message().find("lookahead.gguf"), std::string::npos) << flipped.status().message();
+  fs::resize_file(table_path, fs::file_size(table_path) - 2);
+  auto cut = Deployment::Open(tmp.File("d"));
+  ASSERT_FALSE(cut.ok());
+  EXPECT_NE(cut.status().message().find("records lookahead_bytes"), std::string::npos) << cut.status().message();
+
+  // A mixture of experts gets no table; layers are written in order.
+  PredictorData moe = SmallPredictor(model_path, 5);
+  moe.n_experts = 2;
+  moe.layers.push_back(moe.layers[0]);
+  moe.layers.push_back(moe.layers[1]);
+  auto moe_pred = Predictor::FromData(moe);
+  ASSERT_TRUE(moe_pred.ok()) << moe_pred.status().ToString();
+  auto moe_writer = LookaheadTableWriter::Begin(tmp.File("moe.gguf"), **moe_pred);
+  ASSERT_FALSE(moe_writer.ok());
+  EXPECT_EQ(moe_writer.status().code(), StatusCode::kUnsupported);
+  auto writer = LookaheadTableWriter::Begin(tmp.File("t.gguf"), **own);
+  ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+  std::vector<float> ones(64, 1.0f);
+  auto column = [](int64_t, float* dst) { std::fill(dst, dst + 64, 0.5f); };
+  EXPECT_FALSE((*writer)->WriteLayer(1, ones.data(), column, nullptr).ok()) << "the last layer has no table";
+  EXPECT_TRUE((*writer)->WriteLayer(0, ones.data(), column, nullptr).ok());
+  EXPECT_TRUE((*writer)->Finish().ok());
 }
 
 }  // namespace
