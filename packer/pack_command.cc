@@ -149,8 +149,9 @@ Status InspectDeployment(const std::string& dir) {
               static_cast<unsigned long long>(m.alignment), m.read_amplification);
   std::printf("  ffn.bin          %s, padding %s (%.1f%%)\n", Mib(m.flash_bytes).c_str(), Mib(m.padding_bytes).c_str(),
               m.flash_bytes ? 100.0 * static_cast<double>(m.padding_bytes) / static_cast<double>(m.flash_bytes) : 0.0);
-  std::printf("  resident.gguf    %s%s\n", Mib(m.resident_bytes).c_str(),
-              m.predictor_hash.empty() ? "" : (", predictor.gguf " + Mib(m.predictor_bytes)).c_str());
+  std::printf("  resident.gguf    %s%s%s\n", Mib(m.resident_bytes).c_str(),
+              m.predictor_hash.empty() ? "" : (", predictor.gguf " + Mib(m.predictor_bytes)).c_str(),
+              m.lookahead_hash.empty() ? "" : (", lookahead.gguf " + Mib(m.lookahead_bytes)).c_str());
   std::printf("  order            %s; hot neurons %lld of %lld (%.1f%%), hot regions %s\n", m.order.c_str(),
               static_cast<long long>(hot), static_cast<long long>(neurons),
               neurons ? 100.0 * static_cast<double>(hot) / static_cast<double>(neurons) : 0.0, Mib(hot_bytes).c_str());

@@ -171,6 +171,12 @@ TEST_F(PackCliTest, PredictorIsShippedVerbatimAndHashed) {
   ASSERT_EQ(p.exit_code, 0) << p.output;
   EXPECT_EQ(*ReadWholeFile(pred), *ReadWholeFile(dir + "/predictor.gguf"));
   EXPECT_EQ(RunCommand(Nflash() + " verify " + dir).exit_code, 0);
+  // The dense model's deployment gets the lookahead table too (the offloaded runs below guess through it), and inspect
+  // lists it.
+  auto inspect = RunCommand(Nflash() + " inspect " + dir);
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
+  EXPECT_NE(inspect.output.find(", lookahead.gguf "), std::string::npos) << inspect.output;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/lookahead.gguf"));
   // The in-memory sparse run with this predictor and the offloaded run print the same text, for a prompt prefilled
   // token by token (default: the prompt is short) and in a batch (--prefill-batch-min 2: the offloaded run reads
   // whole layer regions and computes each token's predicted neurons from them, the same function bit for bit).
