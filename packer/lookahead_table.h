@@ -51,7 +51,7 @@ class LookaheadTableWriter {
   Status Finish();
 
  private:
-  LookaheadTableWriter(const Predictor& pred) : pred_(pred) {}
+  explicit LookaheadTableWriter(const Predictor& pred) : pred_(pred) {}
   const Predictor& pred_;
   std::unique_ptr<GgufWriter> writer_;
   int64_t next_layer_ = 0;
