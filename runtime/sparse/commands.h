@@ -45,6 +45,7 @@ struct RuntimeFlags {
   uint64_t warm_next_ab = 0;
   std::string pin_threads = "auto";
   uint64_t pin_threads_ab = 0;
+  uint64_t lookahead_input_ab = 0;  // --lookahead-input-ab: projected or hits at random per token (0: off)
   std::string lookahead_source = "next-layer";
   std::string lookahead_input = "projected";
   std::string lookahead_replay;

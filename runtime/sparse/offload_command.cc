@@ -108,12 +108,27 @@ Status RunOffload(const OffloadFlags& f) {
   NF_ASSIGN_OR_RETURN(LlamaHparams rhp, ReadLlamaHparams(resident));
   std::vector<int32_t> ids = tok->Encode(f.prompt, tok->add_bos());
   if (ids.empty()) return Status::InvalidArgument("the prompt is empty and the model adds no BOS token: pass -p");
-  if (f.warm_next_ab != 0 && f.pin_threads_ab != 0) {
-    return Status::InvalidArgument("--warm-next-ab and --pin-threads-ab: one A/B switch per run");
+  // The per-token A/B switch, if any: its seed, its JSON key and its name.
+  struct AbSwitch {
+    uint64_t seed;
+    const char* key;
+    const char* name;
+  };
+  const AbSwitch switches[] = {{f.warm_next_ab, "warm_next_ab", "warm-next"},
+                               {f.pin_threads_ab, "pin_threads_ab", "pin-threads"},
+                               {f.lookahead_input_ab, "lookahead_input_ab", "lookahead-input (on: projected, off: hits)"}};
+  uint64_t ab_seed = 0;
+  const char* ab_key = "";
+  const char* ab_name = "";
+  for (const AbSwitch& sw : switches) {
+    if (sw.seed == 0) continue;
+    if (ab_seed != 0) {
+      return Status::InvalidArgument("--warm-next-ab, --pin-threads-ab, --lookahead-input-ab: one A/B switch per run");
+    }
+    ab_seed = sw.seed;
+    ab_key = sw.key;
+    ab_name = sw.name;
   }
-  // The per-token A/B switch, if any: its seed and its JSON key.
-  const uint64_t ab_seed = f.warm_next_ab != 0 ? f.warm_next_ab : f.pin_threads_ab;
-  const char* ab_key = f.warm_next_ab != 0 ? "warm_next_ab" : "pin_threads_ab";
   SparseRuntimeOptions o;
   int threads = 0;
   NF_RETURN_IF_ERROR(MakeRuntimeOptions(
@@ -125,6 +140,12 @@ Status RunOffload(const OffloadFlags& f) {
   ThreadPool pool(threads);
   NF_ASSIGN_OR_RETURN(std::unique_ptr<SparseRuntime> opened, OpenRuntime(f, o, &pool));
   SparseRuntime& rt = *opened;
+  if (f.lookahead_input_ab != 0 && rt.lookahead_input() != LookaheadInput::kProjected) {
+    return Status::InvalidArgument("--lookahead-input-ab: the run guesses from " +
+                                   std::string(LookaheadInputName(rt.lookahead_input())) + ", expected projected (" +
+                                   f.deploy + " needs lookahead.gguf and a predictor, full mode, --lookahead-input "
+                                   "projected, a lookahead and a dense model)");
+  }
   std::unique_ptr<AtomicFileWriter> trace;
   if (!f.trace_active.empty()) {
     NF_ASSIGN_OR_RETURN(trace, AtomicFileWriter::Create(f.trace_active, /*overwrite=*/true));
@@ -206,6 +227,7 @@ Status RunOffload(const OffloadFlags& f) {
     const bool ab_on = ab_seed == 0 || (SplitMix64(ab_seed * 0x100000001B3ull + static_cast<uint64_t>(i)) & 1);
     if (f.warm_next_ab != 0) rt.ffn().SetWarmNextEnabled(ab_on);
     if (f.pin_threads_ab != 0) rt.ffn().SetPinThreadsEnabled(ab_on);
+    if (f.lookahead_input_ab != 0) rt.ffn().SetProjectedGuess(ab_on);
     const OffloadGroupStats before = rt.ffn().TotalStats();
     const uint64_t wait_before = rt.ffn().io_wait_ns();
     const uint64_t step_begin = SteadyNowNs();
@@ -319,7 +341,7 @@ Status RunOffload(const OffloadFlags& f) {
       {"lookahead_slots", rt.ffn().lookahead_slots()},
       {"lookahead_started_token", rt.ffn().lookahead_started_token()},
       {"lookahead_source", LookaheadSourceName(rt.ffn().options().lookahead_source)},
-      {"lookahead_input", LookaheadInputName(rt.ffn().options().lookahead_input)},
+      {"lookahead_input", LookaheadInputName(rt.lookahead_input())},
       {"lookahead_replay", rt.ffn().options().lookahead_replay.empty()
                                ? nlohmann::json(nullptr)
                                : nlohmann::json(rt.ffn().options().lookahead_replay)},
@@ -468,7 +490,7 @@ Status RunOffload(const OffloadFlags& f) {
   if (ab_seed != 0) {
     const nlohmann::json& ab = j[ab_key];
     std::printf("%s A/B (seed %llu): on %lld tokens, %.2f ms mean; off %lld tokens, %.2f ms mean\n",
-                f.warm_next_ab != 0 ? "warm-next" : "pin-threads", static_cast<unsigned long long>(ab_seed),
+                ab_name, static_cast<unsigned long long>(ab_seed),
                 static_cast<long long>(ab["on_tokens"].get<int64_t>()), ab["on_ms_mean"].get<double>(),
                 static_cast<long long>(ab["off_tokens"].get<int64_t>()), ab["off_ms_mean"].get<double>());
   }
@@ -482,7 +504,7 @@ Status RunOffload(const OffloadFlags& f) {
     std::printf("lookahead (%s from %s, %lld bundles per layer at most), per token: %.1f bundles read ahead, %.1f of "
                 "them used (%.1f%% of the misses); %.3f ms choosing them, %.3f ms verifying them\n",
                 LookaheadSourceName(rt.ffn().options().lookahead_source),
-                LookaheadInputName(rt.ffn().options().lookahead_input),
+                LookaheadInputName(rt.lookahead_input()),
                 static_cast<long long>(rt.ffn().lookahead_slots()), static_cast<double>(st.prefetched) / steps,
                 static_cast<double>(st.prefetch_used) / steps,
                 st.missed > 0 ? 100.0 * static_cast<double>(st.prefetch_used) / static_cast<double>(st.missed) : 0.0,
@@ -707,6 +729,12 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "A/B inside one run: the pinning (--pin-threads) on or off at random per token, drawn from this "
                   "seed (0: as --pin-threads says); the JSON's pin_threads_ab gives each measured token's switch and "
                   "both groups' means")
+      ->capture_default_str();
+  cmd->add_option("--lookahead-input-ab", flags->lookahead_input_ab,
+                  "A/B inside one run: the lookahead's guess through the deployment's table (projected, on) or from "
+                  "the hits' down columns (hits, off) at random per token, drawn from this seed (0: as "
+                  "--lookahead-input says; needs --lookahead-input projected and the table); the JSON's "
+                  "lookahead_input_ab gives each measured token's switch and both groups' means")
       ->capture_default_str();
   cmd->add_option("--cold-pool", flags->cold_pool,
                   "With --plan: per-layer (each layer's cold slots its own LRU, as planned) or shared (the plan's cold "

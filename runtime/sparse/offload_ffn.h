@@ -431,6 +431,12 @@ class OffloadFfn : public FfnBackend {
   // Switches the warming off (and on again) from the next layer on, e.g. per token for an A/B comparison inside one
   // process (`nflash offload --warm-next-ab`). On by default (when warm_next_cap() > 0).
   void SetWarmNextEnabled(bool on) { warm_enabled_ = on; }
+  // An A/B switch between decode tokens (--lookahead-input-ab): the guess after the hits through the lookahead table
+  // (on) or from the hits' down columns (off). Only with the table (otherwise kHits stays); the rms ratios the table's
+  // guess needs are kept up to date either way.
+  void SetProjectedGuess(bool on) {
+    if (options_.lookahead_table != nullptr) options_.lookahead_input = on ? LookaheadInput::kProjected : LookaheadInput::kHits;
+  }
   // Where the threads are pinned for each Eval (OffloadOptions::pin_threads), or nullptr when they are not.
   const ThreadCpuPlan* thread_plan() const { return placement_ ? &placement_->plan() : nullptr; }
   // The flash disk's interrupts per CPU when the runtime opened (DiskInterruptsPerCpu; empty: unknown, or not full mode).

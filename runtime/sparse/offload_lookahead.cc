@@ -252,8 +252,7 @@ bool OffloadFfn::GuessAfterHits(int64_t layer, const float* residual) const {
 }
 
 void OffloadFfn::NoteLayerRmsRatio(int64_t layer, const float* residual, const float* out) {
-  if (options_.lookahead_input != LookaheadInput::kProjected || options_.lookahead_table == nullptr ||
-      residual == nullptr || la_slots_ == 0 || layer + 1 >= model_.hparams().n_layers) {
+  if (options_.lookahead_table == nullptr || residual == nullptr || la_slots_ == 0 || layer + 1 >= model_.hparams().n_layers) {
     return;
   }
   const LlamaHparams& hp = model_.hparams();

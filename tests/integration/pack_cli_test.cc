@@ -3,6 +3,7 @@
 // usage errors exit 2, a profile of another model is refused.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -211,6 +212,31 @@ TEST_F(PackCliTest, PredictorIsShippedVerbatimAndHashed) {
     EXPECT_NEAR(pf["mb_read"].get<double>(), mb, 1e-9 * std::max(1.0, mb));
   }
   EXPECT_EQ(texts[0], texts[1]);
+  // The guess through the table (projected) or from the hits at random per token: the same text, every measured
+  // token in one group or the other, both groups drawn.
+  {
+    auto ab = RunCommand(Nflash() + " -q offload -d " + dir +
+                             " --memory 2M -p \"Once upon a time, there was a little\" -n 40 -t 1 --json "
+                             "--warmup 4 --lookahead 64 --lookahead-input-ab 7",
+                         /*capture_stderr=*/false);
+    ASSERT_EQ(ab.exit_code, 0) << ab.output;
+    auto j = nlohmann::json::parse(ab.output, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << ab.output;
+    EXPECT_EQ(j["text"].get<std::string>(), texts[0]);
+    EXPECT_EQ(j["lookahead_input"].get<std::string>(), "projected");
+    const auto on = j["lookahead_input_ab"]["token_on"].get<std::vector<int>>();
+    EXPECT_EQ(on.size(), j["token_latencies_ms"].size());
+    const int n_on = j["lookahead_input_ab"]["on_tokens"].get<int>();
+    EXPECT_EQ(n_on, std::count(on.begin(), on.end(), 1));
+    EXPECT_GT(n_on, 0);
+    EXPECT_GT(j["lookahead_input_ab"]["off_tokens"].get<int>(), 0);
+    EXPECT_GT(j["prefetched_per_token"].get<double>(), 0.0) << "the lookahead read ahead";
+    // Without the table (--lookahead-input hits) the switch has nothing to switch: refused.
+    auto hits = RunCommand(Nflash() + " -q offload -d " + dir + " --cold-slots 40 -n 4 --lookahead-input hits "
+                                                               "--lookahead-input-ab 7");
+    EXPECT_EQ(hits.exit_code, 2) << hits.output;
+    EXPECT_NE(hits.output.find("guesses from hits, expected projected"), std::string::npos) << hits.output;
+  }
   // A modified predictor is caught by verify's hash check.
   {
     std::fstream f(dir + "/predictor.gguf", std::ios::in | std::ios::out | std::ios::binary);
