@@ -393,13 +393,8 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
   const std::string lookahead_path = tmp + "/" + kLookaheadFileName;
   if (!options.predictor_path.empty() && hp.n_experts == 0 && hp.n_layers >= 2) {
     NF_ASSIGN_OR_RETURN(predictor, Predictor::Load(options.predictor_path));
-    if (predictor->dim() != hp.dim || predictor->n_ff() != hp.n_ff || predictor->n_layers() != hp.n_layers) {
-      return Status::InvalidArgument(options.predictor_path + ": a predictor for dim " +
-                                     std::to_string(predictor->dim()) + ", n_ff " + std::to_string(predictor->n_ff()) +
-                                     ", " + std::to_string(predictor->n_layers()) + " layers; " + model_path +
-                                     " has dim " + std::to_string(hp.dim) + ", n_ff " + std::to_string(hp.n_ff) + ", " +
-                                     std::to_string(hp.n_layers) + " layers");
-    }
+    // The runtime's own check (without the model hash, which only the runtime's loader enforces).
+    NF_RETURN_IF_ERROR(predictor->CheckForModel(hp, "", model_path));
     NF_ASSIGN_OR_RETURN(lookahead, LookaheadTableWriter::Begin(lookahead_path, *predictor));
   }
   std::vector<float> norm_next;

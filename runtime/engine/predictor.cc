@@ -319,9 +319,8 @@ Result<std::unique_ptr<Predictor>> Predictor::FromData(const PredictorData& data
   return p;
 }
 
-Status Predictor::CheckForModel(const Model& model, const std::string& model_hash,
+Status Predictor::CheckForModel(const LlamaHparams& hp, const std::string& model_hash,
                                 const std::string& model_path) const {
-  const LlamaHparams& hp = model.hparams();
   auto mismatch = [&](const char* what, const std::string& expected, const std::string& found) {
     return Status::InvalidArgument(path_ + ": predictor made for a different model: " + what + " " + found +
                                    ", but " + model_path + " has " + expected);

@@ -105,7 +105,11 @@ class Predictor {
 
   // Error unless the predictor fits `model`: dim, n_ff, layer count, activation; and, when `model_hash` is not empty,
   // the hash recorded in the file (the message names both hashes and `model_path`).
-  Status CheckForModel(const Model& model, const std::string& model_hash, const std::string& model_path) const;
+  Status CheckForModel(const Model& model, const std::string& model_hash, const std::string& model_path) const {
+    return CheckForModel(model.hparams(), model_hash, model_path);
+  }
+  // The same from the model's hyper-parameters (a tool that reads the GGUF without loading the model: the packer).
+  Status CheckForModel(const LlamaHparams& hp, const std::string& model_hash, const std::string& model_path) const;
 
   // Sizes `scratch` for this predictor (call once; Predict then allocates nothing).
   void PrepareScratch(PredictorScratch* scratch) const;

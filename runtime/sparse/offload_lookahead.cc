@@ -301,35 +301,34 @@ bool OffloadFfn::PredictProjected(int64_t layer, const float* residual) {
 void OffloadFfn::IssueLookaheadAfterHits(int64_t layer, const float* residual) {
   const uint64_t t0 = SteadyNowNs();
   const LlamaHparams& hp = model_.hparams();
-  if (options_.lookahead_input == LookaheadInput::kProjected && options_.lookahead_table != nullptr &&
-      PredictProjected(layer, residual)) {
-    const int b = static_cast<int>((layer + 1) % 2);
-    if (la_group_[static_cast<size_t>(b)] >= 0) DropLookahead(layer);  // a stale one (not expected)
-    GuessGroup(layer + 1, b, t0, /*predicted=*/true);
-    return;
+  // kProjected: the predictor's pass is done here, through the table; otherwise (or before the layer has its rms
+  // ratio) GuessGroup runs it on the input built below.
+  const bool predicted = options_.lookahead_input == LookaheadInput::kProjected &&
+                         options_.lookahead_table != nullptr && PredictProjected(layer, residual);
+  if (!predicted) {
+    const packer::BundleLayout& lay = deploy_.layout();
+    const size_t dim = static_cast<size_t>(hp.dim);
+    // residual + sum over the used hits of h * down column (any order: a guess, not a result).
+    la_resid_.assign(residual, residual + dim);
+    used_down_.clear();
+    used_hidden_.clear();
+    for (int32_t k : ready_items_) {
+      if (!used_flag_[k]) continue;
+      used_down_.push_back(down_ptr_[k]);
+      used_hidden_.push_back(hidden_[k]);
+    }
+    if (!used_down_.empty()) {
+      AccumulateRowPtrs(PartShape(lay, lay.down_type, lay.down_bytes), used_down_, used_hidden_.data(),
+                        la_resid_.data(), pool_);
+    }
+    // The next layer's FFN normalisation of it.
+    RmsNorm(la_resid_.data(), model_.layers()[static_cast<size_t>(layer + 1)].ffn_norm, hp.dim, hp.norm_eps,
+            la_x_.data());
+    la_act_.Set(la_x_.data(), 1, hp.dim);
   }
-  const packer::BundleLayout& lay = deploy_.layout();
-  const size_t dim = static_cast<size_t>(hp.dim);
-  // residual + sum over the used hits of h * down column (any order: a guess, not a result).
-  la_resid_.assign(residual, residual + dim);
-  used_down_.clear();
-  used_hidden_.clear();
-  for (int32_t k : ready_items_) {
-    if (!used_flag_[k]) continue;
-    used_down_.push_back(down_ptr_[k]);
-    used_hidden_.push_back(hidden_[k]);
-  }
-  if (!used_down_.empty()) {
-    AccumulateRowPtrs(PartShape(lay, lay.down_type, lay.down_bytes), used_down_, used_hidden_.data(),
-                      la_resid_.data(), pool_);
-  }
-  // The next layer's FFN normalisation of it.
-  RmsNorm(la_resid_.data(), model_.layers()[static_cast<size_t>(layer + 1)].ffn_norm, hp.dim, hp.norm_eps,
-          la_x_.data());
-  la_act_.Set(la_x_.data(), 1, hp.dim);
   const int b = static_cast<int>((layer + 1) % 2);  // dense: one set per layer
   if (la_group_[static_cast<size_t>(b)] >= 0) DropLookahead(layer);  // a stale one (not expected)
-  GuessGroup(layer + 1, b, t0);
+  GuessGroup(layer + 1, b, t0, predicted);
 }
 
 void OffloadFfn::IssueLookahead(int64_t layer, const Activation& x) {

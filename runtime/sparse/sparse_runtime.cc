@@ -89,9 +89,13 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   // The lookahead table, when the guess it serves runs (kProjected; otherwise, or without the file, kHits' rule).
   rt->lookahead_input_ = options.lookahead_input;
   if (rt->lookahead_input_ == LookaheadInput::kProjected) {
+    OffloadOptions lookahead;  // what OffloadFfn::LookaheadSlots decides the lookahead from
+    lookahead.mode = options.mode;
+    lookahead.two_phase = options.two_phase;
+    lookahead.lookahead_slots = options.lookahead_slots;
     const bool usable = !oracle && hp.n_experts == 0 && !d.lookahead_path().empty() &&
-                        options.mode == OffloadMode::kFull && !options.two_phase && options.lookahead_slots != 0 &&
-                        options.lookahead_source == LookaheadSource::kNextLayer;
+                        options.lookahead_source == LookaheadSource::kNextLayer &&
+                        OffloadFfn::LookaheadSlots(d, lookahead) > 0;
     if (usable) {
       NF_ASSIGN_OR_RETURN(rt->lookahead_table_, packer::LookaheadTable::Load(d.lookahead_path(), *rt->predictor_));
       f.lookahead = rt->lookahead_table_->bytes();
