@@ -4,7 +4,9 @@
 # (`nflash offload --plan`), interleaved so that the host's load drifts through all of them alike, in ABBA order (odd
 # rounds: the in-memory run, then the configurations; even rounds: the configurations in reverse, then the in-memory
 # run): on the development VM the run right after an in-memory run was the slowest of three in 3 of 3, so a fixed order
-# penalised the first configuration (docs/results.md, twenty-first run). Prints each round's
+# penalised the first configuration (docs/results.md, twenty-first run). The configurations (llmflash included) also
+# rotate from one pair of rounds to the next, so that each follows the in-memory run in its share of the odd rounds
+# (without the rotation the first one always did, and lost 0.07-0.24 of its ratio there: twenty-sixth run). Prints each round's
 # tok/s (decode after WARMUP tokens), each configuration's I/O wait per token and ratio to that round's in-memory run,
 # and the median ratios (the lower middle for an even count). The same prompt, token count and threads everywhere.
 # Usage: [ROUNDS=6] [TOKENS=40] [WARMUP=8] [THREADS=2] [HW=hw.json] [LLMFLASH=1] scripts/ab_offload.sh MODEL.gguf
@@ -55,12 +57,15 @@ printf 'round  in-memory'
 for cfg in "${NAMES[@]}"; do printf '  | %s' "$cfg"; done
 printf '\n'
 
+N_CFGS=${#CFGS[@]}
 for r in $(seq "$ROUNDS"); do
-  order=$(seq 0 $((${#CFGS[@]} - 1)))
+  # Rounds 2k-1 and 2k: the configurations from index k-1 (mod their count) on, cyclically; reversed in round 2k.
+  first=$((((r - 1) / 2) % N_CFGS))
+  order=$(for i in $(seq 0 $((N_CFGS - 1))); do echo $(((first + i) % N_CFGS)); done)
   if [ $((r % 2)) -eq 1 ]; then
     base=$(inmem)
   else
-    order=$(seq $((${#CFGS[@]} - 1)) -1 0)
+    order=$(echo "$order" | tac)
   fi
   got=()
   for c in $order; do
