@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """Per-token A/B of `nflash offload --warm-next-ab SEED --json` (or `--pin-threads-ab SEED`, `--lookahead-input-ab
-SEED`, `--work-in-wait-ab SEED`) runs: fits
+SEED`) runs: fits
 
     token_ms = run level + b * reads + effect * on
 
@@ -20,8 +20,7 @@ import sys
 import numpy as np
 
 
-SWITCHES = {"warm_next_ab": "warming", "pin_threads_ab": "pinning", "lookahead_input_ab": "the guess through the table",
-            "work_in_wait_ab": "the work in the wait"}
+SWITCHES = {"warm_next_ab": "warming", "pin_threads_ab": "pinning", "lookahead_input_ab": "the guess through the table"}
 
 
 def main(paths):
@@ -33,7 +32,7 @@ def main(paths):
         keys = [k for k in SWITCHES if k in d]
         if len(keys) != 1 or (name is not None and keys[0] != name):
             sys.exit(f"{path}: expected exactly one of {', '.join(SWITCHES)}, the same in every run "
-                     "(run with --warm-next-ab, --pin-threads-ab, --lookahead-input-ab or --work-in-wait-ab SEED, and --json)")
+                     "(run with --warm-next-ab, --pin-threads-ab or --lookahead-input-ab SEED, and --json)")
         name = keys[0]
         ab = d[name]
         lat, req, on = d["token_latencies_ms"], d["token_requests"], ab["token_on"]

@@ -48,8 +48,6 @@ struct RuntimeFlags {
   uint64_t lookahead_input_ab = 0;  // --lookahead-input-ab: projected or hits at random per token (0: off)
   std::string lookahead_source = "next-layer";
   std::string lookahead_input = "projected";
-  std::string work_in_wait = "on";  // --work-in-wait: on or off (OffloadOptions::work_in_wait)
-  uint64_t work_in_wait_ab = 0;      // --work-in-wait-ab: on or off at random per token (0: off)
   std::string lookahead_replay;
   std::string cold_pool = "per-layer";
   std::string hot_policy = "pinned";

@@ -116,16 +116,14 @@ Status RunOffload(const OffloadFlags& f) {
   };
   const AbSwitch switches[] = {{f.warm_next_ab, "warm_next_ab", "warm-next"},
                                {f.pin_threads_ab, "pin_threads_ab", "pin-threads"},
-                               {f.lookahead_input_ab, "lookahead_input_ab", "lookahead-input (on: projected, off: hits)"},
-                               {f.work_in_wait_ab, "work_in_wait_ab", "work-in-wait"}};
+                               {f.lookahead_input_ab, "lookahead_input_ab", "lookahead-input (on: projected, off: hits)"}};
   uint64_t ab_seed = 0;
   const char* ab_key = "";
   const char* ab_name = "";
   for (const AbSwitch& sw : switches) {
     if (sw.seed == 0) continue;
     if (ab_seed != 0) {
-      return Status::InvalidArgument(
-          "--warm-next-ab, --pin-threads-ab, --lookahead-input-ab, --work-in-wait-ab: one A/B switch per run");
+      return Status::InvalidArgument("--warm-next-ab, --pin-threads-ab, --lookahead-input-ab: one A/B switch per run");
     }
     ab_seed = sw.seed;
     ab_key = sw.key;
@@ -230,7 +228,6 @@ Status RunOffload(const OffloadFlags& f) {
     if (f.warm_next_ab != 0) rt.ffn().SetWarmNextEnabled(ab_on);
     if (f.pin_threads_ab != 0) rt.ffn().SetPinThreadsEnabled(ab_on);
     if (f.lookahead_input_ab != 0) rt.ffn().SetProjectedGuess(ab_on);
-    if (f.work_in_wait_ab != 0) rt.ffn().SetWorkInWait(ab_on);
     const OffloadGroupStats before = rt.ffn().TotalStats();
     const uint64_t wait_before = rt.ffn().io_wait_ns();
     const uint64_t step_begin = SteadyNowNs();
@@ -325,8 +322,6 @@ Status RunOffload(const OffloadFlags& f) {
       {"io_busy_share", decode_s > 0 ? static_cast<double>(io_busy_ns) / 1e9 / decode_s : 0.0},
       // Weights streamed through the CPU caches while waiting for reads (--warm-next), per token.
       {"warm_next_mb_per_token", static_cast<double>(st.warm_next_bytes) / 1e6 / steps},
-      {"guesses_in_wait_per_token", static_cast<double>(st.guesses_in_wait) / steps},
-      {"hits_pinned_in_wait_per_token", static_cast<double>(st.hits_pinned_in_wait) / steps},
       {"warm_next_bytes", rt.ffn().warm_next_cap()},
       {"pin_threads", f.pin_threads},
       {"io_submit_cpu_ms", static_cast<double>(ioc.submit_cpu_ns - io0.submit_cpu_ns) / 1e6},
@@ -347,7 +342,6 @@ Status RunOffload(const OffloadFlags& f) {
       {"lookahead_started_token", rt.ffn().lookahead_started_token()},
       {"lookahead_source", LookaheadSourceName(rt.ffn().options().lookahead_source)},
       {"lookahead_input", LookaheadInputName(rt.lookahead_input())},
-      {"work_in_wait", rt.ffn().options().work_in_wait},
       {"lookahead_replay", rt.ffn().options().lookahead_replay.empty()
                                ? nlohmann::json(nullptr)
                                : nlohmann::json(rt.ffn().options().lookahead_replay)},
@@ -584,10 +578,6 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   NF_ASSIGN_OR_RETURN(o->pin_threads, ParsePinThreads(f.pin_threads));
   NF_ASSIGN_OR_RETURN(o->lookahead_source, ParseLookaheadSource(f.lookahead_source));
   NF_ASSIGN_OR_RETURN(o->lookahead_input, ParseLookaheadInput(f.lookahead_input));
-  if (f.work_in_wait != "on" && f.work_in_wait != "off") {
-    return Status::InvalidArgument("--work-in-wait " + f.work_in_wait + ": expected on or off");
-  }
-  o->work_in_wait = f.work_in_wait == "on";
   o->lookahead_replay = f.lookahead_replay;
   if (f.cold_pool != "per-layer" && f.cold_pool != "shared") {
     return Status::InvalidArgument("--cold-pool " + f.cold_pool + ": expected per-layer or shared");
@@ -711,13 +701,6 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "comparison")
       ->check(CLI::IsMember({"projected", "hits", "ffn-input"}))
       ->capture_default_str();
-  cmd->add_option("--work-in-wait", flags->work_in_wait,
-                  "on or off (full mode, whole-bundle reads): the next layer's guess from the hits (projected, hits) "
-                  "and the pins of the layer's cache hits (per-layer cold partitions) wait for the layer's first wait "
-                  "for its own reads and run there, on a core that would idle (after its last chunk if it never "
-                  "waits); off: both right after the hits are found and computed (a comparison)")
-      ->check(CLI::IsMember({"on", "off"}))
-      ->capture_default_str();
   cmd->add_option("--lookahead-replay", flags->lookahead_replay,
                   "Measure what a perfect guess would give: read ahead exactly the active sets an earlier "
                   "--trace-active run of the same prompt and settings recorded (dense models; results unchanged)");
@@ -752,11 +735,6 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
                   "the hits' down columns (hits, off) at random per token, drawn from this seed (0: as "
                   "--lookahead-input says; needs --lookahead-input projected and the table); the JSON's "
                   "lookahead_input_ab gives each measured token's switch and both groups' means")
-      ->capture_default_str();
-  cmd->add_option("--work-in-wait-ab", flags->work_in_wait_ab,
-                  "A/B inside one run: --work-in-wait on or off at random per token, drawn from this seed (0: as "
-                  "--work-in-wait says); the JSON's work_in_wait_ab gives each measured token's switch and both "
-                  "groups' means")
       ->capture_default_str();
   cmd->add_option("--cold-pool", flags->cold_pool,
                   "With --plan: per-layer (each layer's cold slots its own LRU, as planned) or shared (the plan's cold "

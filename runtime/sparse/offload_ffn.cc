@@ -277,7 +277,7 @@ Status OffloadFfn::Init() {
     io_ = std::make_unique<IoWorker>(flash_.get());
     warm_cap_ = options_.warm_next_bytes >= 0 ? static_cast<uint64_t>(options_.warm_next_bytes)
                                               : LastLevelCacheBytes() / 2;
-    io_->SetIdleWork([this] { return IdleStep(); });
+    if (warm_cap_ > 0) io_->SetIdleWork([this] { return WarmStep(); });
     const std::vector<int> allowed = ThreadCpus(pthread_self());
     const int compute_threads = pool_ != nullptr ? pool_->NumThreads() : 1;
     disk_interrupts_ = DiskInterruptsPerCpu(flash_->Path());
@@ -566,29 +566,8 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
   return Status::Ok();
 }
 
-bool OffloadFfn::DeferHitPins() const {
-  return options_.mode == OffloadMode::kFull && !two_phase_ && options_.work_in_wait &&
-         !cache_->cold().config().slots_per_group.empty();
-}
-
 void OffloadFfn::ResolveHits(int64_t group) {
   SlotRegion& cold = cache_->cold();
-  unpinned_hits_.clear();
-  unpinned_next_ = 0;
-  unpinned_group_ = group;
-  if (DeferHitPins()) {
-    for (int32_t k : deferred_hits_) {
-      const int32_t slot = cold.Find(group, active_[static_cast<size_t>(k)]);
-      if (slot < 0) std::abort();  // Resolve left every deferred unit held
-      item_slot_[static_cast<size_t>(k)] = slot;
-      item_acq_[static_cast<size_t>(k)] = -1;
-      bundle_[static_cast<size_t>(k)] = cold.SlotData(slot);
-      ready_items_.push_back(k);
-    }
-    unpinned_hits_.swap(deferred_hits_);
-    deferred_hits_.clear();
-    return;
-  }
   for (int32_t k : deferred_hits_) {
     const SlotRegion::Lookup l = cold.Acquire(group, active_[static_cast<size_t>(k)]);
     if (!l.hit) std::abort();  // Resolve left every deferred unit held, and nothing acquired cold slots since
@@ -604,24 +583,6 @@ void OffloadFfn::ResolveHits(int64_t group) {
     }
   }
   deferred_hits_.clear();
-}
-
-bool OffloadFfn::PinHits(int64_t max) {
-  SlotRegion& cold = cache_->cold();
-  const size_t end = max < 0 ? unpinned_hits_.size()
-                             : std::min(unpinned_hits_.size(), unpinned_next_ + static_cast<size_t>(max));
-  const size_t first = unpinned_next_;
-  for (; unpinned_next_ < end; ++unpinned_next_) {
-    const auto k = static_cast<size_t>(unpinned_hits_[unpinned_next_]);
-    const SlotRegion::Lookup l = cold.Acquire(unpinned_group_, active_[k]);
-    if (!l.hit || l.slot != item_slot_[k]) std::abort();  // DeferHitPins: nothing could evict it
-    acquired_cold_.push_back(l.slot);
-    item_acq_[k] = static_cast<int32_t>(acquired_cold_.size() - 1);
-  }
-  if (in_idle_step_ && end > first) {
-    stats_[static_cast<size_t>(unpinned_group_)].hits_pinned_in_wait += static_cast<int64_t>(end - first);
-  }
-  return unpinned_next_ < unpinned_hits_.size();
 }
 
 void OffloadFfn::CutChunks(size_t n_requests, std::vector<size_t>* ends) const {
@@ -910,10 +871,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     step_done(3);
     ComputeItems(ready_items_, x, thr);  // cache hits: while the first reads are in flight
     step_done(4);
-    if (after_hits && options_.work_in_wait) {
-      pending_guess_layer_ = layer;  // IdleStep runs it at the first wait, else RunPendingGuess below
-      pending_guess_residual_ = residual;
-    } else if (after_hits) {
+    if (after_hits) {
       IssueLookaheadAfterHits(layer, residual);
       step_done(3);
     }
@@ -933,17 +891,10 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
                                                                      chunk_item_begin_[c + 1] - chunk_item_begin_[c]),
                    x, thr);
     }
-    step_done(6);
-    if (status.ok()) {
-      RunPendingGuess();  // the layer never blocked: its reads are in, the disk idles
-      step_done(3);
-    } else {
-      pending_guess_layer_ = -1;
+    if (!status.ok()) {
       io_->Drain();
       ForgetLookahead();
     }
-    PinHits(-1);  // those no wait pinned (after an error too: ReleaseAll releases them)
-    step_done(2);
     if (LookaheadIdle()) io_open_ = false;  // every chunk of the job was waited for
   } else {
     const uint64_t t0 = SteadyNowNs();
@@ -1026,31 +977,6 @@ void OffloadFfn::ArmWarming(int64_t layer, int64_t group) {
   warm_group_ = group;
 }
 
-bool OffloadFfn::IdleStep() {
-  // Not re-entered: a wait inside this work (the guess dropping a stale set) only blocks.
-  if (in_idle_step_) return false;
-  in_idle_step_ = true;
-  bool more = true;
-  if (pending_guess_layer_ >= 0) {
-    RunPendingGuess();
-  } else if (unpinned_next_ < unpinned_hits_.size()) {
-    constexpr int64_t kPinsPerStep = 64;  // ~3-5 us: a chunk's arrival is noticed soon
-    PinHits(kPinsPerStep);
-  } else {
-    more = WarmStep();
-  }
-  in_idle_step_ = false;
-  return more;
-}
-
-void OffloadFfn::RunPendingGuess() {
-  if (pending_guess_layer_ < 0) return;
-  const int64_t layer = pending_guess_layer_;
-  pending_guess_layer_ = -1;
-  if (in_idle_step_) stats_[static_cast<size_t>(layer + 1)].guesses_in_wait += 1;
-  IssueLookaheadAfterHits(layer, pending_guess_residual_);
-}
-
 bool OffloadFfn::WarmStep() {
   // 64 KiB per step: ~2-4 us at DRAM speed, so a chunk's arrival is noticed within a few microseconds.
   constexpr size_t kStepBytes = size_t{64} << 10;
@@ -1093,8 +1019,6 @@ void OffloadGroupStats::Add(const OffloadGroupStats& o) {
   lookahead_verify_ns += o.lookahead_verify_ns;
   io_wait_ns += o.io_wait_ns;
   warm_next_bytes += o.warm_next_bytes;
-  guesses_in_wait += o.guesses_in_wait;
-  hits_pinned_in_wait += o.hits_pinned_in_wait;
 }
 
 OffloadGroupStats OffloadFfn::TotalStats() const {

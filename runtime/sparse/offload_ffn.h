@@ -188,12 +188,6 @@ struct OffloadOptions {
   bool lookahead_adaptive = false;
   LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
   LookaheadInput lookahead_input = LookaheadInput::kHits;
-  // Full mode, whole-bundle reads: work off the layer's path until it would first block on its own reads
-  // (ConsumeLookahead's or a chunk's), done in that wait on a core that would otherwise idle, or after the layer's last
-  // chunk if it never blocks: the next layer's guess from the hits (kHits, kProjected), whose reads queue behind this
-  // layer's either way, and the pins of the layer's cache hits (DeferHitPins). false: both right after the hits are
-  // found (pins) and computed (guess), as before (a comparison).
-  bool work_in_wait = true;
   // kProjected's table (owned by the caller; nullptr: kProjected guesses as kHits).
   const packer::LookaheadTable* lookahead_table = nullptr;
   double lookahead_wait_share = kDefaultLookaheadWaitShare;
@@ -349,10 +343,6 @@ struct OffloadGroupStats {
   uint64_t lookahead_verify_ns = 0;  // compute thread: verifying the bundles read ahead (after their reads landed)
   uint64_t io_wait_ns = 0;  // compute thread: blocked on this group's reads (and its lookahead's), token path only
   uint64_t warm_next_bytes = 0;  // compute thread: weights streamed through the caches while waiting (warm_next_bytes)
-  // OffloadOptions::work_in_wait done while the compute thread waited for this layer's reads: next-layer guesses (counted
-  // for the layer guessed for) and cache hits pinned.
-  int64_t guesses_in_wait = 0;
-  int64_t hits_pinned_in_wait = 0;
 
   // Adds every counter of `o` (totals over groups).
   void Add(const OffloadGroupStats& o);
@@ -441,8 +431,6 @@ class OffloadFfn : public FfnBackend {
   // Switches the warming off (and on again) from the next layer on, e.g. per token for an A/B comparison inside one
   // process (`nflash offload --warm-next-ab`). On by default (when warm_next_cap() > 0).
   void SetWarmNextEnabled(bool on) { warm_enabled_ = on; }
-  // An A/B switch between decode tokens (--work-in-wait-ab): OffloadOptions::work_in_wait on or off.
-  void SetWorkInWait(bool on) { options_.work_in_wait = on; }
   // An A/B switch between decode tokens (--lookahead-input-ab): the guess after the hits through the lookahead table
   // (on) or from the hits' down columns (off). Only with the table (otherwise kHits stays); the rms ratios the table's
   // guess needs are kept up to date either way.
@@ -543,13 +531,6 @@ class OffloadFfn : public FfnBackend {
   Status Resolve(int64_t group, const packer::RegionInfo& region);
   // Pins the cold hits Resolve deferred (after the misses' reads were submitted) and makes them ready items.
   void ResolveHits(int64_t group);
-  // Whether ResolveHits may leave the hits unpinned, for PinHits to pin while the layer waits for its reads: full mode
-  // with whole-bundle reads, OffloadOptions::work_in_wait and a cold partition per group. Between Resolve and the pins only the next layer's guess
-  // takes cold slots, from its own partition, never the overflow pool, so nothing can evict a found hit; a shared pool
-  // (or MoE's per-expert guesses into a shared pool) could.
-  bool DeferHitPins() const;
-  // Pins up to `max` of the hits ResolveHits left unpinned (all: -1), in the order found; true while some are left.
-  bool PinHits(int64_t max);
   Status VerifyUnit(int64_t layer, int64_t expert, const packer::RegionInfo& region, const Unit& u) const;
   // Verifies unit `x` after its read finished with `read_status`; a failed read or a mismatch is retried once with a
   // synchronous read, then is an error naming layer, neuron (or hot cluster) and ffn.bin offset.
@@ -672,9 +653,6 @@ class OffloadFfn : public FfnBackend {
   size_t warm_span_ = 0, warm_offset_ = 0;
   uint64_t warm_left_ = 0;
   uint64_t warm_cap_ = 0;  // warm_next_bytes resolved (-1: half the last-level cache)
-  // The guess work_in_wait left for this layer's first wait: its layer (-1: none) and BeforeFfn's residual.
-  int64_t pending_guess_layer_ = -1;
-  const float* pending_guess_residual_ = nullptr;
   bool warm_enabled_ = true;
   std::optional<ThreadPlacement> placement_;  // full mode, when OffloadOptions::pin_threads applies
   std::array<uint64_t, kFfnSteps> step_ns_{};
@@ -686,11 +664,6 @@ class OffloadFfn : public FfnBackend {
   void ArmWarming(int64_t layer, int64_t group);
   // One step of the warming (IoWorker idle work): returns whether more steps are left.
   bool WarmStep();
-  // The I/O worker's idle work while the compute thread waits for a chunk: a pending guess (work_in_wait) first, then
-  // warming steps.
-  bool IdleStep();
-  // Runs the guess ForwardToken left pending (work_in_wait), if any.
-  void RunPendingGuess();
   std::vector<float> thresholds_;  // per group (layer x n_experts_ + expert)
   std::vector<OffloadGroupStats> stats_;
   uint64_t sync_wait_ns_ = 0;
@@ -718,10 +691,6 @@ class OffloadFfn : public FfnBackend {
   std::vector<size_t> chunk_fill_;
   std::vector<int32_t> ready_items_;
   std::vector<int32_t> deferred_hits_;  // items whose cold slot Resolve found, pinned by ResolveHits
-  std::vector<int32_t> unpinned_hits_;  // items ResolveHits found and left for PinHits (DeferHitPins)
-  size_t unpinned_next_ = 0;            // in unpinned_hits_: the next to pin
-  int64_t unpinned_group_ = -1;
-  bool in_idle_step_ = false;           // IdleStep runs: counts what it does as done in a wait
   std::vector<uint8_t> active_flag_;    // n_ff: 1 for the neurons of the active set being resolved
   std::vector<int32_t> acquired_hot_, acquired_cold_;  // slots pinned this token, in acquisition order
   std::vector<float> hidden_;            // per item

@@ -230,7 +230,6 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.lookahead_wait_share = options.lookahead_wait_share;
   oo.lookahead_source = options.lookahead_source;
   oo.lookahead_input = rt->lookahead_input_;
-  oo.work_in_wait = options.work_in_wait;
   oo.lookahead_table = rt->lookahead_table_.get();
   oo.lookahead_replay = options.lookahead_replay;
   oo.dio_alignment = dio_alignment;

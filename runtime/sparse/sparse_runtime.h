@@ -90,8 +90,6 @@ struct SparseRuntimeOptions {
   LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
   // OffloadOptions::lookahead_input (kProjected falls back to kHits without the deployment's lookahead table).
   LookaheadInput lookahead_input = LookaheadInput::kProjected;
-  // OffloadOptions::work_in_wait.
-  bool work_in_wait = true;
   // OffloadOptions::lookahead_replay.
   std::string lookahead_replay;
   // Cold slots are the bundle rounded up to this alignment (OffloadOptions::dio_alignment, ColdReadBytes); 0: the flash

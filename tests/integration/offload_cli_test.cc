@@ -151,32 +151,6 @@ TEST_F(OffloadCliTest, WarmNextAbSwitchesPerToken) {
   EXPECT_NE(j2["warm_next_ab"]["token_on"].get<std::vector<int>>(), on);
 }
 
-// --work-in-wait: on by default, off on request, per token with --work-in-wait-ab; the text never changes (it moves
-// work between the layer's path and its waits, and what is read stays the same).
-TEST_F(OffloadCliTest, WorkInWaitSwitchesWithoutChangingResults) {
-  const std::string base =
-      Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n 40 --warmup 4";
-  auto run = [&](const std::string& flags) {
-    auto r = testing::RunCommand(base + " " + flags, /*capture_stderr=*/false);
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    return nlohmann::json::parse(r.output, nullptr, false);
-  };
-  const auto on = run("");
-  const auto off = run("--work-in-wait off");
-  const auto ab = run("--work-in-wait-ab 3");
-  ASSERT_FALSE(on.is_discarded() || off.is_discarded() || ab.is_discarded());
-  EXPECT_TRUE(on["work_in_wait"].get<bool>());
-  EXPECT_FALSE(off["work_in_wait"].get<bool>());
-  EXPECT_EQ(off["guesses_in_wait_per_token"].get<double>(), 0.0);
-  EXPECT_EQ(off["hits_pinned_in_wait_per_token"].get<double>(), 0.0);
-  EXPECT_EQ(on["text"], off["text"]);
-  EXPECT_EQ(on["text"], ab["text"]);
-  CheckAbGroups(ab, "work_in_wait_ab", 3);
-  auto bad = testing::RunCommand(base + " --work-in-wait sometimes", /*capture_stderr=*/true);
-  EXPECT_NE(bad.exit_code, 0);
-  EXPECT_NE(bad.output.find("--work-in-wait"), std::string::npos) << bad.output;
-}
-
 // --pin-threads: where the JSON says the threads ran (the rule of runtime/core/thread_placement.h on the CPUs this
 // test may use, which the child inherits), pinning never changes the text, and --pin-threads-ab switches it per token.
 TEST_F(OffloadCliTest, PinThreadsPlacesThreadsWithoutChangingResults) {

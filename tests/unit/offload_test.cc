@@ -897,63 +897,6 @@ TEST_F(OffloadTest, WarmingTheNextWeightsChangesTimingNotResults) {
   EXPECT_EQ((*rt)->ffn().warm_next_cap(), LastLevelCacheBytes() / 2);
 }
 
-// OffloadOptions::work_in_wait moves the next layer's guess from the hits and the pins of the layer's cache hits into
-// the layer's wait for its own reads: it changes when they run, not what is read or computed. With every read 300 us
-// late the layers wait, and some guesses and pins run there; off, none does. Either way the same bundles are read
-// ahead and used, the cold cache counts the same hits, misses and evictions (per-layer partitions: the guess takes
-// only slots of the next layer's, so a found hit cannot be evicted before its pin), every pin is released, and the
-// logits are those of the in-memory sparse run.
-TEST_F(OffloadTest, WorkInTheWaitChangesTimingNotReads) {
-  ASSERT_TRUE(sparse_ && predicted_);
-  for (bool predictor : {true, false}) {
-    SCOPED_TRACE(predictor ? "predictor" : "oracle");
-    OffloadGroupStats st[2];
-    CacheCounters cc[2];
-    for (bool in_wait : {false, true}) {
-      SCOPED_TRACE(in_wait ? "work in the wait" : "work on the path");
-      SparseRuntimeOptions o;
-      o.active_set = predictor ? ActiveSetSource::kAuto : ActiveSetSource::kOracle;
-      o.batched_prefill = false;
-      o.hot_slots = 0;
-      o.cold_slots_per_group.assign(5, 40);
-      o.lookahead_slots = 20;  // a given cap: on from the start (auto may turn on at a time that depends on timing)
-      o.work_in_wait = in_wait;
-      o.wrap_flash = [](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
-        return std::make_shared<SlowFile>(std::move(base), std::chrono::microseconds(300));
-      };
-      auto rt = SparseRuntime::Open(predictor ? dir_->File("deploy-pred") : DeployDir(), o, pool_);
-      ASSERT_TRUE(rt.ok()) << rt.status().ToString();
-      const GreedyRun& ref = predictor ? *predicted_ : *sparse_;
-      auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(12, ref.tokens.size()));
-      ASSERT_TRUE(run.ok()) << run.status().ToString();
-      ASSERT_TRUE(SameLogits(*run, ref));
-      EXPECT_EQ((*rt)->ffn().options().work_in_wait, in_wait);
-      const SlotRegion& cold = (*rt)->ffn().cache().cold();
-      ASSERT_FALSE(cold.config().slots_per_group.empty());
-      st[in_wait] = (*rt)->ffn().TotalStats();
-      cc[in_wait] = cold.TotalCounters();
-      if (in_wait) {
-        EXPECT_GT(st[1].guesses_in_wait, 0) << "every read is late: layers wait, and guess meanwhile";
-        EXPECT_GT(st[1].hits_pinned_in_wait, 0);
-        EXPECT_LE(st[1].hits_pinned_in_wait, static_cast<int64_t>(cc[1].hits));
-      } else {
-        EXPECT_EQ(st[0].guesses_in_wait, 0);
-        EXPECT_EQ(st[0].hits_pinned_in_wait, 0);
-      }
-      for (int32_t s = 0; s < cold.SlotCount(); ++s) ASSERT_EQ(cold.PinCount(s), 0) << "slot " << s << " still pinned";
-    }
-    ASSERT_GT(st[0].prefetched, 0);
-    EXPECT_EQ(st[1].prefetched, st[0].prefetched);
-    EXPECT_EQ(st[1].prefetch_used, st[0].prefetch_used);
-    EXPECT_EQ(st[1].missed, st[0].missed);
-    EXPECT_EQ(st[1].requests, st[0].requests);
-    EXPECT_EQ(st[1].bytes_read, st[0].bytes_read);
-    EXPECT_EQ(cc[1].hits, cc[0].hits);
-    EXPECT_EQ(cc[1].misses, cc[0].misses);
-    EXPECT_EQ(cc[1].evictions, cc[0].evictions);
-  }
-}
-
 TEST_F(OffloadTest, TransientFaultsAreRetriedOnce) {
   for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
     for (auto fault : {FaultInjectingFile::Fault::kBitFlip, FaultInjectingFile::Fault::kEio,
