@@ -52,7 +52,7 @@ Result<std::unique_ptr<LookaheadTableWriter>> LookaheadTableWriter::Begin(const 
 LookaheadTableWriter::~LookaheadTableWriter() = default;
 
 Status LookaheadTableWriter::WriteLayer(int64_t l, const float* ffn_norm_next,
-                                        const std::function<void(int64_t, float*)>& column, ThreadPool* pool) {
+                                        const std::function<Status(int64_t, float*)>& column, ThreadPool* pool) {
   if (l != next_layer_ || l + 1 >= pred_.n_layers()) {
     return Status::InvalidArgument("lookahead table: layer " + std::to_string(l) + " written, expected " +
                                    std::to_string(next_layer_) + " (of " + std::to_string(pred_.n_layers() - 1) + ")");
@@ -63,7 +63,7 @@ Status LookaheadTableWriter::WriteLayer(int64_t l, const float* ffn_norm_next,
   std::vector<float> cols(static_cast<size_t>(kColumnsPerCall * dim));
   for (int64_t first = 0; first < n_ff; first += kColumnsPerCall) {
     const int64_t n = std::min(kColumnsPerCall, n_ff - first);
-    for (int64_t k = 0; k < n; ++k) column(first + k, cols.data() + k * dim);
+    for (int64_t k = 0; k < n; ++k) NF_RETURN_IF_ERROR(column(first + k, cols.data() + k * dim));
     ProjectColumns(fc1, ffn_norm_next, cols, n, rows.data() + first * rank, pool);
   }
   ++next_layer_;

@@ -44,9 +44,9 @@ class LookaheadTableWriter {
  public:
   static Result<std::unique_ptr<LookaheadTableWriter>> Begin(const std::string& path, const Predictor& pred);
   ~LookaheadTableWriter();
-  // Layer l's rows: `column(k, dst)` writes neuron k's down column of layer l (dim floats); `ffn_norm_next` is layer
-  // l+1's FFN norm (dim floats).
-  Status WriteLayer(int64_t l, const float* ffn_norm_next, const std::function<void(int64_t, float*)>& column,
+  // Layer l's rows: `column(k, dst)` writes neuron k's down column of layer l (dim floats; its error stops the layer);
+  // `ffn_norm_next` is layer l+1's FFN norm (dim floats).
+  Status WriteLayer(int64_t l, const float* ffn_norm_next, const std::function<Status(int64_t, float*)>& column,
                     ThreadPool* pool);
   Status Finish();
 

@@ -449,7 +449,7 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
       auto column = [&](int64_t k, float* dst) {
         const int64_t slot = tb.slot_of_neuron[static_cast<size_t>(k)];
         const BundleView v = ViewBundle(layout, region_buf.data() + layout.SlotOffset(slot), layout.bundle_bytes);
-        (void)DequantizeRow(v.down.type, v.down.data, dst, hp.dim);  // a bundle type: DequantizeRow handles it
+        return DequantizeRow(v.down.type, v.down.data, dst, hp.dim);
       };
       NF_RETURN_IF_ERROR(lookahead->WriteLayer(layer, norm_next.data(), column, pool));
     }

@@ -773,7 +773,10 @@ TEST(PackerLookaheadTest, MismatchesAndCorruptionAreClearErrors) {
   auto writer = LookaheadTableWriter::Begin(tmp.File("t.gguf"), **own);
   ASSERT_TRUE(writer.ok()) << writer.status().ToString();
   std::vector<float> ones(64, 1.0f);
-  auto column = [](int64_t, float* dst) { std::fill(dst, dst + 64, 0.5f); };
+  auto column = [](int64_t, float* dst) {
+    std::fill(dst, dst + 64, 0.5f);
+    return Status::Ok();
+  };
   EXPECT_FALSE((*writer)->WriteLayer(1, ones.data(), column, nullptr).ok()) << "the last layer has no table";
   EXPECT_TRUE((*writer)->WriteLayer(0, ones.data(), column, nullptr).ok());
   EXPECT_TRUE((*writer)->Finish().ok());
