@@ -136,21 +136,23 @@ class PlacedPools {
     }
   }
 
+  // Enter(i), then wakes pool i's workers (untimed, before each timed call): a decode calls its pool hundreds of
+  // times a token, microseconds apart, so its workers are spinning when a call starts. Timed in turns after another
+  // pool's call, they would have gone to sleep and every call would include waking them (tens of microseconds on a
+  // VM): the cells' calls take 40-400 us, and two profiles of this project's 2-vCPU machine minutes apart rated the
+  // 2-thread neuron path 12.5 and 18.2 GB/s, the lower one below what the in-memory decode achieved.
+  void Ready(size_t i) {
+    Enter(i);
+    OnEveryThread(i, [](int64_t) {});
+  }
+
   // Records the CPUs pool i's threads run on now, for the profile: what the placement achieved, not what it asked
-  // for. Each chunk of a few jobs notes its CPU and then waits (up to 100 ms) for every chunk to start, so that no
-  // thread takes two and each thread's CPU is seen.
+  // for.
   void Observe(size_t i) {
     Enter(i);
-    const int n = pools_[i]->NumThreads();
-    std::vector<int> seen(static_cast<size_t>(n), -1);
+    std::vector<int> seen(static_cast<size_t>(pools_[i]->NumThreads()), -1);
     for (int job = 0; job < 4; ++job) {
-      std::atomic<int> started{0};
-      pools_[i]->ParallelFor(n, 1, [&](int64_t begin, int64_t, int) {
-        seen[static_cast<size_t>(begin)] = sched_getcpu();
-        started.fetch_add(1);
-        const auto deadline = Clock::now() + std::chrono::milliseconds(100);
-        while (started.load() < n && Clock::now() < deadline) std::this_thread::yield();
-      });
+      OnEveryThread(i, [&](int64_t chunk) { seen[static_cast<size_t>(chunk)] = sched_getcpu(); });
       for (int cpu : seen) {
         if (cpu >= 0) observed_[i].insert(cpu);
       }
@@ -179,6 +181,19 @@ class PlacedPools {
   }
 
  private:
+  // One job of pool i with a chunk per thread: each chunk calls fn(chunk) and then waits (up to 100 ms) for every
+  // chunk to start, so that no thread takes two and every worker has run when it returns.
+  template <typename Fn>
+  void OnEveryThread(size_t i, Fn&& fn) {
+    const int n = pools_[i]->NumThreads();
+    std::atomic<int> started{0};
+    pools_[i]->ParallelFor(n, 1, [&](int64_t begin, int64_t, int) {
+      fn(begin);
+      started.fetch_add(1);
+      const auto deadline = Clock::now() + std::chrono::milliseconds(100);
+      while (started.load() < n && Clock::now() < deadline) std::this_thread::yield();
+    });
+  }
   void Leave() {
     if (current_ >= 0 && placements_[static_cast<size_t>(current_)]) placements_[static_cast<size_t>(current_)]->End();
     current_ = -1;
@@ -262,7 +277,7 @@ json MeasureCompute(const Mode& mode, PlacedPools& pools) {
     // One cell: `call(pool)` timed with every thread count in turns (MedianSecondsEach), a result row each.
     auto cell = [&](const char* kernel, int64_t tokens, double fraction, auto&& call) {
       const std::vector<double> secs = MedianSecondsEach(
-          mode.cell_seconds, pools.size(), [&](size_t pi) { call(pools.pool(pi)); }, [&](size_t pi) { pools.Enter(pi); });
+          mode.cell_seconds, pools.size(), [&](size_t pi) { call(pools.pool(pi)); }, [&](size_t pi) { pools.Ready(pi); });
       const double weight_bytes = bytes * fraction;
       const double flops =
           2.0 * static_cast<double>(dim) * static_cast<double>(dim) * fraction * static_cast<double>(tokens);
@@ -326,7 +341,7 @@ json MeasureMemory(const Mode& mode, PlacedPools& pools) {
   for (size_t i = 0; i < words; ++i) buf[i] = i * 0x9E3779B97F4A7C15ull;  // touches every page before timing
   json results = json::array();
   volatile uint64_t sink = 0;  // keeps the reads from being optimised away
-  auto enter = [&](size_t pi) { pools.Enter(pi); };
+  auto enter = [&](size_t pi) { pools.Ready(pi); };
   // Each cell with every thread count in turns (MedianSecondsEach).
   const std::vector<double> read_s = MedianSecondsEach(mode.seq_cell_seconds, pools.size(), [&](size_t pi) {
     ThreadPool& pool = pools.pool(pi);
