@@ -13,8 +13,10 @@
 #        DEPLOY_DIR:PLAN.json [DEPLOY_DIR:PLAN.json ...]
 # Extra offload flags per configuration: DEPLOY_DIR:PLAN.json:--flag,value (commas become spaces).
 # The issue's other two targets in the same rounds: HW (a `nflash profile-hw` file) adds each configuration's token time
-# over max(compute floor, I/O floor) (`--hw`; target <= 1.3), LLMFLASH=1 adds a run of the first configuration in
-# llmflash mode to every round (in the same interleaved order) and each configuration's speed over it (target >= 3).
+# over max(compute floor, I/O floor) (`--hw`; target <= 1.3) and the in-memory run's time over that compute floor
+# (a check of the profile: a floor above the in-memory run is no floor; profiles before 3a75a85 gave such floors).
+# LLMFLASH=1 adds a run of the first configuration in llmflash mode to every round (in the same interleaved order) and
+# each configuration's speed over it (target >= 3).
 # Needs build/runtime/cli/nflash (or $NFLASH) and python3 (to read JSON; not the product).
 set -euo pipefail
 if [ $# -lt 2 ]; then
@@ -40,7 +42,7 @@ offload() {  # DEPLOY PLAN [flags]
   local hw=()
   if [ -n "$HW" ]; then hw=(--hw "$HW"); fi
   "$NF" -q offload -d "$deploy" --plan "$plan" -n "$TOKENS" --warmup "$WARMUP" -p "$PROMPT" --json "${hw[@]}" "$@" |
-    python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.2f %.1f %.3f" % (d["decode_tok_s"], d["io_wait_ms_per_token"], d.get("floor_ratio", 0.0)))'
+    python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.2f %.1f %.3f %.3f" % (d["decode_tok_s"], d["io_wait_ms_per_token"], d.get("floor_ratio", 0.0), d.get("floor_compute_ms", 0.0)))'
 }
 
 RESULTS=$(mktemp)
@@ -71,14 +73,22 @@ for r in $(seq "$ROUNDS"); do
   for c in $order; do
     IFS=: read -r deploy plan extra <<< "${CFGS[$c]}"
     # shellcheck disable=SC2086
-    got[$c]=$(offload "$deploy" "$plan" ${extra//,/ })
+    got[c]=$(offload "$deploy" "$plan" ${extra//,/ })
   done
   if [ $((r % 2)) -eq 0 ]; then base=$(inmem); fi
   line="$r  $base"
+  if [ -n "$HW" ]; then
+    # The in-memory run against the first configuration's compute floor (the same tokens, predicted sets and dense
+    # work): a floor must not exceed it, so a ratio below 1 says the profile underrates this machine's kernels.
+    read -r _ _ _ floor_c <<< "${got[0]}"
+    base_floor=$(python3 -c "print('%.3f' % (1000.0 / $base / $floor_c if $floor_c > 0 else 0.0))")
+    line="$line (x$base_floor compute floor)"
+    echo "inmem $base_floor" >> "$RESULTS"
+  fi
   lf_speed=0
   if [ "$LLMFLASH" = 1 ]; then read -r lf_speed _ <<< "${got[$LF]}"; fi
   for c in $(seq 0 $((${#CFGS[@]} - 1))); do
-    read -r speed wait floor <<< "${got[$c]}"
+    read -r speed wait floor _ <<< "${got[$c]}"
     ratio=$(python3 -c "print('%.3f' % ($speed / $base))")
     line="$line  | $speed tok/s, wait $wait ms, x$ratio"
     if [ -n "$HW" ]; then line="$line, floor x$floor"; fi
@@ -92,6 +102,11 @@ for r in $(seq "$ROUNDS"); do
   echo "$line"
 done
 # Medians per configuration (the lower middle for an even count) and how many rounds met each target.
+if [ -n "$HW" ]; then
+  awk '$1 == "inmem" {print $2}' "$RESULTS" | sort -n | awk '{v[NR] = $1} END {
+    printf "in-memory run: median x%.3f its compute floor (%.3f-%.3f): the floors are lower bounds where this is >= 1\n",
+      v[int((NR + 1) / 2)], v[1], v[NR]}'
+fi
 for c in $(seq 0 $((${#CFGS[@]} - 1))); do
   awk -v c="$c" '$1 == c' "$RESULTS" | python3 -c '
 import sys
