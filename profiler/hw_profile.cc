@@ -341,7 +341,7 @@ json MeasureMemory(const Mode& mode, PlacedPools& pools) {
   for (size_t i = 0; i < words; ++i) buf[i] = i * 0x9E3779B97F4A7C15ull;  // touches every page before timing
   json results = json::array();
   volatile uint64_t sink = 0;  // keeps the reads from being optimised away
-  auto enter = [&](size_t pi) { pools.Ready(pi); };
+  auto ready = [&](size_t pi) { pools.Ready(pi); };
   // Each cell with every thread count in turns (MedianSecondsEach).
   const std::vector<double> read_s = MedianSecondsEach(mode.seq_cell_seconds, pools.size(), [&](size_t pi) {
     ThreadPool& pool = pools.pool(pi);
@@ -359,14 +359,14 @@ json MeasureMemory(const Mode& mode, PlacedPools& pools) {
       partial[static_cast<size_t>(t)] += s0 + s1 + s2 + s3;
     });
     for (uint64_t p : partial) sink = sink + p;
-  }, enter);
+  }, ready);
   // Copy: the first half onto the second; reported as bytes copied per second (each read once, written once).
   const size_t half = words / 2;
   const std::vector<double> copy_s = MedianSecondsEach(mode.seq_cell_seconds, pools.size(), [&](size_t pi) {
     pools.pool(pi).ParallelFor(static_cast<int64_t>(half), 4096, [&](int64_t b, int64_t e, int) {
       std::memcpy(buf.data() + half + b, buf.data() + b, static_cast<size_t>(e - b) * sizeof(uint64_t));
     });
-  }, enter);
+  }, ready);
   for (size_t pi = 0; pi < pools.size(); ++pi) {
     results.push_back({{"threads", pools.threads(pi)},
                        {"buffer_bytes", mode.memory_bytes},

@@ -6,9 +6,10 @@
 # run): on the development VM the run right after an in-memory run was the slowest of three in 3 of 3, so a fixed order
 # penalised the first configuration (docs/results.md, twenty-first run). The configurations (llmflash included) also
 # rotate from one pair of rounds to the next, so that each follows the in-memory run in its share of the odd rounds
-# (without the rotation the first one always did, and lost 0.07-0.24 of its ratio there: twenty-sixth run). Prints each round's
-# tok/s (decode after WARMUP tokens), each configuration's I/O wait per token and ratio to that round's in-memory run,
-# and the median ratios (the lower middle for an even count). The same prompt, token count and threads everywhere.
+# (without the rotation the first one always did, and lost 0.07-0.24 of its ratio there: twenty-sixth run). Prints
+# each round's tok/s (decode after WARMUP tokens), each configuration's I/O wait per token and ratio to that round's
+# in-memory run, and the median ratios (the lower middle for an even count). The same prompt, token count and threads
+# everywhere.
 # Usage: [ROUNDS=6] [TOKENS=40] [WARMUP=8] [THREADS=2] [HW=hw.json] [LLMFLASH=1] scripts/ab_offload.sh MODEL.gguf
 #        DEPLOY_DIR:PLAN.json [DEPLOY_DIR:PLAN.json ...]
 # Extra offload flags per configuration: DEPLOY_DIR:PLAN.json:--flag,value (commas become spaces).
@@ -20,7 +21,7 @@
 # Needs build/runtime/cli/nflash (or $NFLASH) and python3 (to read JSON; not the product).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,10p' "$0" >&2
+  sed -n '2,15p' "$0" >&2
   exit 2
 fi
 MODEL=$1
