@@ -102,27 +102,30 @@ for r in $(seq "$ROUNDS"); do
   done
   echo "$line"
 done
-# Medians per configuration (the lower middle for an even count) and how many rounds met each target.
-if [ -n "$HW" ]; then
-  awk '$1 == "inmem" {print $2}' "$RESULTS" | sort -n | awk '{v[NR] = $1} END {
-    printf "in-memory run: median x%.3f its compute floor (%.3f-%.3f): the floors are lower bounds where this is >= 1\n",
-      v[int((NR + 1) / 2)], v[1], v[NR]}'
-fi
-for c in $(seq 0 $((${#CFGS[@]} - 1))); do
-  awk -v c="$c" '$1 == c' "$RESULTS" | python3 -c '
+# Medians (the lower middle for an even count) of the in-memory run's floor check and of each configuration's ratios,
+# and how many rounds met each target.
+python3 - "$RESULTS" "$([ -n "$HW" ] && echo 1 || echo 0)" "$([ "$LLMFLASH" = 1 ] && echo "$LF" || echo -1)" \
+  "${NAMES[@]}" <<'PY'
 import sys
-name, hw, lf = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
-rows = [list(map(float, l.split()[1:])) for l in sys.stdin]
-def med(i):
-    v = sorted(r[i] for r in rows)
+path, hw, lf, names = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4:]
+lines = [l.split() for l in open(path)]
+def med(values):
+    v = sorted(values)
     return v[(len(v) - 1) // 2], v[0], v[-1]
-m, lo, hi = med(0)
-out = "%s: median ratio %.3f (%.3f-%.3f) over %d rounds, >= 0.7 in %d" % (name, m, lo, hi, len(rows), sum(r[0] >= 0.7 for r in rows))
 if hw:
-    m, lo, hi = med(2)
-    out += "; floor x%.3f (%.3f-%.3f), <= 1.3 in %d" % (m, lo, hi, sum(r[2] <= 1.3 for r in rows))
-if lf:
-    m, lo, hi = med(3)
-    out += "; x%.3f llmflash (%.3f-%.3f), >= 3 in %d" % (m, lo, hi, sum(r[3] >= 3 for r in rows))
-print(out)' "${NAMES[$c]}" "$([ -n "$HW" ] && echo 1 || echo 0)" "$([ "$LLMFLASH" = 1 ] && [ "$c" != "$LF" ] && echo 1 || echo 0)"
-done
+    m, lo, hi = med(float(l[1]) for l in lines if l[0] == "inmem")
+    print("in-memory run: median x%.3f its compute floor (%.3f-%.3f): the floors are lower bounds where this is >= 1"
+          % (m, lo, hi))
+for c, name in enumerate(names):
+    rows = [list(map(float, l[1:])) for l in lines if l[0] == str(c)]
+    m, lo, hi = med(r[0] for r in rows)
+    out = "%s: median ratio %.3f (%.3f-%.3f) over %d rounds, >= 0.7 in %d" % (
+        name, m, lo, hi, len(rows), sum(r[0] >= 0.7 for r in rows))
+    if hw:
+        m, lo, hi = med(r[2] for r in rows)
+        out += "; floor x%.3f (%.3f-%.3f), <= 1.3 in %d" % (m, lo, hi, sum(r[2] <= 1.3 for r in rows))
+    if lf >= 0 and c != lf:
+        m, lo, hi = med(r[3] for r in rows)
+        out += "; x%.3f llmflash (%.3f-%.3f), >= 3 in %d" % (m, lo, hi, sum(r[3] >= 3 for r in rows))
+    print(out)
+PY
