@@ -1039,5 +1039,71 @@ TEST_F(OffloadTest, LookaheadReadFaultsAreRetriedOrReported) {
   }
 }
 
+// Bundles read ahead are checked before use (SettleLookahead, like every other arrival). Replaying a traced run's
+// active sets with room for every miss of a layer reads all of layer 1's misses ahead (during layer 0), each one
+// used, so after the prompt every read into layer 1's region is a read ahead. A bit flipped there once is caught and
+// read again (the logits stay the reference's); flipped in every read of that region, it is reported after one retry.
+TEST_F(OffloadTest, BundlesReadAheadAreVerifiedBeforeUse) {
+  ASSERT_TRUE(sparse_);
+  auto options = [this]() {
+    SparseRuntimeOptions o;
+    o.active_set = ActiveSetSource::kOracle;
+    o.hot_slots = 0;
+    o.cold_slots = 150;
+    o.batched_prefill = false;  // every step goes through the token path, as the trace and its replay count them
+    o.lookahead_slots = 172;    // n_ff: room for every miss of a layer
+    return o;
+  };
+  const std::string trace_path = dir_->File("read-ahead-trace.txt");
+  {
+    auto rt = SparseRuntime::Open(DeployDir(), options(), pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    auto trace = AtomicFileWriter::Create(trace_path, true);
+    ASSERT_TRUE(trace.ok()) << trace.status().ToString();
+    (*rt)->ffn().SetActiveTrace(trace->get());
+    auto run = Greedy((*rt)->context(), n_vocab_, 10);
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    (*rt)->ffn().SetActiveTrace(nullptr);
+    ASSERT_TRUE((*trace)->Commit().ok());
+  }
+  for (int count : {1, -1}) {
+    SCOPED_TRACE(count == 1 ? "transient" : "persistent");
+    FaultInjectingFile* fi = nullptr;
+    SparseRuntimeOptions o = options();
+    o.lookahead_replay = trace_path;
+    o.wrap_flash = [&fi](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
+      auto f = std::make_shared<FaultInjectingFile>(std::move(base));
+      fi = f.get();
+      return f;
+    };
+    auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    InferenceContext& ctx = (*rt)->context();
+    ASSERT_TRUE(ctx.Eval(kPrompt, false).ok());
+    const OffloadGroupStats before = (*rt)->ffn().stats()[1];
+    const packer::RegionInfo* layer1 = (*rt)->deployment().Region(1, -1);
+    ASSERT_NE(layer1, nullptr);
+    fi->AddRule({FaultInjectingFile::Fault::kBitFlip, layer1->offset, layer1->size, count});
+    const float* l = ctx.logits();
+    const int32_t next = static_cast<int32_t>(std::max_element(l, l + n_vocab_) - l);
+    const Status s = ctx.Eval(std::vector<int32_t>{next}, false);
+    const OffloadGroupStats& after = (*rt)->ffn().stats()[1];
+    EXPECT_GT(after.prefetched, before.prefetched) << "layer 1 had bundles read ahead";
+    EXPECT_EQ(after.prefetch_used - before.prefetch_used, after.prefetched - before.prefetched)
+        << "replayed: every bundle read ahead is used";
+    EXPECT_GE(fi->InjectedCount(), 1);
+    if (count == 1) {
+      ASSERT_TRUE(s.ok()) << s.ToString();
+      EXPECT_EQ(after.retries - before.retries, 1);
+      ASSERT_EQ(0, std::memcmp(ctx.logits(), sparse_->logits[1].data(), n_vocab_ * sizeof(float)));
+    } else {
+      ASSERT_FALSE(s.ok());
+      EXPECT_EQ(s.code(), StatusCode::kCorruption) << s.ToString();
+      EXPECT_NE(s.message().find("layer 1 neuron "), std::string::npos) << s.message();
+      EXPECT_NE(s.message().find("after one retry"), std::string::npos) << s.message();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace nflash::sparse
