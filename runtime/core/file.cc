@@ -355,6 +355,12 @@ void FaultInjectingFile::AddRule(const Rule& rule) {
   state_->remaining.push_back(rule.count);
 }
 
+void FaultInjectingFile::ClearFaults() {
+  if (!state_) return;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  std::fill(state_->remaining.begin(), state_->remaining.end(), 0);
+}
+
 int64_t FaultInjectingFile::InjectedCount() const { return state_ ? state_->injected.load() : 0; }
 
 Status FaultInjectingFile::ReadAt(uint64_t offset, size_t size, void* dst) const {

@@ -124,6 +124,9 @@ class FaultInjectingFile final : public ReadableFile {
   explicit FaultInjectingFile(std::shared_ptr<const ReadableFile> base) : base_(std::move(base)) {}
   ~FaultInjectingFile() override;
   void AddRule(const Rule& rule);
+  // Every rule stops injecting: the file is healthy from now on (e.g. to check what a failure left behind). Safe
+  // while reads are in flight.
+  void ClearFaults();
   Status ReadAt(uint64_t offset, size_t size, void* dst) const override;
   uint64_t Size() const override { return base_->Size(); }
   const std::string& Path() const override { return base_->Path(); }

@@ -947,6 +947,37 @@ TEST_F(OffloadTest, PersistentFaultsAreReportedWithLayerNeuronAndOffset) {
   }
 }
 
+// A token that fails leaves no bad bundle in the cache: the slots its failed and pending reads were going into are
+// dropped, not released with whatever they hold, so once the flash is healthy again the same runtime (a server keeps
+// serving after one request's I/O error) decodes the reference bitwise, in both modes, with flipped bits and with
+// read errors that persist through the retry.
+TEST_F(OffloadTest, AFailedTokenLeavesNoBadBundleInTheCache) {
+  for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
+    for (auto fault : {FaultInjectingFile::Fault::kBitFlip, FaultInjectingFile::Fault::kEio}) {
+      SCOPED_TRACE(std::string(OffloadModeName(mode)) + " fault " + std::to_string(static_cast<int>(fault)));
+      FaultInjectingFile* fi = nullptr;
+      auto rt = OpenWithFaults(DeployDir(), mode, pool_, &fi);
+      ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+      InferenceContext& ctx = (*rt)->context();
+      ASSERT_TRUE(ctx.Eval(kPrompt, false).ok());
+      const packer::RegionInfo* layer1 = (*rt)->deployment().Region(1, -1);
+      ASSERT_NE(layer1, nullptr);
+      fi->AddRule({fault, layer1->offset, layer1->size, -1});
+      // Decode until a token needs a read from layer 1 (the first one does here: the prompt left misses).
+      Status s;
+      for (int i = 0; i < 10 && s.ok(); ++i) s = ctx.Eval(std::vector<int32_t>{kGolden[static_cast<size_t>(i)]}, false);
+      ASSERT_FALSE(s.ok()) << "a read from layer 1 failed twice";
+      fi->ClearFaults();
+      ctx.Reset();
+      auto run = Greedy(ctx, n_vocab_, 10);
+      ASSERT_TRUE(run.ok()) << run.status().ToString();
+      ASSERT_TRUE(SameLogits(*run, *sparse_));
+      const SlotRegion& cold = (*rt)->ffn().cache().cold();
+      for (int32_t slot = 0; slot < cold.SlotCount(); ++slot) ASSERT_EQ(cold.PinCount(slot), 0) << "slot " << slot;
+    }
+  }
+}
+
 // Batched prefill in lent cold slots, with a bit flipped in layer 1's region: the prefetch of that region (I/O thread)
 // delivers it, the checksums find it; a transient fault is read again and the run is exact; one that persists through
 // the retry is reported for layer 1 with its neuron and offset. Either way the runtime stays usable: the next prompt
