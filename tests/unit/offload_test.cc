@@ -947,33 +947,69 @@ TEST_F(OffloadTest, PersistentFaultsAreReportedWithLayerNeuronAndOffset) {
   }
 }
 
-// A token that fails leaves no bad bundle in the cache: the slots its failed and pending reads were going into are
-// dropped, not released with whatever they hold, so once the flash is healthy again the same runtime (a server keeps
-// serving after one request's I/O error) decodes the reference bitwise, in both modes, with flipped bits and with
-// read errors that persist through the retry.
+// A token that fails leaves no bad bundle in the cache: the slots its failed and pending reads were going into (cold
+// slots, hot clusters, bundles read ahead) are dropped, not released with whatever they hold, so once the flash is
+// healthy again the same runtime (a server keeps serving after one request's I/O error) gives the reference bitwise:
+// in both modes, with flipped bits and with read errors that persist through the retry, failing in the prompt (its
+// first token reads layer 1's hot cluster) or in the decode (reads ahead pending).
 TEST_F(OffloadTest, AFailedTokenLeavesNoBadBundleInTheCache) {
-  for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
-    for (auto fault : {FaultInjectingFile::Fault::kBitFlip, FaultInjectingFile::Fault::kEio}) {
-      SCOPED_TRACE(std::string(OffloadModeName(mode)) + " fault " + std::to_string(static_cast<int>(fault)));
-      FaultInjectingFile* fi = nullptr;
-      auto rt = OpenWithFaults(DeployDir(), mode, pool_, &fi);
-      ASSERT_TRUE(rt.ok()) << rt.status().ToString();
-      InferenceContext& ctx = (*rt)->context();
+  struct Config {
+    OffloadMode mode;
+    FaultInjectingFile::Fault fault;
+    HotPolicy hot;  // kLru with 5 slots: hot clusters are read on demand and stay cached, a failed one too unless
+                    // it is dropped (pinned clusters are read once, at load)
+    bool in_prompt;
+  };
+  std::vector<Config> configs;
+  for (bool in_prompt : {true, false}) {
+    for (HotPolicy hot : {HotPolicy::kPinned, HotPolicy::kLru}) {
+      for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
+        for (auto fault : {FaultInjectingFile::Fault::kBitFlip, FaultInjectingFile::Fault::kEio}) {
+          configs.push_back({mode, fault, hot, in_prompt});
+        }
+      }
+    }
+  }
+  for (const Config& c : configs) {
+    SCOPED_TRACE(std::string(OffloadModeName(c.mode)) + " fault " + std::to_string(static_cast<int>(c.fault)) +
+                 " hot " + HotPolicyName(c.hot) + (c.in_prompt ? " in the prompt" : " in the decode"));
+    FaultInjectingFile* fi = nullptr;
+    SparseRuntimeOptions o;
+    o.mode = c.mode;
+    o.active_set = ActiveSetSource::kOracle;
+    o.cold_slots = 50;
+    o.hot_policy = c.hot;
+    o.hot_slots = c.hot == HotPolicy::kLru ? 5 : 1;
+    o.batched_prefill = false;  // the prompt through the token path too (a batched prefill reads its own buffers)
+    o.wrap_flash = [&fi](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
+      auto f = std::make_shared<FaultInjectingFile>(std::move(base));
+      fi = f.get();
+      return f;
+    };
+    auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    InferenceContext& ctx = (*rt)->context();
+    const packer::RegionInfo* layer1 = (*rt)->deployment().Region(1, -1);
+    ASSERT_NE(layer1, nullptr);
+    const FaultInjectingFile::Rule rule{c.fault, layer1->offset, layer1->size, -1};
+    Status s;
+    if (c.in_prompt) {
+      fi->AddRule(rule);
+      s = ctx.Eval(kPrompt, false);
+    } else {
       ASSERT_TRUE(ctx.Eval(kPrompt, false).ok());
-      const packer::RegionInfo* layer1 = (*rt)->deployment().Region(1, -1);
-      ASSERT_NE(layer1, nullptr);
-      fi->AddRule({fault, layer1->offset, layer1->size, -1});
+      fi->AddRule(rule);
       // Decode until a token needs a read from layer 1 (the first one does here: the prompt left misses).
-      Status s;
       for (int i = 0; i < 10 && s.ok(); ++i) s = ctx.Eval(std::vector<int32_t>{kGolden[static_cast<size_t>(i)]}, false);
-      ASSERT_FALSE(s.ok()) << "a read from layer 1 failed twice";
-      fi->ClearFaults();
-      ctx.Reset();
-      auto run = Greedy(ctx, n_vocab_, 10);
-      ASSERT_TRUE(run.ok()) << run.status().ToString();
-      ASSERT_TRUE(SameLogits(*run, *sparse_));
-      const SlotRegion& cold = (*rt)->ffn().cache().cold();
-      for (int32_t slot = 0; slot < cold.SlotCount(); ++slot) ASSERT_EQ(cold.PinCount(slot), 0) << "slot " << slot;
+    }
+    ASSERT_FALSE(s.ok()) << "a read from layer 1 failed twice";
+    fi->ClearFaults();
+    ctx.Reset();
+    auto run = Greedy(ctx, n_vocab_, 10);
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    ASSERT_TRUE(SameLogits(*run, *sparse_));
+    for (const SlotRegion* r : {&(*rt)->ffn().cache().cold(), &(*rt)->ffn().cache().hot()}) {
+      for (int32_t slot = 0; slot < r->SlotCount(); ++slot) ASSERT_EQ(r->PinCount(slot), 0) << "slot " << slot;
     }
   }
 }
