@@ -376,8 +376,10 @@ Result<std::unique_ptr<Deployment>> Deployment::Open(const std::string& dir, con
   std::vector<ByteRange> holes;
   std::optional<GgufFile> probe;
   if (options.resident_in_memory && options.embedding_on_flash) {
-    // Where token_embd.weight lies: the metadata only, through pread; the directory is kept for the copy in memory.
-    NF_ASSIGN_OR_RETURN(probe, GgufFile::OpenPath(d->resident_path(), /*use_mmap=*/false));
+    // Where token_embd.weight lies: the metadata only, through pread that leaves no page (nor readahead of weights)
+    // in the page cache; the directory is kept for the copy in memory.
+    NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> meta, OpenUncachedPreadFile(d->resident_path()));
+    NF_ASSIGN_OR_RETURN(probe, GgufFile::Open(std::shared_ptr<const ReadableFile>(std::move(meta))));
     const GgufTensorInfo* emb = probe->FindTensor("token_embd.weight");
     if (emb != nullptr && probe->FindTensor("output.weight") != nullptr) {
       d->embedding_range_ = ByteRange{probe->data_offset() + emb->offset, emb->n_bytes};

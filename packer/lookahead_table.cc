@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "runtime/core/file.h"
 #include "runtime/core/float16.h"
 
 namespace nflash::packer {
@@ -74,7 +75,9 @@ Status LookaheadTableWriter::WriteLayer(int64_t l, const float* ffn_norm_next,
 Status LookaheadTableWriter::Finish() { return writer_->Finish(); }
 
 Result<std::unique_ptr<LookaheadTable>> LookaheadTable::Load(const std::string& path, const Predictor& pred) {
-  NF_ASSIGN_OR_RETURN(GgufFile f, GgufFile::OpenPath(path, /*use_mmap=*/false));
+  // With O_DIRECT (weights never go through the page cache), into memory freed once the tensors are copied out.
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> bytes, ReadFileDirect(path));
+  NF_ASSIGN_OR_RETURN(GgufFile f, GgufFile::Open(std::shared_ptr<const ReadableFile>(std::move(bytes))));
   NF_ASSIGN_OR_RETURN(std::string arch, f.GetString("general.architecture"));
   if (arch != kArch) {
     return Status::InvalidArgument(path + ": general.architecture \"" + arch + "\", expected \"" + kArch + "\"");

@@ -30,7 +30,11 @@ Status CheckRange(const std::string& path, uint64_t file_size, uint64_t offset, 
 
 class PreadFile final : public ReadableFile {
  public:
-  PreadFile(std::string path, int fd, uint64_t size) : path_(std::move(path)), fd_(fd), size_(size) {}
+  // `uncached`: no readahead, and the pages of each read dropped after it (OpenUncachedPreadFile).
+  PreadFile(std::string path, int fd, uint64_t size, bool uncached = false)
+      : path_(std::move(path)), fd_(fd), size_(size), uncached_(uncached) {
+    if (uncached_) (void)::posix_fadvise(fd_, 0, 0, POSIX_FADV_RANDOM);
+  }
   ~PreadFile() override { ::close(fd_); }
   Status ReadAt(uint64_t offset, size_t size, void* dst) const override {
     NF_RETURN_IF_ERROR(CheckRange(path_, size_, offset, size));
@@ -47,6 +51,7 @@ class PreadFile final : public ReadableFile {
       }
       done += static_cast<size_t>(n);
     }
+    if (uncached_) (void)::posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(size), POSIX_FADV_DONTNEED);
     return Status::Ok();
   }
   uint64_t Size() const override { return size_; }
@@ -56,6 +61,7 @@ class PreadFile final : public ReadableFile {
   std::string path_;
   int fd_;
   uint64_t size_;
+  bool uncached_;
 };
 
 // A file's bytes in a mapping owned by this object: the file itself (mmap), or anonymous memory it was read into
@@ -169,6 +175,11 @@ Status ReadableFile::ReadBatchProgress(std::span<const ReadRequest> requests,
 Result<std::unique_ptr<ReadableFile>> OpenPreadFile(const std::string& path) {
   NF_ASSIGN_OR_RETURN(auto fd_size, OpenForRead(path));
   return std::unique_ptr<ReadableFile>(new PreadFile(path, fd_size.first, fd_size.second));
+}
+
+Result<std::unique_ptr<ReadableFile>> OpenUncachedPreadFile(const std::string& path) {
+  NF_ASSIGN_OR_RETURN(auto fd_size, OpenForRead(path));
+  return std::unique_ptr<ReadableFile>(new PreadFile(path, fd_size.first, fd_size.second, /*uncached=*/true));
 }
 
 Result<std::unique_ptr<ReadableFile>> OpenMmapFile(const std::string& path) {

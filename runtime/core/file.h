@@ -63,6 +63,10 @@ class ReadableFile {
 
 // pread(2) on a file descriptor.
 Result<std::unique_ptr<ReadableFile>> OpenPreadFile(const std::string& path);
+// pread(2) that leaves nothing of the file in the page cache: no readahead (POSIX_FADV_RANDOM), and the pages of each
+// read dropped after it (POSIX_FADV_DONTNEED; clean pages of the same range cached by anyone else go too). For the
+// metadata of files whose contents are read with O_DIRECT (a GGUF's directory before ReadFileDirect).
+Result<std::unique_ptr<ReadableFile>> OpenUncachedPreadFile(const std::string& path);
 // Read-only, private mmap(2) of the whole file: Data() is non-null.
 Result<std::unique_ptr<ReadableFile>> OpenMmapFile(const std::string& path);
 // Reads the whole file with O_DIRECT (never through the page cache; buffered when the filesystem refuses O_DIRECT,

@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <variant>
 
+#include "runtime/core/file.h"
 #include "runtime/core/gguf.h"
 #include "runtime/core/quant.h"
 
@@ -181,7 +182,9 @@ Status SavePredictor(const PredictorData& data, const std::string& path, bool ov
 }
 
 Result<std::unique_ptr<Predictor>> Predictor::Load(const std::string& path) {
-  NF_ASSIGN_OR_RETURN(GgufFile f, GgufFile::OpenPath(path, /*use_mmap=*/false));
+  // With O_DIRECT (weights never go through the page cache), into memory freed once the tensors are copied out.
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> bytes, ReadFileDirect(path));
+  NF_ASSIGN_OR_RETURN(GgufFile f, GgufFile::Open(std::shared_ptr<const ReadableFile>(std::move(bytes))));
   Result<uint64_t> version_or = f.GetUint(Key("schema_version"));
   if (!version_or.ok()) {
     return Status::Corruption(path + ": not an nflash predictor file (" + version_or.status().message() + ")");

@@ -2,7 +2,11 @@
 // sample (README, checked independently of nflash) and, logit for logit, the in-memory sparse FFN, for every cache
 // size and both modes; cache counters; memory-budget refusal; fault injection (EIO, flipped bits) retried once, then
 // reported with layer, neuron and offset.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/vfs.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -943,6 +947,66 @@ TEST_F(OffloadTest, PersistentFaultsAreReportedWithLayerNeuronAndOffset) {
       EXPECT_TRUE(s.message().find(" neuron ") != std::string::npos ||
                   s.message().find("hot cluster") != std::string::npos) << s.message();
       EXPECT_EQ((*rt)->ffn().TotalStats().retries, 1) << "retried once, then reported";
+    }
+  }
+}
+
+// Pages of `path` in the page cache, by mincore on a shared mapping of it (the kernel's view, independent of the
+// runtime's own accounting of how it reads); -1 when it cannot tell.
+int64_t CachedPages(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  const off_t size = ::lseek(fd, 0, SEEK_END);
+  void* p = size > 0 ? ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
+  ::close(fd);
+  if (p == MAP_FAILED) return -1;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> vec((static_cast<size_t>(size) + page - 1) / page);
+  const int rc = ::mincore(p, static_cast<size_t>(size), vec.data());
+  ::munmap(p, static_cast<size_t>(size));
+  if (rc != 0) return -1;
+  int64_t n = 0;
+  for (unsigned char v : vec) n += v & 1;
+  return n;
+}
+
+// Weights are read with O_DIRECT, never through the page cache (issue 6): with a deployment's files dropped from the
+// page cache, opening it and decoding in either mode (which reads from ffn.bin) leaves none of their pages cached:
+// ffn.bin, resident.gguf, and with the predictor's deployment predictor.gguf and lookahead.gguf.
+TEST_F(OffloadTest, WeightsBypassThePageCache) {
+  ASSERT_TRUE(sparse_ && predicted_);
+  for (bool predictor : {false, true}) {
+    for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
+      SCOPED_TRACE(std::string(OffloadModeName(mode)) + (predictor ? " predictor" : " oracle"));
+      const std::string dir = predictor ? dir_->File("deploy-pred") : DeployDir();
+      std::vector<std::string> files = {dir + "/ffn.bin", dir + "/resident.gguf"};
+      if (predictor) {
+        files.push_back(dir + "/predictor.gguf");
+        files.push_back(dir + "/lookahead.gguf");
+      }
+      struct statfs sfs {};
+      ASSERT_EQ(::statfs(files[0].c_str(), &sfs), 0);
+      ASSERT_NE(sfs.f_type, 0x01021994) << "TMPDIR is tmpfs: its files live in the page cache (a disk-backed one)";
+      for (const std::string& f : files) {
+        const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
+        ASSERT_GE(fd, 0) << f;
+        ::fsync(fd);  // written by the packer: clean pages can be dropped
+        ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0) << f;
+        ::close(fd);
+        ASSERT_EQ(CachedPages(f), 0) << f << " could not be dropped from the page cache";
+      }
+      SparseRuntimeOptions o;
+      o.mode = mode;
+      o.active_set = predictor ? ActiveSetSource::kPredictor : ActiveSetSource::kOracle;
+      o.cold_slots = 50;
+      o.hot_slots = 1;
+      auto rt = SparseRuntime::Open(dir, o, pool_);
+      ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+      auto run = Greedy((*rt)->context(), n_vocab_, 10);
+      ASSERT_TRUE(run.ok()) << run.status().ToString();
+      ASSERT_TRUE(SameLogits(*run, predictor ? *predicted_ : *sparse_));
+      EXPECT_GT((*rt)->ffn().TotalStats().bytes_read, 0u);
+      for (const std::string& f : files) EXPECT_EQ(CachedPages(f), 0) << "pages of " << f << " went through the page cache";
     }
   }
 }
