@@ -378,8 +378,7 @@ Result<std::unique_ptr<Deployment>> Deployment::Open(const std::string& dir, con
   if (options.resident_in_memory && options.embedding_on_flash) {
     // Where token_embd.weight lies: the metadata only, through pread that leaves no page (nor readahead of weights)
     // in the page cache; the directory is kept for the copy in memory.
-    NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> meta, OpenUncachedPreadFile(d->resident_path()));
-    NF_ASSIGN_OR_RETURN(probe, GgufFile::Open(std::shared_ptr<const ReadableFile>(std::move(meta))));
+    NF_ASSIGN_OR_RETURN(probe, GgufFile::OpenPathUncached(d->resident_path()));
     const GgufTensorInfo* emb = probe->FindTensor("token_embd.weight");
     if (emb != nullptr && probe->FindTensor("output.weight") != nullptr) {
       d->embedding_range_ = ByteRange{probe->data_offset() + emb->offset, emb->n_bytes};
@@ -388,7 +387,7 @@ Result<std::unique_ptr<Deployment>> Deployment::Open(const std::string& dir, con
   }
   NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> resident_file,
                       options.resident_in_memory ? ReadFileDirect(d->resident_path(), holes)
-                                                 : OpenMmapFile(d->resident_path()));
+                                                 : OpenUncachedPreadFile(d->resident_path()));
   d->resident_memory_bytes_ = m.resident_bytes;
   d->resident_memory_bytes_ -= InnerBlocks(d->embedding_range_).size;  // the pages ReadFileDirect left out
   std::shared_ptr<const ReadableFile> resident_bytes(std::move(resident_file));

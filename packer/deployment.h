@@ -169,14 +169,15 @@ class Deployment {
     // sets it.
     bool verify_resident_hash = false;
     // Read resident.gguf with O_DIRECT into anonymous memory (ReadFileDirect: what the runtime computes from) instead
-    // of mapping it (enough for tools that only read its metadata and index tensors).
+    // of reading what is asked through pread that leaves nothing in the page cache (OpenUncachedPreadFile: enough for
+    // tools that only read its metadata and index tensors, and no weight is cached behind the memory budget's back).
     bool resident_in_memory = false;
     // With resident_in_memory: leave token_embd.weight on flash when the model has its own output.weight (a token
     // needs one row of it; tied embeddings are the output head and stay in memory). embedding_range() says where.
     bool embedding_on_flash = false;
   };
   // Parses manifest.json, checks schema version, shapes, that every region lies inside ffn.bin (whose size must match
-  // exactly), opens resident.gguf (mmap, or read into memory) and loads/validates the index tables (permutations, lengths). Errors name the
+  // exactly), opens resident.gguf (uncached pread, or read into memory) and loads/validates the index tables (permutations, lengths). Errors name the
   // file, the field, expected and found.
   static Result<std::unique_ptr<Deployment>> Open(const std::string& dir, const Options& options);
   static Result<std::unique_ptr<Deployment>> Open(const std::string& dir) { return Open(dir, Options{}); }

@@ -1,6 +1,9 @@
 // Test helpers implementation.
 #include "tests/test_util.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/vfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -57,6 +60,40 @@ std::string MakeReluDeployment(const std::string& model, const std::string& prof
     if (r.exit_code != 0) return c + "\n" + r.output;
   }
   return "";
+}
+
+int64_t CachedPages(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  const off_t size = ::lseek(fd, 0, SEEK_END);
+  void* p = size > 0 ? ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
+  ::close(fd);
+  if (p == MAP_FAILED) return -1;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> vec((static_cast<size_t>(size) + page - 1) / page);
+  const int rc = ::mincore(p, static_cast<size_t>(size), vec.data());
+  ::munmap(p, static_cast<size_t>(size));
+  if (rc != 0) return -1;
+  int64_t n = 0;
+  for (unsigned char v : vec) n += v & 1;
+  return n;
+}
+
+std::string DropFromPageCache(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "cannot open " + path;
+  ::fsync(fd);  // dirty pages (a file just written) cannot be dropped
+  const int rc = ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+  if (rc != 0) return "posix_fadvise failed on " + path;
+  if (CachedPages(path) != 0) return path + " could not be dropped from the page cache";
+  return "";
+}
+
+bool OnMemoryFilesystem(const std::string& path) {
+  struct statfs sfs {};
+  if (::statfs(path.c_str(), &sfs) != 0) return false;
+  return sfs.f_type == 0x01021994 /* tmpfs */ || sfs.f_type == 0x858458f6 /* ramfs */;
 }
 
 void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes) {

@@ -38,6 +38,14 @@ CommandResult RunCommand(const std::string& command, bool capture_stderr = true)
 // failing command's output.
 std::string MakeReluDeployment(const std::string& model, const std::string& profile, const std::string& deploy);
 
+// Pages of `path` in the page cache, by mincore on a shared mapping of it (the kernel's view, independent of how the
+// code under test reads); -1 when it cannot tell.
+int64_t CachedPages(const std::string& path);
+// Drops `path`'s pages from the page cache (fsync, then POSIX_FADV_DONTNEED); "" when done, else why not.
+std::string DropFromPageCache(const std::string& path);
+// Whether `path` lies on tmpfs or ramfs, whose files live in the page cache.
+bool OnMemoryFilesystem(const std::string& path);
+
 void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes);
 void WriteText(const std::string& path, const std::string& text);
 

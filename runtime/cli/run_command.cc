@@ -399,7 +399,7 @@ Status RunPerplexity(const PplFlags& f) {
   std::unique_ptr<Tokenizer> deploy_tok;
   LlamaHparams hp;
   if (deployed) {
-    NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::OpenPath(f.deploy + "/" + packer::kResidentFileName));
+    NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::OpenPathUncached(f.deploy + "/" + packer::kResidentFileName));
     NF_ASSIGN_OR_RETURN(deploy_tok, LoadTokenizer(resident));
     NF_ASSIGN_OR_RETURN(hp, ReadLlamaHparams(resident));
   } else {

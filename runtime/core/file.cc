@@ -51,7 +51,11 @@ class PreadFile final : public ReadableFile {
       }
       done += static_cast<size_t>(n);
     }
-    if (uncached_) (void)::posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(size), POSIX_FADV_DONTNEED);
+    if (uncached_) {
+      // Whole pages: DONTNEED leaves the partial pages at a range's ends.
+      const uint64_t begin = offset / 4096 * 4096, end = RoundUp<uint64_t>(offset + size, 4096);
+      (void)::posix_fadvise(fd_, static_cast<off_t>(begin), static_cast<off_t>(end - begin), POSIX_FADV_DONTNEED);
+    }
     return Status::Ok();
   }
   uint64_t Size() const override { return size_; }
@@ -249,7 +253,7 @@ Result<std::unique_ptr<ReadableFile>> ReadWholeFd(const std::string& path, int f
   }
   auto file = std::make_unique<MappedFile>(path, base, mapped, data, size);
   if (!skip.empty()) {
-    NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> source, OpenPreadFile(path));
+    NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> source, OpenUncachedPreadFile(path));
     file->SetHoles(skip, std::move(source));
   }
   size_t done = 0;

@@ -510,6 +510,11 @@ Result<GgufFile> GgufFile::OpenPath(const std::string& path, bool use_mmap) {
   return Open(std::shared_ptr<const ReadableFile>(std::move(file)));
 }
 
+Result<GgufFile> GgufFile::OpenPathUncached(const std::string& path) {
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, OpenUncachedPreadFile(path));
+  return Open(std::shared_ptr<const ReadableFile>(std::move(file)));
+}
+
 Result<GgufFile> GgufFile::Rebind(std::shared_ptr<const ReadableFile> file) && {
   if (file->Size() != file_->Size()) {
     return Status::Corruption(file->Path() + ": " + std::to_string(file->Size()) +

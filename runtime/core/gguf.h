@@ -96,6 +96,9 @@ class GgufFile {
   // found values. Nothing is read past the tensor directory except to check that every tensor lies inside the file.
   static Result<GgufFile> Open(std::shared_ptr<const ReadableFile> file);
   static Result<GgufFile> OpenPath(const std::string& path, bool use_mmap = true);
+  // Through pread that leaves nothing of the file in the page cache (OpenUncachedPreadFile): for the metadata (e.g. the
+  // tokenizer) of a file whose tensors are read with O_DIRECT, or not at all.
+  static Result<GgufFile> OpenPathUncached(const std::string& path);
   // The same parsed directory over another copy of the file's bytes (e.g. the file read into memory after its metadata
   // was parsed through pread): nothing is parsed again. The copy must hold the same bytes; only its size is checked
   // (a Corruption naming both paths when it differs).

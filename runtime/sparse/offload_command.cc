@@ -103,7 +103,7 @@ Status RunOffload(const OffloadFlags& f) {
   using Clock = std::chrono::steady_clock;
   // The tokenizer and the context size first (the KV cache is part of the fixed memory): -c 0 means prompt +
   // max tokens, as `nflash run` does, capped at the model's context length.
-  NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::OpenPath(f.deploy + "/" + packer::kResidentFileName));
+  NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::OpenPathUncached(f.deploy + "/" + packer::kResidentFileName));
   NF_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tok, LoadTokenizer(resident));
   NF_ASSIGN_OR_RETURN(LlamaHparams rhp, ReadLlamaHparams(resident));
   std::vector<int32_t> ids = tok->Encode(f.prompt, tok->add_bos());

@@ -2,11 +2,7 @@
 // sample (README, checked independently of nflash) and, logit for logit, the in-memory sparse FFN, for every cache
 // size and both modes; cache counters; memory-budget refusal; fault injection (EIO, flipped bits) retried once, then
 // reported with layer, neuron and offset.
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <sys/mman.h>
-#include <sys/vfs.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -951,30 +947,12 @@ TEST_F(OffloadTest, PersistentFaultsAreReportedWithLayerNeuronAndOffset) {
   }
 }
 
-// Pages of `path` in the page cache, by mincore on a shared mapping of it (the kernel's view, independent of the
-// runtime's own accounting of how it reads); -1 when it cannot tell.
-int64_t CachedPages(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return -1;
-  const off_t size = ::lseek(fd, 0, SEEK_END);
-  void* p = size > 0 ? ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0) : MAP_FAILED;
-  ::close(fd);
-  if (p == MAP_FAILED) return -1;
-  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  std::vector<unsigned char> vec((static_cast<size_t>(size) + page - 1) / page);
-  const int rc = ::mincore(p, static_cast<size_t>(size), vec.data());
-  ::munmap(p, static_cast<size_t>(size));
-  if (rc != 0) return -1;
-  int64_t n = 0;
-  for (unsigned char v : vec) n += v & 1;
-  return n;
-}
-
 // Weights are read with O_DIRECT, never through the page cache (issue 6): with a deployment's files dropped from the
 // page cache, opening it and decoding in either mode (which reads from ffn.bin) leaves none of their pages cached:
 // ffn.bin, resident.gguf, and with the predictor's deployment predictor.gguf and lookahead.gguf.
 TEST_F(OffloadTest, WeightsBypassThePageCache) {
   ASSERT_TRUE(sparse_ && predicted_);
+  using testing::CachedPages;
   for (bool predictor : {false, true}) {
     for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
       SCOPED_TRACE(std::string(OffloadModeName(mode)) + (predictor ? " predictor" : " oracle"));
@@ -984,17 +962,11 @@ TEST_F(OffloadTest, WeightsBypassThePageCache) {
         files.push_back(dir + "/predictor.gguf");
         files.push_back(dir + "/lookahead.gguf");
       }
-      struct statfs sfs {};
-      ASSERT_EQ(::statfs(files[0].c_str(), &sfs), 0);
-      ASSERT_NE(sfs.f_type, 0x01021994) << "TMPDIR is tmpfs: its files live in the page cache (a disk-backed one)";
-      for (const std::string& f : files) {
-        const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC);
-        ASSERT_GE(fd, 0) << f;
-        ::fsync(fd);  // written by the packer: clean pages can be dropped
-        ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0) << f;
-        ::close(fd);
-        ASSERT_EQ(CachedPages(f), 0) << f << " could not be dropped from the page cache";
-      }
+      ASSERT_FALSE(testing::OnMemoryFilesystem(dir)) << "TMPDIR is tmpfs: its files live in the page cache";
+      for (const std::string& f : files) ASSERT_EQ(testing::DropFromPageCache(f), "");
+      // A tool's view of the deployment (metadata and index tables only) too.
+      auto tool_view = packer::Deployment::Open(dir);
+      ASSERT_TRUE(tool_view.ok()) << tool_view.status().ToString();
       SparseRuntimeOptions o;
       o.mode = mode;
       o.active_set = predictor ? ActiveSetSource::kPredictor : ActiveSetSource::kOracle;
