@@ -53,7 +53,8 @@ class PreadFile final : public ReadableFile {
     }
     if (uncached_) {
       // Whole pages: DONTNEED leaves the partial pages at a range's ends.
-      const uint64_t begin = offset / 4096 * 4096, end = RoundUp<uint64_t>(offset + size, 4096);
+      static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+      const uint64_t begin = offset / page * page, end = RoundUp<uint64_t>(offset + size, page);
       (void)::posix_fadvise(fd_, static_cast<off_t>(begin), static_cast<off_t>(end - begin), POSIX_FADV_DONTNEED);
     }
     return Status::Ok();
