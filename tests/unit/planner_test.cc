@@ -409,6 +409,33 @@ TEST(PlannerTest, MemoryLimitedPlanUsesAllTheMemoryItHas) {
   EXPECT_NEAR(r.prediction.served_fraction, 0.6, 1e-9);
 }
 
+// The least memory for a speed rounds neurons up (never below the speed it was solved for), but never past the memory
+// limit: with a limit half a neuron above 600 and the speed that 600.5 neurons give, the memory optimum is ~600.5
+// neurons, whose rounding up (601) would not fit; the plan keeps 600 and stays within the limit. With room, 601.
+TEST(PlannerTest, LeastMemoryPlanRoundsUpOnlyWithinTheLimit) {
+  const HardwareParams hw = Hw();
+  const ModelParams m = OneRegion(Linear(), Zero());
+  const uint64_t limit = (1u << 20) + 600u * 4096u + 2048u;  // 600.5 neurons
+  SolveResult fastest;
+  ASSERT_NO_FATAL_FAILURE(SolveWithin(hw, m, limit, &fastest));
+  UserLimits limits;
+  limits.memory_bytes = limit;
+  limits.objective = UserLimits::Objective::kMemory;
+  limits.min_tokens_per_s = (1.0 - 1e-7) / fastest.solver_token_s;  // what 600.5 neurons reach, a hair less
+  auto r = SolvePlan(hw, m, limits);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->feasible) << r->message;
+  EXPECT_LE(r->prediction.memory_bytes, limit);
+  EXPECT_EQ(r->settings.hot_neurons[0] + r->settings.cold_slots[0], 600);
+  // With room to spare the same speed gets 601 neurons: the plan reaches it (600 would fall short).
+  limits.memory_bytes = (1u << 20) + 700u * 4096u;
+  auto roomy = SolvePlan(hw, m, limits);
+  ASSERT_TRUE(roomy.ok()) << roomy.status().ToString();
+  ASSERT_TRUE(roomy->feasible) << roomy->message;
+  EXPECT_EQ(roomy->settings.hot_neurons[0] + roomy->settings.cold_slots[0], 601);
+  EXPECT_GE(1.0 / roomy->prediction.token_s, limits.min_tokens_per_s);
+}
+
 // Hot neurons take whole flash groups, cold slots the bundle rounded to the direct-I/O alignment (e.g. 8192 against
 // 7168 bytes): Evaluate and the solver count each at its own size, so a plan never asks the runtime for more memory
 // than the limit.
