@@ -5,7 +5,6 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <sys/sysmacros.h>
 #include <sys/utsname.h>
 #include <unistd.h>
@@ -593,8 +592,7 @@ Result<json> MeasureFlash(const Mode& mode, const std::string& dir) {
 
 FilesystemInfo DescribeFilesystem(const std::string& path) {
   FilesystemInfo info;
-  struct statfs sfs {};
-  if (statfs(path.c_str(), &sfs) == 0) info.tmpfs = sfs.f_type == 0x01021994 || sfs.f_type == 0x858458f6;
+  info.tmpfs = OnMemoryFilesystem(path);
   struct stat st {};
   if (stat(path.c_str(), &st) != 0) return info;
   const std::string want = std::to_string(major(st.st_dev)) + ":" + std::to_string(minor(st.st_dev));

@@ -3,7 +3,6 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/vfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -88,12 +87,6 @@ std::string DropFromPageCache(const std::string& path) {
   if (rc != 0) return "posix_fadvise failed on " + path;
   if (CachedPages(path) != 0) return path + " could not be dropped from the page cache";
   return "";
-}
-
-bool OnMemoryFilesystem(const std::string& path) {
-  struct statfs sfs {};
-  if (::statfs(path.c_str(), &sfs) != 0) return false;
-  return sfs.f_type == 0x01021994 /* tmpfs */ || sfs.f_type == 0x858458f6 /* ramfs */;
 }
 
 void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes) {

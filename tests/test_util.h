@@ -43,8 +43,6 @@ std::string MakeReluDeployment(const std::string& model, const std::string& prof
 int64_t CachedPages(const std::string& path);
 // Drops `path`'s pages from the page cache (fsync, then POSIX_FADV_DONTNEED); "" when done, else why not.
 std::string DropFromPageCache(const std::string& path);
-// Whether `path` lies on tmpfs or ramfs, whose files live in the page cache.
-bool OnMemoryFilesystem(const std::string& path);
 
 void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes);
 void WriteText(const std::string& path, const std::string& text);

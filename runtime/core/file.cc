@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -180,6 +181,22 @@ Status ReadableFile::ReadBatchProgress(std::span<const ReadRequest> requests,
 Result<std::unique_ptr<ReadableFile>> OpenPreadFile(const std::string& path) {
   NF_ASSIGN_OR_RETURN(auto fd_size, OpenForRead(path));
   return std::unique_ptr<ReadableFile>(new PreadFile(path, fd_size.first, fd_size.second));
+}
+
+namespace {
+constexpr long kTmpfsMagic = 0x01021994;
+constexpr long kRamfsMagic = 0x858458f6;
+bool IsMemoryFilesystem(const struct statfs& sfs) { return sfs.f_type == kTmpfsMagic || sfs.f_type == kRamfsMagic; }
+}  // namespace
+
+bool OnMemoryFilesystem(int fd) {
+  struct statfs sfs {};
+  return ::fstatfs(fd, &sfs) == 0 && IsMemoryFilesystem(sfs);
+}
+
+bool OnMemoryFilesystem(const std::string& path) {
+  struct statfs sfs {};
+  return ::statfs(path.c_str(), &sfs) == 0 && IsMemoryFilesystem(sfs);
 }
 
 Result<std::unique_ptr<ReadableFile>> OpenUncachedPreadFile(const std::string& path) {

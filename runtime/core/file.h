@@ -63,6 +63,10 @@ class ReadableFile {
 
 // pread(2) on a file descriptor.
 Result<std::unique_ptr<ReadableFile>> OpenPreadFile(const std::string& path);
+// Whether the file system holding `fd` / `path` keeps its files in memory (tmpfs, ramfs): O_DIRECT is accepted there on
+// recent kernels, but the data still lives in the page cache. False when it cannot tell.
+bool OnMemoryFilesystem(int fd);
+bool OnMemoryFilesystem(const std::string& path);
 // pread(2) that leaves nothing of the file in the page cache: no readahead (POSIX_FADV_RANDOM), and the pages of each
 // read dropped after it (POSIX_FADV_DONTNEED; clean pages of the same range cached by anyone else go too). For the
 // metadata of files whose contents are read with O_DIRECT (a GGUF's directory before ReadFileDirect).

@@ -5,7 +5,6 @@
 #include <fcntl.h>
 #include <liburing.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -21,9 +20,6 @@
 namespace nflash::io {
 namespace {
 
-// tmpfs and ramfs accept O_DIRECT on recent kernels but the data still lives in the page cache.
-constexpr long kTmpfsMagic = 0x01021994;
-constexpr long kRamfsMagic = 0x858458f6;
 // One registered buffer may not exceed 1 GiB (kernel limit), so larger arenas are registered in 1 GiB pieces.
 constexpr size_t kMaxRegisteredBuffer = size_t{1} << 30;
 
@@ -143,8 +139,7 @@ Result<std::unique_ptr<DirectReader>> DirectReader::FromFd(int fd, const std::st
   }
   const int flags = ::fcntl(fd, F_GETFL);
   bool direct = flags >= 0 && (flags & O_DIRECT) != 0;
-  struct statfs sfs {};
-  if (direct && ::fstatfs(fd, &sfs) == 0 && (sfs.f_type == kTmpfsMagic || sfs.f_type == kRamfsMagic)) {
+  if (direct && OnMemoryFilesystem(fd)) {
     if (!options.allow_buffered_fallback) {
       ::close(fd);
       return Status::Unsupported(name + " is on tmpfs/ramfs: O_DIRECT would still read from the page cache");

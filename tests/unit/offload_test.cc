@@ -820,11 +820,7 @@ Result<std::unique_ptr<SparseRuntime>> OpenWithFaults(const std::string& dir, Of
   o.active_set = ActiveSetSource::kOracle;
   o.cold_slots = 50;
   o.hot_slots = 1;
-  o.wrap_flash = [fi](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
-    auto f = std::make_shared<FaultInjectingFile>(std::move(base));
-    *fi = f.get();
-    return f;
-  };
+  o.wrap_flash = WrapWithFaults(fi);
   return SparseRuntime::Open(dir, o, pool);
 }
 
@@ -952,7 +948,6 @@ TEST_F(OffloadTest, PersistentFaultsAreReportedWithLayerNeuronAndOffset) {
 // ffn.bin, resident.gguf, and with the predictor's deployment predictor.gguf and lookahead.gguf.
 TEST_F(OffloadTest, WeightsBypassThePageCache) {
   ASSERT_TRUE(sparse_ && predicted_);
-  using testing::CachedPages;
   for (bool predictor : {false, true}) {
     for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
       SCOPED_TRACE(std::string(OffloadModeName(mode)) + (predictor ? " predictor" : " oracle"));
@@ -962,7 +957,7 @@ TEST_F(OffloadTest, WeightsBypassThePageCache) {
         files.push_back(dir + "/predictor.gguf");
         files.push_back(dir + "/lookahead.gguf");
       }
-      ASSERT_FALSE(testing::OnMemoryFilesystem(dir)) << "TMPDIR is tmpfs: its files live in the page cache";
+      ASSERT_FALSE(OnMemoryFilesystem(dir)) << "TMPDIR is tmpfs: its files live in the page cache";
       for (const std::string& f : files) ASSERT_EQ(testing::DropFromPageCache(f), "");
       // A tool's view of the deployment (metadata and index tables only) too.
       auto tool_view = packer::Deployment::Open(dir);
@@ -978,7 +973,9 @@ TEST_F(OffloadTest, WeightsBypassThePageCache) {
       ASSERT_TRUE(run.ok()) << run.status().ToString();
       ASSERT_TRUE(SameLogits(*run, predictor ? *predicted_ : *sparse_));
       EXPECT_GT((*rt)->ffn().TotalStats().bytes_read, 0u);
-      for (const std::string& f : files) EXPECT_EQ(CachedPages(f), 0) << "pages of " << f << " went through the page cache";
+      for (const std::string& f : files) {
+        EXPECT_EQ(testing::CachedPages(f), 0) << "pages of " << f << " went through the page cache";
+      }
     }
   }
 }
@@ -1017,11 +1014,7 @@ TEST_F(OffloadTest, AFailedTokenLeavesNoBadBundleInTheCache) {
     o.hot_policy = c.hot;
     o.hot_slots = c.hot == HotPolicy::kLru ? 5 : 1;
     o.batched_prefill = false;  // the prompt through the token path too (a batched prefill reads its own buffers)
-    o.wrap_flash = [&fi](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
-      auto f = std::make_shared<FaultInjectingFile>(std::move(base));
-      fi = f.get();
-      return f;
-    };
+    o.wrap_flash = WrapWithFaults(&fi);
     auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
     InferenceContext& ctx = (*rt)->context();
@@ -1064,11 +1057,7 @@ TEST_F(OffloadTest, LentBatchedPrefillFaultsAreRetriedOrReported) {
     o.hot_slots = 1;
     o.prefill_in_cache = true;
     o.batched_prefill_min_tokens = 2;
-    o.wrap_flash = [&fi](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
-      auto f = std::make_shared<FaultInjectingFile>(std::move(base));
-      fi = f.get();
-      return f;
-    };
+    o.wrap_flash = WrapWithFaults(&fi);
     auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
     ASSERT_TRUE((*rt)->ffn().prefill_in_cache());
@@ -1174,11 +1163,7 @@ TEST_F(OffloadTest, BundlesReadAheadAreVerifiedBeforeUse) {
     FaultInjectingFile* fi = nullptr;
     SparseRuntimeOptions o = options();
     o.lookahead_replay = trace_path;
-    o.wrap_flash = [&fi](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
-      auto f = std::make_shared<FaultInjectingFile>(std::move(base));
-      fi = f.get();
-      return f;
-    };
+    o.wrap_flash = WrapWithFaults(&fi);
     auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
     InferenceContext& ctx = (*rt)->context();

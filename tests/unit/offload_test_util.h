@@ -2,6 +2,7 @@
 // pack test deployments from.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -11,11 +12,23 @@
 #include "converter/synth.h"
 #include "profiler/profile.h"
 #include "runtime/core/checksum.h"
+#include "runtime/core/file.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
 #include "runtime/engine/predictor.h"
 
 namespace nflash::sparse {
+
+// A SparseRuntimeOptions::wrap_flash that puts a FaultInjectingFile around the flash file and stores it in *fi (which
+// must outlive the runtime's opening), for the test to add fault rules to.
+inline std::function<std::shared_ptr<const ReadableFile>(std::shared_ptr<const ReadableFile>)> WrapWithFaults(
+    FaultInjectingFile** fi) {
+  return [fi](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
+    auto f = std::make_shared<FaultInjectingFile>(std::move(base));
+    *fi = f.get();
+    return f;
+  };
+}
 
 // A synthetic model of the shape in `so` (shape "custom", dim, ffn, layers, heads, vocab, context, type), calibrated on
 // 2 short sequences on one thread (fast; the tests need its shape, not its statistics), written to `path` in

@@ -439,11 +439,7 @@ Result<std::unique_ptr<SparseRuntime>> OpenWithFaults(const std::string& dir, Of
   o.batched_prefill = false;
   o.two_phase = true;
   o.cold_slots = 50;
-  o.wrap_flash = [fi](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
-    auto f = std::make_shared<FaultInjectingFile>(std::move(base));
-    *fi = f.get();
-    return f;
-  };
+  o.wrap_flash = WrapWithFaults(fi);
   return SparseRuntime::Open(dir, o, pool);
 }
 
