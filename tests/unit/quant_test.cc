@@ -233,6 +233,16 @@ TEST(QuantQ4_0Test, OptimalNeverWorseThanReferenceAndUsuallyBetter) {
   }
   // Gaussian blocks: a searched scale beats max/-8 clearly (llama.cpp reports ~10-20 % lower RMSE).
   EXPECT_LT(total_opt, 0.95 * total_ref);
+  // Tiny blocks: the scale is an fp16 subnormal (steps of 2^-24), so its rounding moves the error a lot; a search that
+  // compared candidates by their unrounded scale would pick worse codes than the reference here.
+  auto tiny = RandomRow(n, 23);
+  for (float& v : tiny) v *= 2e-6f;
+  QuantizeRowQ4_0(tiny.data(), ref.data(), n);
+  QuantizeRowQ4_0Optimal(tiny.data(), opt.data(), n);
+  for (int64_t b = 0; b < n / 32; ++b) {
+    ASSERT_LE(BlockSquaredError(tiny.data() + b * 32, opt[b]), BlockSquaredError(tiny.data() + b * 32, ref[b]))
+        << "tiny block " << b;
+  }
   // A zero block stays all zero codes (8) with scale 0 as in the reference.
   float zeros[32] = {};
   BlockQ4_0 z;
