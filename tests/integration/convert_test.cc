@@ -6,7 +6,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -212,6 +214,42 @@ TEST_P(ConvertQuantized, ErrorWithinBlockBoundAndF16Fallback) {
 INSTANTIATE_TEST_SUITE_P(Types, ConvertQuantized, ::testing::Values(GgmlType::kQ8_0, GgmlType::kQ4_0),
                          [](const auto& info) { return std::string(GgmlTypeName(info.param)); });
 
+// Q4_0 weights are the error-minimising quantizer's blocks by default and ggml's rounding with the search off, byte
+// for byte (each quantizer is checked against its definition in quant_test).
+TEST(ConvertQ4_0, ScaleSearchByDefaultAndGgmlRoundingWithoutIt) {
+  auto model = ReadLlama2c(SharedPath("models/stories260K/stories260K.bin"),
+                           SharedPath("models/stories260K/tok512.bin"), FfnActivation::kSilu);
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  TempDir dir;
+  for (bool search : {true, false}) {
+    WriteOptions o;
+    o.path = dir.File(search ? "search.gguf" : "ggml.gguf");
+    o.type = GgmlType::kQ4_0;
+    o.progress = false;
+    o.q4_0_scale_search = search;
+    ASSERT_TRUE(WriteModelGguf(*model, o).ok());
+    auto f = GgufFile::OpenPath(o.path);
+    ASSERT_TRUE(f.ok()) << f.status().ToString();
+    int checked = 0;
+    for (const GgufTensorInfo& t : f->tensors()) {
+      if (t.type != GgmlType::kQ4_0) continue;
+      const std::vector<float>& x = Stories260K().at(t.name).second;
+      std::vector<BlockQ4_0> want(x.size() / kQBlock);
+      for (size_t r = 0; r < x.size() / t.dims[0]; ++r) {
+        const int64_t row = static_cast<int64_t>(t.dims[0]);
+        (search ? QuantizeRowQ4_0Optimal : QuantizeRowQ4_0)(x.data() + r * row, want.data() + r * row / kQBlock, row);
+      }
+      std::vector<uint8_t> scratch;
+      auto data = f->TensorData(t, &scratch);
+      ASSERT_TRUE(data.ok());
+      ASSERT_EQ(data->size(), want.size() * sizeof(BlockQ4_0));
+      EXPECT_EQ(std::memcmp(data->data(), want.data(), data->size()), 0) << t.name << (search ? " search" : " ggml");
+      ++checked;
+    }
+    EXPECT_EQ(checked, 30);  // q, k, v, o, gate, up of 5 layers (down rows of 172: F16; the tied head: Q8_0)
+  }
+}
+
 TEST(ConvertGguf, RequantizeAndRoundTrip) {
   TempDir dir;
   ASSERT_TRUE(ConvertStories(dir.File("f32.gguf"), GgmlType::kF32, FfnActivation::kRelu).ok());
@@ -281,6 +319,91 @@ TEST(ConvertGguf, RequantizeAndRoundTrip) {
   for (size_t i = 0; i < 512; ++i) {
     EXPECT_EQ(std::get<std::string>((*toks_a)->items[i].v), std::get<std::string>((*toks_b)->items[i].v));
   }
+}
+
+// Every tokenizer and RoPE field a SourceModel can carry reaches the file under llama.cpp's key and type, read back
+// with GgufFile (not the converter's reader), then through ReadGgufModel unchanged.
+TEST(ConvertGguf, WritesEveryTokenizerAndRopeField) {
+  auto model = ReadLlama2c(SharedPath("models/stories260K/stories260K.bin"),
+                           SharedPath("models/stories260K/tok512.bin"), FfnActivation::kSilu);
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  TokenizerData& t = model->tokenizer;
+  t.model = "gpt2";
+  t.pre = "llama-bpe";
+  t.scores.clear();
+  t.token_types.assign(t.tokens.size(), 1);
+  t.token_types[3] = 3;
+  t.merges = {"a b", "ab c", "\xc4\xa0 t"};
+  t.bos_id = 1;
+  t.eos_id = 2;
+  t.unk_id = 0;
+  t.pad_id = 7;
+  t.add_bos = true;
+  t.add_eos = false;
+  model->config.rope_scale_linear = 4.0f;
+  model->config.rope_theta = 500000.0f;
+  model->config.context_length = 2048;
+  model->config.name = "stories-bpe";
+  TempDir dir;
+  WriteOptions o;
+  o.path = dir.File("bpe.gguf");
+  o.progress = false;
+  ASSERT_TRUE(WriteModelGguf(*model, o).ok());
+
+  auto f = GgufFile::OpenPath(o.path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(Get(f->GetString("general.name")), "stories-bpe");
+  EXPECT_EQ(Get(f->GetString("tokenizer.ggml.model")), "gpt2");
+  EXPECT_EQ(Get(f->GetString("tokenizer.ggml.pre")), "llama-bpe");
+  EXPECT_EQ(f->Find("tokenizer.ggml.scores"), nullptr);
+  const GgufArray* merges = Get(f->GetArray("tokenizer.ggml.merges"));
+  ASSERT_NE(merges, nullptr);
+  ASSERT_EQ(merges->element_type, GgufType::kString);
+  ASSERT_EQ(merges->items.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(std::get<std::string>(merges->items[i].v), t.merges[i]);
+  const GgufArray* types = Get(f->GetArray("tokenizer.ggml.token_type"));
+  ASSERT_NE(types, nullptr);
+  ASSERT_EQ(types->element_type, GgufType::kInt32);
+  ASSERT_EQ(types->items.size(), 512u);
+  EXPECT_EQ(std::get<int32_t>(types->items[3].v), 3);
+  EXPECT_EQ(std::get<int32_t>(types->items[4].v), 1);
+  EXPECT_EQ(Get(f->GetUint("tokenizer.ggml.bos_token_id")), 1u);
+  EXPECT_EQ(Get(f->GetUint("tokenizer.ggml.eos_token_id")), 2u);
+  EXPECT_EQ(Get(f->GetUint("tokenizer.ggml.unknown_token_id")), 0u);
+  EXPECT_EQ(Get(f->GetUint("tokenizer.ggml.padding_token_id")), 7u);
+  EXPECT_TRUE(Get(f->GetBool("tokenizer.ggml.add_bos_token")));
+  ASSERT_NE(f->Find("tokenizer.ggml.add_eos_token"), nullptr);
+  EXPECT_FALSE(Get(f->GetBool("tokenizer.ggml.add_eos_token")));
+  EXPECT_EQ(Get(f->GetString("llama.rope.scaling.type")), "linear");
+  EXPECT_EQ(Get(f->GetFloat("llama.rope.scaling.factor")), 4.0);
+  EXPECT_EQ(Get(f->GetFloat("llama.rope.freq_base")), 500000.0);
+  EXPECT_EQ(Get(f->GetUint("llama.context_length")), 2048u);
+  EXPECT_EQ(Get(f->GetUint("llama.rope.dimension_count")), 8u);  // dim 64 / 8 heads
+
+  auto back = ReadGgufModel(o.path);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  const TokenizerData& b = back->tokenizer;
+  EXPECT_EQ(b.model, t.model);
+  EXPECT_EQ(b.pre, t.pre);
+  EXPECT_EQ(b.tokens, t.tokens);
+  EXPECT_TRUE(b.scores.empty());
+  EXPECT_EQ(b.token_types, t.token_types);
+  EXPECT_EQ(b.merges, t.merges);
+  EXPECT_EQ(std::vector<int32_t>({b.bos_id, b.eos_id, b.unk_id, b.pad_id}), std::vector<int32_t>({1, 2, 0, 7}));
+  EXPECT_EQ(b.add_bos, std::optional<bool>(true));
+  EXPECT_EQ(b.add_eos, std::optional<bool>(false));
+  EXPECT_EQ(back->config.rope_scale_linear, 4.0f);
+  EXPECT_EQ(back->config.rope_theta, 500000.0f);
+  EXPECT_EQ(back->config.context_length, 2048);
+
+  // Without scaling the keys are absent (llama.cpp would read a factor of 0 as "none" but a type as a request).
+  model->config.rope_scale_linear = 1.0f;
+  o.overwrite = true;
+  ASSERT_TRUE(WriteModelGguf(*model, o).ok());
+  auto plain = GgufFile::OpenPath(o.path);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->Find("llama.rope.scaling.type"), nullptr);
+  EXPECT_EQ(plain->Find("llama.rope.scaling.factor"), nullptr);
 }
 
 // Copies `src` (an F32 GGUF of stories260K) to `dst` through GgufWriter the way PowerInfer lays files out: nflash.*
@@ -437,6 +560,64 @@ TEST(ConvertSafety, RejectsInconsistentModels) {
   s = WriteModelGguf(wrong_vocab, o);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("511"), std::string::npos) << s.ToString();
+
+  // Each inconsistency is refused before anything is written, naming what is wrong.
+  struct Case {
+    const char* what;
+    std::function<void(SourceModel*)> spoil;
+    std::vector<std::string> message;
+  };
+  const std::vector<Case> cases = {
+      {"vocab and tokens", [](SourceModel* m) {
+         m->tokenizer.tokens.pop_back();
+         m->tokenizer.scores.pop_back();
+         m->tokenizer.token_types.pop_back();
+       },
+       {"511 tokens", "vocabulary is 512"}},
+      {"scores", [](SourceModel* m) { m->tokenizer.scores.pop_back(); }, {"511 scores", "512 tokens"}},
+      {"token types", [](SourceModel* m) { m->tokenizer.token_types.assign(3, 1); }, {"3 token types"}},
+      {"kv heads", [](SourceModel* m) { m->config.n_kv_heads = 3; }, {"n_kv_heads 3"}},
+      {"experts used", [](SourceModel* m) { m->config.n_experts = 4; m->config.n_experts_used = 5; },
+       {"expert_used_count 5", "1..4"}},
+      {"duplicate", [](SourceModel* m) { m->tensors.push_back(m->tensors[3]); },
+       {model->tensors[3].name, "appears twice"}},
+      {"k shape",
+       [](SourceModel* m) {
+         for (auto& t : m->tensors) {
+           if (t.name == "blk.1.attn_k.weight") t.dims = {64, 64};
+         }
+       },
+       {"blk.1.attn_k.weight", "[64, 32]"}},
+      {"tied head", [](SourceModel* m) {
+         SourceTensor head = m->tensors[0];
+         head.name = "output.weight";
+         m->tensors.push_back(head);
+       }, {"tied_embeddings", "output.weight"}},
+      {"down_t shape", [](SourceModel* m) {
+         for (auto& t : m->tensors) if (t.name == "blk.4.ffn_down.weight") t.name = "blk.4.ffn_down_t.weight";
+       }, {"blk.4.ffn_down_t.weight", "[64, 172]"}},
+  };
+  for (const Case& c : cases) {
+    SourceModel bad = *model;
+    c.spoil(&bad);
+    s = WriteModelGguf(bad, o);
+    ASSERT_FALSE(s.ok()) << c.what;
+    for (const std::string& m : c.message) {
+      EXPECT_NE(s.message().find(m), std::string::npos) << c.what << ": " << s.ToString();
+    }
+    EXPECT_FALSE(fs::exists(o.path)) << c.what;
+  }
+
+  // A source whose raw bytes disagree with its shape (a reader's bug) fails the write, leaving no file.
+  SourceModel raw = *model;
+  for (auto& t : raw.tensors) {
+    if (t.name != "blk.0.attn_q.weight") continue;
+    t.load_raw = [] { return Result<std::vector<uint8_t>>(std::vector<uint8_t>(100)); };
+  }
+  s = WriteModelGguf(raw, o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("100 raw bytes"), std::string::npos) << s.ToString();
+  EXPECT_FALSE(fs::exists(o.path));
 
   o.type = GgmlType::kQ4_1;
   s = WriteModelGguf(*model, o);
