@@ -263,7 +263,10 @@ Status InspectLlama2c(const InspectFlags& flags) {
   }
   const Llama2cHeader& h = *header;
   const bool size_ok = h.file_bytes == h.expected_file_bytes;
-  const std::vector<Llama2cTensor> layout = Llama2cLayout(h);
+  // A header that fails the size check may claim millions of layers: its layout is listed only when short.
+  constexpr int64_t kMaxListedLayers = 4096;
+  const bool list_layout = size_ok || h.n_layers <= kMaxListedLayers;
+  const std::vector<Llama2cTensor> layout = list_layout ? Llama2cLayout(h) : std::vector<Llama2cTensor>{};
   if (flags.json) {
     Json j;
     j["path"] = flags.path;
@@ -276,7 +279,9 @@ Status InspectLlama2c(const InspectFlags& flags) {
     j["expected_file_bytes"] = h.expected_file_bytes;
     j["file_bytes"] = h.file_bytes;
     j["size_ok"] = size_ok;
-    if (flags.tensors) {
+    if (flags.tensors && !list_layout) {
+      j["tensors_omitted"] = std::to_string(h.n_layers) + " layers and a size mismatch";
+    } else if (flags.tensors) {
       Json list = Json::array();
       for (const Llama2cTensor& t : layout) {
         list.push_back(Json{{"source_name", t.source_name},
@@ -301,8 +306,12 @@ Status InspectLlama2c(const InspectFlags& flags) {
     std::printf("  size check: %s (header implies %llu bytes, file has %llu)\n", size_ok ? "ok" : "MISMATCH",
                 static_cast<unsigned long long>(h.expected_file_bytes),
                 static_cast<unsigned long long>(h.file_bytes));
-    std::printf("  arrays: %zu (fp32)\n", layout.size());
-    if (flags.tensors) {
+    if (list_layout) {
+      std::printf("  arrays: %zu (fp32)\n", layout.size());
+    } else {
+      std::printf("  arrays: not listed (%lld layers and a size mismatch)\n", static_cast<long long>(h.n_layers));
+    }
+    if (flags.tensors && list_layout) {
       std::printf("  %-24s %-28s %-16s %12s %12s\n", "llama2.c", "gguf name", "gguf dims", "offset", "bytes");
       for (const Llama2cTensor& t : layout) {
         std::printf("  %-24s %-28s %-16s %12llu %12llu\n", t.source_name.c_str(),

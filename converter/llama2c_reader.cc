@@ -138,18 +138,28 @@ Result<Llama2cHeader> ReadLlama2cHeader(const ReadableFile& file) {
     return Status::Corruption(path + ": llama2.c header: head size dim/n_heads = " + std::to_string(h.head_size()) +
                               " is odd; RoPE rotates pairs and needs an even head size");
   }
-  // kMaxDimension bounds every field by 2^24, so each product below is < 2^72 only in theory: compute in a wider
-  // type and reject sizes that do not fit in u64.
-  uint64_t total = h.header_bytes;
-  for (const Llama2cTensor& t : Llama2cLayout(h)) {
-    const unsigned __int128 end = static_cast<unsigned __int128>(t.offset) + static_cast<unsigned __int128>(t.n_elements) * 4;
-    if (end > UINT64_MAX) {
-      return Status::Corruption(path + ": llama2.c header implies a file larger than 2^64 bytes (tensor " +
-                                t.source_name + ")");
+  // The size grows linearly with n_layers: computed from the layouts of 0 and 1 layers, so a corrupt header's 2^24
+  // layers cost nothing before the size check (the full layout would be 150 million entries). kMaxDimension bounds
+  // every field by 2^24: one tensor is at most 2^50 bytes, but the file could reach 2^78, so 128-bit arithmetic and
+  // sizes that do not fit in u64 rejected.
+  auto end_with_layers = [&](int64_t n_layers) {
+    Llama2cHeader one = h;
+    one.n_layers = n_layers;
+    unsigned __int128 end = h.header_bytes;
+    for (const Llama2cTensor& t : Llama2cLayout(one)) {
+      end = static_cast<unsigned __int128>(t.offset) + static_cast<unsigned __int128>(t.n_elements) * 4;
     }
-    total = static_cast<uint64_t>(end);
+    return end;
+  };
+  const unsigned __int128 base = end_with_layers(0);
+  const unsigned __int128 total = base + static_cast<unsigned __int128>(h.n_layers) * (end_with_layers(1) - base);
+  if (total > UINT64_MAX) {
+    return Status::Corruption(path + ": llama2.c header (dim " + std::to_string(h.dim) + ", hidden_dim " +
+                              std::to_string(h.hidden_dim) + ", n_layers " + std::to_string(h.n_layers) +
+                              ", vocab_size " + std::to_string(h.vocab_size) +
+                              ") implies a file larger than 2^64 bytes");
   }
-  h.expected_file_bytes = total;
+  h.expected_file_bytes = static_cast<uint64_t>(total);
   return h;
 }
 

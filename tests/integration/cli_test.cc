@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
 #include <filesystem>
 #include <string>
 
@@ -78,6 +79,43 @@ TEST(Cli, ConvertThenInspect) {
   ASSERT_EQ(l2c.exit_code, 0) << l2c.output;
   EXPECT_NE(l2c.output.find("llama2.c checkpoint v0"), std::string::npos) << l2c.output;
   EXPECT_NE(l2c.output.find("size check: ok"), std::string::npos) << l2c.output;
+}
+
+// A damaged header claiming 2^24 layers: inspect and convert report the size mismatch at once (the layout would be
+// 150 million arrays; building it took minutes and gigabytes before).
+TEST(Cli, HeaderClaimingMillionsOfLayersFailsFast) {
+  TempDir dir;
+  const std::string bad = dir.File("layers.bin");
+  std::filesystem::copy_file(Stories(), bad);
+  {
+    std::FILE* f = std::fopen(bad.c_str(), "r+b");
+    ASSERT_NE(f, nullptr);
+    const int32_t layers = 1 << 24;
+    ASSERT_EQ(std::fseek(f, 8, SEEK_SET), 0);  // v0 header: dim, hidden_dim, n_layers, ...
+    ASSERT_EQ(std::fwrite(&layers, 4, 1, f), 1u);
+    std::fclose(f);
+  }
+  CommandResult text = Nflash("inspect --tensors " + bad);
+  EXPECT_EQ(text.exit_code, 1) << text.output;
+  EXPECT_NE(text.output.find("n_layers 16777216"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("size check: MISMATCH"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("arrays: not listed"), std::string::npos) << text.output;
+
+  CommandResult js = Nflash("-q inspect --json --tensors " + bad);
+  EXPECT_EQ(js.exit_code, 1) << js.output;
+  const auto brace = js.output.find('{');
+  ASSERT_NE(brace, std::string::npos) << js.output;
+  auto j = nlohmann::json::parse(js.output.substr(0, js.output.rfind('}') + 1).substr(brace), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << js.output;
+  EXPECT_EQ(j["size_ok"], false);
+  EXPECT_FALSE(j.contains("tensors"));
+  EXPECT_TRUE(j.contains("tensors_omitted"));
+
+  CommandResult convert = Nflash("convert " + bad + " --tokenizer " + SharedPath("models/stories260K/tok512.bin") +
+                                 " -o " + dir.File("out.gguf"));
+  EXPECT_EQ(convert.exit_code, 1) << convert.output;
+  EXPECT_NE(convert.output.find("n_layers 16777216"), std::string::npos) << convert.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.File("out.gguf")));
 }
 
 TEST(Cli, ExitCodesForMissingInputAndExistingOutput) {

@@ -251,6 +251,40 @@ TEST(Llama2cTokenizer, RejectsWrongVocabularySizeAndTruncation) {
   EXPECT_NE(cut.status().message().find("token 9"), std::string::npos) << cut.status().ToString();
 }
 
+TEST(Llama2cTokenizer, CorruptFilesNameTheFieldAndOffset) {
+  TempDir dir;
+  struct Case {
+    const char* what;
+    std::vector<uint8_t> bytes;
+    const char* needle;
+  };
+  std::vector<uint8_t> zero_max = EncodeTokenizer(kTokens);
+  std::fill(zero_max.begin(), zero_max.begin() + 4, 0);
+  std::vector<uint8_t> negative = EncodeTokenizer(kTokens);
+  const int32_t minus5 = -5;
+  std::memcpy(negative.data() + 4 + 4, &minus5, 4);  // token 0's length
+  std::vector<uint8_t> past_end = EncodeTokenizer(kTokens);
+  const int32_t long_len = 6;  // " the" is 4 bytes and the last token
+  std::memcpy(past_end.data() + past_end.size() - 4 - 4, &long_len, 4);
+  const std::vector<Case> cases = {
+      {"3 bytes", {8, 0, 0}, "3 bytes is too short"},
+      {"max_token_length 0", zero_max, "max_token_length at offset 0 is 0"},
+      {"negative length", negative, "token 0 at offset 8 has length -5"},
+      {"length past the end", past_end, "has length 6, but 4 bytes remain"},
+      {"two tokens", EncodeTokenizer({"<unk>", "\n<s>\n"}), "has 2 tokens; at least <unk>, <s>, </s>"},
+  };
+  for (const Case& c : cases) {
+    WriteBytes(dir.File("tok.bin"), c.bytes);
+    for (int64_t n_vocab : {int64_t{0}, static_cast<int64_t>(kTokens.size())}) {
+      if (std::string(c.what) == "two tokens" && n_vocab != 0) continue;  // a count would report the cut instead
+      auto t = ReadLlama2cTokenizer(dir.File("tok.bin"), n_vocab);
+      ASSERT_FALSE(t.ok()) << c.what;
+      EXPECT_EQ(t.status().code(), StatusCode::kCorruption) << c.what;
+      EXPECT_NE(t.status().message().find(c.needle), std::string::npos) << c.what << ": " << t.status().ToString();
+    }
+  }
+}
+
 class Llama2cCorruptTest : public ::testing::Test {
  protected:
   // Writes `bytes` as a checkpoint beside a valid tokenizer and returns ReadLlama2c's status.
@@ -312,6 +346,15 @@ TEST_F(Llama2cCorruptTest, VersionsAndMagic) {
   s = Read({1, 2, 3});
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  EXPECT_NE(s.message().find("3 bytes is too short"), std::string::npos) << s.ToString();
+
+  // The magic, then less than a v1 header.
+  std::vector<uint8_t> stub(bad.begin(), bad.begin() + 40);  // a v0 header fits, a v1 one (256 bytes) not
+  stub[0] ^= 0x01;  // the magic restored
+  s = Read(stub);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kCorruption);
+  EXPECT_NE(s.message().find("'ak42' magic but only 40 bytes"), std::string::npos) << s.ToString();
 }
 
 TEST_F(Llama2cCorruptTest, NonPositiveAndInconsistentDimsNameTheField) {
@@ -323,7 +366,9 @@ TEST_F(Llama2cCorruptTest, NonPositiveAndInconsistentDimsNameTheField) {
   };
   for (const Case& c : {Case{0, -16, "dim"}, Case{1, 0, "hidden_dim"}, Case{2, -1, "n_layers"},
                         Case{3, 0, "n_heads"}, Case{4, -2, "n_kv_heads"}, Case{6, 0, "seq_len"},
-                        Case{3, 3, "n_heads"}, Case{4, 3, "n_kv_heads"}}) {
+                        Case{3, 3, "n_heads"}, Case{4, 3, "n_kv_heads"},
+                        Case{3, 6, "dim 16 is not a multiple of n_heads 6"},  // 6 is a multiple of n_kv_heads 2
+                        Case{3, 16, "head size dim/n_heads = 1 is odd"}}) {
     for (int version : {0, 1}) {
       std::vector<uint8_t> bytes = version == 0 ? EncodeV0(d_, true, r) : EncodeV1(d_, true, r);
       std::memcpy(bytes.data() + (version == 0 ? 0 : 8) + 4 * c.field, &c.value, 4);
@@ -333,6 +378,16 @@ TEST_F(Llama2cCorruptTest, NonPositiveAndInconsistentDimsNameTheField) {
       EXPECT_NE(s.message().find(c.needle), std::string::npos) << s.ToString();
     }
   }
+  // Every field at its largest (2^24): the tensors would end past 2^64 bytes, said so rather than wrapped around.
+  std::vector<uint8_t> huge = EncodeV1(d_, true, r);
+  for (int field : {0, 1, 2, 5}) {
+    const int32_t big = 1 << 24;
+    std::memcpy(huge.data() + 8 + 4 * field, &big, 4);
+  }
+  Status big = Read(huge);
+  ASSERT_FALSE(big.ok());
+  EXPECT_NE(big.message().find("larger than 2^64 bytes"), std::string::npos) << big.ToString();
+
   // v1 has no sign convention: a negative vocab_size is corrupt there.
   std::vector<uint8_t> v1 = EncodeV1(d_, true, r);
   int32_t neg = -d_.vocab;
