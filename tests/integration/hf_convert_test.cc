@@ -7,6 +7,9 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -429,7 +432,90 @@ TEST(HfConvertErrors, MissingConfig) {
   testing::TempDir tmp;
   auto r = ReadHfDirectory(tmp.path());
   ASSERT_FALSE(r.ok());
-  EXPECT_CONTAINS(r.status().message(), "config.json");
+  EXPECT_CONTAINS(r.status().message(), "config.json: no such file (not a HF model directory?)");
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// `text` with its one occurrence of `from` replaced by `to` (the fixture's own JSON, edited to break one thing).
+std::string ReplaceOnce(std::string text, const std::string& from, const std::string& to) {
+  const size_t at = text.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  if (at != std::string::npos) text.replace(at, from.size(), to);
+  return text;
+}
+
+// A sharded directory broken one way at a time: each error names the file, the entry and what is wrong.
+TEST(HfConvertErrors, BrokenShardIndexNamesTheEntry) {
+  const std::string kIndex = "model.safetensors.index.json";
+  const std::string kShard2 = "model-00002-of-00002.safetensors";
+  struct Case {
+    const char* what;
+    std::function<void(const std::string& dir)> spoil;
+    std::vector<std::string> message;
+  };
+  const std::vector<Case> cases = {
+      {"no weight_map", [&](const std::string& d) { testing::WriteText(d + "/" + kIndex, R"({"metadata":{}})"); },
+       {kIndex, "missing object field \"weight_map\""}},
+      {"not a file name",
+       [&](const std::string& d) {
+         testing::WriteText(d + "/" + kIndex, ReplaceOnce(ReadText(d + "/" + kIndex), "\"" + kShard2 + "\"", "5"));
+       },
+       {kIndex, "expected a file name, found 5"}},
+      {"leaves the directory",
+       [&](const std::string& d) {
+         testing::WriteText(d + "/" + kIndex,
+                            ReplaceOnce(ReadText(d + "/" + kIndex), kShard2 + "\"", "../" + kShard2 + "\""));
+       },
+       {kIndex, "../" + kShard2, "not a file name inside the model directory"}},
+      {"absolute",
+       [&](const std::string& d) {
+         testing::WriteText(d + "/" + kIndex, ReplaceOnce(ReadText(d + "/" + kIndex), kShard2, "/etc/hostname"));
+       },
+       {kIndex, "/etc/hostname", "not a file name inside the model directory"}},
+      {"missing shard", [&](const std::string& d) { std::filesystem::remove(d + "/" + kShard2); },
+       {kIndex, kShard2, "which does not exist"}},
+      {"tensor not in its shard",
+       [&](const std::string& d) {
+         const std::string text = ReadText(d + "/" + kIndex);
+         testing::WriteText(d + "/" + kIndex, ReplaceOnce(text, "\"model.norm.weight\":\"" + kShard2,
+                                                          "\"model.norm.weight\":\"model-00001-of-00002.safetensors"));
+       },
+       {kIndex, "weight_map[\"model.norm.weight\"]", "which has no such tensor"}},
+      {"pytorch",
+       [&](const std::string& d) {
+         std::filesystem::remove(d + "/" + kIndex);
+         testing::WriteText(d + "/pytorch_model.bin", "PK");
+       },
+       {"PyTorch .bin checkpoints are not supported"}},
+      {"config not an object", [](const std::string& d) { testing::WriteText(d + "/config.json", "[1]"); },
+       {"config.json", "expected a JSON object"}},
+      {"no architectures",
+       [](const std::string& d) {
+         const std::string config = ReadText(d + "/config.json");
+         testing::WriteText(d + "/config.json", ReplaceOnce(config, R"("architectures": ["LlamaForCausalLM"], )", ""));
+       },
+       {"config.json", "missing required field \"architectures\""}},
+      {"vocabulary smaller than the tokenizer",
+       [](const std::string& d) {
+         testing::WriteText(d + "/config.json",
+                            ReplaceOnce(ReadText(d + "/config.json"), R"("vocab_size": 512)", R"("vocab_size": 500)"));
+       },
+       {"the tokenizer has 512 tokens, more than config.json vocab_size 500"}},
+  };
+  for (const Case& c : cases) {
+    testing::TempDir tmp;
+    HfOptions o;
+    o.sharded = true;
+    WriteStoriesHf(tmp.path(), o);
+    c.spoil(tmp.path());
+    auto r = ReadHfDirectory(tmp.path());
+    ASSERT_FALSE(r.ok()) << c.what;
+    for (const std::string& p : c.message) EXPECT_CONTAINS(r.status().message(), p) << c.what;
+  }
 }
 
 // ---- a tiny synthetic Mixtral ----

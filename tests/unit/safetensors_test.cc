@@ -228,6 +228,37 @@ TEST(SafetensorsCorrupt, SizeMismatchWithShape) {
                  StatusCode::kCorruption, {"\"w\"", "data_offsets", "8 bytes", "expected 12", "[3, 2]", "BF16"});
 }
 
+// Each structural check names the tensor, the field and what it found (one case per check).
+TEST(SafetensorsCorrupt, EachMalformedFieldIsNamed) {
+  const std::vector<uint8_t> four(4);
+  ExpectRejected(RawFile(R"({"w":{"dtype":5,"shape":[1],"data_offsets":[0,4]}})", four), StatusCode::kCorruption,
+                 {"\"w\"", "field \"dtype\": expected a string, found number"});
+  ExpectRejected(RawFile(R"({"w":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", four),
+                 StatusCode::kCorruption, {"\"w\"", "field \"shape\"[0]: expected a non-negative integer, found -1"});
+  ExpectRejected(RawFile(R"({"w":{"dtype":"F32","shape":2,"data_offsets":[0,4]}})", four), StatusCode::kCorruption,
+                 {"\"w\"", "field \"shape\": expected an array, found number"});
+  ExpectRejected(RawFile(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296,4],"data_offsets":[0,4]}})", four),
+                 StatusCode::kCorruption, {"\"w\"", "[4294967296, 4294967296, 4] overflows 64 bits"});
+  ExpectRejected(RawFile(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", four), StatusCode::kCorruption,
+                 {"\"w\"", "field \"data_offsets\": expected an array [begin, end], found [0]"});
+  ExpectRejected(RawFile(R"({"w":{"dtype":"F32","shape":[1]}})", four), StatusCode::kCorruption,
+                 {"\"w\"", "missing field \"data_offsets\""});
+  ExpectRejected(RawFile(R"({"w":[1, 2]})", four), StatusCode::kCorruption,
+                 {"\"w\"", "expected an object, found array"});
+  ExpectRejected(RawFile(R"({"__metadata__":"v1","w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", four),
+                 StatusCode::kCorruption, {"__metadata__: expected an object, found string"});
+  // A header length of 1 (the file has that byte) cannot hold a JSON object.
+  std::vector<uint8_t> one;
+  PutU64(&one, 1);
+  one.push_back('{');
+  ExpectRejected(one, StatusCode::kCorruption, {"header length (u64 at offset 0) is 1 bytes", "too short for a JSON"});
+  // A header above the 100 MiB limit is refused before it is read, even when the file holds it.
+  std::vector<uint8_t> big;
+  PutU64(&big, SafetensorsFile::kMaxHeaderBytes + 1);
+  big.resize(8 + SafetensorsFile::kMaxHeaderBytes + 1, ' ');
+  ExpectRejected(std::move(big), StatusCode::kCorruption, {"header length", "above the 104857600-byte limit"});
+}
+
 TEST(SafetensorsCorrupt, OverlappingTensors) {
   ExpectRejected(RawFile(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                          R"("b":{"dtype":"F16","shape":[2],"data_offsets":[6,10]}})",
@@ -521,7 +552,12 @@ TEST(HfConfig, RejectsBadConfigsNamingTheField) {
       {std::string(kLlamaConfig) + R"(, "nflash_ffn_activation": "tanh"})", "nflash_ffn_activation"},
       {std::string(kLlamaConfig) + R"(, "head_dim": 16})", "head_dim"},
       {R"({"architectures": ["GPT2LMHeadModel"]})", "GPT2LMHeadModel"},
-      {R"({"hidden_size": 64})", "architectures"},
+      {R"({"hidden_size": 64})", "missing required field \"architectures\""},
+      {R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 24, "intermediate_size": 172,
+           "num_hidden_layers": 5, "num_attention_heads": 8, "max_position_embeddings": 512, "vocab_size": 512,
+           "rms_norm_eps": 1e-05})",
+       "hidden_size 24 / num_attention_heads 8 must be an even integer head size"},
+      {"[1]", "expected a JSON object"},
       {R"({"architectures": ["MixtralForCausalLM"], "hidden_size": 64, "intermediate_size": 32,
            "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 64, "vocab_size": 10,
            "rms_norm_eps": 1e-6})",
