@@ -498,6 +498,100 @@ TEST(ConvertGguf, KeepsPowerInferPredictorsAndKeys) {
   EXPECT_NE(other.status().message().find("bamboo"), std::string::npos) << other.status().ToString();
 }
 
+// Copies the GGUF `src` to `dst` through GgufWriter with one key changed (`value` nullopt: removed) or one tensor
+// replaced (`tensor_name` renamed to `new_name`, or given `new_dims` / `new_type` with zero bytes of that size).
+struct GgufEdit {
+  std::string key;
+  std::optional<GgufValue> value;
+  std::string tensor_name, new_name;
+  std::vector<uint64_t> new_dims;
+  std::optional<GgmlType> new_type;
+};
+void RewriteGguf(const std::string& src, const std::string& dst, const GgufEdit& e) {
+  auto f = GgufFile::OpenPath(src);
+  ASSERT_TRUE(f.ok());
+  GgufWriter w;
+  for (const auto& [k, v] : f->metadata()) {
+    if (k != e.key) w.Set(k, v);
+  }
+  if (!e.key.empty() && e.value) w.Set(e.key, *e.value);
+  std::vector<std::pair<std::string, std::vector<uint8_t>>> data;
+  for (const GgufTensorInfo& t : f->tensors()) {
+    std::vector<uint8_t> scratch;
+    auto bytes = f->TensorData(t, &scratch);
+    ASSERT_TRUE(bytes.ok());
+    std::string name = t.name;
+    std::vector<uint64_t> dims = t.dims;
+    GgmlType type = t.type;
+    std::vector<uint8_t> b(bytes->begin(), bytes->end());
+    if (t.name == e.tensor_name) {
+      if (!e.new_name.empty()) name = e.new_name;
+      if (!e.new_dims.empty() || e.new_type) {
+        if (!e.new_dims.empty()) dims = e.new_dims;
+        if (e.new_type) type = *e.new_type;
+        uint64_t rows = 1;
+        for (size_t i = 1; i < dims.size(); ++i) rows *= dims[i];
+        b.assign(*RowBytes(type, dims[0]) * rows, 0);
+      }
+    }
+    ASSERT_TRUE(w.AddTensor(name, type, dims).ok());
+    data.emplace_back(name, std::move(b));
+  }
+  ASSERT_TRUE(w.Begin(dst, true).ok());
+  for (const auto& [name, bytes] : data) ASSERT_TRUE(w.WriteTensorData(name, bytes).ok());
+  ASSERT_TRUE(w.Finish().ok());
+}
+
+// Each of the GGUF reader's checks: the file and the key or tensor, what was found and what was expected.
+TEST(ConvertGguf, BadSourcesNameTheKeyOrTensor) {
+  TempDir dir;
+  const std::string good = dir.File("f32.gguf");
+  ASSERT_TRUE(ConvertStories(good, GgmlType::kF32).ok());
+  auto f = GgufFile::OpenPath(good);
+  ASSERT_TRUE(f.ok());
+  const GgufArray scores = *Get(f->GetArray("tokenizer.ggml.scores"));
+  const GgufArray types = *Get(f->GetArray("tokenizer.ggml.token_type"));
+  auto shorter = [](GgufArray a) {
+    a.items.pop_back();
+    return GgufValue(std::move(a));
+  };
+  GgufArray numbers = types;  // int32 where strings belong
+  struct Case {
+    const char* what;
+    GgufEdit edit;
+    std::vector<std::string> message;
+  };
+  const std::vector<Case> cases = {
+      {"zero layers", {"llama.block_count", GgufValue(uint32_t{0})}, {"llama.block_count is 0, expected a positive"}},
+      {"tokens not strings", {"tokenizer.ggml.tokens", GgufValue(numbers)},
+       {"tokenizer.ggml.tokens[0] has type", "expected string"}},
+      {"scores short", {"tokenizer.ggml.scores", shorter(scores)},
+       {"tokenizer.ggml.scores has 511 entries, expected 512"}},
+      {"types short", {"tokenizer.ggml.token_type", shorter(types)},
+       {"tokenizer.ggml.token_type has 511 entries, expected 512"}},
+      {"kv heads", {"llama.attention.head_count_kv", GgufValue(uint32_t{3})},
+       {"inconsistent attention shape", "head_count 8, head_count_kv 3"}},
+      {"activation", {"nflash.ffn_activation", GgufValue(std::string("tanh"))},
+       {"nflash.ffn_activation is \"tanh\", expected silu, relu or drelu"}},
+      {"q4_1 tensor", {"", std::nullopt, "blk.0.attn_q.weight", "", {}, GgmlType::kQ4_1},
+       {"tensor blk.0.attn_q.weight has type q4_1", "converts from f32, f16, bf16, q8_0 and q4_0 only"}},
+      {"no embedding", {"", std::nullopt, "token_embd.weight", "token_embd_x.weight"},
+       {"tensor token_embd.weight is missing"}},
+      {"embedding rows", {"", std::nullopt, "token_embd.weight", "", {32, 1024}},
+       {"token_embd.weight row length 32 does not match llama.embedding_length 64"}},
+  };
+  for (const Case& c : cases) {
+    const std::string bad = dir.File("bad.gguf");
+    RewriteGguf(good, bad, c.edit);
+    auto m = ReadGgufModel(bad);
+    ASSERT_FALSE(m.ok()) << c.what;
+    EXPECT_NE(m.status().message().find(bad), std::string::npos) << c.what << ": " << m.status().ToString();
+    for (const std::string& part : c.message) {
+      EXPECT_NE(m.status().message().find(part), std::string::npos) << c.what << ": " << m.status().ToString();
+    }
+  }
+}
+
 TEST(ConvertSafety, RefusesToOverwriteWithoutForce) {
   TempDir dir;
   const std::string out = dir.File("exists.gguf");

@@ -360,6 +360,17 @@ TEST(SentencePiece, RejectsCorruptModels) {
   r = ParseSentencePieceModel({}, "tokenizer.model");
   ASSERT_FALSE(r.ok());
   EXPECT_CONTAINS(r.status().message(), "no pieces");
+
+  std::vector<uint8_t> textless;  // a piece with a score and a type but no string
+  LenField(&textless, 1, Piece("<unk>", 0.0f, 2));
+  std::vector<uint8_t> no_text;
+  Tag(&no_text, 3, 0);
+  Varint(&no_text, 1);
+  LenField(&textless, 1, no_text);
+  r = ParseSentencePieceModel(textless, "tokenizer.model");
+  ASSERT_FALSE(r.ok());
+  EXPECT_CONTAINS(r.status().message(), "piece 1 at offset");
+  EXPECT_CONTAINS(r.status().message(), "has no piece string (field 1)");
 }
 
 // ---- tokenizer.json ----
@@ -447,6 +458,9 @@ TEST(TokenizerJson, ConfigSetsBosEosAndFlags) {
   Status bad = ApplyTokenizerConfig("{", "", "/m", &u);
   EXPECT_FALSE(bad.ok());
   EXPECT_CONTAINS(bad.message(), "tokenizer_config.json");
+  bad = ApplyTokenizerConfig("[1]", "", "/m", &u);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_CONTAINS(bad.message(), "/m/tokenizer_config.json: expected a JSON object");
 }
 
 TEST(TokenizerJson, RejectsUnsupportedAndCorrupt) {
@@ -470,6 +484,22 @@ TEST(TokenizerJson, RejectsUnsupportedAndCorrupt) {
   r = ParseTokenizerJson("{not json", "tokenizer.json");
   ASSERT_FALSE(r.ok());
   EXPECT_CONTAINS(r.status().message(), "tokenizer.json");
+
+  // Structural errors name the field and what was found.
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"version": "1.0"})", "missing object field \"model\""},
+      {R"({"model": {"type": "BPE", "merges": []}, "pre_tokenizer": {"type": "ByteLevel"}})",
+       "model.vocab: expected an object of token -> id"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": -4}}, "pre_tokenizer": {"type": "ByteLevel"}})",
+       "model.vocab[\"b\"]: expected a non-negative id, found -4"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "pre_tokenizer": {"type": "ByteLevel"}})", "model.vocab is empty"},
+  };
+  for (const auto& [text, want] : cases) {
+    r = ParseTokenizerJson(text, "tokenizer.json");
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), StatusCode::kCorruption) << text;
+    EXPECT_CONTAINS(r.status().message(), "tokenizer.json: " + want) << text;
+  }
 }
 
 TEST(HfTokenizer, PrefersTokenizerModelAndPadsNothing) {
@@ -489,6 +519,12 @@ TEST(HfTokenizer, PrefersTokenizerModelAndPadsNothing) {
   ASSERT_EQ(r->tokens.size(), 8u);
   EXPECT_EQ(r->tokens[7], "<|im_start|>");
   EXPECT_EQ(r->token_types[7], 3);
+
+  // An added token must take the next id: a gap would leave an id without a token.
+  testing::WriteText(dir.File("added_tokens.json"), R"({"<|im_start|>": 7, "<|im_end|>": 9})");
+  auto gap = ReadHfTokenizer(dir.path());
+  ASSERT_FALSE(gap.ok());
+  EXPECT_CONTAINS(gap.status().message(), "added_tokens.json: token \"<|im_end|>\" has id 9, expected the next id 8");
 }
 
 // ---- config.json ----
