@@ -32,6 +32,11 @@ std::string RegionName(int64_t layer, int64_t expert) {
 Result<GgmlType> ParseType(const std::string& name, const std::string& where) {
   auto t = ParseGgmlType(name);
   if (!t) return Status::Corruption(where + ": unknown tensor type \"" + name + "\" (expected f32, f16, bf16, q8_0, q4_0)");
+  // A ggml type the bundle kernels do not handle (q5_K, i32, ...) is refused here, not left to RowBytes' block check.
+  if (!IsRowType(*t)) {
+    return Status::Corruption(where + ": tensor type \"" + name + "\" is not a bundle type (expected f32, f16, bf16, " +
+                              "q8_0, q4_0)");
+  }
   return *t;
 }
 

@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <random>
@@ -780,6 +781,159 @@ TEST(PackerLookaheadTest, MismatchesAndCorruptionAreClearErrors) {
   EXPECT_FALSE((*writer)->WriteLayer(1, ones.data(), column, nullptr).ok()) << "the last layer has no table";
   EXPECT_TRUE((*writer)->WriteLayer(0, ones.data(), column, nullptr).ok());
   EXPECT_TRUE((*writer)->Finish().ok());
+}
+
+// Every manifest field the reader derives or bounds, changed one at a time: Deployment::Open names the field, what it
+// found and what it expected (the reader never trusts stored layout numbers alone).
+TEST(PackerCorruptionTest, EachManifestFieldIsCheckedByName) {
+  TempDir tmp;
+  Packed a = PackSmall(tmp, GgmlType::kF32, 0, NeuronOrder::kHotness, "a");
+  const nlohmann::json good = ReadJson(a.dir + "/manifest.json");
+  ASSERT_EQ(good["regions"].size(), 2u);
+  const uint64_t r1_offset = good["regions"][1]["offset"];
+  const uint64_t region_size = good["regions"][0]["size"];
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json*)> edit;
+    std::vector<std::string> message;
+  };
+  const std::vector<Case> cases = {
+      {"alignment", [](nlohmann::json* m) { (*m)["alignment"] = 512; }, {"alignment 512, expected 4096"}},
+      {"dim", [](nlohmann::json* m) { (*m)["dim"] = 0; }, {"dim/n_ff/n_layers must be positive", "found 0/96/2/0"}},
+      {"unknown type", [](nlohmann::json* m) { (*m)["bundle"]["up_type"] = "q9_z"; },
+       {"bundle: unknown tensor type \"q9_z\""}},
+      {"not a bundle type", [](nlohmann::json* m) { (*m)["bundle"]["down_type"] = "i32"; },
+       {"bundle: tensor type \"i32\" is not a bundle type"}},
+      {"layout", [](nlohmann::json* m) {
+         (*m)["dim"] = 48;
+         (*m)["bundle"]["gate_type"] = "q8_0";
+       },
+       {"bundle layout: dim 48 is not a multiple of the block size of q8_0/f32/f32"}},
+      {"up_offset", [](nlohmann::json* m) { (*m)["bundle"]["up_offset"] = 300; },
+       {"bundle: up_offset is 300, expected 256 for dim 64 and types f32/f32/f32"}},
+      {"regions", [](nlohmann::json* m) { (*m)["regions"].erase(1); }, {"1 regions, expected 2"}},
+      {"region order", [](nlohmann::json* m) { std::swap((*m)["regions"][0]["layer"], (*m)["regions"][1]["layer"]); },
+       {"regions[0]: is layer 1, expected layer 0 (regions are layer-major)"}},
+      {"n_neurons", [](nlohmann::json* m) { (*m)["regions"][0]["n_neurons"] = 95; },
+       {"regions[0]: n_neurons 95 (expected n_ff 96)"}},
+      {"hot_count", [](nlohmann::json* m) { (*m)["regions"][1]["hot_count"] = 97; },
+       {"regions[1]", "hot_count 97 must be in [0, n_neurons]"}},
+      {"unaligned", [&](nlohmann::json* m) { (*m)["regions"][1]["offset"] = r1_offset + 8; },
+       {"regions[1]: offset " + std::to_string(r1_offset + 8) + " is not a multiple of 4096"}},
+      {"overlap", [&](nlohmann::json* m) { (*m)["regions"][1]["offset"] = r1_offset - 4096; },
+       {"regions[1]", "overlaps the previous region (ending at " + std::to_string(region_size) + ")"}},
+      {"size", [&](nlohmann::json* m) { (*m)["regions"][1]["size"] = region_size + 4096; },
+       {"regions[1]: size " + std::to_string(region_size + 4096) + " (expected " + std::to_string(region_size) + ")"}},
+      {"past flash_bytes", [&](nlohmann::json* m) { (*m)["regions"][1]["offset"] = r1_offset + 4096; },
+       {"regions[1]", "does not fit in flash_bytes"}},
+      {"resident_bytes", [](nlohmann::json* m) { (*m)["resident_bytes"] = (*m)["resident_bytes"].get<uint64_t>() + 1; },
+       {"resident.gguf", "records resident_bytes"}},
+  };
+  for (const Case& c : cases) {
+    nlohmann::json m = good;
+    c.edit(&m);
+    WriteText(a.dir + "/manifest.json", m.dump(1) + "\n");
+    auto d = Deployment::Open(a.dir);
+    ASSERT_FALSE(d.ok()) << c.what;
+    EXPECT_EQ(d.status().code(), StatusCode::kCorruption) << c.what << ": " << d.status().ToString();
+    for (const std::string& part : c.message) {
+      EXPECT_NE(d.status().message().find(part), std::string::npos) << c.what << ": " << d.status().ToString();
+    }
+  }
+  WriteText(a.dir + "/manifest.json", good.dump(1) + "\n");
+  EXPECT_TRUE(Deployment::Open(a.dir).ok());
+  auto none = Deployment::Open(tmp.path());
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(none.status().message().find("not a deployment directory (no manifest.json"), std::string::npos)
+      << none.status().ToString();
+}
+
+// ffn.bin must be exactly its regions, in order: verify refuses a gap before a region and bytes after the last one
+// (Deployment::Open allows both: the bounds hold, only the tiling does not).
+TEST(PackerCorruptionTest, VerifyRefusesGapsAndTrailingBytes) {
+  TempDir tmp;
+  Packed a = PackSmall(tmp, GgmlType::kF32, 0, NeuronOrder::kHotness, "a");
+  const nlohmann::json good = ReadJson(a.dir + "/manifest.json");
+  const uint64_t flash = good["flash_bytes"], r1_offset = good["regions"][1]["offset"];
+  fs::resize_file(a.dir + "/ffn.bin", flash + 4096);
+  nlohmann::json m = good;
+  m["flash_bytes"] = flash + 4096;
+  WriteText(a.dir + "/manifest.json", m.dump(1) + "\n");
+  ASSERT_TRUE(Deployment::Open(a.dir).ok());
+  auto trailing = VerifyDeployment(a.dir, false);
+  ASSERT_FALSE(trailing.ok());
+  EXPECT_NE(trailing.status().message().find("regions end at " + std::to_string(flash) + ", file has " +
+                                             std::to_string(flash + 4096) + " bytes"),
+            std::string::npos)
+      << trailing.status().ToString();
+
+  m["regions"][1]["offset"] = r1_offset + 4096;  // a gap of one page before layer 1
+  WriteText(a.dir + "/manifest.json", m.dump(1) + "\n");
+  ASSERT_TRUE(Deployment::Open(a.dir).ok());
+  auto gap = VerifyDeployment(a.dir, false);
+  ASSERT_FALSE(gap.ok());
+  EXPECT_NE(gap.status().message().find("region of layer 1 starts at " + std::to_string(r1_offset + 4096) +
+                                        ", expected " + std::to_string(r1_offset)),
+            std::string::npos)
+      << gap.status().ToString();
+}
+
+// A slot table that is not a permutation (two neurons in one slot) is refused when the deployment opens, naming the
+// table entry; without the check two neurons would read the same bundle.
+TEST(PackerCorruptionTest, SlotTableMustBeAPermutation) {
+  TempDir tmp;
+  Packed a = PackSmall(tmp, GgmlType::kF32, 0, NeuronOrder::kHotness, "a");
+  const std::string resident_path = a.dir + "/resident.gguf";
+  const std::string table = IndexTensorPrefix(1, -1) + ".slot_of_neuron";
+  {
+    auto src = GgufFile::OpenPath(resident_path, /*use_mmap=*/false);
+    ASSERT_TRUE(src.ok());
+    GgufWriter w;
+    for (const auto& [key, value] : src->metadata()) w.Set(key, value);
+    for (const GgufTensorInfo& t : src->tensors()) ASSERT_TRUE(w.AddTensor(t.name, t.type, t.dims).ok());
+    ASSERT_TRUE(w.Begin(resident_path + ".new", /*overwrite=*/true).ok());
+    std::vector<uint8_t> scratch;
+    for (const GgufTensorInfo& t : src->tensors()) {
+      auto bytes = src->TensorData(t, &scratch);
+      ASSERT_TRUE(bytes.ok());
+      std::vector<uint8_t> b(bytes->begin(), bytes->end());
+      if (t.name == table) {
+        ASSERT_EQ(t.type, GgmlType::kI32);
+        std::memcpy(b.data() + 5 * 4, b.data() + 4 * 4, 4);  // neuron 5 takes neuron 4's slot
+      }
+      ASSERT_TRUE(w.WriteTensorData(t.name, b).ok());
+    }
+    ASSERT_TRUE(w.Finish().ok());
+  }
+  fs::rename(resident_path + ".new", resident_path);
+  auto d = Deployment::Open(a.dir);
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.status().message().find(table + "[5] = "), std::string::npos) << d.status().ToString();
+  EXPECT_NE(d.status().message().find("out of range or repeated"), std::string::npos) << d.status().ToString();
+}
+
+// A profile whose per-layer entries disagree with the model (edited by hand, or a bug) is refused by name even when
+// its header matches.
+TEST(PackerCorruptionTest, ProfileEntriesMustMatchTheModel) {
+  TempDir tmp;
+  Packed a = PackSmall(tmp, GgmlType::kF32, 0, NeuronOrder::kHotness, "a");
+  ThreadPool pool(1);
+  PackOptions o;
+  o.progress = false;
+  profiler::ModelProfile short_counts = a.profile;
+  short_counts.ffns[1].count_bs1.pop_back();
+  auto s = PackDeployment(a.model, short_counts, "x", tmp.File("b.deploy"), o, &pool);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("profile layer 1: n_neurons 96, count_bs1 length 95, expected n_ff 96"),
+            std::string::npos)
+      << s.status().ToString();
+  profiler::ModelProfile missing = a.profile;
+  missing.ffns[1].layer = 7;
+  s = PackDeployment(a.model, missing, "x", tmp.File("b.deploy"), o, &pool);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("profile has no entry for layer 1"), std::string::npos) << s.status().ToString();
+  EXPECT_FALSE(fs::exists(tmp.File("b.deploy")));
 }
 
 }  // namespace
