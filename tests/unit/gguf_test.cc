@@ -432,6 +432,56 @@ TEST(GgufTest, WriterRejectsBadTensorsAndMisuse) {
   EXPECT_FALSE(again.Begin(path, false).ok());
 }
 
+// Each misuse of the writer's API gets its own message (none of them writes a file).
+TEST(GgufTest, WriterMisuseIsNamed) {
+  TempDir dir;
+  {
+    GgufWriter w;
+    EXPECT_NE(w.WriteTensorData("a", std::vector<uint8_t>(4)).message().find("without a successful Begin"),
+              std::string::npos);
+    EXPECT_NE(w.Finish().message().find("Finish without a successful Begin"), std::string::npos);
+    // 2^62 f32 values: fewer than INT64_MAX elements, but 2^64 bytes.
+    Status bytes = w.AddTensor("big", GgmlType::kF32, {uint64_t{1} << 31, uint64_t{1} << 31});
+    EXPECT_NE(bytes.message().find("tensor 'big' byte size overflows"), std::string::npos) << bytes.message();
+  }
+  {
+    GgufWriter w;
+    ASSERT_TRUE(w.AddTensor("a", GgmlType::kF32, {uint64_t{1} << 30, uint64_t{1} << 31}).ok());  // 2^63 bytes
+    ASSERT_TRUE(w.AddTensor("b", GgmlType::kF32, {uint64_t{1} << 30, uint64_t{1} << 31}).ok());
+    Status s = w.Begin(dir.File("huge.gguf"), false);
+    EXPECT_NE(s.message().find("the data section would exceed 2^64 bytes at tensor 'b'"), std::string::npos)
+        << s.message();
+  }
+  {
+    GgufWriter w;
+    w.Set("", uint8_t{1});
+    EXPECT_NE(w.Begin(dir.File("e.gguf"), false).message().find("metadata keys must not be empty"),
+              std::string::npos);
+  }
+  {
+    GgufArray nested;
+    nested.element_type = GgufType::kUint8;
+    nested.items.emplace_back(uint8_t{1});
+    for (int depth = 1; depth <= kGgufMaxArrayDepth; ++depth) {
+      GgufArray outer;
+      outer.element_type = GgufType::kArray;
+      outer.items.emplace_back(std::move(nested));
+      nested = std::move(outer);
+    }
+    GgufWriter w;
+    w.Set("deep", nested);
+    Status s = w.Begin(dir.File("deep.gguf"), false);
+    EXPECT_NE(s.message().find("'deep': arrays nested more than 16 deep"), std::string::npos) << s.message();
+  }
+  {
+    GgufWriter w;
+    ASSERT_TRUE(w.Begin(dir.File("twice.gguf"), false).ok());
+    EXPECT_NE(w.Begin(dir.File("twice.gguf"), false).message().find("called twice"), std::string::npos);
+  }
+  for (const char* f : {"huge.gguf", "e.gguf", "deep.gguf", "twice.gguf"}) EXPECT_FALSE(FileExists(dir.File(f))) << f;
+  EXPECT_NE(GgufFile::Open(nullptr).status().message().find("null file"), std::string::npos);
+}
+
 TEST(GgufTest, WriterRejectsBadAlignmentAndArrays) {
   TempDir dir;
   {
