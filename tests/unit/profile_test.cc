@@ -486,6 +486,15 @@ TEST(FfnStats, HeldOutPopularitySplitsByWindow) {
   ASSERT_EQ(g.popularity_heldout.size(), static_cast<size_t>(kCurvePoints));
   EXPECT_FLOAT_EQ(g.popularity[8], 0.75f);
   EXPECT_FLOAT_EQ(g.popularity_heldout[8], 0.5f);
+  // Asymmetric halves average both ways: window 0 {0, 1}, window 1 {2}. Ranked on window 0 (order 0, 1, 2, 3) the
+  // top 2 hold 0 of window 1's activations; ranked on window 1 (order 2, 0, 1, 3) they hold 10 of window 0's 20.
+  FfnStats asym(0, -1, 4, 0.0f, opt);
+  for (int64_t p = 0; p < 10; ++p) asym.AddToken(std::vector<int32_t>{0, 1}, 0, p, false);
+  for (int64_t p = 0; p < 10; ++p) asym.AddToken(std::vector<int32_t>{2}, 1, p, false);
+  const FfnProfile h = asym.Finish(&pool);
+  ASSERT_EQ(h.popularity_heldout.size(), static_cast<size_t>(kCurvePoints));
+  EXPECT_FLOAT_EQ(h.popularity_heldout[8], 0.25f);   // (0 + 1/2) / 2
+  EXPECT_FLOAT_EQ(h.popularity_heldout[12], 1.0f);   // 3 neurons: (1 + 1) / 2
   // Fewer than 2 tokens: no held-out curve.
   FfnStats single(0, -1, 4, 0.0f, opt);
   single.AddToken(std::vector<int32_t>{1}, 0, 0, false);
@@ -501,6 +510,11 @@ TEST(Quantile, NearestRank) {
   EXPECT_EQ(QuantileThreshold(&copy, 0.9), 90.0f);
   copy = v;
   EXPECT_EQ(QuantileThreshold(&copy, 0.0), 0.0f);
+  // A fractional rank rounds up: at least 25.5 % of the values lie at or below 26, not at 25.
+  copy = v;
+  EXPECT_EQ(QuantileThreshold(&copy, 0.255), 26.0f);
+  copy = v;
+  EXPECT_EQ(QuantileThreshold(&copy, 1.0), 100.0f);
 }
 
 TEST(FfnStats, MatchesIndependentCounts) {
