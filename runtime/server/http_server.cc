@@ -2,6 +2,7 @@
 #include "runtime/server/http_server.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 #include <nlohmann/json.hpp>
 
 #include <atomic>
@@ -88,6 +89,13 @@ void CompletionServer::Impl::Routes() {
   });
   http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
     Completion(req, res, ApiStyle::kOpenAi);
+  });
+  // httplib's default sets SO_REUSEPORT, which lets a second server bind the same port and the kernel split the
+  // connections between the two. SO_REUSEADDR alone still allows a restart while old connections are in TIME_WAIT,
+  // and a taken port fails Bind with EADDRINUSE.
+  http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
   // Every error httplib produces itself (404 unknown route, 413 body too large, 400 malformed HTTP) gets the same
   // JSON body as ours; responses that already carry one are left alone.

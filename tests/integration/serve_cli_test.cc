@@ -177,6 +177,14 @@ class ServeDenseTest : public ::testing::Test {
 testing::TempDir* ServeDenseTest::dir_ = nullptr;
 ServerProcess* ServeDenseTest::server_ = nullptr;
 
+// A port already taken: the second server says so and exits (it must not run without a listening socket).
+TEST_F(ServeDenseTest, TakenPortIsAClearError) {
+  const std::string port = std::to_string(server_->port());
+  auto r = testing::RunCommand("timeout 60 " + Nflash() + " serve -m " + Model() + " --port " + port);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("cannot listen on 127.0.0.1:" + port), std::string::npos) << r.output;
+}
+
 TEST_F(ServeDenseTest, HealthAndModels) {
   auto c = ClientFor(*server_);
   auto res = c->Get("/health");
@@ -322,6 +330,7 @@ TEST_F(ServeDenseTest, BadRequestsGet400NamingTheField) {
       {"/completion", "{\"prompt\": \"" + std::string(3000, 'a') + " b" + std::string(3000, 'c') + "\"}", {"'prompt'", "too long"}},
       {"/completion", "{" + p + ", \"temperature\": -0.5}", {"'temperature'", "out of range", "-0.5"}},
       {"/completion", "{" + p + ", \"top_p\": 0}", {"'top_p'", "(0, 1]"}},
+      {"/completion", "{" + p + ", \"repeat_last_n\": -2}", {"'repeat_last_n'", "0 or more", "-2"}},
       {"/completion", "{" + p + ", \"stream\": \"yes\"}", {"'stream'", "true or false"}},
       {"/completion", "{" + p + ", \"stop\": [\"ok\", 3]}", {"'stop[1]'", "found 3"}},
       {"/completion", "{" + p + ", \"seed\": 1.5}", {"'seed'", "integer"}},
