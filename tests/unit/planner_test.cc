@@ -690,7 +690,23 @@ TEST(PlanFileTest, RoundTripsAndRejectsBadFilesAndOtherDeployments) {
   ASSERT_FALSE(bad_type.ok());
   EXPECT_NE(bad_type.status().message().find("settings.queue_depth"), std::string::npos)
       << bad_type.status().message();
-  EXPECT_FALSE(ParsePlan("not json", "x.json").ok());
+  auto not_json = ParsePlan("not json", "x.json");
+  ASSERT_FALSE(not_json.ok());
+  EXPECT_NE(not_json.status().message().find("x.json: not valid JSON"), std::string::npos);
+  // Values out of range, one at a time, each named.
+  const std::vector<std::pair<std::pair<std::string, std::string>, std::string>> ranges = {
+      {{"\"queue_depth\": 16", "\"queue_depth\": 0"}, "'settings' needs compute_threads >= 1"},
+      {{"\"compute_threads\": 2", "\"compute_threads\": 0"}, "'settings' needs compute_threads >= 1"},
+      {{"\"hot_neurons\": 5", "\"hot_neurons\": -5"}, "hot_neurons and cold_slots must be >= 0"},
+      {{"\"io_scale\": 2.5", "\"io_scale\": 0.0"}, "compute_scale and io_scale must be > 0"},
+  };
+  for (const auto& [edit, want] : ranges) {
+    const size_t where = text.find(edit.first);
+    ASSERT_NE(where, std::string::npos) << edit.first << " in " << text;
+    auto bad = ParsePlan(std::string(text).replace(where, edit.first.size(), edit.second), "x.json");
+    ASSERT_FALSE(bad.ok()) << edit.second;
+    EXPECT_NE(bad.status().message().find(want), std::string::npos) << edit.second << ": " << bad.status().ToString();
+  }
   // Plans written before shared pools: per-region partitions.
   const size_t at = text.find(",\n    \"shared_cold_pool\": true");
   ASSERT_NE(at, std::string::npos) << text;

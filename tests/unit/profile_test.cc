@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <fstream>
 #include <list>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -239,6 +240,120 @@ TEST(ProfileFile, SaveRejectsWrongSizes) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("count_bs2"), std::string::npos) << s.message();
   EXPECT_FALSE(std::ifstream(dir.File("p.prof")).good());
+}
+
+// Copies the profile at `src` to `dst` with metadata key `key` set to `value` (when `key` is not empty) and tensor
+// `tensor` renamed to `new_name` or stored as `new_type` (same dims; its bytes zeroed to the new size).
+void RewriteProfile(const std::string& src, const std::string& dst, const std::string& key, const GgufValue& value,
+                    const std::string& tensor = "", const std::string& new_name = "",
+                    std::optional<GgmlType> new_type = std::nullopt) {
+  auto g = GgufFile::OpenPath(src);
+  ASSERT_TRUE(g.ok());
+  GgufWriter w;
+  for (const auto& [k, v] : g->metadata()) w.Set(k, k == key ? value : v);
+  std::vector<std::pair<std::string, std::vector<uint8_t>>> data;
+  for (const GgufTensorInfo& t : g->tensors()) {
+    std::vector<uint8_t> scratch;
+    auto bytes = g->TensorData(t, &scratch);
+    ASSERT_TRUE(bytes.ok());
+    std::string name = t.name;
+    GgmlType type = t.type;
+    std::vector<uint8_t> b(bytes->begin(), bytes->end());
+    if (t.name == tensor) {
+      if (!new_name.empty()) name = new_name;
+      if (new_type) {
+        type = *new_type;
+        b.assign(*RowBytes(type, t.dims[0]) * (t.n_elements / t.dims[0]), 0);
+      }
+    }
+    ASSERT_TRUE(w.AddTensor(name, type, t.dims).ok());
+    data.emplace_back(name, std::move(b));
+  }
+  ASSERT_TRUE(w.Begin(dst, true).ok());
+  for (const auto& [name, b] : data) ASSERT_TRUE(w.WriteTensorData(name, b).ok());
+  ASSERT_TRUE(w.Finish().ok());
+}
+
+// Each structural check of the reader, one damaged field at a time: the message names the key, FFN or tensor. The
+// data checksum covers tensor bytes only, so these checks are what stands between edited metadata and the packer.
+TEST(ProfileFile, EachStructuralCheckNamesTheField) {
+  TempDir dir;
+  ModelProfile p = RandomProfile();
+  p.lru_hit_rate_shared.assign(kSharedCurvePoints, 0.5f);
+  const std::string good = dir.File("p.prof");
+  ASSERT_TRUE(SaveProfile(p, good, false).ok());
+  ASSERT_TRUE(LoadProfile(good).ok());
+  auto numbers = [](std::vector<double> v) {
+    GgufArray a;
+    a.element_type = GgufType::kFloat64;
+    for (double x : v) a.items.emplace_back(x);
+    return GgufValue(std::move(a));
+  };
+  GgufArray words;
+  words.element_type = GgufType::kString;
+  for (int i = 0; i < 4; ++i) words.items.emplace_back(std::string("x"));
+  struct Case {
+    const char* what;
+    std::string key;
+    GgufValue value;
+    std::string tensor, new_name;
+    std::optional<GgmlType> new_type;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"n_ffns", "nflash.profile.n_ffns", GgufValue(uint64_t{1000}), "", "", {},
+       "nflash.profile.n_ffns is 1000 but the file has"},
+      {"report_sparsities", "nflash.profile.report_sparsities", numbers({0.0, 0.5, 0.9}), "", "", {},
+       "nflash.profile.report_sparsities has type float64 elements, expected f32"},
+      {"layer count", "nflash.profile.ffn.layer", numbers({0, 0, 1}), "", "", {},
+       "nflash.profile.ffn.layer has 3 entries, expected 4"},
+      {"layer type", "nflash.profile.ffn.layer", GgufValue(words), "", "", {},
+       "nflash.profile.ffn.layer[0] has type string, expected a number"},
+      {"layer range", "nflash.profile.ffn.layer", numbers({0, 0, 1, 7}), "", "", {},
+       "ffn 3 (layer 7, expert 1): layer out of range [0, 2)"},
+      {"expert range", "nflash.profile.ffn.expert", numbers({0, 1, 0, 5}), "", "", {},
+       "ffn 3 (layer 1, expert 5): expert out of range [-1, 2)"},
+      {"n_neurons", "nflash.profile.ffn.n_neurons", numbers({100, 100, 101, 100}), "", "", {},
+       "ffn 2 (layer 1, expert 0): n_neurons 101 / coact_k 4 out of range (n_ff 100)"},
+      {"tokens", "nflash.profile.ffn.tokens", numbers({10, -5, 10, 10}), "", "", {},
+       "ffn 1 (layer 0, expert 1): negative token count"},
+      {"missing tensor", "", GgufValue(uint8_t{0}), "prof.blk.1.exp.0.count_bs2", "prof.blk.1.exp.0.count_bsx", {},
+       "ffn 2 (layer 1, expert 0): tensor prof.blk.1.exp.0.count_bs2 is missing"},
+      {"tensor type", "", GgufValue(uint8_t{0}), "prof.blk.0.exp.1.popularity", "", GgmlType::kI32,
+       "tensor prof.blk.0.exp.1.popularity has type i32"},
+      {"shared curve type", "", GgufValue(uint8_t{0}), "prof.lru_hit_rate_shared", "", GgmlType::kF16,
+       "tensor prof.lru_hit_rate_shared has type f16"},
+  };
+  for (const Case& c : cases) {
+    const std::string bad = dir.File("bad.prof");
+    RewriteProfile(good, bad, c.key, c.value, c.tensor, c.new_name, c.new_type);
+    auto loaded = LoadProfile(bad);
+    ASSERT_FALSE(loaded.ok()) << c.what;
+    EXPECT_EQ(loaded.status().code(), StatusCode::kCorruption) << c.what << ": " << loaded.status().ToString();
+    EXPECT_NE(loaded.status().message().find(c.message), std::string::npos) << c.what << ": "
+                                                                            << loaded.status().ToString();
+  }
+}
+
+// A partner index outside the FFN (hashed correctly: written by a buggy writer) is refused after the checksum passes;
+// the writer refuses non-positive n_neurons and negative coact_k.
+TEST(ProfileFile, PartnersAndSizesAreBounded) {
+  TempDir dir;
+  ModelProfile p = RandomProfile();
+  p.ffns[2].coact_partner[5] = 100;
+  ASSERT_TRUE(SaveProfile(p, dir.File("p.prof"), false).ok());
+  auto loaded = LoadProfile(dir.File("p.prof"));
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_NE(loaded.status().message().find("ffn 2: co-activation partner 100 out of range [-1, 100)"),
+            std::string::npos)
+      << loaded.status().ToString();
+  ModelProfile zero = RandomProfile();
+  zero.ffns[0].n_neurons = 0;
+  EXPECT_NE(SaveProfile(zero, dir.File("z.prof"), false).message().find("n_neurons must be > 0"), std::string::npos);
+  ModelProfile negative = RandomProfile();
+  negative.ffns[0].coact_k = -1;
+  EXPECT_NE(SaveProfile(negative, dir.File("n.prof"), false).message().find("coact_k must be >= 0"),
+            std::string::npos);
 }
 
 TEST(ProfileFile, RejectsOtherSchemaVersion) {
