@@ -78,6 +78,34 @@ int64_t CachedPages(const std::string& path) {
   return n;
 }
 
+std::string RewriteGguf(const std::string& src, const std::string& dst,
+                        const std::function<void(std::vector<std::pair<std::string, GgufValue>>*)>& edit_kv,
+                        const std::function<void(GgufTensorCopy*)>& edit_tensor) {
+  auto f = GgufFile::OpenPath(src, /*use_mmap=*/false);
+  if (!f.ok()) return f.status().ToString();
+  std::vector<std::pair<std::string, GgufValue>> kv = f->metadata();
+  if (edit_kv) edit_kv(&kv);
+  std::vector<GgufTensorCopy> tensors;
+  for (const GgufTensorInfo& t : f->tensors()) {
+    std::vector<uint8_t> scratch;
+    auto bytes = f->TensorData(t, &scratch);
+    if (!bytes.ok()) return bytes.status().ToString();
+    tensors.push_back({t.name, t.type, t.dims, std::vector<uint8_t>(bytes->begin(), bytes->end())});
+    if (edit_tensor) edit_tensor(&tensors.back());
+  }
+  GgufWriter w;
+  for (auto& [key, value] : kv) w.Set(key, std::move(value));
+  for (const GgufTensorCopy& t : tensors) {
+    if (Status s = w.AddTensor(t.name, t.type, t.dims); !s.ok()) return s.ToString();
+  }
+  if (Status s = w.Begin(dst, /*overwrite=*/true); !s.ok()) return s.ToString();
+  for (const GgufTensorCopy& t : tensors) {
+    if (Status s = w.WriteTensorData(t.name, t.bytes); !s.ok()) return s.ToString();
+  }
+  const Status s = w.Finish();
+  return s.ok() ? "" : s.ToString();
+}
+
 std::string DropFromPageCache(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return "cannot open " + path;

@@ -2,8 +2,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "runtime/core/gguf.h"
 
 namespace nflash::testing {
 
@@ -43,6 +47,21 @@ std::string MakeReluDeployment(const std::string& model, const std::string& prof
 int64_t CachedPages(const std::string& path);
 // Drops `path`'s pages from the page cache (fsync, then POSIX_FADV_DONTNEED); "" when done, else why not.
 std::string DropFromPageCache(const std::string& path);
+
+// One tensor as RewriteGguf copies it: the callback may rename it, change its type or dims, or its bytes (which must
+// then match the new type and dims).
+struct GgufTensorCopy {
+  std::string name;
+  GgmlType type;
+  std::vector<uint64_t> dims;
+  std::vector<uint8_t> bytes;
+};
+// Copies the GGUF `src` to `dst` (may be the same path) through GgufWriter, in the source's order, after `edit_kv`
+// has changed, added or erased metadata and `edit_tensor` each tensor (either may be null): corrupt-input tests
+// change one field of a valid file this way. "" when written, else what failed.
+std::string RewriteGguf(const std::string& src, const std::string& dst,
+                        const std::function<void(std::vector<std::pair<std::string, GgufValue>>*)>& edit_kv,
+                        const std::function<void(GgufTensorCopy*)>& edit_tensor);
 
 void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes);
 void WriteText(const std::string& path, const std::string& text);

@@ -508,38 +508,24 @@ struct GgufEdit {
   std::optional<GgmlType> new_type;
 };
 void RewriteGguf(const std::string& src, const std::string& dst, const GgufEdit& e) {
-  auto f = GgufFile::OpenPath(src);
-  ASSERT_TRUE(f.ok());
-  GgufWriter w;
-  for (const auto& [k, v] : f->metadata()) {
-    if (k != e.key) w.Set(k, v);
-  }
-  if (!e.key.empty() && e.value) w.Set(e.key, *e.value);
-  std::vector<std::pair<std::string, std::vector<uint8_t>>> data;
-  for (const GgufTensorInfo& t : f->tensors()) {
-    std::vector<uint8_t> scratch;
-    auto bytes = f->TensorData(t, &scratch);
-    ASSERT_TRUE(bytes.ok());
-    std::string name = t.name;
-    std::vector<uint64_t> dims = t.dims;
-    GgmlType type = t.type;
-    std::vector<uint8_t> b(bytes->begin(), bytes->end());
-    if (t.name == e.tensor_name) {
-      if (!e.new_name.empty()) name = e.new_name;
-      if (!e.new_dims.empty() || e.new_type) {
-        if (!e.new_dims.empty()) dims = e.new_dims;
-        if (e.new_type) type = *e.new_type;
+  const std::string error = nflash::testing::RewriteGguf(
+      src, dst,
+      [&](std::vector<std::pair<std::string, GgufValue>>* kv) {
+        if (e.key.empty()) return;
+        std::erase_if(*kv, [&](const auto& p) { return p.first == e.key; });
+        if (e.value) kv->emplace_back(e.key, *e.value);
+      },
+      [&](nflash::testing::GgufTensorCopy* t) {
+        if (t->name != e.tensor_name) return;
+        if (!e.new_name.empty()) t->name = e.new_name;
+        if (e.new_dims.empty() && !e.new_type) return;
+        if (!e.new_dims.empty()) t->dims = e.new_dims;
+        if (e.new_type) t->type = *e.new_type;
         uint64_t rows = 1;
-        for (size_t i = 1; i < dims.size(); ++i) rows *= dims[i];
-        b.assign(*RowBytes(type, dims[0]) * rows, 0);
-      }
-    }
-    ASSERT_TRUE(w.AddTensor(name, type, dims).ok());
-    data.emplace_back(name, std::move(b));
-  }
-  ASSERT_TRUE(w.Begin(dst, true).ok());
-  for (const auto& [name, bytes] : data) ASSERT_TRUE(w.WriteTensorData(name, bytes).ok());
-  ASSERT_TRUE(w.Finish().ok());
+        for (size_t i = 1; i < t->dims.size(); ++i) rows *= t->dims[i];
+        t->bytes.assign(*RowBytes(t->type, t->dims[0]) * rows, 0);
+      });
+  ASSERT_EQ(error, "");
 }
 
 // Each of the GGUF reader's checks: the file and the key or tensor, what was found and what was expected.

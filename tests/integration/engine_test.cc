@@ -338,6 +338,93 @@ TEST(EngineTest, MixtureOfExpertsBatchedEqualsSequentialAndRoutesTopK) {
   }
 }
 
+// The engine's hyper-parameter reader, one bad key at a time, on a file holding only metadata and the embedding:
+// each error names the key and the value (a llama.cpp GGUF from elsewhere meets these checks first).
+TEST(EngineTest, HparamsOutOfRangeAreNamed) {
+  testing::TempDir dir;
+  auto write = [&](const std::map<std::string, GgufValue>& changes, std::vector<uint64_t> embd_dims) {
+    std::map<std::string, GgufValue> kv = {
+        {"general.architecture", GgufValue(std::string("llama"))},
+        {"llama.embedding_length", GgufValue(uint32_t{64})},
+        {"llama.block_count", GgufValue(uint32_t{2})},
+        {"llama.feed_forward_length", GgufValue(uint32_t{96})},
+        {"llama.attention.head_count", GgufValue(uint32_t{4})},
+        {"llama.attention.head_count_kv", GgufValue(uint32_t{2})},
+        {"llama.context_length", GgufValue(uint32_t{128})},
+        {"llama.rope.dimension_count", GgufValue(uint32_t{16})},
+    };
+    for (const auto& [k, v] : changes) kv.insert_or_assign(k, v);
+    GgufWriter w;
+    for (const auto& [k, v] : kv) w.Set(k, v);
+    const std::string path = dir.File("h.gguf");
+    EXPECT_TRUE(w.AddTensor("token_embd.weight", GgmlType::kF32, embd_dims).ok());
+    EXPECT_TRUE(w.Begin(path, true).ok());
+    uint64_t n = 1;
+    for (uint64_t d : embd_dims) n *= d;
+    EXPECT_TRUE(w.WriteTensorData("token_embd.weight", std::vector<uint8_t>(n * 4)).ok());
+    EXPECT_TRUE(w.Finish().ok());
+    auto f = GgufFile::OpenPath(path);
+    EXPECT_TRUE(f.ok());
+    return f.ok() ? ReadLlamaHparams(*f) : Result<LlamaHparams>(f.status());
+  };
+  auto good = write({}, {64, 10});
+  ASSERT_TRUE(good.ok()) << good.status().ToString();
+  EXPECT_EQ(good->n_vocab, 10);
+  EXPECT_EQ(good->n_kv_heads, 2);
+  struct Case {
+    const char* what;
+    std::map<std::string, GgufValue> changes;
+    std::vector<uint64_t> embd_dims;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"zero layers", {{"llama.block_count", GgufValue(uint32_t{0})}}, {64, 10},
+       "llama.block_count = 0 is out of range"},
+      {"partial rotary", {{"llama.rope.dimension_count", GgufValue(uint32_t{8})}}, {64, 10},
+       "llama.rope.dimension_count = 8, expected embedding_length / head_count = 16"},
+      {"kv heads", {{"llama.attention.head_count_kv", GgufValue(uint32_t{3})}}, {64, 10},
+       "inconsistent heads: embedding_length 64, head_count 4, head_count_kv 3"},
+      {"rope scaling type", {{"llama.rope.scaling.type", GgufValue(std::string("yarn"))}}, {64, 10},
+       "llama.rope.scaling.type \"yarn\" (only linear)"},
+      {"rope scaling factor",
+       {{"llama.rope.scaling.type", GgufValue(std::string("linear"))},
+        {"llama.rope.scaling.factor", GgufValue(0.0f)}},
+       {64, 10}, "llama.rope.scaling.factor must be > 0"},
+      {"experts used",
+       {{"llama.expert_count", GgufValue(uint32_t{4})}, {"llama.expert_used_count", GgufValue(uint32_t{5})}},
+       {64, 10}, "llama.expert_used_count 5 > llama.expert_count 4"},
+      {"activation", {{"nflash.ffn_activation", GgufValue(std::string("tanh"))}}, {64, 10},
+       "nflash.ffn_activation is \"tanh\", expected silu, relu or drelu"},
+      {"embedding 1-D", {}, {640}, "token_embd.weight must be 2-D"},
+  };
+  for (const Case& c : cases) {
+    auto hp = write(c.changes, c.embd_dims);
+    ASSERT_FALSE(hp.ok()) << c.what;
+    EXPECT_NE(hp.status().message().find(c.message), std::string::npos) << c.what << ": " << hp.status().ToString();
+  }
+  // No embedding: the vocabulary size cannot be known.
+  ASSERT_TRUE(write({}, {64, 10}).ok());
+  ASSERT_EQ(testing::RewriteGguf(dir.File("h.gguf"), dir.File("noembd.gguf"), nullptr,
+                                 [](testing::GgufTensorCopy* t) { t->name = "tok_embeddings.weight"; }),
+            "");
+  auto no_embd = GgufFile::OpenPath(dir.File("noembd.gguf"));
+  ASSERT_TRUE(no_embd.ok());
+  auto missing = ReadLlamaHparams(*no_embd);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("tensor token_embd.weight is missing"), std::string::npos);
+  // The engine computes from memory: a file read through pread (not mapped, not loaded) is refused by name.
+  ASSERT_TRUE(write({}, {64, 10}).ok());
+  auto pread = OpenPreadFile(dir.File("h.gguf"));
+  ASSERT_TRUE(pread.ok());
+  auto unmapped = GgufFile::Open(std::shared_ptr<const ReadableFile>(std::move(pread).value()));
+  ASSERT_TRUE(unmapped.ok());
+  auto m = Model::FromGguf(std::make_shared<const GgufFile>(std::move(unmapped).value()));
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("the engine needs the file mapped or in memory"), std::string::npos)
+      << m.status().ToString();
+}
+
 TEST(EngineTest, RejectsBadInput) {
   testing::TempDir dir;
   auto model = Model::Load(WriteTinyMoe(dir, 4, 2), {});

@@ -124,6 +124,11 @@ TEST_F(PackCliTest, ReplayReportsReadsPerToken) {
                           SharedPath("text/tinystories_cased_197K.txt"));
   EXPECT_NE(wrong.exit_code, 0);
   EXPECT_NE(wrong.output.find("was packed from a model with"), std::string::npos) << wrong.output;
+  // A replay needs the source model.
+  auto no_model = RunCommand(Nflash() + " verify " + dir + " --replay-text " +
+                             SharedPath("text/tinystories_cased_197K.txt"));
+  EXPECT_NE(no_model.exit_code, 0);
+  EXPECT_NE(no_model.output.find("--replay-text needs --model"), std::string::npos) << no_model.output;
 }
 
 TEST_F(PackCliTest, CorruptionAndUsageErrors) {
@@ -136,6 +141,12 @@ TEST_F(PackCliTest, CorruptionAndUsageErrors) {
   auto order = RunCommand(Nflash() + " -q pack -m " + Model("q8_0") + " -p " + Model("q8_0") + ".prof -o " +
                           Dir("x") + " --order random");
   EXPECT_EQ(order.exit_code, 2) << order.output;
+  auto fraction = RunCommand(Nflash() + " -q pack -m " + Model("q8_0") + " -p " + Model("q8_0") + ".prof -o " +
+                             Dir("x") + " --hot-fraction 1.5");
+  EXPECT_EQ(fraction.exit_code, 2) << fraction.output;
+  EXPECT_NE(fraction.output.find("--hot-fraction 1.5"), std::string::npos) << fraction.output;
+  EXPECT_NE(fraction.output.find("must be in [0, 1]"), std::string::npos) << fraction.output;
+  EXPECT_FALSE(std::filesystem::exists(Dir("x")));
   // The F32 model's profile does not belong to the Q8_0 model.
   auto mismatch = RunCommand(Nflash() + " -q pack -m " + Model("q8_0") + " -p " + Model("f32") + ".prof -o " + Dir("y"));
   EXPECT_NE(mismatch.exit_code, 0);

@@ -116,7 +116,10 @@ TEST(MemoryBudgetTest, DefaultSplitHotFirstThenCold) {
   split = SplitBudget(999, f, shape);
   ASSERT_FALSE(split.ok());
   EXPECT_NE(split.status().message().find("the minimum is 1000 B"), std::string::npos) << split.status().message();
-  EXPECT_FALSE(SplitBudget(2000, f, shape, 1.5).ok());
+  split = SplitBudget(2000, f, shape, 1.5);
+  ASSERT_FALSE(split.ok());
+  EXPECT_NE(split.status().message().find("hot fraction 1.5"), std::string::npos) << split.status().message();
+  EXPECT_NE(split.status().message().find("outside [0, 1]"), std::string::npos) << split.status().message();
 }
 
 TEST(MemoryBudgetTest, AccountingTableListsEveryPart) {

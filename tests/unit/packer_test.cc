@@ -429,36 +429,26 @@ void MakeLegacy(const std::string& dir) {
   const PartHashes old = HashParts(dir, LibXxh64);
   nlohmann::json m = ReadJson(dir + "/manifest.json");
   const std::string resident_path = dir + "/resident.gguf";
-  {
-    auto src = GgufFile::OpenPath(resident_path, /*use_mmap=*/false);
-    ASSERT_TRUE(src.ok());
-    std::map<std::string, std::pair<std::string, const std::vector<uint64_t>*>> renamed;
-    for (size_t i = 0; i < m["regions"].size(); ++i) {
-      const auto& r = m["regions"][i];
-      const std::string prefix = IndexTensorPrefix(r["layer"], r["expert"]);
-      renamed[prefix + ".gate_xxh3"] = {prefix + ".gate_xxh64", &old.gate[i]};
-      renamed[prefix + ".updown_xxh3"] = {prefix + ".updown_xxh64", &old.updown[i]};
-    }
-    GgufWriter w;
-    for (const auto& [key, value] : src->metadata()) w.Set(key, value);
-    for (const GgufTensorInfo& t : src->tensors()) {
-      auto it = renamed.find(t.name);
-      ASSERT_TRUE(w.AddTensor(it == renamed.end() ? t.name : it->second.first, t.type, t.dims).ok()) << t.name;
-    }
-    ASSERT_EQ(renamed.size(), 2 * m["regions"].size());
-    ASSERT_TRUE(w.Begin(resident_path, /*overwrite=*/true).ok());
-    std::vector<uint8_t> scratch;
-    for (const GgufTensorInfo& t : src->tensors()) {
-      auto it = renamed.find(t.name);
-      if (it == renamed.end()) {
-        ASSERT_TRUE(w.WriteTensorData(t.name, *src->TensorData(t, &scratch)).ok());
-      } else {
-        const std::vector<uint64_t>& v = *it->second.second;
-        ASSERT_TRUE(w.WriteTensorData(it->second.first, {reinterpret_cast<const uint8_t*>(v.data()), v.size() * 8}).ok());
-      }
-    }
-    ASSERT_TRUE(w.Finish().ok());
+  std::map<std::string, std::pair<std::string, const std::vector<uint64_t>*>> renamed;
+  for (size_t i = 0; i < m["regions"].size(); ++i) {
+    const auto& r = m["regions"][i];
+    const std::string prefix = IndexTensorPrefix(r["layer"], r["expert"]);
+    renamed[prefix + ".gate_xxh3"] = {prefix + ".gate_xxh64", &old.gate[i]};
+    renamed[prefix + ".updown_xxh3"] = {prefix + ".updown_xxh64", &old.updown[i]};
   }
+  int replaced = 0;
+  ASSERT_EQ(nflash::testing::RewriteGguf(resident_path, resident_path, nullptr,
+                                         [&](nflash::testing::GgufTensorCopy* t) {
+                                           auto it = renamed.find(t->name);
+                                           if (it == renamed.end()) return;
+                                           const std::vector<uint64_t>& v = *it->second.second;
+                                           t->name = it->second.first;
+                                           const auto* p = reinterpret_cast<const uint8_t*>(v.data());
+                                           t->bytes.assign(p, p + v.size() * 8);
+                                           ++replaced;
+                                         }),
+            "");
+  ASSERT_EQ(replaced, static_cast<int>(2 * m["regions"].size()));
   m.erase("bundle_hash");
   m["resident_hash"] = HashToHex(*HashFile(resident_path));
   m["resident_bytes"] = fs::file_size(resident_path);
@@ -751,6 +741,32 @@ TEST(PackerLookaheadTest, MismatchesAndCorruptionAreClearErrors) {
   ASSERT_FALSE(not_table.ok());
   EXPECT_NE(not_table.status().message().find("expected \"nflash-lookahead\""), std::string::npos)
       << not_table.status().message();
+  // A table of another schema version, and one missing a layer's projection.
+  ASSERT_EQ(nflash::testing::RewriteGguf(table_path, tmp.File("v9.gguf"),
+                                         [](std::vector<std::pair<std::string, GgufValue>>* kv) {
+                                           for (auto& [k, v] : *kv) {
+                                             if (k == "nflash.lookahead.schema_version") v = GgufValue(uint32_t{9});
+                                           }
+                                         },
+                                         nullptr),
+            "");
+  auto v9 = LookaheadTable::Load(tmp.File("v9.gguf"), **own);
+  ASSERT_FALSE(v9.ok());
+  EXPECT_EQ(v9.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(v9.status().message().find("nflash.lookahead.schema_version 9"), std::string::npos)
+      << v9.status().message();
+  std::string renamed;
+  ASSERT_EQ(nflash::testing::RewriteGguf(table_path, tmp.File("hole.gguf"), nullptr,
+                                         [&](nflash::testing::GgufTensorCopy* t) {
+                                           if (!t->name.ends_with("blk.0.proj")) return;
+                                           renamed = t->name;
+                                           t->name += "x";
+                                         }),
+            "");
+  ASSERT_FALSE(renamed.empty());
+  auto hole = LookaheadTable::Load(tmp.File("hole.gguf"), **own);
+  ASSERT_FALSE(hole.ok());
+  EXPECT_NE(hole.status().message().find("no tensor " + renamed), std::string::npos) << hole.status().message();
 
   FlipByte(table_path, fs::file_size(table_path) - 5);
   auto flipped = VerifyDeployment(tmp.File("d"), false);
@@ -886,27 +902,14 @@ TEST(PackerCorruptionTest, SlotTableMustBeAPermutation) {
   Packed a = PackSmall(tmp, GgmlType::kF32, 0, NeuronOrder::kHotness, "a");
   const std::string resident_path = a.dir + "/resident.gguf";
   const std::string table = IndexTensorPrefix(1, -1) + ".slot_of_neuron";
-  {
-    auto src = GgufFile::OpenPath(resident_path, /*use_mmap=*/false);
-    ASSERT_TRUE(src.ok());
-    GgufWriter w;
-    for (const auto& [key, value] : src->metadata()) w.Set(key, value);
-    for (const GgufTensorInfo& t : src->tensors()) ASSERT_TRUE(w.AddTensor(t.name, t.type, t.dims).ok());
-    ASSERT_TRUE(w.Begin(resident_path + ".new", /*overwrite=*/true).ok());
-    std::vector<uint8_t> scratch;
-    for (const GgufTensorInfo& t : src->tensors()) {
-      auto bytes = src->TensorData(t, &scratch);
-      ASSERT_TRUE(bytes.ok());
-      std::vector<uint8_t> b(bytes->begin(), bytes->end());
-      if (t.name == table) {
-        ASSERT_EQ(t.type, GgmlType::kI32);
-        std::memcpy(b.data() + 5 * 4, b.data() + 4 * 4, 4);  // neuron 5 takes neuron 4's slot
-      }
-      ASSERT_TRUE(w.WriteTensorData(t.name, b).ok());
-    }
-    ASSERT_TRUE(w.Finish().ok());
-  }
-  fs::rename(resident_path + ".new", resident_path);
+  ASSERT_EQ(nflash::testing::RewriteGguf(resident_path, resident_path, nullptr,
+                                         [&](nflash::testing::GgufTensorCopy* t) {
+                                           if (t->name != table) return;
+                                           ASSERT_EQ(t->type, GgmlType::kI32);
+                                           // neuron 5 takes neuron 4's slot
+                                           std::memcpy(t->bytes.data() + 5 * 4, t->bytes.data() + 4 * 4, 4);
+                                         }),
+            "");
   auto d = Deployment::Open(a.dir);
   ASSERT_FALSE(d.ok());
   EXPECT_NE(d.status().message().find(table + "[5] = "), std::string::npos) << d.status().ToString();

@@ -247,31 +247,24 @@ TEST(ProfileFile, SaveRejectsWrongSizes) {
 void RewriteProfile(const std::string& src, const std::string& dst, const std::string& key, const GgufValue& value,
                     const std::string& tensor = "", const std::string& new_name = "",
                     std::optional<GgmlType> new_type = std::nullopt) {
-  auto g = GgufFile::OpenPath(src);
-  ASSERT_TRUE(g.ok());
-  GgufWriter w;
-  for (const auto& [k, v] : g->metadata()) w.Set(k, k == key ? value : v);
-  std::vector<std::pair<std::string, std::vector<uint8_t>>> data;
-  for (const GgufTensorInfo& t : g->tensors()) {
-    std::vector<uint8_t> scratch;
-    auto bytes = g->TensorData(t, &scratch);
-    ASSERT_TRUE(bytes.ok());
-    std::string name = t.name;
-    GgmlType type = t.type;
-    std::vector<uint8_t> b(bytes->begin(), bytes->end());
-    if (t.name == tensor) {
-      if (!new_name.empty()) name = new_name;
-      if (new_type) {
-        type = *new_type;
-        b.assign(*RowBytes(type, t.dims[0]) * (t.n_elements / t.dims[0]), 0);
-      }
-    }
-    ASSERT_TRUE(w.AddTensor(name, type, t.dims).ok());
-    data.emplace_back(name, std::move(b));
-  }
-  ASSERT_TRUE(w.Begin(dst, true).ok());
-  for (const auto& [name, b] : data) ASSERT_TRUE(w.WriteTensorData(name, b).ok());
-  ASSERT_TRUE(w.Finish().ok());
+  const std::string error = testing::RewriteGguf(
+      src, dst,
+      [&](std::vector<std::pair<std::string, GgufValue>>* kv) {
+        for (auto& [k, v] : *kv) {
+          if (k == key) v = value;
+        }
+      },
+      [&](testing::GgufTensorCopy* t) {
+        if (t->name != tensor) return;
+        if (!new_name.empty()) t->name = new_name;
+        if (new_type) {
+          t->type = *new_type;
+          uint64_t n = 1;
+          for (uint64_t d : t->dims) n *= d;
+          t->bytes.assign(*RowBytes(t->type, t->dims[0]) * (n / t->dims[0]), 0);
+        }
+      });
+  ASSERT_EQ(error, "");
 }
 
 // Each structural check of the reader, one damaged field at a time: the message names the key, FFN or tensor. The
