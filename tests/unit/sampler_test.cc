@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -164,6 +165,38 @@ TEST(Sampler, MinPKeepsTokensAboveFractionOfMax) {
   auto d = c;
   Sampler::MinP(1.0f, &d);
   EXPECT_EQ(IdsOf(d), (std::vector<int32_t>{0}));
+}
+
+// The boundaries are inclusive, on exact probabilities (four equal logits: 0.25 each, sums exact in binary):
+// top-p keeps the smallest prefix whose mass reaches p (0.5: two tokens), min-p keeps every token at exactly the
+// threshold, and a draw that lands exactly on a cumulative boundary takes the next token (token i owns
+// [cum(i-1), cum(i)) of the unit interval).
+TEST(Sampler, BoundariesAreInclusiveOnExactProbabilities) {
+  auto c = Candidates({0.0f, 0.0f, 0.0f, 0.0f});
+  Sampler::SortByLogit(&c);
+  auto half = c;
+  Sampler::TopP(0.5f, &half);
+  EXPECT_EQ(IdsOf(half), (std::vector<int32_t>{0, 1}));
+  auto all = c;
+  Sampler::MinP(1.0f, &all);
+  EXPECT_EQ(IdsOf(all), (std::vector<int32_t>{0, 1, 2, 3}));
+  EXPECT_EQ(Sampler::Draw(c, 1.0f, 0.0), 0u);
+  EXPECT_EQ(Sampler::Draw(c, 1.0f, 0.25), 1u);  // target 1.0 = cum[0]
+  EXPECT_EQ(Sampler::Draw(c, 1.0f, 0.75), 3u);
+}
+
+// llama.cpp's chain order: top-p on the full distribution, then min-p. Probabilities 0.5, 0.2, 0.2, 0.1 with
+// top_p 0.55 and min_p 0.3: top-p keeps {0, 1} (0.5 < 0.55 <= 0.7) and min-p keeps both (0.2 >= 0.3 * 0.5); min-p
+// first would drop the 0.1 and leave top-p, on the renormalised 0.56, only token 0.
+TEST(Sampler, TopPThenMinPAsLlamaCpp) {
+  const std::vector<float> logits = {std::log(0.5f), std::log(0.2f), std::log(0.2f), std::log(0.1f)};
+  SamplerConfig cfg = Plain(1.0f, 11);
+  cfg.top_p = 0.55f;
+  cfg.min_p = 0.3f;
+  Sampler s = Make(cfg);
+  std::set<int32_t> seen;
+  for (int i = 0; i < 300; ++i) seen.insert(s.Sample(logits));
+  EXPECT_EQ(seen, (std::set<int32_t>{0, 1}));  // token 1 has probability 2/7 per draw: absent in 300 w.p. ~1e-44
 }
 
 TEST(Sampler, TopKKeepsKLargest) {
