@@ -128,6 +128,25 @@ TEST(SpmTokenizer, SpecialTokensOnlyWhenParsed) {
   EXPECT_TRUE(tok->Encode("", false).empty());
 }
 
+// SentencePiece never spells a control token out of text, even when the merges could build it: here "<" + "s" makes
+// the normal piece "<s", and "<s" + ">" would be the control token <s> (id 1), which must stay two pieces.
+TEST(SpmTokenizer, MergesNeverProduceAControlToken) {
+  VocabData v;
+  v.model = "llama";
+  v.tokens = {"<unk>", "<s>", "</s>", "<", "s", ">", "<s"};
+  v.scores = {0, 0, 0, -3, -3, -3, -1};
+  v.types = {TokenType::kUnknown, TokenType::kControl, TokenType::kControl, TokenType::kNormal,
+             TokenType::kNormal,  TokenType::kNormal,  TokenType::kNormal};
+  v.unk_id = 0;
+  v.bos_id = 1;
+  v.eos_id = 2;
+  v.add_space_prefix = false;
+  auto tok = MakeTokenizer(v);
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  EXPECT_EQ((*tok)->Encode("<s>", false), (std::vector<int32_t>{6, 5}));
+  EXPECT_EQ((*tok)->Encode("<s>", false, /*parse_special=*/true), (std::vector<int32_t>{1}));
+}
+
 // Random valid UTF-8 (ASCII, Latin, Cyrillic, CJK, emoji, spaces, newlines) survives encode + decode.
 std::string RandomUtf8(std::mt19937& rng, int n_chars) {
   static constexpr uint32_t kPool[][2] = {{0x20, 0x7E}, {0x20, 0x20}, {0x0A, 0x0A}, {0xA0, 0x17F}, {0x400, 0x4FF},
