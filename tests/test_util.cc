@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 
 namespace nflash::testing {
@@ -78,6 +79,12 @@ int64_t CachedPages(const std::string& path) {
   return n;
 }
 
+void GgufTensorCopy::ZeroData() {
+  uint64_t rows = 1;
+  for (size_t i = 1; i < dims.size(); ++i) rows *= dims[i];
+  bytes.assign(RowBytes(type, dims[0]).value() * rows, 0);
+}
+
 std::string RewriteGguf(const std::string& src, const std::string& dst,
                         const std::function<void(std::vector<std::pair<std::string, GgufValue>>*)>& edit_kv,
                         const std::function<void(GgufTensorCopy*)>& edit_tensor) {
@@ -127,6 +134,13 @@ void WriteText(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary);
   out << text;
   if (!out) throw std::runtime_error("cannot write " + path);
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
 }
 
 }  // namespace nflash::testing

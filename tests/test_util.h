@@ -55,6 +55,8 @@ struct GgufTensorCopy {
   GgmlType type;
   std::vector<uint64_t> dims;
   std::vector<uint8_t> bytes;
+  // Replaces the bytes with zeros of the size `type` and `dims` now take (after the callback changed either).
+  void ZeroData();
 };
 // Copies the GGUF `src` to `dst` (may be the same path) through GgufWriter, in the source's order, after `edit_kv`
 // has changed, added or erased metadata and `edit_tensor` each tensor (either may be null): corrupt-input tests
@@ -65,5 +67,7 @@ std::string RewriteGguf(const std::string& src, const std::string& dst,
 
 void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes);
 void WriteText(const std::string& path, const std::string& text);
+// The whole file at `path` ("" when it cannot be read).
+std::string ReadText(const std::string& path);
 
 }  // namespace nflash::testing

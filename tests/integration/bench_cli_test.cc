@@ -12,12 +12,7 @@
 namespace nflash {
 namespace {
 
-std::string ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using testing::ReadText;
 
 class BenchCliTest : public ::testing::Test {
  protected:

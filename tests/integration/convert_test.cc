@@ -507,6 +507,21 @@ struct GgufEdit {
   std::vector<uint64_t> new_dims;
   std::optional<GgmlType> new_type;
 };
+GgufEdit SetKey(std::string key, GgufValue value) {
+  GgufEdit e;
+  e.key = std::move(key);
+  e.value = std::move(value);
+  return e;
+}
+GgufEdit ChangeTensor(std::string name, std::string new_name, std::vector<uint64_t> new_dims = {},
+                      std::optional<GgmlType> new_type = std::nullopt) {
+  GgufEdit e;
+  e.tensor_name = std::move(name);
+  e.new_name = std::move(new_name);
+  e.new_dims = std::move(new_dims);
+  e.new_type = new_type;
+  return e;
+}
 void RewriteGguf(const std::string& src, const std::string& dst, const GgufEdit& e) {
   const std::string error = nflash::testing::RewriteGguf(
       src, dst,
@@ -521,9 +536,7 @@ void RewriteGguf(const std::string& src, const std::string& dst, const GgufEdit&
         if (e.new_dims.empty() && !e.new_type) return;
         if (!e.new_dims.empty()) t->dims = e.new_dims;
         if (e.new_type) t->type = *e.new_type;
-        uint64_t rows = 1;
-        for (size_t i = 1; i < t->dims.size(); ++i) rows *= t->dims[i];
-        t->bytes.assign(*RowBytes(t->type, t->dims[0]) * rows, 0);
+        t->ZeroData();
       });
   ASSERT_EQ(error, "");
 }
@@ -548,22 +561,23 @@ TEST(ConvertGguf, BadSourcesNameTheKeyOrTensor) {
     std::vector<std::string> message;
   };
   const std::vector<Case> cases = {
-      {"zero layers", {"llama.block_count", GgufValue(uint32_t{0})}, {"llama.block_count is 0, expected a positive"}},
-      {"tokens not strings", {"tokenizer.ggml.tokens", GgufValue(numbers)},
+      {"zero layers", SetKey("llama.block_count", GgufValue(uint32_t{0})),
+       {"llama.block_count is 0, expected a positive"}},
+      {"tokens not strings", SetKey("tokenizer.ggml.tokens", GgufValue(numbers)),
        {"tokenizer.ggml.tokens[0] has type", "expected string"}},
-      {"scores short", {"tokenizer.ggml.scores", shorter(scores)},
+      {"scores short", SetKey("tokenizer.ggml.scores", shorter(scores)),
        {"tokenizer.ggml.scores has 511 entries, expected 512"}},
-      {"types short", {"tokenizer.ggml.token_type", shorter(types)},
+      {"types short", SetKey("tokenizer.ggml.token_type", shorter(types)),
        {"tokenizer.ggml.token_type has 511 entries, expected 512"}},
-      {"kv heads", {"llama.attention.head_count_kv", GgufValue(uint32_t{3})},
+      {"kv heads", SetKey("llama.attention.head_count_kv", GgufValue(uint32_t{3})),
        {"inconsistent attention shape", "head_count 8, head_count_kv 3"}},
-      {"activation", {"nflash.ffn_activation", GgufValue(std::string("tanh"))},
+      {"activation", SetKey("nflash.ffn_activation", GgufValue(std::string("tanh"))),
        {"nflash.ffn_activation is \"tanh\", expected silu, relu or drelu"}},
-      {"q4_1 tensor", {"", std::nullopt, "blk.0.attn_q.weight", "", {}, GgmlType::kQ4_1},
+      {"q4_1 tensor", ChangeTensor("blk.0.attn_q.weight", "", {}, GgmlType::kQ4_1),
        {"tensor blk.0.attn_q.weight has type q4_1", "converts from f32, f16, bf16, q8_0 and q4_0 only"}},
-      {"no embedding", {"", std::nullopt, "token_embd.weight", "token_embd_x.weight"},
+      {"no embedding", ChangeTensor("token_embd.weight", "token_embd_x.weight"),
        {"tensor token_embd.weight is missing"}},
-      {"embedding rows", {"", std::nullopt, "token_embd.weight", "", {32, 1024}},
+      {"embedding rows", ChangeTensor("token_embd.weight", "", {32, 1024}),
        {"token_embd.weight row length 32 does not match llama.embedding_length 64"}},
   };
   for (const Case& c : cases) {

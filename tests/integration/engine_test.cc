@@ -24,12 +24,7 @@
 namespace nflash {
 namespace {
 
-std::string ReadText(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using testing::ReadText;
 
 // Converts a llama2.c checkpoint from ../shared to a GGUF of `type` in `dir`.
 std::string ConvertShared(const testing::TempDir& dir, const std::string& model, FfnActivation act, GgmlType type) {

@@ -435,10 +435,7 @@ TEST(HfConvertErrors, MissingConfig) {
   EXPECT_CONTAINS(r.status().message(), "config.json: no such file (not a HF model directory?)");
 }
 
-std::string ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
+using testing::ReadText;
 
 // `text` with its one occurrence of `from` replaced by `to` (the fixture's own JSON, edited to break one thing).
 std::string ReplaceOnce(std::string text, const std::string& from, const std::string& to) {

@@ -25,12 +25,7 @@ namespace {
 
 std::string Nflash() { return testing::NflashBinary(); }
 
-std::string ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using testing::ReadText;
 
 class OffloadCliTest : public ::testing::Test {
  protected:

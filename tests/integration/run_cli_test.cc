@@ -21,12 +21,7 @@
 namespace nflash {
 namespace {
 
-std::string ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using testing::ReadText;
 
 std::string Nflash() { return testing::NflashBinary(); }
 std::string Stories() { return testing::SharedPath("models/stories260K/stories260K.bin"); }

@@ -34,12 +34,7 @@ std::string Nflash() { return testing::NflashBinary(); }
 std::string Stories() { return testing::SharedPath("models/stories260K/stories260K.bin"); }
 const char kPrompt[] = "Once upon a time";
 
-std::string ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using testing::ReadText;
 
 // A running `nflash serve ARGS --port 0`: its port read from the `listening on` line, its log (stderr) in a file.
 class ServerProcess {

@@ -259,9 +259,7 @@ void RewriteProfile(const std::string& src, const std::string& dst, const std::s
         if (!new_name.empty()) t->name = new_name;
         if (new_type) {
           t->type = *new_type;
-          uint64_t n = 1;
-          for (uint64_t d : t->dims) n *= d;
-          t->bytes.assign(*RowBytes(t->type, t->dims[0]) * (n / t->dims[0]), 0);
+          t->ZeroData();
         }
       });
   ASSERT_EQ(error, "");
