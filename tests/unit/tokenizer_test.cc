@@ -352,6 +352,33 @@ TEST(PreTokenizer, Llama3Pattern) {
   EXPECT_EQ(PreTokenize("    Hello", PreTokenizer::kLlama3), (Words{"   ", " Hello"}));
 }
 
+// Expected splits from Python's `regex` module running the two patterns of tokenizer_internal.h (regex.findall), not
+// from this code. Each line pins one rule the cases above leave open.
+TEST(PreTokenizer, Gpt2ContractionsWhitespaceAndLatin1) {
+  // 'll 'd 've 'm are contractions (lowercase only in GPT-2); "'vx" is not one ('v' needs 'e').
+  EXPECT_EQ(PreTokenize("we'll they'd you've I'm", PreTokenizer::kGpt2),
+            (Words{"we", "'ll", " they", "'d", " you", "'ve", " I", "'m"}));
+  EXPECT_EQ(PreTokenize("x'vx", PreTokenizer::kGpt2), (Words{"x", "'", "vx"}));
+  // Only ' ' (not a tab) joins the following word: " ?\p{L}+".
+  EXPECT_EQ(PreTokenize("a\tb", PreTokenizer::kGpt2), (Words{"a", "\t", "b"}));
+  // Trailing whitespace at the end of the text stays one word: \s+(?!\S) has nothing to leave a space for.
+  EXPECT_EQ(PreTokenize("end.  ", PreTokenizer::kGpt2), (Words{"end", ".", "  "}));
+  // U+00BF is punctuation (Po), not a letter: it does not join "Qué".
+  EXPECT_EQ(PreTokenize("\xC2\xBFQu\xC3\xA9?", PreTokenizer::kGpt2), (Words{"\xC2\xBF", "Qu\xC3\xA9", "?"}));
+}
+
+TEST(PreTokenizer, Llama3CaseDigitsAndLineBreaks) {
+  // (?i:...) contractions win over "[^\r\n\p{L}\p{N}]?\p{L}+" even when letters follow, in either case.
+  EXPECT_EQ(PreTokenize("'Twas", PreTokenizer::kLlama3), (Words{"'T", "was"}));
+  EXPECT_EQ(PreTokenize("X'LLAMAS", PreTokenizer::kLlama3), (Words{"X", "'LL", "AMAS"}));
+  // A digit or a line break never prefixes a letter run.
+  EXPECT_EQ(PreTokenize("3rd 2nd\n\nx", PreTokenizer::kLlama3), (Words{"3", "rd", " ", "2", "nd", "\n\n", "x"}));
+  EXPECT_EQ(PreTokenize("a\nb", PreTokenizer::kLlama3), (Words{"a", "\n", "b"}));
+  // '\r' is a line break of "\s*[\r\n]+" as much as '\n' is.
+  EXPECT_EQ(PreTokenize("a\r\rb", PreTokenizer::kLlama3), (Words{"a", "\r\r", "b"}));
+  EXPECT_EQ(PreTokenize("end.  ", PreTokenizer::kLlama3), (Words{"end", ".", "  "}));
+}
+
 // A byte-level vocabulary built here: ids 0..255 are the bytes (in byte_to_unicode spelling), then one token per merge.
 VocabData HandBuiltBpe(const std::vector<std::pair<std::string, std::string>>& merges, std::string pre = "gpt2") {
   VocabData v;
@@ -413,6 +440,58 @@ TEST(BpeTokenizer, MergeMissingFromVocabFallsBackToBytes) {
   EXPECT_EQ((*tok)->Encode("ab", false), (std::vector<int32_t>{'a', 'b'}));
 }
 
+// The byte fallback goes through the byte_to_unicode spelling: "Ġ" (U+0120, UTF-8 C4 A0) is the space byte 0x20, "Ã"
+// (U+00C3) and "©" (U+00A9) are the bytes C3 and A9 of "é". The ids are the bytes (HandBuiltBpe's ids 0..255).
+TEST(BpeTokenizer, FallbackSpellsTwoByteCharactersAsTheirBytes) {
+  const std::string c3 = "\xC3\x83", a9 = "\xC2\xA9";  // byte_to_unicode(0xC3) = U+00C3, (0xA9) = U+00A9
+  ASSERT_EQ(text_internal::ByteToUnicode(0xC3), c3);
+  ASSERT_EQ(text_internal::ByteToUnicode(0xA9), a9);
+  VocabData v = HandBuiltBpe({{kG, "a"}, {c3, a9}});
+  v.tokens[256] = "zz";  // neither merge's result is a token
+  v.tokens[257] = "zy";
+  auto tok = MakeTokenizer(std::move(v));
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  EXPECT_EQ((*tok)->Encode(" a", false), (std::vector<int32_t>{0x20, 'a'}));
+  EXPECT_EQ((*tok)->Encode("\xC3\xA9", false), (std::vector<int32_t>{0xC3, 0xA9}));
+}
+
+// A stale queue entry must not merge: for "xabc" with ranks "x a" 0, "b c" 1, "a b" 2, by hand: "x a" gives "xa", then
+// "b c" gives "bc"; the pair "a b" no longer exists (a is inside "xa", b inside "bc") and "xa bc" is no merge, so the
+// result is "xa" "bc". The queued "a b" entry then has an empty left symbol and a right one of the queued length 2.
+TEST(BpeTokenizer, StaleBigramIsSkipped) {
+  auto tok = MakeTokenizer(HandBuiltBpe({{"x", "a"}, {"b", "c"}, {"a", "b"}}));  // 256 "xa", 257 "bc", 258 "ab"
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  EXPECT_EQ((*tok)->Encode("xabc", false), (std::vector<int32_t>{256, 257}));
+}
+
+// llama.cpp keeps the first rank of a merge listed twice (bpe_ranks.emplace): "a b" ranks 0, before "b c" (1), so
+// "abc" is "ab" "c". (Hugging Face tokenizers would keep the last rank, 2, and give "a" "bc".)
+TEST(BpeTokenizer, DuplicateMergeKeepsItsFirstRank) {
+  auto tok = MakeTokenizer(HandBuiltBpe({{"a", "b"}, {"b", "c"}, {"a", "b"}}));  // 256 "ab", 257 "bc", 258 "ab"
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  EXPECT_EQ((*tok)->Encode("abc", false), (std::vector<int32_t>{256, 'c'}));
+}
+
+// Added (user-defined) tokens: split out of the text even without parse_special, longest first (llama.cpp's
+// tokenizer_st_partition sorts by length and skips only control/unknown tokens unless parse_special), and decoded as
+// the plain text they are stored as. A normal token's characters outside byte_to_unicode are kept as they are.
+TEST(BpeTokenizer, AddedTokensAndUnmappedCharacters) {
+  VocabData v = HandBuiltBpe({});  // 0..255 bytes, 256 <|end|>
+  for (const char* t : {"  ", "    ", "<|\xC3\xA9|>"}) {  // 257, 258, 259
+    v.tokens.push_back(t);
+    v.types.push_back(TokenType::kUserDefined);
+  }
+  v.tokens.push_back("\xC5\x90\xE2\x86\x92");  // 260: U+0150 (just past byte_to_unicode's U+0143) and U+2192
+  v.types.push_back(TokenType::kNormal);
+  auto tok = MakeTokenizer(std::move(v));
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  EXPECT_EQ((*tok)->Encode("a    b", false), (std::vector<int32_t>{'a', 258, 'b'}));
+  EXPECT_EQ((*tok)->Encode("a  b", false), (std::vector<int32_t>{'a', 257, 'b'}));
+  EXPECT_EQ((*tok)->Encode("x<|\xC3\xA9|>", false), (std::vector<int32_t>{'x', 259}));
+  EXPECT_EQ((*tok)->DecodeToken(259), "<|\xC3\xA9|>");  // not "<|" + byte E9 + "|>"
+  EXPECT_EQ((*tok)->DecodeToken(260), "\xC5\x90\xE2\x86\x92");
+}
+
 TEST(BpeTokenizer, Llama3WholeWordTokenSkipsMerges) {
   VocabData v = HandBuiltBpe({{"h", "i"}}, "llama-bpe");
   v.tokens.push_back("hello");  // reachable by no merge; Llama 3 emits a word that is a token as it is
@@ -424,6 +503,31 @@ TEST(BpeTokenizer, Llama3WholeWordTokenSkipsMerges) {
   auto gpt2 = MakeTokenizer(v);
   ASSERT_TRUE(gpt2.ok());
   EXPECT_EQ((*gpt2)->Encode("hello", false), (std::vector<int32_t>{'h', 'e', 'l', 'l', 'o'}));
+  // "llama3" is the other name llama.cpp gives the same pre-tokenizer (llama-vocab.cpp: "llama3", "llama-bpe", ...).
+  v.pre = "llama3";
+  auto llama3 = MakeTokenizer(v);
+  ASSERT_TRUE(llama3.ok()) << llama3.status().ToString();
+  EXPECT_EQ((*llama3)->Encode("hello hi", false), (std::vector<int32_t>{258, 32, 256}));
+}
+
+// tokenizer.ggml.pre names a split pattern; one this code does not implement must fail, not fall back to GPT-2's. A merge
+// is two non-empty pieces and exactly one space (byte-level pieces spell the space byte as U+0120, never as ' ').
+TEST(BpeTokenizer, RejectsUnknownPreAndMalformedMerges) {
+  for (const char* pre : {"", "gpt2", "default", "llama-bpe", "llama3"}) {
+    EXPECT_TRUE(MakeTokenizer(HandBuiltBpe({}, pre)).ok()) << pre;
+  }
+  auto qwen = MakeTokenizer(HandBuiltBpe({}, "qwen2"));
+  ASSERT_FALSE(qwen.ok());
+  EXPECT_EQ(qwen.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(qwen.status().message().find("\"qwen2\""), std::string::npos) << qwen.status().message();
+  for (const char* merge : {"ab", "a ", " a", "a b c"}) {
+    VocabData v = HandBuiltBpe({});
+    v.merges = {merge};
+    auto tok = MakeTokenizer(std::move(v));
+    ASSERT_FALSE(tok.ok()) << '"' << merge << '"';
+    EXPECT_EQ(tok.status().code(), StatusCode::kCorruption);
+    EXPECT_NE(tok.status().message().find("tokenizer.ggml.merges[0]"), std::string::npos) << tok.status().message();
+  }
 }
 
 TEST(BpeTokenizer, RoundTripsArbitraryUtf8) {
