@@ -693,6 +693,70 @@ TEST(NeuronCacheTest, LentSlotsAreOutOfServiceUntilReclaimed) {
   EXPECT_EQ(std::count(used.begin(), used.end(), 1), 8);
 }
 
+// A loan that starts at the last slot of one partition: that partition's free slots are rebuilt too (slot 2 below
+// is free when lent and must leave layer 0's free stack), so no miss of either layer lands in a lent slot.
+TEST(NeuronCacheTest, LoanStartingAtAPartitionsLastSlotTakesItOutOfService) {
+  const RegionConfig c = Region(2, 10, {3, 3}, 0);  // slots 0-2 layer 0, 3-5 layer 1; all free
+  std::vector<uint8_t> memory(6 * AlignSlot(kBundle));
+  auto region = SlotRegion::Create(c, memory.data());
+  ASSERT_TRUE(region.ok());
+  SlotRegion& r = **region;
+  ASSERT_TRUE(r.Lend(2, 2).ok());  // layer 0's last slot and layer 1's first
+  for (int round = 0; round < 2; ++round) {
+    for (int g = 0; g < 2; ++g) {
+      std::vector<int32_t> held;
+      for (int u = 0; u < 10; ++u) {
+        const auto l = r.Acquire(g, u);
+        EXPECT_TRUE(l.slot != 2 && l.slot != 3) << "layer " << g << " unit " << u << " got lent slot " << l.slot;
+        if (l.slot >= 0) held.push_back(l.slot);
+      }
+      // Two slots are left to each layer: the rest of the ten units bypass (every slot is pinned).
+      EXPECT_EQ(held.size(), 2u) << "layer " << g;
+      for (int32_t s : held) r.Release(s);
+    }
+  }
+}
+
+// The first misses fill the arena front to back (the free stacks are ascending), so that a partly filled overflow
+// pool keeps its units in its first slots and batched prefill, which lends the region's last slots, drops none of them.
+TEST(NeuronCacheTest, FreeSlotsAreTakenInAscendingOrder) {
+  RegionConfig c = Region(1, 10, {2}, 0);
+  c.overflow_slots = 4;  // slots 0-1 the layer's, 2-5 the pool
+  std::vector<uint8_t> memory(6 * AlignSlot(kBundle));
+  auto region = SlotRegion::Create(c, memory.data());
+  ASSERT_TRUE(region.ok());
+  SlotRegion& r = **region;
+  for (int u = 0; u < 4; ++u) {
+    const auto l = r.Acquire(0, u);
+    EXPECT_EQ(l.slot, u);
+    r.Release(l.slot);
+  }
+  ASSERT_TRUE(r.Lend(4, 2).ok());
+  for (int u = 0; u < 4; ++u) EXPECT_EQ(r.Find(0, u), u) << "unit " << u << " dropped by the loan";
+}
+
+// A slot released as least recently used counts as older than any other when a miss chooses between its partition's
+// victim and the overflow pool's (ReleaseAsLru's stamp 0): the guess nobody used goes, not the pool's oldest unit.
+TEST(NeuronCacheTest, ReleasedAsLruIsOlderThanThePoolsVictim) {
+  RegionConfig c = Region(1, 10, {2}, 0);
+  c.overflow_slots = 2;
+  std::vector<uint8_t> memory(4 * AlignSlot(kBundle));
+  auto region = SlotRegion::Create(c, memory.data());
+  ASSERT_TRUE(region.ok());
+  SlotRegion& r = **region;
+  const auto a = r.Acquire(0, 1), b = r.Acquire(0, 2);  // the layer's partition
+  const auto p = r.Acquire(0, 3), q = r.Acquire(0, 4);  // the pool
+  ASSERT_LT(b.slot, 2);
+  ASSERT_GE(p.slot, 2);
+  r.Release(p.slot);  // the pool's units: released first, the oldest of the ordinary releases
+  r.Release(q.slot);
+  r.Release(a.slot);
+  r.ReleaseAsLru(b.slot);  // released last, but as a guess nobody used
+  const auto m = r.Acquire(0, 5);
+  EXPECT_EQ(m.slot, b.slot);
+  EXPECT_EQ(m.evicted_unit, 2);
+}
+
 TEST(NeuronCacheTest, RejectsInvalidConfigs) {
   auto expect_invalid = [](const NeuronCacheConfig& config, const std::string& needle) {
     auto cache = NeuronCache::Create(config);
