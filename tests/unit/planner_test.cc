@@ -98,6 +98,38 @@ TEST(HardwareTest, ReadThroughputInterpolatesInLogSize) {
   EXPECT_DOUBLE_EQ(hw.ReadMbps(2048, 1), 25);    // below the smallest size: same IOPS
 }
 
+// Points on one line are one segment (a collinear middle point is not a hull vertex), and a cut to fewer segments
+// keeps the first, the last and evenly spread ones between: slopes 5, 4, 3, 2, 1 cut to three are 5, 3, 1.
+TEST(CurveTest, CollinearPointsAreOneSegmentAndACutSpreadsOverTheCurve) {
+  const auto line = Curve{{0.0, 0.5, 1.0}, {0.0, 0.5, 1.0}}.ConcaveSegments();
+  ASSERT_EQ(line.size(), 1u);
+  EXPECT_DOUBLE_EQ(line[0].first, 1.0);
+  EXPECT_DOUBLE_EQ(line[0].second, 0.0);
+  const Curve c{{0, 1, 2, 3, 4, 5}, {0, 5, 9, 12, 14, 15}};
+  ASSERT_EQ(c.ConcaveSegments().size(), 5u);
+  const auto cut = c.ConcaveSegments(3);
+  ASSERT_EQ(cut.size(), 3u);
+  EXPECT_DOUBLE_EQ(cut[0].first, 5.0);
+  EXPECT_DOUBLE_EQ(cut[1].first, 3.0);  // through (2, 9): intercept 9 - 3 * 2 = 3
+  EXPECT_DOUBLE_EQ(cut[1].second, 3.0);
+  EXPECT_DOUBLE_EQ(cut[2].first, 1.0);  // through (4, 14): intercept 10
+  EXPECT_DOUBLE_EQ(cut[2].second, 10.0);
+}
+
+// The queue depth used is the largest measured one <= the plan's (that one itself when measured), or the smallest
+// measured when the plan's is below every measurement; sizes between two measured ones interpolate in log2 of the
+// size, here a quarter of the way (8 KiB between 4 and 64 KiB); latency below the smallest size stays that size's.
+TEST(HardwareTest, ReadFiguresPickTheQueueDepthAndInterpolateInLogSize) {
+  HardwareParams hw;
+  hw.random_reads = {{4096, 4, 100, 40}, {65536, 4, 500, 200}, {4096, 16, 300, 60}};
+  EXPECT_DOUBLE_EQ(hw.ReadMbps(4096, 16), 300);
+  EXPECT_DOUBLE_EQ(hw.ReadMbps(4096, 8), 100);
+  EXPECT_DOUBLE_EQ(hw.ReadMbps(4096, 1), 100) << "below every measured depth: the smallest (4), not the largest";
+  EXPECT_DOUBLE_EQ(hw.ReadMbps(8192, 4), 100 + 0.25 * 400);
+  EXPECT_DOUBLE_EQ(hw.ReadLatencyUs(8192, 4), 40 + 0.25 * 160);
+  EXPECT_DOUBLE_EQ(hw.ReadLatencyUs(1024, 4), 40) << "a smaller read is no faster than the smallest measured";
+}
+
 TEST(CostModelTest, HandComputedBreakdown) {
   const HardwareParams hw = Hw();
   const ModelParams m = OneRegion(Linear(), Zero());
@@ -113,11 +145,44 @@ TEST(CostModelTest, HandComputedBreakdown) {
   EXPECT_NEAR(p.token_s, (1000 + 2048 + 690.985) * 1e-6, 1e-12);
   EXPECT_NEAR(p.read_mb_per_token, 50 * 4096 / 1e6, 1e-12);
   EXPECT_EQ(p.memory_bytes, (1u << 20) + 500u * 4096u);
+  EXPECT_NEAR(p.io_exposed_s, (2048 - 100) * 1e-6, 1e-12) << "the reads the compute does not cover";
   // Two threads share the cores with the I/O thread: each miss also costs submit time on the compute threads.
   s.compute_threads = 2;
   const Prediction p2 = Evaluate(hw, m, s);
   EXPECT_NEAR(p2.ffn_compute_s, (50.0 + 50 * 2.0 / 2) * 1e-6, 1e-12);
   EXPECT_NEAR(p2.attention_s, 500e-6, 1e-12);
+}
+
+// Inputs the breakdown above leaves at their defaults: the predictor (read per token at the GEMV rate, in the token
+// time), an expert's route share (its active neurons, so its compute and reads, scale with it), and a model without
+// FFN regions (everything served).
+TEST(CostModelTest, PredictorAndRouteShareCount) {
+  const HardwareParams hw = Hw();
+  ModelParams m = OneRegion(Linear(), Zero());
+  m.predictor_bytes = 500000;
+  const PlanSettings s = OneRegionSettings(500, 0);
+  const Prediction p = Evaluate(hw, m, s);
+  EXPECT_NEAR(p.predictor_s, 500e-6, 1e-12);  // 0.5 MB at 1 GB/s
+  EXPECT_NEAR(p.token_s, (1000 + 500 + 2048 + 690.985) * 1e-6, 1e-12);
+  m.ffns[0].route_fraction = 0.25;  // 25 active neurons a token, half of them missed
+  const Prediction q = Evaluate(hw, m, s);
+  EXPECT_NEAR(q.ffn_compute_s, 25e-6, 1e-12);
+  EXPECT_NEAR(q.reads_per_token, 12.5, 1e-12);
+  EXPECT_NEAR(q.io_s, 12.5 * 4096 / 1e8, 1e-12);
+  m.ffns.clear();
+  EXPECT_EQ(Evaluate(hw, m, PlanSettings{}).served_fraction, 1.0);
+}
+
+// A region's cold share is capped at the neurons the hot region leaves: 500 hot and 1000 slots serve P(0.5) + H(0.5)
+// = 0.5 + 0.25, not H(1). And the sum bound is capped by the envelope at h + c: P(0.25) + H(0.25) = 0.6 + 0.5 is more
+// than the max(P, H)(0.5) = P(0.5) = 0.6 + 0.4 / 3 of one region holding half the neurons either way.
+TEST(CostModelTest, ColdShareAndTheSumBoundAreCapped) {
+  const HardwareParams hw = Hw();
+  const ModelParams m = OneRegion(Linear(), Curve{{0.0, 0.5, 1.0}, {0.0, 0.25, 1.0}});
+  EXPECT_NEAR(Evaluate(hw, m, OneRegionSettings(500, 1000)).served_fraction, 0.75, 1e-12);
+  const ModelParams concave =
+      OneRegion(Curve{{0.0, 0.25, 1.0}, {0.0, 0.6, 1.0}}, Curve{{0.0, 0.25, 1.0}, {0.0, 0.5, 1.0}});
+  EXPECT_NEAR(Evaluate(hw, concave, OneRegionSettings(250, 250)).served_fraction, 0.6 + 0.4 / 3, 1e-12);
 }
 
 TEST(CostModelTest, QueueDepthIsNotCappedByTheClusterAndOracleComputesOnlyUpAndDown) {
@@ -166,6 +231,19 @@ TEST(CostModelTest, BurstQueueDepthHoldsALayersMissesWithoutASpareCore) {
   s.hot_neurons = {0};
   p = Evaluate(hw, m, s);
   EXPECT_EQ(BurstQueueDepth(hw, m, s, p), kMaxBurstQueueDepth);
+  s.queue_depth = 24;  // doubling passes 256 (24 -> 384): the cap still holds
+  EXPECT_EQ(BurstQueueDepth(hw, m, s, p), kMaxBurstQueueDepth);
+  // Two experts of one layer are read in one burst: 60 + 60 misses need 128, where either alone fits 64.
+  m = OneRegion(Linear(), Zero());
+  m.ffns[0].n_neurons = 600;
+  m.ffns.push_back(m.ffns[0]);
+  m.ffns[1].expert = 1;
+  s.queue_depth = 16;
+  s.hot_neurons = {0, 0};
+  s.cold_slots = {0, 0};
+  p = Evaluate(hw, m, s);
+  ASSERT_NEAR(p.reads_per_token, 120.0, 1e-9);
+  EXPECT_EQ(BurstQueueDepth(hw, m, s, p), 128);
 }
 
 TEST(CostModelTest, ServedFractionTakesTheTighterBound) {
@@ -247,6 +325,14 @@ TEST(PlannerTest, EachRegionIsAllHotOrAllLruWhicheverTheCurvesServeMore) {
   mix.cold_slots = {150};
   EXPECT_EQ(PureRegionSplits(m, mix).hot_neurons[0], 200);
   EXPECT_EQ(PureRegionSplits(OneRegion(pop, pop), mix).cold_slots[0], 0);
+  // Hot neurons twice a cold slot's size: 800 hot + 100 cold buy 1700 cold slots, capped at the region's 1000.
+  ModelParams big = m;
+  big.ffns[0].hot_slot_bytes = 8192;
+  mix.hot_neurons = {800};
+  mix.cold_slots = {100};  // x = 0.9: H(0.9) = 0.99 > P(0.9) = 0.96
+  const PlanSettings capped = PureRegionSplits(big, mix);
+  EXPECT_EQ(capped.hot_neurons[0], 0);
+  EXPECT_EQ(capped.cold_slots[0], 1000);
 
   SolveResult r;
   ASSERT_NO_FATAL_FAILURE(SolveWithin(hw, m, m.fixed_bytes + 500u * 4096u, &r));
@@ -381,6 +467,9 @@ TEST(CostModelTest, PrefillIsGemmAgainstStreamingWithTheFirstLayerExposed) {
   p = EvaluatePrefill(hw, m, s, 100);
   EXPECT_NEAR(p.compute_s, 4e-3 + 20e-3, 1e-12);
   EXPECT_NEAR(p.total_s, 24e-3 + 4.096e-3, 1e-12);
+  m.predictor_bytes = 100000;  // read per token at the GEMV rate: 0.1 ms x 100 tokens
+  EXPECT_NEAR(EvaluatePrefill(hw, m, s, 100).compute_s, 4e-3 + 20e-3 + 10e-3, 1e-12);
+  m.predictor_bytes = 0;
   // 600 tokens: two chunks of the runtime's 512-token default, each reading every region.
   EXPECT_NEAR(EvaluatePrefill(hw, m, s, 600).io_s, 2 * 8.192e-3, 1e-12);
 }
