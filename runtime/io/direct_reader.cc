@@ -20,9 +20,6 @@
 namespace nflash::io {
 namespace {
 
-// One registered buffer may not exceed 1 GiB (kernel limit), so larger arenas are registered in 1 GiB pieces.
-constexpr size_t kMaxRegisteredBuffer = size_t{1} << 30;
-
 uint64_t NowNs() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -137,6 +134,14 @@ Result<std::unique_ptr<DirectReader>> DirectReader::FromFd(int fd, const std::st
     ::close(fd);
     return Status::InvalidArgument("queue depth must be in [1, 4096], got " + std::to_string(options.queue_depth));
   }
+  // One registered buffer may not exceed 1 GiB (kernel limit), so larger arenas are registered in pieces.
+  constexpr size_t kMaxRegisteredBuffer = size_t{1} << 30;
+  if (options.registered_buffer_bytes == 0 || options.registered_buffer_bytes % 4096 != 0 ||
+      options.registered_buffer_bytes > kMaxRegisteredBuffer) {
+    ::close(fd);
+    return Status::InvalidArgument("registered buffer size must be a multiple of 4096 in (0, 1 GiB], got " +
+                                   std::to_string(options.registered_buffer_bytes));
+  }
   const int flags = ::fcntl(fd, F_GETFL);
   bool direct = flags >= 0 && (flags & O_DIRECT) != 0;
   if (direct && OnMemoryFilesystem(fd)) {
@@ -161,7 +166,8 @@ Result<std::unique_ptr<DirectReader>> DirectReader::FromFd(int fd, const std::st
 DirectReader::DirectReader(int fd, std::string path, uint64_t size, bool direct, size_t alignment,
                            const DirectReaderOptions& opts)
     : fd_(fd), path_(std::move(path)), size_(size), direct_(direct), alignment_(alignment),
-      queue_depth_(opts.queue_depth), hook_(opts.completion_hook), latency_ns_(kLatencySampleCapacity) {}
+      queue_depth_(opts.queue_depth), registered_buffer_bytes_(opts.registered_buffer_bytes),
+      hook_(opts.completion_hook), latency_ns_(kLatencySampleCapacity) {}
 
 Status DirectReader::InitRing() {
   ring_ = std::make_unique<io_uring>();
@@ -199,8 +205,8 @@ Result<std::unique_ptr<AlignedArena>> DirectReader::CreateArena(size_t slot_byte
   NF_ASSIGN_OR_RETURN(std::unique_ptr<AlignedArena> arena,
                       AlignedArena::Create(slot_bytes, num_slots, std::max(alignment_, kDefaultDirectAlignment)));
   std::vector<iovec> iovs;
-  for (size_t off = 0; off < arena->size(); off += kMaxRegisteredBuffer) {
-    iovs.push_back({arena->data() + off, std::min(kMaxRegisteredBuffer, arena->size() - off)});
+  for (size_t off = 0; off < arena->size(); off += registered_buffer_bytes_) {
+    iovs.push_back({arena->data() + off, std::min(registered_buffer_bytes_, arena->size() - off)});
   }
   const int rc = io_uring_register_buffers(ring_.get(), iovs.data(), static_cast<unsigned>(iovs.size()));
   if (rc < 0) {
@@ -306,8 +312,9 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests,
       op.buf = static_cast<uint8_t*>(r.dst);
       if (registered_ != nullptr && registered_->Contains(r.dst, r.size)) {
         const size_t rel = op.buf - registered_->data();
-        if (rel / kMaxRegisteredBuffer == (rel + r.size - 1) / kMaxRegisteredBuffer) {
-          op.fixed_index = static_cast<int>(rel / kMaxRegisteredBuffer);
+        if (rel / registered_buffer_bytes_ == (rel + r.size - 1) / registered_buffer_bytes_) {
+          op.fixed_index = static_cast<int>(rel / registered_buffer_bytes_);
+          ++counters_.fixed_reads;
         }
       }
     } else {
@@ -393,9 +400,13 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests,
       } else if (res < 0) {
         fail(Status::IOError(ReadError(path_, r.offset, r.size, std::strerror(-res)) +
                              (op.eio_retries > 0 ? " (after 1 retry)" : "")));
-      } else if (res == 0 && op.done < op.needed) {
+      } else if ((res == 0 || (direct_ && ((op.done + static_cast<size_t>(res)) & ~(alignment_ - 1)) == op.done)) &&
+                 op.done + static_cast<size_t>(res) < op.needed) {
+        // No data, or (O_DIRECT) less than the block the read started at: the file ends there (it shrank under the
+        // reader), and resubmitting from the same aligned offset would get the same answer for ever.
         fail(Status::IOError(ReadError(path_, r.offset, r.size,
-                                       "unexpected end of file at offset " + std::to_string(op.read_offset + op.done))));
+                                       "unexpected end of file at offset " +
+                                           std::to_string(op.read_offset + op.done + static_cast<size_t>(res)))));
       } else {
         op.done += static_cast<size_t>(res);
         if (op.done < op.needed && (first_error.ok() || done != nullptr)) {
@@ -419,8 +430,9 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests,
       }
     }
     io_uring_cq_advance(ring, seen);
-    // After an error, in-flight reads are drained (their buffers must stay valid) but nothing new is started.
-    if (!first_error.ok() && !resubmit.empty()) {
+    // After an error, a plain batch drains its in-flight reads (their buffers must stay valid) but starts nothing new,
+    // not even a retry or the rest of a short read; a progress batch goes on with both (as it does with new requests).
+    if (!first_error.ok() && done == nullptr && !resubmit.empty()) {
       for (int slot : resubmit) {
         ops[slot].bounce.reset();
         free_slots.push_back(slot);
@@ -449,18 +461,33 @@ Status DirectReader::PreadAt(uint64_t offset, size_t size, void* dst) const {
   size_t done = 0;
   int eio_retries = 0;
   while (done < needed) {
-    const ssize_t n = ::pread(fd_, buf + done, read_length - done, static_cast<off_t>(read_offset + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && errno == EIO && eio_retries++ == 0) continue;
-    if (n < 0) return Status::IOError(ReadError(path_, offset, size, std::strerror(errno)));
-    if (n == 0) return Status::IOError(ReadError(path_, offset, size, "unexpected end of file"));
+    ssize_t n = ::pread(fd_, buf + done, read_length - done, static_cast<off_t>(read_offset + done));
+    int err = n < 0 ? errno : 0;
+    if (hook_) {
+      const int res = hook_(read_offset + done, read_length - done, n < 0 ? -err : static_cast<int>(n));
+      n = res < 0 ? -1 : res;
+      err = res < 0 ? -res : 0;
+    }
+    if (n < 0 && err == EINTR) continue;
+    if (n < 0 && err == EIO && eio_retries++ == 0) continue;
+    if (n < 0) {
+      return Status::IOError(ReadError(path_, offset, size, std::strerror(err)) +
+                             (eio_retries > 1 ? " (after 1 retry)" : ""));
+    }
+    const size_t before = done;
     done += static_cast<size_t>(n);
     if (direct_) done = done < needed ? done & ~(alignment_ - 1) : done;
+    if (done == before) {  // no data, or (O_DIRECT) less than a block where a block was asked: the file ends there
+      return Status::IOError(ReadError(path_, offset, size,
+                                       "unexpected end of file at offset " +
+                                           std::to_string(read_offset + before + static_cast<size_t>(n))));
+    }
   }
   if (bounce) std::memcpy(dst, bounce.get() + (offset - read_offset), size);
   std::lock_guard<std::mutex> lock(mu_);
   ++counters_.pread_requests;
   counters_.pread_bytes += size;
+  counters_.retries += static_cast<uint64_t>(eio_retries);
   return Status::Ok();
 }
 

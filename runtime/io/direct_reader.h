@@ -78,11 +78,12 @@ struct IoCounters {
   uint64_t scattered_requests = 0;  // aligned scattered requests read with one readv into their pieces
   uint64_t pread_requests = 0;  // synchronous reads
   uint64_t pread_bytes = 0;
+  uint64_t fixed_reads = 0;     // requests read into a registered (fixed) buffer
 };
 
-// Called on every io_uring completion before the reader looks at it: returns the result to use instead of `res`
-// (bytes read, or -errno). Tests return -EIO or a smaller count to exercise retries and short reads; it runs on the
-// thread that called ReadBatch.
+// Called on every io_uring completion, and after every pread(2) of PreadAt, before the reader looks at it: returns
+// the result to use instead of `res` (bytes read, or -errno). Tests return -EIO or a smaller count to exercise retries
+// and short reads; it runs on the thread that called ReadBatch or PreadAt.
 using CompletionHook = std::function<int(uint64_t offset, size_t size, int res)>;
 
 struct DirectReaderOptions {
@@ -92,6 +93,9 @@ struct DirectReaderOptions {
   // true: never ask for O_DIRECT (a page-cache baseline).
   bool buffered = false;
   CompletionHook completion_hook;  // tests only
+  // The arena is registered with io_uring in buffers of at most this many bytes (a multiple of 4096): the kernel
+  // refuses buffers over 1 GiB. Smaller in tests, so that an arena of a few pages has several.
+  size_t registered_buffer_bytes = size_t{1} << 30;
 };
 
 // Reads one file at explicit offsets. ReadAt/ReadBatch go through the io_uring; PreadAt is the synchronous path.
@@ -125,6 +129,11 @@ class DirectReader final : public ReadableFile {
   Result<std::unique_ptr<AlignedArena>> CreateArena(size_t slot_bytes, size_t num_slots);
 
   bool direct_io() const { return direct_; }
+  // Whether CreateArena's arena is registered with the ring (reads into it use fixed buffers).
+  bool arena_registered() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return registered_ != nullptr;
+  }
   size_t alignment() const { return alignment_; }
   unsigned queue_depth() const { return queue_depth_; }
   IoCounters Counters() const;
@@ -148,6 +157,7 @@ class DirectReader final : public ReadableFile {
   bool direct_;
   size_t alignment_;
   unsigned queue_depth_;
+  size_t registered_buffer_bytes_;
   CompletionHook hook_;
   mutable std::mutex mu_;  // guards the ring, the counters and the latency sample
   std::unique_ptr<io_uring> ring_;

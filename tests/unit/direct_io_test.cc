@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -428,6 +429,7 @@ TEST_F(DirectReaderTest, EioAlwaysFailsNamingPathOffsetAndSize) {
   EXPECT_NE(s.message().find("offset 196608"), std::string::npos) << s.message();  // 200000 rounded down to 4096
   EXPECT_NE(s.message().find("4096 bytes"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("after 1 retry"), std::string::npos) << s.message();
+  EXPECT_EQ(reader->Counters().retries, 1u) << "retried once, not more";
   // The reader stays usable after a failed batch.
   ASSERT_TRUE(reader->ReadAt(0, 4096, out.data()).ok());
   EXPECT_EQ(std::memcmp(out.data(), bytes_.data(), 4096), 0);
@@ -481,6 +483,230 @@ TEST_F(DirectReaderTest, ShortReadIsResubmittedForTheRemainder) {
   EXPECT_TRUE(shortened);
   EXPECT_EQ(std::memcmp(out.data(), bytes_.data(), 65536), 0);
   EXPECT_EQ(reader->Counters().short_reads, 1u);
+}
+
+// A short read is resumed where the data stopped: at the block below it with O_DIRECT (a resume must stay aligned),
+// exactly there otherwise; each resubmission asks for the rest only.
+TEST_F(DirectReaderTest, ShortReadResumesAtTheBlockWhereItStopped) {
+  for (int stop : {8192, 5000}) {
+    std::vector<std::pair<uint64_t, size_t>> calls;
+    DirectReaderOptions opt;
+    opt.completion_hook = [&](uint64_t offset, size_t size, int res) {
+      calls.emplace_back(offset, size);
+      return calls.size() == 1 ? stop : res;
+    };
+    auto reader = Open(opt);
+    ASSERT_NE(reader, nullptr);
+    std::vector<uint8_t> out(65536);
+    ASSERT_TRUE(reader->ReadAt(0, 65536, out.data()).ok());
+    EXPECT_EQ(std::memcmp(out.data(), bytes_.data(), 65536), 0);
+    const uint64_t resume = static_cast<uint64_t>(stop) / reader->alignment() * reader->alignment();  // 1: buffered
+    ASSERT_EQ(calls.size(), 2u) << "stop " << stop;
+    EXPECT_EQ(calls[0], std::make_pair(uint64_t{0}, size_t{65536}));
+    EXPECT_EQ(calls[1], std::make_pair(resume, static_cast<size_t>(65536 - resume))) << "stop " << stop;
+  }
+}
+
+// The arena is registered in pieces of at most registered_buffer_bytes (the kernel's limit is 1 GiB; 64 KiB here):
+// a read into one piece uses it as a fixed buffer with that piece's index, a read straddling two pieces goes without
+// (either mistake makes the kernel refuse the read). Slots of 12 KiB: slots 5 and 10 straddle 64 and 128 KiB.
+TEST_F(DirectReaderTest, ReadsIntoAnArenaRegisteredInPieces) {
+  DirectReaderOptions opt;
+  opt.registered_buffer_bytes = 65536;
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  auto arena = reader->CreateArena(12288, 16);
+  ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+  ASSERT_TRUE(reader->arena_registered()) << "io_uring_register_buffers refused (RLIMIT_MEMLOCK?)";
+  std::vector<ReadRequest> reqs;
+  for (size_t s = 0; s < 16; ++s) reqs.push_back({(15 - s) * 12288, 12288, (*arena)->Slot(s)});
+  ASSERT_TRUE(reader->ReadBatch(reqs).ok());
+  for (size_t s = 0; s < 16; ++s) {
+    EXPECT_EQ(std::memcmp((*arena)->Slot(s), bytes_.data() + (15 - s) * 12288, 12288), 0) << "slot " << s;
+  }
+  EXPECT_EQ(reader->Counters().fixed_reads, 14u);
+  opt.registered_buffer_bytes = 1000;
+  EXPECT_FALSE(DirectReader::Open(path_, opt).ok()) << "not a multiple of 4096";
+}
+
+// A read that returns 0 bytes before the request is complete (the file shrank under the reader) is an error naming
+// where the data stopped, not a read resubmitted for ever or reported complete.
+TEST_F(DirectReaderTest, ZeroBytesBeforeTheEndIsAnError) {
+  int zeroed = 0;
+  DirectReaderOptions opt;
+  opt.completion_hook = [&](uint64_t, size_t, int res) { return zeroed++ == 0 ? 0 : res; };
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  std::vector<uint8_t> out(8192);
+  const Status s = reader->ReadAt(16384, 8192, out.data());
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("unexpected end of file at offset 16384"), std::string::npos) << s.message();
+  EXPECT_EQ(reader->Counters().requests, 0u);
+}
+
+// With O_DIRECT, less than a block where a block was asked means the same: the data ends inside that block (as if the
+// file were truncated to 16484 bytes), and a resubmission from the block's start would come back as short for ever.
+// Through io_uring and through pread.
+TEST_F(DirectReaderTest, ShortReadInsideABlockIsTheEndOfTheFile) {
+  std::vector<uint8_t> out(8192);
+  if (!Open()->direct_io()) GTEST_SKIP() << "the file system of " << path_ << " refuses O_DIRECT";
+  for (bool pread : {false, true}) {
+    DirectReaderOptions o;
+    o.completion_hook = [&](uint64_t offset, size_t size, int res) {
+      return offset + size > 16484 && res > 0 ? static_cast<int>(std::max<int64_t>(0, 16484 - int64_t(offset))) : res;
+    };
+    auto shrunk = Open(o);
+    ASSERT_NE(shrunk, nullptr);
+    const Status t = pread ? shrunk->PreadAt(16384, 8192, out.data()) : shrunk->ReadAt(16384, 8192, out.data());
+    ASSERT_FALSE(t.ok()) << (pread ? "pread" : "io_uring");
+    EXPECT_NE(t.message().find("unexpected end of file at offset 16484"), std::string::npos) << t.message();
+  }
+}
+
+// A plain batch stops starting reads at its first failure and returns that failure; a progress batch goes on but
+// still returns the first failure, not the last. Queue depth 1 makes the order of reads the order of requests.
+TEST_F(DirectReaderTest, ABatchReturnsItsFirstFailure) {
+  std::vector<uint64_t> offsets;
+  int page5_faults = 0;
+  DirectReaderOptions opt;
+  opt.queue_depth = 1;
+  opt.completion_hook = [&](uint64_t offset, size_t, int res) {
+    offsets.push_back(offset);
+    // Page 2 always fails, retry included; page 5 fails page5_faults times.
+    return offset == 2 * 4096 || (offset == 5 * 4096 && page5_faults-- > 0) ? -EIO : res;
+  };
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  std::vector<uint8_t> out(8 * 4096);
+  const std::vector<ReadRequest> reqs = PageRequests(out, 8);
+  Status s = reader->ReadBatch(reqs);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("offset 8192"), std::string::npos) << s.message();
+  EXPECT_EQ(offsets, (std::vector<uint64_t>{0, 4096, 8192, 8192})) << "nothing read after the failed page's retry";
+  EXPECT_EQ(reader->Counters().requests, 2u);
+  EXPECT_EQ(reader->Counters().retries, 1u);
+  // A progress batch after the failure of page 2: a transient EIO of page 5 is still retried and page 5 arrives;
+  // with page 5 failing twice, the batch's error is still page 2's.
+  for (int faults : {1, 2}) {
+    offsets.clear();
+    page5_faults = faults;
+    std::vector<int> seen(reqs.size(), 0);
+    s = reader->ReadBatchProgress(reqs, [&](size_t i) { ++seen[i]; });
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("offset 8192"), std::string::npos) << "the first failure: " << s.message();
+    EXPECT_EQ(offsets.size(), 10u) << "every page, pages 2 and 5 twice: " << ::testing::PrintToString(offsets);
+    EXPECT_EQ(seen, (std::vector<int>{1, 1, 0, 1, 1, faults == 1 ? 1 : 0, 1, 1})) << faults << " faults";
+  }
+}
+
+// Counters count what the caller asked for: an unaligned read of 1000 bytes is 1000 bytes delivered, though a whole
+// block was read into the bounce buffer.
+TEST_F(DirectReaderTest, BytesCountedAreTheCallersNotTheBlocks) {
+  auto reader = Open();
+  ASSERT_NE(reader, nullptr);
+  std::vector<uint8_t> out(1000);
+  ASSERT_TRUE(reader->ReadAt(1, 1000, out.data()).ok());
+  EXPECT_EQ(std::memcmp(out.data(), bytes_.data() + 1, 1000), 0);
+  EXPECT_EQ(reader->Counters().bytes, 1000u);
+  EXPECT_EQ(reader->Counters().requests, 1u);
+  // An offset so large that offset + size wraps around is past the end, not a read.
+  const Status s = reader->ReadAt(UINT64_MAX - 10, 100, out.data());
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("past the end"), std::string::npos) << s.message();
+}
+
+// The latency sample is a ring of the most recent kLatencySampleCapacity completions, oldest first: after more reads
+// than it holds, the last three (slowed by 3 ms each in the completion hook, which runs before the latency is taken)
+// come last.
+TEST_F(DirectReaderTest, LatencySampleKeepsTheMostRecentOldestFirst) {
+  bool slow = false;
+  DirectReaderOptions opt;
+  opt.buffered = true;  // page-cache reads: 65 k of them in well under a second
+  opt.queue_depth = 64;
+  opt.completion_hook = [&](uint64_t, size_t, int res) {
+    if (slow) std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    return res;
+  };
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  std::vector<uint8_t> out(4096);
+  std::vector<ReadRequest> reqs;
+  for (size_t i = 0; i < kLatencySampleCapacity + 100; ++i) reqs.push_back({(i % 256) * 4096, 4096, out.data()});
+  ASSERT_TRUE(reader->ReadBatch(reqs).ok());
+  slow = true;
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->ReadAt(4096 * static_cast<uint64_t>(i), 4096, out.data()).ok());
+  const std::vector<uint32_t> sample = reader->LatencySampleNs();
+  ASSERT_EQ(sample.size(), kLatencySampleCapacity);
+  for (size_t i = sample.size() - 3; i < sample.size(); ++i) EXPECT_GE(sample[i], 3000000u) << i;
+  EXPECT_LT(*std::min_element(sample.begin(), sample.end() - 3), 3000000u);
+}
+
+// PreadAt (the synchronous path of llmflash): EIO retried once, then an error saying so; a short read resumed at the
+// block below where it stopped (O_DIRECT); a range past the end refused before any read.
+TEST_F(DirectReaderTest, PreadRetriesOnceAndResumesShortReads) {
+  std::vector<std::pair<uint64_t, size_t>> calls;
+  int eio = 0, stop = 0;
+  DirectReaderOptions opt;
+  opt.completion_hook = [&](uint64_t offset, size_t size, int res) {
+    calls.emplace_back(offset, size);
+    if (eio > 0) {
+      --eio;
+      return -EIO;
+    }
+    if (stop > 0) {
+      const int n = stop;
+      stop = 0;
+      return n;
+    }
+    return res;
+  };
+  auto reader = Open(opt);
+  ASSERT_NE(reader, nullptr);
+  std::vector<uint8_t> out(65536);
+  eio = 1;
+  ASSERT_TRUE(reader->PreadAt(8192, 8192, out.data()).ok());
+  EXPECT_EQ(std::memcmp(out.data(), bytes_.data() + 8192, 8192), 0);
+  EXPECT_EQ(calls.size(), 2u);
+  EXPECT_EQ(reader->Counters().retries, 1u);
+  calls.clear();
+  eio = 2;
+  Status s = reader->PreadAt(8192, 8192, out.data());
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("after 1 retry"), std::string::npos) << s.message();
+  EXPECT_EQ(calls.size(), 2u) << "one retry, not more";
+  calls.clear();
+  stop = 5000;
+  ASSERT_TRUE(reader->PreadAt(0, 65536, out.data()).ok());
+  EXPECT_EQ(std::memcmp(out.data(), bytes_.data(), 65536), 0);
+  const uint64_t resume = 5000 / reader->alignment() * reader->alignment();  // 4608 at 512-byte blocks
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_EQ(calls[1], std::make_pair(resume, static_cast<size_t>(65536 - resume)));
+  calls.clear();
+  s = reader->PreadAt(kFileBytes - 10, 20, out.data());
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("past the end"), std::string::npos) << s.message();
+  EXPECT_TRUE(calls.empty());
+}
+
+// A scattered read holds at most kMaxScatterPieces pieces: the builder starts a new read at the limit, also when a
+// gap would need two more (the gap's piece and the range's).
+TEST(RequestBuilderTest, ScatteredReadsStopAtThePieceLimit) {
+  std::vector<uint8_t> buf(2 * (kMaxScatterPieces + 2));
+  RequestBuilder rb;
+  rb.Reset(SIZE_MAX, true);
+  // Ranges of 1 byte, file-adjacent, each in memory 2 bytes after the last (never memory-adjacent): one piece each.
+  for (uint32_t i = 0; i <= kMaxScatterPieces; ++i) {
+    EXPECT_EQ(rb.Add(i, 1, buf.data() + 2 * i), i < kMaxScatterPieces ? 0u : 1u) << i;
+  }
+  const std::vector<ReadRequest>& r = rb.Finish();
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].n_pieces, kMaxScatterPieces);
+  uint8_t sink[16];
+  rb.Reset(SIZE_MAX, true, sink, 16);
+  for (uint32_t i = 0; i + 1 < kMaxScatterPieces; ++i) ASSERT_EQ(rb.Add(i, 1, buf.data() + 2 * i), 0u);
+  // 1023 pieces: a range after a gap needs 2 more, so it starts a new read.
+  EXPECT_EQ(rb.Add(kMaxScatterPieces + 4, 1, buf.data()), 1u);
+  EXPECT_EQ(rb.Finish()[0].n_pieces, kMaxScatterPieces - 1);
 }
 
 TEST_F(DirectReaderTest, FaultInjectingFileWrapsTheReader) {
