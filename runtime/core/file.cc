@@ -295,9 +295,14 @@ Result<std::unique_ptr<ReadableFile>> ReadWholeFd(const std::string& path, int f
       return Status::IOError(path + ": unexpected end of file at offset " + std::to_string(done) + " (size " +
                              std::to_string(size) + ")");
     }
+    const size_t before = done;
     done += static_cast<size_t>(n);
     // A short O_DIRECT read ends on a block boundary unless it reached the end of the file.
     if (direct && done < size) done &= ~(kDirectBlockBytes - 1);
+    if (done == before) {  // less than a block where the data should go on: the file shrank after it was opened
+      return Status::IOError(path + ": unexpected end of file at offset " +
+                             std::to_string(before + static_cast<size_t>(n)) + " (size " + std::to_string(size) + ")");
+    }
   }
   return std::unique_ptr<ReadableFile>(std::move(file));
 }

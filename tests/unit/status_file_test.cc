@@ -103,11 +103,53 @@ TEST(FileTest, PreadMmapAndMemoryAgree) {
 TEST(FileTest, OpenErrorsNameThePath) {
   auto missing = OpenPreadFile("/nonexistent/nflash/x.bin");
   ASSERT_FALSE(missing.ok());
-  EXPECT_NE(missing.status().message().find("/nonexistent/nflash/x.bin"), std::string::npos);
+  EXPECT_NE(missing.status().message().find("cannot open /nonexistent/nflash/x.bin"), std::string::npos)
+      << missing.status().message();
   testing::TempDir dir;
   auto is_dir = OpenMmapFile(dir.path());
   ASSERT_FALSE(is_dir.ok());
   EXPECT_NE(is_dir.status().message().find("directory"), std::string::npos);
+}
+
+// A file that shrinks after it was opened: the read that finds no more data is an error naming where the data ended,
+// not a loop asking for it again.
+TEST(FileTest, PreadOfAFileTruncatedAfterOpenIsAnError) {
+  testing::TempDir dir;
+  const std::string path = dir.File("shrinks.bin");
+  testing::WriteBytes(path, Pattern(8192));
+  auto f = OpenPreadFile(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  ASSERT_EQ(::truncate(path.c_str(), 5000), 0);
+  std::vector<uint8_t> buf(8192);
+  const Status s = (*f)->ReadAt(0, 8192, buf.data());
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("unexpected end of file at offset 5000"), std::string::npos) << s.message();
+}
+
+// The writer's misuse and an uncreatable temporary file are errors with their own messages.
+TEST(FileTest, AtomicWriterRefusesMisuse) {
+  auto nowhere = AtomicFileWriter::Create("/nonexistent/nflash/out.bin", true);
+  ASSERT_FALSE(nowhere.ok());
+  EXPECT_NE(nowhere.status().message().find("cannot create /nonexistent/nflash/out.bin"), std::string::npos)
+      << nowhere.status().message();
+  testing::TempDir dir;
+  auto w = AtomicFileWriter::Create(dir.File("out.bin"), false);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->Append("abcd", 4).ok());
+  Status s = (*w)->PadTo(0);
+  EXPECT_EQ(s.code(), StatusCode::kInternal);
+  EXPECT_NE(s.message().find("PadTo(0)"), std::string::npos) << s.message();
+  s = (*w)->WriteAt(2, "xyz", 3);  // 2 + 3 > the 4 bytes written
+  EXPECT_EQ(s.code(), StatusCode::kInternal);
+  EXPECT_NE(s.message().find("WriteAt past the written end"), std::string::npos) << s.message();
+  ASSERT_TRUE((*w)->WriteAt(1, "xyz", 3).ok());
+  ASSERT_TRUE((*w)->Commit().ok());
+  s = (*w)->Append("e", 1);
+  EXPECT_EQ(s.code(), StatusCode::kInternal);
+  EXPECT_NE(s.message().find("append to a closed writer"), std::string::npos) << s.message();
+  auto got = ReadWholeFile(dir.File("out.bin"));
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(std::string(got->begin(), got->end()), "axyz");
 }
 
 TEST(FileTest, FaultInjection) {
