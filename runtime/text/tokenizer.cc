@@ -141,7 +141,9 @@ Tokenizer::Tokenizer(VocabData vocab) : vocab_(std::move(vocab)) {
       // ValidateVocab() checked the spelling "<0xXX>".
       byte_value_[id] = static_cast<int16_t>(std::stoi(t.substr(3, 2), nullptr, 16));
     }
-    if ((type == TokenType::kControl || type == TokenType::kUserDefined) && !t.empty()) {
+    // llama.cpp's cache_special_tokens: control, user-defined and unknown tokens are matched in the text before it is
+    // tokenized (control and unknown ones only with parse_special).
+    if ((type == TokenType::kControl || type == TokenType::kUserDefined || type == TokenType::kUnknown) && !t.empty()) {
       special_by_byte_[static_cast<uint8_t>(t[0])].push_back(id);
     }
   }
@@ -240,7 +242,8 @@ std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_bos, bool
   for (size_t pos = 0; pos < text.size();) {
     int32_t match = -1;
     for (int32_t id : special_by_byte_[static_cast<uint8_t>(text[pos])]) {
-      if (vocab_.types[id] == TokenType::kControl && !parse_special) continue;
+      const TokenType type = vocab_.types[id];
+      if ((type == TokenType::kControl || type == TokenType::kUnknown) && !parse_special) continue;
       const std::string& t = vocab_.tokens[id];
       if (text.compare(pos, t.size(), t) == 0) {
         match = id;

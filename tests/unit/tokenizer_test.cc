@@ -122,6 +122,11 @@ TEST(SpmTokenizer, SpecialTokensOnlyWhenParsed) {
   const std::vector<int32_t> spelled = tok->Encode("<s>Hello", false);
   EXPECT_EQ(std::count(spelled.begin(), spelled.end(), 1), 0) << Ids(spelled);
   EXPECT_EQ(tok->Decode(spelled), "<s>Hello");
+  // The unknown token's text too, as llama.cpp's tokenizer_st_partition matches control and unknown tokens only with
+  // parse_special (user-defined ones always).
+  EXPECT_EQ(tok->Encode("<unk>Hello", false, /*parse_special=*/true), (std::vector<int32_t>{0, 15043}));
+  const std::vector<int32_t> unk_spelled = tok->Encode("<unk>Hello", false);
+  EXPECT_EQ(std::count(unk_spelled.begin(), unk_spelled.end(), 0), 0) << Ids(unk_spelled);
   EXPECT_EQ(tok->Decode(std::vector<int32_t>{1, 15043, 2}), "Hello");
   EXPECT_EQ(tok->Decode(std::vector<int32_t>{1, 15043, 2}, /*render_special=*/true), "<s>Hello</s>");
   EXPECT_EQ(tok->Encode("", true), (std::vector<int32_t>{1}));
