@@ -170,22 +170,39 @@ TEST(SynthConfigTest, PublishedShapes) {
   EXPECT_NE(c->name.find("synthetic"), std::string::npos);
 }
 
+// Each case breaks one rule of an otherwise valid configuration and must fail with that rule's own message (a looser
+// expectation would pass on whichever later check fails instead). --layers below 1 cannot be asked for: 0 means "the
+// shape's default", so that check has no case.
 TEST(SynthConfigTest, RejectsImpossibleFlags) {
-  SynthOptions o;
-  o.shape = "llama-5b";
-  EXPECT_EQ(SynthConfig(o).status().code(), StatusCode::kInvalidArgument);
-  o = SmallOptions();
-  o.dim = 250;
-  EXPECT_EQ(SynthConfig(o).status().code(), StatusCode::kInvalidArgument);
-  o = SmallOptions();
-  o.kv_heads = 3;
-  EXPECT_EQ(SynthConfig(o).status().code(), StatusCode::kInvalidArgument);
-  o = SmallOptions();
-  o.sparsity = 1.0;
-  EXPECT_EQ(SynthConfig(o).status().code(), StatusCode::kInvalidArgument);
-  o = SmallOptions();
-  o.shape = "llama-7b";  // --dim needs custom
-  EXPECT_EQ(SynthConfig(o).status().code(), StatusCode::kInvalidArgument);
+  struct Case {
+    const char* what;
+    std::function<void(SynthOptions&)> change;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"unknown shape", [](SynthOptions& o) { o.shape = "llama-5b"; }, "is not one of llama-7b"},
+      {"custom without dim", [](SynthOptions& o) { o.dim = 0; }, "--shape custom needs --dim"},
+      {"dim with a published shape", [](SynthOptions& o) { o.shape = "llama-7b"; }, "need --shape custom"},
+      {"dim not a multiple of 32", [](SynthOptions& o) { o.dim = 250; }, "must be multiples of 32"},
+      {"kv heads not dividing heads", [](SynthOptions& o) { o.kv_heads = 3; }, "dim must be a multiple of heads"},
+      {"dim below 64", [](SynthOptions& o) { o.dim = 32, o.heads = 2, o.kv_heads = 1; }, "--dim must be at least 64"},
+      {"vocab below 259", [](SynthOptions& o) { o.vocab = 258; }, "--vocab must be at least 259"},
+      {"top-k above experts", [](SynthOptions& o) { o.experts = 4, o.top_k = 5; }, "--top-k 5 must be in 1..4"},
+      {"sparsity 1", [](SynthOptions& o) { o.sparsity = 1.0; }, "--sparsity must be in [0, 1)"},
+      {"negative hot skew", [](SynthOptions& o) { o.hot_skew = -1; }, "--hot-skew >= 0"},
+      {"gate rank = dim", [](SynthOptions& o) { o.gate_rank = 256; }, "--gate-rank 256 must be in [0, dim 256)"},
+      {"one calibration sequence", [](SynthOptions& o) { o.calib_sequences = 1; }, "at least 2 sequences of 4 tokens"},
+      {"calibration of 3 tokens", [](SynthOptions& o) { o.calib_tokens = 3; }, "at least 2 sequences of 4 tokens"},
+  };
+  ASSERT_TRUE(SynthConfig(SmallOptions()).ok());
+  for (const Case& c : cases) {
+    SynthOptions o = SmallOptions();
+    c.change(o);
+    const auto r = SynthConfig(o);
+    ASSERT_FALSE(r.ok()) << c.what;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << c.what;
+    EXPECT_NE(r.status().message().find(c.message), std::string::npos) << c.what << ": " << r.status().message();
+  }
 }
 
 TEST(SynthPopularityTest, MeanCapAndOrder) {
