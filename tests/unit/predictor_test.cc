@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <optional>
 #include <random>
 
 #include "converter/readers.h"
@@ -383,6 +385,85 @@ TEST(PredictorFileTest, RejectsCorruptAndForeignFiles) {
   testing::WriteText(dir.File("junk.gguf"), "not a gguf file at all");
   EXPECT_FALSE(Predictor::Load(dir.File("junk.gguf")).ok());
   EXPECT_FALSE(Predictor::Load(dir.File("missing.gguf")).ok());
+}
+
+// A valid predictor file with one field changed (testing::RewriteGguf): each is refused with its own message, naming
+// the field or tensor (a looser expectation would pass on whichever later check fails instead).
+TEST(PredictorFileTest, EachCorruptFieldIsNamed) {
+  testing::TempDir dir;
+  const std::string good = dir.File("good.gguf");
+  ASSERT_TRUE(SavePredictor(RandomData(64, 96, 2, 5), good, false).ok());
+  ASSERT_TRUE(Predictor::Load(good).ok());
+  using Kv = std::vector<std::pair<std::string, GgufValue>>;
+  auto set_key = [](const std::string& key, std::optional<GgufValue> value) {
+    return [key, value](Kv* kv) {
+      std::erase_if(*kv, [&](const auto& p) { return p.first == key; });
+      if (value) kv->emplace_back(key, *value);
+    };
+  };
+  auto edit_array = [](const std::string& key, std::function<void(GgufArray&)> edit) {
+    return [key, edit](Kv* kv) {
+      for (auto& [k, v] : *kv) {
+        if (k == key) edit(std::get<GgufArray>(v.v));
+      }
+    };
+  };
+  struct Case {
+    const char* what;
+    std::function<void(Kv*)> kv;
+    std::function<void(testing::GgufTensorCopy*)> tensor;
+    const char* message;
+  };
+  const std::string k = "nflash.predictor.";
+  const std::vector<Case> cases = {
+      {"no schema version", set_key(k + "schema_version", std::nullopt), nullptr, "not an nflash predictor file"},
+      {"future schema", set_key(k + "schema_version", GgufValue(uint32_t{99})), nullptr, "predictor schema version 99"},
+      {"dim 0", set_key(k + "dim", GgufValue(uint32_t{0})), nullptr, "implausible predictor shape dim 0"},
+      {"0 experts", set_key(k + "n_experts", GgufValue(uint32_t{0})), nullptr, "n_experts is 0, expected 1..1024"},
+      {"one rank for two layers", edit_array(k + "rank", [](GgufArray& a) { a.items.pop_back(); }), nullptr,
+       "rank has 1 items, expected 2"},
+      {"text ranks", edit_array(k + "rank", [](GgufArray& a) { a = GgufArray{GgufType::kString, {"8", "16"}}; }),
+       nullptr, "rank holds a non-numeric item"},
+      {"rank 0",
+       edit_array(k + "rank",
+                  [](GgufArray& a) {
+                    std::visit(
+                        [](auto& x) {
+                          if constexpr (std::is_arithmetic_v<std::decay_t<decltype(x)>>) x = 0;
+                        },
+                        a.items[1].v);
+                  }),
+       nullptr, "blk.1.fc1.weight: rank 0"},
+      {"missing fc2", nullptr,
+       [](testing::GgufTensorCopy* t) {
+         if (t->name == "blk.1.fc2.weight") t->name = "blk.1.fc3.weight";
+       },
+       "missing tensor blk.1.fc2.weight"},
+      {"quantized fc1", nullptr,
+       [](testing::GgufTensorCopy* t) {
+         if (t->name != "blk.0.fc1.weight") return;
+         t->type = GgmlType::kQ8_0;
+         t->ZeroData();
+       },
+       "tensor blk.0.fc1.weight has type q8_0, expected F32 or F16"},
+      {"f16 bias", nullptr,
+       [](testing::GgufTensorCopy* t) {
+         if (t->name != "blk.0.fc2.bias") return;
+         t->type = GgmlType::kF16;
+         t->ZeroData();
+       },
+       "tensor blk.0.fc2.bias must be F32 with 96 elements"},
+  };
+  for (const Case& c : cases) {
+    const std::string bad = dir.File("bad.gguf");
+    ASSERT_EQ(testing::RewriteGguf(good, bad, c.kv, c.tensor), "") << c.what;
+    auto p = Predictor::Load(bad);
+    ASSERT_FALSE(p.ok()) << c.what;
+    EXPECT_NE(p.status().message().find(c.message), std::string::npos) << c.what << ": " << p.status().message();
+  }
+  const Status s = SavePredictor(RandomData(64, 96, 2, 5), dir.File("q8.gguf"), false, GgmlType::kQ8_0);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("predictor weights must be F32 or F16, not q8_0"), std::string::npos) << s.message();
 }
 
 // stories260K-relu converted to an F32 GGUF (shared by the tests below).
