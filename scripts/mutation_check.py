@@ -61,7 +61,7 @@ def from_file(path):
     return [(name, f, targets.split(), old, new or '') for name, f, targets, old, new in blocks]
 
 
-def run_one(build, mutation):
+def run_one(build, mutation, timeout=600):
     name, path, targets, old, new = mutation
     original = open(path).read()
     if original.count(old) != 1:
@@ -78,7 +78,7 @@ def run_one(build, mutation):
             if not os.access(exe, os.X_OK):
                 continue
             try:
-                r = subprocess.run([os.path.abspath(exe)], cwd=build, capture_output=True, text=True, timeout=600)
+                r = subprocess.run([os.path.abspath(exe)], cwd=build, capture_output=True, text=True, timeout=timeout)
                 if r.returncode != 0:
                     failed += [l for l in r.stdout.splitlines() if l.startswith('[  FAILED  ] ') and '(' in l][:2]
                     failed += [] if failed else [f'{t}: exit code {r.returncode}']
@@ -98,6 +98,8 @@ def main():
     ap.add_argument('--mutations', action='append', default=[], help='file of hand-written mutation blocks')
     ap.add_argument('--only', nargs='+', default=[], help='run only these mutation names')
     ap.add_argument('--list', action='store_true', help='print the mutations, run nothing')
+    ap.add_argument('--timeout', type=float, default=600,
+                    help='seconds a test executable may run before the mutant counts as caught (a hang)')
     a = ap.parse_args()
     if a.file and not a.targets:
         ap.error('--file needs --targets')
@@ -115,7 +117,7 @@ def main():
         sys.exit('ninja not found')
     survived = 0
     for m in mutations:
-        verdict, detail = run_one(a.build, m)
+        verdict, detail = run_one(a.build, m, a.timeout)
         survived += verdict == 'SURVIVED'
         print(f'{m[0]}: {verdict}', flush=True)
         for d in detail:
