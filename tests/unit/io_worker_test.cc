@@ -99,6 +99,49 @@ TEST(IoWorkerTest, WaitBlocksOnceTheIdleWorkRunsOut) {
 
 // The event trace and the busy time: one span per stream on the I/O lane (its label and request count), whose
 // duration is exactly what busy_ns() adds; a "wait" span on the compute lane only for a WaitChunk that blocked.
+// An empty chunk is done at once, before any read of its stream lands (the caller need not wait for the reads of
+// other chunks), and Ok.
+TEST(IoWorkerTest, AnEmptyChunkIsDoneAtOnce) {
+  GatedFile file;
+  IoWorker worker(&file);
+  std::vector<uint8_t> buf(2 * 64);
+  const std::vector<ReadRequest> reqs = {{0, 64, buf.data()}, {64, 64, buf.data() + 64}};
+  const std::vector<size_t> ends = {0, 2};  // chunk 0 empty, chunk 1 both reads
+  std::atomic<bool> waited_out{false};
+  std::thread opener([&] {  // a fallback, so that a worker that makes chunk 0 wait for the reads does not hang
+    for (int i = 0; i < 40 && !waited_out; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    file.Open();
+  });
+  const size_t first = worker.Start(reqs, ends, "empty");
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status s = worker.WaitChunk(first);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  waited_out = true;
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  EXPECT_LT(waited, 1.0) << "the empty chunk waited for the gated reads";
+  EXPECT_TRUE(worker.WaitChunk(first + 1).ok());
+  opener.join();
+}
+
+// A read that fails is not reported: its chunk carries the stream's error, the other chunks arrive Ok.
+TEST(IoWorkerTest, AFailedReadFailsItsChunkOnly) {
+  auto base = std::make_shared<MemoryFile>("mem.bin", std::vector<uint8_t>(4096, 7));
+  FaultInjectingFile file(base);
+  file.AddRule({FaultInjectingFile::Fault::kEio, 1024, 64, -1});  // every read of [1024, 1088)
+  IoWorker worker(&file);
+  std::vector<uint8_t> buf(3 * 64);
+  const std::vector<ReadRequest> reqs = {
+      {0, 64, buf.data()}, {1024, 64, buf.data() + 64}, {2048, 64, buf.data() + 128}};
+  const std::vector<size_t> ends = {1, 2, 3};
+  const size_t first = worker.Start(reqs, ends, "faulty");
+  EXPECT_TRUE(worker.WaitChunk(first).ok());
+  const Status s = worker.WaitChunk(first + 1);
+  EXPECT_EQ(s.code(), StatusCode::kIOError) << s.ToString();
+  EXPECT_TRUE(worker.WaitChunk(first + 2).ok());
+  EXPECT_EQ(buf[0], 7);
+  EXPECT_EQ(buf[128], 7);
+}
+
 TEST(IoWorkerTest, TraceAndBusyTimeCoverEachStream) {
   GatedFile file;
   IoWorker worker(&file);
