@@ -496,6 +496,16 @@ TEST(PlannerTest, MemoryLimitedPlanUsesAllTheMemoryItHas) {
   EXPECT_EQ(r.settings.hot_neurons[0] + r.settings.cold_slots[0], 600);
   EXPECT_LE(r.prediction.memory_bytes, limit);
   EXPECT_NEAR(r.prediction.served_fraction, 0.6, 1e-9);
+  // The solver's own token time for the plan it chose is the cost model's (linear curves: the relaxation is exact),
+  // misses and the submission work they put on the compute threads included (2 threads + the I/O thread > 2 cores),
+  // with reads fast enough (10 GB/s) that the compute, not the I/O, bounds the layer.
+  HardwareParams fast = hw;
+  for (IoPoint& p : fast.random_reads) p.mb_per_s = 10000;
+  ASSERT_NO_FATAL_FAILURE(SolveWithin(fast, m, limit, &r));
+  ASSERT_EQ(r.settings.compute_threads + r.settings.io_threads, 3);
+  ASSERT_NEAR(r.prediction.reads_per_token, 40, 1e-9);
+  ASSERT_GT(r.prediction.ffn_compute_s, r.prediction.io_s);
+  EXPECT_NEAR(r.solver_token_s, r.prediction.token_s, 1e-9);
 }
 
 // The least memory for a speed rounds neurons up (never below the speed it was solved for), but never past the memory
