@@ -430,8 +430,20 @@ TEST(EngineTest, RejectsBadInput) {
   Status s = ctx.Eval({&bad, 1}, false);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("40"), std::string::npos);
+  bad = -1;
+  s = ctx.Eval({&bad, 1}, false);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("token id -1 is outside the vocabulary"), std::string::npos) << s.message();
+  s = ctx.Eval({}, false);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("empty batch"), std::string::npos) << s.message();
   std::vector<int32_t> nine(9, 1);
-  EXPECT_EQ(ctx.Eval(nine, false).code(), StatusCode::kResourceExhausted);
+  s = ctx.Eval(nine, false);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("context full: position 0 + 9 tokens exceeds the context size 8"), std::string::npos)
+      << s.message();
+  std::vector<int32_t> eight(8, 1);
+  EXPECT_TRUE(ctx.Eval(eight, false).ok()) << "exactly the context size fits";
   auto missing = Model::Load(dir.File("nope.gguf"), {});
   EXPECT_FALSE(missing.ok());
 

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <random>
@@ -131,6 +132,91 @@ TEST(SpmTokenizer, SpecialTokensOnlyWhenParsed) {
   EXPECT_EQ(tok->Decode(std::vector<int32_t>{1, 15043, 2}, /*render_special=*/true), "<s>Hello</s>");
   EXPECT_EQ(tok->Encode("", true), (std::vector<int32_t>{1}));
   EXPECT_TRUE(tok->Encode("", false).empty());
+}
+
+// A vocabulary broken in one field is refused with that field's own message (ValidateVocab, run by every tokenizer).
+TEST(TokenizerVocab, EachInconsistentFieldIsNamed) {
+  auto base = [] {
+    VocabData v;
+    v.model = "llama";
+    v.source = "v.gguf";
+    v.tokens = {"<unk>", "<s>", "</s>", "a", "<0x41>"};
+    v.scores = {0, 0, 0, -1, -2};
+    v.types = {TokenType::kUnknown, TokenType::kControl, TokenType::kControl, TokenType::kNormal, TokenType::kByte};
+    v.unk_id = 0;
+    v.bos_id = 1;
+    v.eos_id = 2;
+    return v;
+  };
+  ASSERT_TRUE(MakeTokenizer(base()).ok());
+  struct Case {
+    const char* what;
+    std::function<void(VocabData&)> change;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"no tokens", [](VocabData& v) { v.tokens.clear(), v.scores.clear(), v.types.clear(); },
+       "tokenizer.ggml.tokens is empty"},
+      {"scores short", [](VocabData& v) { v.scores.pop_back(); }, "tokenizer.ggml.scores has 4 entries"},
+      {"types short", [](VocabData& v) { v.types.pop_back(); }, "tokenizer.ggml.token_type has 4 entries"},
+      {"type 7", [](VocabData& v) { v.types[3] = static_cast<TokenType>(7); },
+       "tokenizer.ggml.token_type[3] is 7, expected 0..6"},
+      {"byte type on a normal spelling", [](VocabData& v) { v.types[3] = TokenType::kByte; },
+       "tokenizer.ggml.tokens[3] is \"a\" but tokenizer.ggml.token_type marks it a byte token"},
+      {"bos past the vocabulary", [](VocabData& v) { v.bos_id = 5; },
+       "tokenizer.ggml.bos_token_id is 5, expected an id below 5"},
+  };
+  for (const Case& c : cases) {
+    VocabData v = base();
+    c.change(v);
+    auto tok = MakeTokenizer(std::move(v));
+    ASSERT_FALSE(tok.ok()) << c.what;
+    EXPECT_EQ(tok.status().code(), StatusCode::kCorruption) << c.what;
+    EXPECT_NE(tok.status().message().find(c.message), std::string::npos) << c.what << ": " << tok.status().message();
+  }
+}
+
+// The GGUF reader's own checks, on the shared llama vocabulary with one key changed (testing::RewriteGguf).
+TEST(TokenizerVocab, GgufKeysOfTheWrongKindAreNamed) {
+  TempDir dir;
+  const std::string good = SharedPath("models/vocab/ggml-vocab-llama-spm.gguf");
+  using Kv = std::vector<std::pair<std::string, GgufValue>>;
+  struct Case {
+    const char* what;
+    std::function<void(Kv*)> edit;
+    const char* message;
+  };
+  auto edit_key = [](const std::string& key, std::function<void(GgufValue&)> f) {
+    return [key, f](Kv* kv) {
+      for (auto& [k, v] : *kv) {
+        if (k == key) f(v);
+      }
+    };
+  };
+  const std::vector<Case> cases = {
+      {"tokens as numbers",
+       edit_key("tokenizer.ggml.tokens", [](GgufValue& v) { v = GgufArray{GgufType::kInt32, {int32_t{1}}}; }),
+       "tokenizer.ggml.tokens is an array of int32, expected an array of string"},
+      {"a score as text",
+       edit_key("tokenizer.ggml.scores",
+                [](GgufValue& v) { std::get<GgufArray>(v.v) = GgufArray{GgufType::kString, {std::string("x")}}; }),
+       "tokenizer.ggml.scores[0] has type string, expected a number"},
+      {"a fractional token type",
+       edit_key("tokenizer.ggml.token_type",
+                [](GgufValue& v) { std::get<GgufArray>(v.v) = GgufArray{GgufType::kFloat32, {1.5f}}; }),
+       "tokenizer.ggml.token_type[0] is 1.500000, expected an integer 0..6"},
+      {"bos beyond int32", edit_key("tokenizer.ggml.bos_token_id", [](GgufValue& v) { v = int64_t{1} << 40; }),
+       "tokenizer.ggml.bos_token_id is 1099511627776, expected a token id"},
+  };
+  for (const Case& c : cases) {
+    const std::string bad = dir.File("bad.gguf");
+    ASSERT_EQ(testing::RewriteGguf(good, bad, c.edit, nullptr), "") << c.what;
+    auto f = GgufFile::OpenPath(bad);
+    ASSERT_TRUE(f.ok()) << c.what << ": " << f.status().ToString();
+    auto v = ReadGgufVocab(*f);
+    ASSERT_FALSE(v.ok()) << c.what;
+    EXPECT_NE(v.status().message().find(c.message), std::string::npos) << c.what << ": " << v.status().message();
+  }
 }
 
 // SentencePiece never spells a control token out of text, even when the merges could build it: here "<" + "s" makes
