@@ -269,7 +269,7 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests,
     Op& op = ops[slot];
     io_uring_sqe* sqe = io_uring_get_sqe(ring);  // never null: at most queue_depth_ ops are in flight
     // O_DIRECT resumes must stay aligned: restart a short read at the block boundary below what arrived.
-    const size_t resume = direct_ ? op.done & ~(alignment_ - 1) : op.done;
+    const size_t resume = ResumePoint(op.done);
     op.done = resume;
     const unsigned len = static_cast<unsigned>(op.read_length - resume);
     if (op.scatter != nullptr) {
@@ -400,10 +400,10 @@ Status DirectReader::RunBatchLocked(std::span<const ReadRequest> requests,
       } else if (res < 0) {
         fail(Status::IOError(ReadError(path_, r.offset, r.size, std::strerror(-res)) +
                              (op.eio_retries > 0 ? " (after 1 retry)" : "")));
-      } else if ((res == 0 || (direct_ && ((op.done + static_cast<size_t>(res)) & ~(alignment_ - 1)) == op.done)) &&
+      } else if (ResumePoint(op.done + static_cast<size_t>(res)) == op.done &&
                  op.done + static_cast<size_t>(res) < op.needed) {
-        // No data, or (O_DIRECT) less than the block the read started at: the file ends there (it shrank under the
-        // reader), and resubmitting from the same aligned offset would get the same answer for ever.
+        // No data, or (O_DIRECT) less than the block the read started at (op.done is a resume point): the file ends
+        // there (it shrank under the reader), and resubmitting from the same offset would get the same answer for ever.
         fail(Status::IOError(ReadError(path_, r.offset, r.size,
                                        "unexpected end of file at offset " +
                                            std::to_string(op.read_offset + op.done + static_cast<size_t>(res)))));
@@ -476,7 +476,7 @@ Status DirectReader::PreadAt(uint64_t offset, size_t size, void* dst) const {
     }
     const size_t before = done;
     done += static_cast<size_t>(n);
-    if (direct_) done = done < needed ? done & ~(alignment_ - 1) : done;
+    if (done < needed) done = ResumePoint(done);
     if (done == before) {  // no data, or (O_DIRECT) less than a block where a block was asked: the file ends there
       return Status::IOError(ReadError(path_, offset, size,
                                        "unexpected end of file at offset " +

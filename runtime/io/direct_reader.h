@@ -145,6 +145,8 @@ class DirectReader final : public ReadableFile {
   struct Op;
   DirectReader(int fd, std::string path, uint64_t size, bool direct, size_t alignment, const DirectReaderOptions& opts);
   Status InitRing();
+  // Where a read that has `done` bytes resumes: with O_DIRECT, at the block boundary below them.
+  size_t ResumePoint(size_t done) const { return direct_ ? done & ~(alignment_ - 1) : done; }
   bool IsAligned(uint64_t offset, size_t size, const void* dst) const;
   bool IsAligned(const ReadRequest& r) const;  // offset, size and every destination (each piece of a scattered one)
   Status CheckRequest(const ReadRequest& r) const;
