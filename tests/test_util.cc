@@ -143,4 +143,27 @@ std::string ReadText(const std::string& path) {
   return ss.str();
 }
 
+GgufKvEdit SetGgufKey(std::string key, std::optional<GgufValue> value) {
+  return [key = std::move(key), value = std::move(value)](std::vector<std::pair<std::string, GgufValue>>* kv) {
+    std::erase_if(*kv, [&](const auto& p) { return p.first == key; });
+    if (value) kv->emplace_back(key, *value);
+  };
+}
+
+GgufKvEdit EditGgufKey(std::string key, std::function<void(GgufValue&)> edit) {
+  return [key = std::move(key), edit = std::move(edit)](std::vector<std::pair<std::string, GgufValue>>* kv) {
+    for (auto& [k, v] : *kv) {
+      if (k == key) edit(v);
+    }
+  };
+}
+
+std::function<void(GgufTensorCopy*)> RetypeGgufTensor(std::string name, GgmlType type) {
+  return [name = std::move(name), type](GgufTensorCopy* t) {
+    if (t->name != name) return;
+    t->type = type;
+    t->ZeroData();
+  };
+}
+
 }  // namespace nflash::testing

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -64,6 +65,13 @@ struct GgufTensorCopy {
 std::string RewriteGguf(const std::string& src, const std::string& dst,
                         const std::function<void(std::vector<std::pair<std::string, GgufValue>>*)>& edit_kv,
                         const std::function<void(GgufTensorCopy*)>& edit_tensor);
+// Callbacks for RewriteGguf. SetGgufKey: `key` erased, then set to `value` when there is one (added if it was
+// missing). EditGgufKey: `edit` applied to `key`'s value in place (nothing when the key is missing).
+// RetypeGgufTensor: tensor `name` stored as `type`, same dims, its bytes zeroed to the new size.
+using GgufKvEdit = std::function<void(std::vector<std::pair<std::string, GgufValue>>*)>;
+GgufKvEdit SetGgufKey(std::string key, std::optional<GgufValue> value);
+GgufKvEdit EditGgufKey(std::string key, std::function<void(GgufValue&)> edit);
+std::function<void(GgufTensorCopy*)> RetypeGgufTensor(std::string name, GgmlType type);
 
 void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes);
 void WriteText(const std::string& path, const std::string& text);

@@ -526,9 +526,7 @@ void RewriteGguf(const std::string& src, const std::string& dst, const GgufEdit&
   const std::string error = nflash::testing::RewriteGguf(
       src, dst,
       [&](std::vector<std::pair<std::string, GgufValue>>* kv) {
-        if (e.key.empty()) return;
-        std::erase_if(*kv, [&](const auto& p) { return p.first == e.key; });
-        if (e.value) kv->emplace_back(e.key, *e.value);
+        if (!e.key.empty()) nflash::testing::SetGgufKey(e.key, e.value)(kv);
       },
       [&](nflash::testing::GgufTensorCopy* t) {
         if (t->name != e.tensor_name) return;

@@ -742,13 +742,10 @@ TEST(PackerLookaheadTest, MismatchesAndCorruptionAreClearErrors) {
   EXPECT_NE(not_table.status().message().find("expected \"nflash-lookahead\""), std::string::npos)
       << not_table.status().message();
   // A table of another schema version, and one missing a layer's projection.
-  ASSERT_EQ(nflash::testing::RewriteGguf(table_path, tmp.File("v9.gguf"),
-                                         [](std::vector<std::pair<std::string, GgufValue>>* kv) {
-                                           for (auto& [k, v] : *kv) {
-                                             if (k == "nflash.lookahead.schema_version") v = GgufValue(uint32_t{9});
-                                           }
-                                         },
-                                         nullptr),
+  ASSERT_EQ(nflash::testing::RewriteGguf(
+                table_path, tmp.File("v9.gguf"),
+                nflash::testing::EditGgufKey("nflash.lookahead.schema_version", [](GgufValue& v) { v = uint32_t{9}; }),
+                nullptr),
             "");
   auto v9 = LookaheadTable::Load(tmp.File("v9.gguf"), **own);
   ASSERT_FALSE(v9.ok());

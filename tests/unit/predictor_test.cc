@@ -394,32 +394,24 @@ TEST(PredictorFileTest, EachCorruptFieldIsNamed) {
   const std::string good = dir.File("good.gguf");
   ASSERT_TRUE(SavePredictor(RandomData(64, 96, 2, 5), good, false).ok());
   ASSERT_TRUE(Predictor::Load(good).ok());
-  using Kv = std::vector<std::pair<std::string, GgufValue>>;
-  auto set_key = [](const std::string& key, std::optional<GgufValue> value) {
-    return [key, value](Kv* kv) {
-      std::erase_if(*kv, [&](const auto& p) { return p.first == key; });
-      if (value) kv->emplace_back(key, *value);
-    };
-  };
+  using testing::EditGgufKey;
+  using testing::SetGgufKey;
   auto edit_array = [](const std::string& key, std::function<void(GgufArray&)> edit) {
-    return [key, edit](Kv* kv) {
-      for (auto& [k, v] : *kv) {
-        if (k == key) edit(std::get<GgufArray>(v.v));
-      }
-    };
+    return EditGgufKey(key, [edit](GgufValue& v) { edit(std::get<GgufArray>(v.v)); });
   };
   struct Case {
     const char* what;
-    std::function<void(Kv*)> kv;
+    testing::GgufKvEdit kv;
     std::function<void(testing::GgufTensorCopy*)> tensor;
     const char* message;
   };
   const std::string k = "nflash.predictor.";
   const std::vector<Case> cases = {
-      {"no schema version", set_key(k + "schema_version", std::nullopt), nullptr, "not an nflash predictor file"},
-      {"future schema", set_key(k + "schema_version", GgufValue(uint32_t{99})), nullptr, "predictor schema version 99"},
-      {"dim 0", set_key(k + "dim", GgufValue(uint32_t{0})), nullptr, "implausible predictor shape dim 0"},
-      {"0 experts", set_key(k + "n_experts", GgufValue(uint32_t{0})), nullptr, "n_experts is 0, expected 1..1024"},
+      {"no schema version", SetGgufKey(k + "schema_version", std::nullopt), nullptr, "not an nflash predictor file"},
+      {"future schema", SetGgufKey(k + "schema_version", GgufValue(uint32_t{99})), nullptr,
+       "predictor schema version 99"},
+      {"dim 0", SetGgufKey(k + "dim", GgufValue(uint32_t{0})), nullptr, "implausible predictor shape dim 0"},
+      {"0 experts", SetGgufKey(k + "n_experts", GgufValue(uint32_t{0})), nullptr, "n_experts is 0, expected 1..1024"},
       {"one rank for two layers", edit_array(k + "rank", [](GgufArray& a) { a.items.pop_back(); }), nullptr,
        "rank has 1 items, expected 2"},
       {"text ranks", edit_array(k + "rank", [](GgufArray& a) { a = GgufArray{GgufType::kString, {"8", "16"}}; }),
@@ -439,19 +431,9 @@ TEST(PredictorFileTest, EachCorruptFieldIsNamed) {
          if (t->name == "blk.1.fc2.weight") t->name = "blk.1.fc3.weight";
        },
        "missing tensor blk.1.fc2.weight"},
-      {"quantized fc1", nullptr,
-       [](testing::GgufTensorCopy* t) {
-         if (t->name != "blk.0.fc1.weight") return;
-         t->type = GgmlType::kQ8_0;
-         t->ZeroData();
-       },
+      {"quantized fc1", nullptr, testing::RetypeGgufTensor("blk.0.fc1.weight", GgmlType::kQ8_0),
        "tensor blk.0.fc1.weight has type q8_0, expected F32 or F16"},
-      {"f16 bias", nullptr,
-       [](testing::GgufTensorCopy* t) {
-         if (t->name != "blk.0.fc2.bias") return;
-         t->type = GgmlType::kF16;
-         t->ZeroData();
-       },
+      {"f16 bias", nullptr, testing::RetypeGgufTensor("blk.0.fc2.bias", GgmlType::kF16),
        "tensor blk.0.fc2.bias must be F32 with 96 elements"},
   };
   for (const Case& c : cases) {

@@ -248,12 +248,7 @@ void RewriteProfile(const std::string& src, const std::string& dst, const std::s
                     const std::string& tensor = "", const std::string& new_name = "",
                     std::optional<GgmlType> new_type = std::nullopt) {
   const std::string error = testing::RewriteGguf(
-      src, dst,
-      [&](std::vector<std::pair<std::string, GgufValue>>* kv) {
-        for (auto& [k, v] : *kv) {
-          if (k == key) v = value;
-        }
-      },
+      src, dst, testing::EditGgufKey(key, [&](GgufValue& v) { v = value; }),
       [&](testing::GgufTensorCopy* t) {
         if (t->name != tensor) return;
         if (!new_name.empty()) t->name = new_name;

@@ -180,32 +180,25 @@ TEST(TokenizerVocab, EachInconsistentFieldIsNamed) {
 TEST(TokenizerVocab, GgufKeysOfTheWrongKindAreNamed) {
   TempDir dir;
   const std::string good = SharedPath("models/vocab/ggml-vocab-llama-spm.gguf");
-  using Kv = std::vector<std::pair<std::string, GgufValue>>;
+  using testing::EditGgufKey;
   struct Case {
     const char* what;
-    std::function<void(Kv*)> edit;
+    testing::GgufKvEdit edit;
     const char* message;
-  };
-  auto edit_key = [](const std::string& key, std::function<void(GgufValue&)> f) {
-    return [key, f](Kv* kv) {
-      for (auto& [k, v] : *kv) {
-        if (k == key) f(v);
-      }
-    };
   };
   const std::vector<Case> cases = {
       {"tokens as numbers",
-       edit_key("tokenizer.ggml.tokens", [](GgufValue& v) { v = GgufArray{GgufType::kInt32, {int32_t{1}}}; }),
+       EditGgufKey("tokenizer.ggml.tokens", [](GgufValue& v) { v = GgufArray{GgufType::kInt32, {int32_t{1}}}; }),
        "tokenizer.ggml.tokens is an array of int32, expected an array of string"},
       {"a score as text",
-       edit_key("tokenizer.ggml.scores",
+       EditGgufKey("tokenizer.ggml.scores",
                 [](GgufValue& v) { std::get<GgufArray>(v.v) = GgufArray{GgufType::kString, {std::string("x")}}; }),
        "tokenizer.ggml.scores[0] has type string, expected a number"},
       {"a fractional token type",
-       edit_key("tokenizer.ggml.token_type",
+       EditGgufKey("tokenizer.ggml.token_type",
                 [](GgufValue& v) { std::get<GgufArray>(v.v) = GgufArray{GgufType::kFloat32, {1.5f}}; }),
        "tokenizer.ggml.token_type[0] is 1.500000, expected an integer 0..6"},
-      {"bos beyond int32", edit_key("tokenizer.ggml.bos_token_id", [](GgufValue& v) { v = int64_t{1} << 40; }),
+      {"bos beyond int32", EditGgufKey("tokenizer.ggml.bos_token_id", [](GgufValue& v) { v = int64_t{1} << 40; }),
        "tokenizer.ggml.bos_token_id is 1099511627776, expected a token id"},
   };
   for (const Case& c : cases) {
