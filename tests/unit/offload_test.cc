@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <set>
 #include <sstream>
@@ -67,6 +68,24 @@ Result<GreedyRun> Greedy(InferenceContext& ctx, int64_t n_vocab, size_t n) {
   }
   return ::testing::AssertionSuccess();
 }
+
+// A flash file whose every read takes `delay` longer: the compute thread reaches each chunk's wait before its reads
+// land.
+class SlowFile final : public ReadableFile {
+ public:
+  SlowFile(std::shared_ptr<const ReadableFile> base, std::chrono::microseconds delay)
+      : base_(std::move(base)), delay_(delay) {}
+  Status ReadAt(uint64_t offset, size_t size, void* dst) const override {
+    std::this_thread::sleep_for(delay_);
+    return base_->ReadAt(offset, size, dst);
+  }
+  uint64_t Size() const override { return base_->Size(); }
+  const std::string& Path() const override { return base_->Path(); }
+
+ private:
+  std::shared_ptr<const ReadableFile> base_;
+  std::chrono::microseconds delay_;
+};
 
 class OffloadTest : public ::testing::Test {
  protected:
@@ -297,6 +316,8 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     int64_t per_layer_slots = 40;
     int64_t hot = 1;
     bool prefill_in_cache = false;  // batched prefill in lent cold slots (the lookahead's pins dropped first)
+    int64_t chunk = 16;             // requests per chunk
+    bool slow = false;              // every read 200 us late: the layer settles its guesses while reads are in flight
   };
   const Config configs[] = {
       {false, 0, false, true}, {false, -1, false, true}, {false, 3, false, false},
@@ -309,15 +330,27 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
       {false, -1, true, true, false, 12, 0},
       {false, -1, true, true, false, 40, 1, true},
       {false, 3, false, true, false, 40, 0, true},
+      // Partitions that hold whole layers: nothing is evicted, so every bundle is read once, by its first miss or
+      // guess, and stays cached (a guess of a cached bundle, or an unused guess dropped instead of kept, reads more).
+      {false, -1, true, false, false, 172, 0},
+      // One request per chunk, slow reads: the guesses of a chunk are checked only after its wait.
+      {false, -1, true, false, false, 40, 0, false, 1, true},
   };
   for (const Config& c : configs) {
     SCOPED_TRACE(std::string(c.predictor ? "predictor" : "oracle") + " lookahead " + std::to_string(c.lookahead) +
                  (c.per_layer ? " per-layer cold slots" : " shared cold pool") +
                  (c.batched_prefill ? "" : " token prefill") + (c.shared_from_per_layer ? " (shared)" : "") +
-                 (c.prefill_in_cache ? " prefill in cache" : ""));
+                 (c.prefill_in_cache ? " prefill in cache" : "") + " partition " + std::to_string(c.per_layer_slots) +
+                 " hot " + std::to_string(c.hot) + " chunk " + std::to_string(c.chunk) + (c.slow ? " slow" : ""));
     SparseRuntimeOptions o;
     o.active_set = c.predictor ? ActiveSetSource::kAuto : ActiveSetSource::kOracle;
     o.lookahead_slots = c.lookahead;
+    o.chunk_requests = c.chunk;
+    if (c.slow) {
+      o.wrap_flash = [](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
+        return std::make_shared<SlowFile>(std::move(base), std::chrono::microseconds(200));
+      };
+    }
     o.hot_slots = c.hot;
     o.batched_prefill = c.batched_prefill;
     o.batched_prefill_min_tokens = 2;  // the prompt is short
@@ -349,8 +382,14 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
       EXPECT_GE(2.5 * static_cast<double>(st.prefetch_used), static_cast<double>(st.prefetched));
       EXPECT_LE(st.prefetch_used, st.missed) << "a neuron read ahead and used is a miss served early";
       EXPECT_LE(st.prefetch_bytes, st.bytes_read);
-      // At most `cap` bundles per layer and token (4 layers read ahead of per token: layers 1..4).
+      // At most `cap` bundles per layer and token (4 layers read ahead of per token: layers 1..4), and at most half
+      // of the layer's partition (or of the shared pool): the rest stays for its other misses and its hits.
       EXPECT_LE(st.prefetched, cap * st.tokens);
+      const int64_t pool = !c.per_layer ? 150 : c.shared_from_per_layer ? 5 * c.per_layer_slots : c.per_layer_slots;
+      for (size_t g = 0; g < 5; ++g) {
+        const OffloadGroupStats& sg = (*rt)->ffn().stats()[g];
+        EXPECT_LE(sg.prefetched, std::min(cap, pool / 2) * sg.tokens) << "layer " << g;
+      }
     }
     EXPECT_EQ(st.retries, 0);
     const SlotRegion& cold = (*rt)->ffn().cache().cold();
@@ -369,6 +408,17 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
       // item that took a read-ahead bundle must not be looked up again (it once was, after an early settle).
       const CacheCounters cc = cold.TotalCounters();
       EXPECT_EQ(static_cast<int64_t>(cc.hits + cc.misses), st.active - st.prefetch_used + st.prefetched);
+    }
+    if (c.per_layer_slots >= 172 && c.hot == 0) {
+      // Nothing leaves the cache: each bundle read (by a miss or a guess) was a miss when read, and is still held.
+      const CacheCounters cc = cold.TotalCounters();
+      EXPECT_EQ(cc.evictions, 0u);
+      EXPECT_EQ(st.bytes_read, cc.misses * ColdReadBytes((*rt)->deployment().layout()));
+      uint64_t held = 0;
+      for (int64_t g = 0; g < 5; ++g) {
+        for (int32_t n = 0; n < 172; ++n) held += cold.Find(g, n) >= 0;
+      }
+      EXPECT_EQ(held, cc.misses);
     }
     for (int32_t s = 0; s < cold.SlotCount(); ++s) ASSERT_EQ(cold.PinCount(s), 0) << "slot " << s << " still pinned";
   }
@@ -709,6 +759,177 @@ TEST_F(OffloadTest, MissesNeverEvictTheSameTokensHits) {
     EXPECT_EQ(cold.counters(g).misses, want.misses) << "group " << g;
     EXPECT_EQ(cold.counters(g).evictions, want.evictions) << "group " << g;
     EXPECT_GT(want.evictions, 0u) << "group " << g;
+    const OffloadGroupStats& st = (*rt)->ffn().stats()[static_cast<size_t>(g)];
+    EXPECT_EQ(st.missed, static_cast<int64_t>(want.misses)) << "group " << g;
+    EXPECT_EQ(st.active, static_cast<int64_t>(want.hits + want.misses)) << "group " << g;
+  }
+}
+
+// Pinned hot clusters without a plan: hot_slots is split evenly over the layers, one more for the first layers while
+// a remainder lasts, and never more than a layer has (its clusters); a plan's per-layer counts are clamped the same
+// way. Counted here by dealing the clusters out one at a time, layer after layer.
+TEST_F(OffloadTest, PinnedClustersAreDealtEvenlyOverTheLayers) {
+  ASSERT_TRUE(sparse_);
+  auto d = packer::Deployment::Open(DeployDir());
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  constexpr int64_t kClusterGroups = 2;
+  const int64_t per_cluster = kClusterGroups * (*d)->layout().slots_per_group;
+  std::vector<int64_t> cap;
+  for (const auto& r : (*d)->manifest().regions) cap.push_back((r.n_neurons + per_cluster - 1) / per_cluster);
+  const int64_t n_groups = static_cast<int64_t>(cap.size());
+  ASSERT_GE(n_groups, 3);
+  const int64_t all = std::accumulate(cap.begin(), cap.end(), int64_t{0});
+  ASSERT_GT(cap[0], 3) << "the test needs layers of several clusters";
+  auto dealt = [&](int64_t n) {
+    std::vector<int64_t> got(cap.size(), 0);
+    for (bool progress = true; n > 0 && progress;) {
+      progress = false;
+      for (size_t g = 0; g < cap.size() && n > 0; ++g) {
+        if (got[g] == cap[g]) continue;
+        ++got[g];
+        --n;
+        progress = true;
+      }
+    }
+    return got;
+  };
+  for (int64_t hot : {int64_t{1}, n_groups + 2, 2 * n_groups - 1, all - 1, all + 5}) {
+    SCOPED_TRACE("hot_slots " + std::to_string(hot));
+    SparseRuntimeOptions o;
+    o.active_set = ActiveSetSource::kOracle;
+    o.hot_policy = HotPolicy::kPinned;
+    o.cluster_groups = kClusterGroups;
+    o.hot_slots = hot;
+    o.cold_slots = 30;
+    auto rt = Open(o);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    EXPECT_EQ((*rt)->ffn().cache().hot().config().slots_per_group, dealt(hot));
+    auto run = Greedy((*rt)->context(), n_vocab_, 8);
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    ASSERT_TRUE(SameLogits(*run, *sparse_));
+  }
+  // A plan's counts: taken as given, at most a layer's clusters, never below 0.
+  SparseRuntimeOptions o;
+  o.active_set = ActiveSetSource::kOracle;
+  o.hot_policy = HotPolicy::kPinned;
+  o.cluster_groups = kClusterGroups;
+  o.hot_slots_per_group.assign(static_cast<size_t>(n_groups), 1);
+  o.hot_slots_per_group[0] = 0;
+  o.hot_slots_per_group[1] = cap[1] + 7;
+  o.hot_slots_per_group[2] = -3;
+  o.cold_slots = 30;
+  std::vector<int64_t> expected(static_cast<size_t>(n_groups), 1);
+  expected[0] = 0;
+  expected[1] = cap[1];
+  expected[2] = 0;
+  auto rt = Open(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  EXPECT_EQ((*rt)->ffn().cache().hot().config().slots_per_group, expected);
+}
+
+// Reads made while opening (the oracle's gate rows; the pinned hot region) are checked like decode's: a fault is
+// retried once (the run is then the in-memory one, and no retry shows in the decode statistics), a persistent one
+// fails the opening with a message naming what was being loaded.
+TEST_F(OffloadTest, FaultsWhileOpeningAreRetriedOnceThenReported) {
+  ASSERT_TRUE(sparse_ && predicted_);
+  for (bool pinned : {false, true}) {
+    for (auto fault : {FaultInjectingFile::Fault::kBitFlip, FaultInjectingFile::Fault::kEio}) {
+      for (int count : {1, -1}) {
+        SCOPED_TRACE(std::string(pinned ? "pinned hot region" : "oracle gate rows") + " fault " +
+                     std::to_string(static_cast<int>(fault)) + (count < 0 ? " persistent" : " once"));
+        FaultInjectingFile* fi = nullptr;
+        SparseRuntimeOptions o;
+        // The pinned region with the predictor (no gate rows to read first); the gate rows with the oracle.
+        o.active_set = pinned ? ActiveSetSource::kPredictor : ActiveSetSource::kOracle;
+        o.hot_policy = pinned ? HotPolicy::kPinned : HotPolicy::kLru;
+        o.batched_prefill = false;
+        o.hot_slots = pinned ? 1000 : 1;
+        o.cold_slots = 60;
+        o.wrap_flash = [&fi, fault, count](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
+          auto f = std::make_shared<FaultInjectingFile>(std::move(base));
+          f->AddRule({fault, 0, UINT64_MAX, count});  // from the first read on
+          fi = f.get();
+          return f;
+        };
+        auto rt = SparseRuntime::Open(pinned ? dir_->File("deploy-pred") : DeployDir(), o, pool_);
+        if (count < 0) {
+          ASSERT_FALSE(rt.ok());
+          const std::string msg = rt.status().message();
+          EXPECT_EQ(rt.status().code(),
+                    fault == FaultInjectingFile::Fault::kEio ? StatusCode::kIOError : StatusCode::kCorruption)
+              << msg;
+          EXPECT_NE(msg.find(pinned ? "loading the pinned hot region" : "oracle gate rows"), std::string::npos) << msg;
+          EXPECT_NE(msg.find(pinned ? "hot cluster 0" : "layer 0"), std::string::npos) << msg;
+          continue;
+        }
+        ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+        ASSERT_NE(fi, nullptr);
+        EXPECT_EQ(fi->InjectedCount(), 1);
+        EXPECT_EQ((*rt)->ffn().TotalStats().retries, 0) << "load-time retries are not decode statistics";
+        const GreedyRun& ref = pinned ? *predicted_ : *sparse_;
+        auto run = Greedy((*rt)->context(), n_vocab_, 8);
+        ASSERT_TRUE(run.ok()) << run.status().ToString();
+        ASSERT_TRUE(SameLogits(*run, ref));
+        EXPECT_EQ((*rt)->ffn().TotalStats().retries, 0);
+      }
+    }
+  }
+}
+
+// Without a cache every active neuron is read each step, and full mode reads flash neighbours together: the requests
+// of a step are its active bundles in file order, one per run of bundles that follow each other on flash (offset +
+// read size = the next offset; pieces and the request size cap are far from binding at this size). llmflash reads
+// each bundle alone. Counted from the traced active sets and the layout.
+TEST_F(OffloadTest, WithoutACacheARequestIsARunOfFlashNeighbours) {
+  ASSERT_TRUE(sparse_);
+  auto d = packer::Deployment::Open(DeployDir());
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  const packer::BundleLayout& lay = (*d)->layout();
+  const uint64_t read = ColdReadBytes(lay);
+  for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
+    SCOPED_TRACE(OffloadModeName(mode));
+    SparseRuntimeOptions o;
+    o.mode = mode;
+    o.active_set = ActiveSetSource::kOracle;
+    o.hot_slots = 0;
+    o.cold_slots = 0;
+    o.batched_prefill = false;  // every token through the decode path
+    auto rt = Open(o);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    const std::string trace_path = dir_->File(std::string("runs-trace-") + OffloadModeName(mode) + ".txt");
+    auto trace = AtomicFileWriter::Create(trace_path, true);
+    ASSERT_TRUE(trace.ok()) << trace.status().ToString();
+    (*rt)->ffn().SetActiveTrace(trace->get());
+    auto run = Greedy((*rt)->context(), n_vocab_, 12);
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    ASSERT_TRUE(SameLogits(*run, *sparse_));
+    (*rt)->ffn().SetActiveTrace(nullptr);
+    ASSERT_TRUE((*trace)->Commit().ok());
+
+    int64_t active = 0, runs = 0, steps = 0, merged_steps = 0;
+    std::ifstream in(trace_path);
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream ls(line);
+      int64_t g = -1, n = -1;
+      ls >> g;
+      const packer::RegionInfo* region = (*d)->Region(g, -1);
+      ASSERT_NE(region, nullptr);
+      std::vector<uint64_t> offsets;
+      while (ls >> n) offsets.push_back(region->offset + lay.SlotOffset(region->slot_of_neuron[static_cast<size_t>(n)]));
+      std::sort(offsets.begin(), offsets.end());
+      int64_t step_runs = offsets.empty() ? 0 : 1;
+      for (size_t i = 1; i < offsets.size(); ++i) step_runs += offsets[i - 1] + read != offsets[i];
+      active += static_cast<int64_t>(offsets.size());
+      runs += step_runs;
+      ++steps;
+      merged_steps += step_runs < static_cast<int64_t>(offsets.size());
+    }
+    ASSERT_EQ(steps, 5 * static_cast<int64_t>(kPrompt.size() + 12)) << "one line per layer and token";
+    ASSERT_GT(merged_steps, 0) << "no step with flash neighbours: the test shows nothing";
+    const OffloadGroupStats st = (*rt)->ffn().TotalStats();
+    EXPECT_EQ(st.active, active);
+    EXPECT_EQ(st.requests, mode == OffloadMode::kFull ? runs : active);
   }
 }
 
@@ -824,24 +1045,6 @@ Result<std::unique_ptr<SparseRuntime>> OpenWithFaults(const std::string& dir, Of
   return SparseRuntime::Open(dir, o, pool);
 }
 
-// A flash file whose every read takes `delay` longer: the compute thread reaches each chunk's wait before its reads
-// land.
-class SlowFile final : public ReadableFile {
- public:
-  SlowFile(std::shared_ptr<const ReadableFile> base, std::chrono::microseconds delay)
-      : base_(std::move(base)), delay_(delay) {}
-  Status ReadAt(uint64_t offset, size_t size, void* dst) const override {
-    std::this_thread::sleep_for(delay_);
-    return base_->ReadAt(offset, size, dst);
-  }
-  uint64_t Size() const override { return base_->Size(); }
-  const std::string& Path() const override { return base_->Path(); }
-
- private:
-  std::shared_ptr<const ReadableFile> base_;
-  std::chrono::microseconds delay_;
-};
-
 // Streaming the next weights through the caches while a layer waits for its reads changes when memory is read, not
 // what is computed; it streams only while waiting, at most warm_next_bytes per layer and token, and at most the
 // weights computed next (the next layer's attention matrices, the output matrix after the last layer).
@@ -939,6 +1142,12 @@ TEST_F(OffloadTest, PersistentFaultsAreReportedWithLayerNeuronAndOffset) {
       EXPECT_TRUE(s.message().find(" neuron ") != std::string::npos ||
                   s.message().find("hot cluster") != std::string::npos) << s.message();
       EXPECT_EQ((*rt)->ffn().TotalStats().retries, 1) << "retried once, then reported";
+      if (fault == FaultInjectingFile::Fault::kEio) {
+        // Both failures are named: the retry's, and the first read's (not the checksum of the bytes it left).
+        const size_t first = s.message().find("(first: ");
+        ASSERT_NE(first, std::string::npos) << s.message();
+        EXPECT_NE(s.message().find("(injected)", first), std::string::npos) << s.message();
+      }
     }
   }
 }

@@ -315,6 +315,10 @@ TEST_F(OffloadTwoPhaseTest, BitwiseEqualToInMemorySparseForEveryCacheSize) {
       {OffloadMode::kFull, 0, 0, 16},           // no cache: every predicted neuron from flash, every token
       {OffloadMode::kFull, 1, 20, 1},           // a few slots, one request per chunk (many pipeline steps)
       {OffloadMode::kFull, 1000, 100000, 4},    // everything fits: later tokens hit gate-only slots
+      // 90 slots for ~130 predicted neurons per token: slots change hands and are hit, so a gate page lands in slots
+      // whose last bundle was whole, and is hit later (a hit must not take that bundle's up+down part for its own).
+      {OffloadMode::kFull, 0, 90, 4},
+      {OffloadMode::kLlmFlash, 0, 90, 16},
       {OffloadMode::kLlmFlash, 0, 0, 16},
       {OffloadMode::kLlmFlash, 1, 20, 16},
       {OffloadMode::kLlmFlash, 1000, 100000, 16},
