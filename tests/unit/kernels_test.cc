@@ -15,6 +15,9 @@
 #include <string>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "runtime/core/float16.h"
 #include "runtime/core/kernels.h"
 #include "runtime/core/kernels_internal.h"
@@ -157,6 +160,74 @@ TEST_P(KernelIsaTest, GemmMatchesReferenceAndEqualsGemvPerTokenExactly) {
           }
         }
       }
+    }
+  }
+}
+
+// Rows that end where readable memory ends: every kernel reads only its rows' bytes, also for the partial vector
+// steps (an odd block count leaves the AVX-512 two-block step one block; float tails). The rows sit at the end of a
+// mapping followed by an inaccessible page (and after one), so a read past the last byte (or before the first) faults
+// and the test dies; the results must still match the reference.
+TEST_P(KernelIsaTest, ReadsNoByteOutsideTheRows) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  for (GgmlType type : kTypes) {
+    for (int64_t cols : IsQuant(type) ? std::vector<int64_t>{32, 96, 160, 224} : std::vector<int64_t>{7, 13, 96, 100}) {
+      constexpr int64_t kRows = 9;
+      const TestMatrix m = MakeMatrix(type, kRows, cols, static_cast<uint32_t>(cols + 5));
+      const size_t bytes = m.row_bytes * kRows;
+      const size_t span = (bytes + page - 1) / page * page;
+      // [inaccessible page][span bytes, the rows at their end][inaccessible page]
+      void* map = mmap(nullptr, span + 2 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      ASSERT_NE(map, MAP_FAILED);
+      uint8_t* base = static_cast<uint8_t*>(map) + page;
+      ASSERT_EQ(mprotect(base, span, PROT_READ | PROT_WRITE), 0);
+      uint8_t* rows = base + span - bytes;
+      std::memcpy(rows, m.data.data(), bytes);
+      const MatrixView w{type, rows, kRows, cols, m.row_bytes};
+      const std::string what = Name(type, kRows, cols);
+      // Gemm over 1, 2, 3 and 5 tokens (token tiles and their tails), GemvRows over the last rows, row pointers.
+      for (int64_t n : {1, 2, 3, 5}) {
+        const auto x = RandomFloats(n * cols, static_cast<uint32_t>(n + cols));
+        std::vector<float> y(static_cast<size_t>(n * kRows));
+        Gemm(w, x.data(), n, y.data(), nullptr);
+        for (int64_t t = 0; t < n; ++t) {
+          const auto xe = EffectiveActivation(type, x.data() + t * cols, cols);
+          for (int64_t r = 0; r < kRows; ++r) {
+            const RefDot ref = Reference(m, r, xe);
+            ASSERT_NEAR(y[t * kRows + r], ref.value, ref.tol) << what << " n " << n << " row " << r;
+          }
+        }
+      }
+      const auto x = RandomFloats(cols, 3);
+      const Activation act(x.data(), 1, cols);
+      const std::vector<int32_t> last = {kRows - 1, kRows - 2, 0, kRows - 1};
+      std::vector<float> yr(last.size());
+      GemvRows(w, last, act, yr.data(), nullptr);
+      std::vector<const uint8_t*> ptrs;
+      for (int32_t r : last) ptrs.push_back(rows + static_cast<size_t>(r) * m.row_bytes);
+      std::vector<float> yp(last.size());
+      GemvRowPtrs(w, ptrs, act, yp.data(), nullptr);
+      for (size_t i = 0; i < last.size(); ++i) {
+        EXPECT_EQ(yr[i], RowDot(w, last[i], act)) << what;
+        EXPECT_EQ(yp[i], yr[i]) << what;
+      }
+      // AccumulateRows over 1 to 9 of them, the last row included (the 8-, 4- and 1-row groups).
+      for (int64_t count = 1; count <= kRows; ++count) {
+        std::vector<int32_t> idx;
+        for (int64_t k = 0; k < count; ++k) idx.push_back(static_cast<int32_t>(kRows - 1 - k));
+        const auto a = RandomFloats(count, static_cast<uint32_t>(count));
+        std::vector<float> y(static_cast<size_t>(cols), 0.0f);
+        AccumulateRows(w, idx, a.data(), y.data(), nullptr);
+        for (int64_t c = 0; c < cols; ++c) {
+          double want = 0.0, mag = 0.0;
+          for (int64_t k = 0; k < count; ++k) {
+            want += a[k] * m.deq[idx[k] * cols + c];
+            mag += std::fabs(a[k] * m.deq[idx[k] * cols + c]);
+          }
+          ASSERT_NEAR(y[c], want, 4 * kU * (count + 2) * mag + 1e-30) << what << " count " << count << " col " << c;
+        }
+      }
+      ASSERT_EQ(munmap(map, span + 2 * page), 0);
     }
   }
 }
@@ -542,6 +613,19 @@ TEST(AccumulateKernelTest, Avx512EqualsAvx2ThroughThePublicApi) {
   }
 }
 
+// An activation is quantized (for Q8_0/Q4_0 weights) only when its rows are whole 32-element blocks and it is asked
+// for; float weights read the floats.
+TEST(ActivationTest, QuantizedOnlyInWholeBlocks) {
+  const auto x = RandomFloats(2 * 64, 5);
+  EXPECT_NE(Activation(x.data(), 2, 64).q8(), nullptr);
+  EXPECT_EQ(Activation(x.data(), 2, 33).q8(), nullptr);
+  EXPECT_EQ(Activation(x.data(), 1, 100).q8(), nullptr);
+  Activation a;
+  a.Set(x.data(), 2, 64, /*quantize=*/false);
+  EXPECT_EQ(a.q8(), nullptr);
+  EXPECT_EQ(a.f32(), x.data());
+}
+
 TEST(KernelIsaSelectionTest, DefaultIsTheBestTheCpuHas) {
   const KernelIsa best = CpuHasAvx512() ? KernelIsa::kAvx512 : CpuHasAvx2() ? KernelIsa::kAvx2 : KernelIsa::kScalar;
   EXPECT_EQ(BestKernelIsa(), best);
@@ -603,6 +687,7 @@ TEST(CacheSizeTest, ParsesSysfsSizes) {
   EXPECT_EQ(ParseCacheSize("32768K"), uint64_t{32} << 20);
   EXPECT_EQ(ParseCacheSize("48K\n"), uint64_t{48} << 10);
   EXPECT_EQ(ParseCacheSize("2M"), uint64_t{2} << 20);
+  EXPECT_EQ(ParseCacheSize("1G"), uint64_t{1} << 30);
   EXPECT_EQ(ParseCacheSize("512"), 512u);
   EXPECT_EQ(ParseCacheSize(""), 0u);
   EXPECT_EQ(ParseCacheSize("K"), 0u);
