@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <optional>
 #include <random>
 
@@ -206,6 +207,263 @@ TEST(LowRankTest, FitsAPredictableSyntheticModel) {
       EXPECT_LE(q.predicted_fraction, (noise == 0.0 ? 1.02 : 1.5) * q.true_fraction) << l << " noise " << noise;
     }
   }
+}
+
+// A layer whose logits are small integers in exact float arithmetic: fc1 the identity, fc2 picks one hidden unit per
+// neuron (times 1 or 2), integer biases, integer inputs with negative parts (which the ReLU drops). The training
+// side's logits and quality counts must follow the runtime's rule exactly: relu, bias, active iff logit > threshold.
+TEST(PredictorTrainTest, LogitsAndQualityFollowTheRuntimesRule) {
+  constexpr int64_t kDim = 8, kFf = 16, kN = 40;
+  PredictorData d;
+  d.model_name = "exact";
+  d.activation = "relu";
+  d.dim = kDim;
+  d.n_ff = kFf;
+  PredictorLayerData L;
+  L.info.rank = kDim;
+  L.info.logit_threshold = 1.0f;
+  L.fc1.assign(kDim * kDim, 0.0f);
+  for (int64_t k = 0; k < kDim; ++k) L.fc1[k * kDim + k] = 1.0f;
+  L.fc2.assign(kFf * kDim, 0.0f);
+  L.fc2_bias.resize(kFf);
+  for (int64_t j = 0; j < kFf; ++j) {
+    L.fc2[j * kDim + j % kDim] = j < kDim ? 1.0f : 2.0f;
+    L.fc2_bias[j] = -static_cast<float>(j % 3);
+  }
+  d.layers.push_back(L);
+  std::mt19937 rng(4);
+  std::vector<float> x(kN * kDim);
+  for (float& v : x) v = static_cast<float>(static_cast<int>(rng() % 7) - 3);
+  auto want = [&](int64_t t, int64_t j) {  // by hand
+    return std::max(x[t * kDim + j % kDim], 0.0f) * (j < kDim ? 1.0f : 2.0f) - static_cast<float>(j % 3);
+  };
+  std::vector<uint8_t> mask(kN * kFf);
+  int64_t predicted = 0, tp = 0, truth = 0, ties = 0;
+  for (int64_t t = 0; t < kN; ++t) {
+    for (int64_t j = 0; j < kFf; ++j) {
+      mask[t * kFf + j] = (t + j) % 3 == 0;
+      const bool p = want(t, j) > 1.0f;
+      predicted += p;
+      truth += mask[t * kFf + j];
+      tp += p && mask[t * kFf + j];
+      ties += want(t, j) == 1.0f;
+    }
+  }
+  ASSERT_GT(ties, 0) << "no logit on the threshold: the rule's strictness is not tested";
+  ThreadPool pool(2);
+  std::vector<float> lg;
+  profiler::PredictorLogits(L, kDim, kFf, x.data(), kN, &lg, &pool);
+  auto runtime = Predictor::FromData(d);
+  ASSERT_TRUE(runtime.ok()) << runtime.status().ToString();
+  PredictorScratch scratch;
+  (*runtime)->PrepareScratch(&scratch);
+  std::vector<int32_t> active;
+  int64_t runtime_predicted = 0;
+  for (int64_t t = 0; t < kN; ++t) {
+    (*runtime)->Logits(0, x.data() + t * kDim, &scratch, nullptr);
+    for (int64_t j = 0; j < kFf; ++j) {
+      ASSERT_EQ(lg[t * kFf + j], want(t, j)) << "token " << t << " neuron " << j;
+      ASSERT_EQ(scratch.logits[j], want(t, j)) << "runtime, token " << t << " neuron " << j;
+    }
+    Activation a(x.data() + t * kDim, 1, kDim);
+    (*runtime)->Predict(0, a, 0, &scratch, &active, nullptr);
+    runtime_predicted += static_cast<int64_t>(active.size());
+  }
+  EXPECT_EQ(runtime_predicted, predicted);
+  const auto q = profiler::Evaluate(L, kDim, kFf, x.data(), mask.data(), kN, &pool);
+  const double pairs = static_cast<double>(kN * kFf);
+  EXPECT_DOUBLE_EQ(q.predicted_fraction, static_cast<double>(predicted) / pairs);
+  EXPECT_DOUBLE_EQ(q.true_fraction, static_cast<double>(truth) / pairs);
+  EXPECT_DOUBLE_EQ(q.recall, static_cast<double>(tp) / static_cast<double>(truth));
+  EXPECT_DOUBLE_EQ(q.precision, static_cast<double>(tp) / static_cast<double>(predicted));
+  // No active neuron: nothing can be missed (recall 1), and the calibrated threshold predicts nothing.
+  const std::vector<uint8_t> none(kN * kFf, 0);
+  EXPECT_DOUBLE_EQ(profiler::Evaluate(L, kDim, kFf, x.data(), none.data(), kN, &pool).recall, 1.0);
+  PredictorLayerData quiet = L;
+  profiler::SetThresholdForRecall(&quiet, x.data(), none.data(), kN, kDim, kFf, 0.99f, &pool);
+  EXPECT_EQ(quiet.info.logit_threshold, INFINITY);
+  EXPECT_EQ(quiet.info.predicted_fraction, 0.0f);
+}
+
+// With zero inputs the predictor is its bias: training starts from each neuron's prior (the logit of its firing rate
+// on the training tokens) and descends the weighted cross-entropy to its minimum, where sigmoid(b) =
+// w p / (w p + 1 - p) for positive weight w (derived by setting the derivative -w p (1 - s) + (1 - p) s to 0).
+TEST(PredictorTrainTest, AConstantPredictorLearnsTheWeightedPrior) {
+  constexpr int64_t kDim = 8, kFf = 8, kTrain = 200, kVal = 40;
+  std::vector<float> x((kTrain + kVal) * kDim, 0.0f);
+  std::vector<uint8_t> mask((kTrain + kVal) * kFf);
+  std::vector<double> rate(kFf);
+  for (int64_t j = 0; j < kFf; ++j) {
+    const int64_t on = 1 + j;  // neuron j fires on (1 + j) of every 10 tokens
+    rate[j] = static_cast<double>(on) / 10.0;
+    for (int64_t t = 0; t < kTrain + kVal; ++t) mask[t * kFf + j] = t % 10 < on;
+  }
+  ThreadPool pool(2);
+  profiler::TrainOptions o;
+  o.batch = kTrain;  // one full-batch step per epoch: the exact gradient
+  o.pos_weight = 3.0f;
+  o.learning_rate = 0.05f;
+  o.epochs = 0;
+  auto prior = profiler::TrainLayer(x.data(), mask.data(), kTrain, kVal, kDim, kFf, 4, o, &pool);
+  ASSERT_TRUE(prior.ok()) << prior.status().ToString();
+  o.epochs = 600;
+  auto trained = profiler::TrainLayer(x.data(), mask.data(), kTrain, kVal, kDim, kFf, 4, o, &pool);
+  ASSERT_TRUE(trained.ok()) << trained.status().ToString();
+  for (int64_t j = 0; j < kFf; ++j) {
+    const double p = rate[j], w = o.pos_weight;
+    EXPECT_NEAR(prior->fc2_bias[j], std::log(p / (1 - p)), 1e-5) << "neuron " << j;
+    EXPECT_NEAR(trained->fc2_bias[j], std::log(w * p / (1 - p)), 0.02) << "neuron " << j;
+  }
+}
+
+// Ranks are tried smallest first: the first that reaches the recall target within max_predicted_ratio x the true
+// active count is taken; when none does, the one predicting the fewest neurons, marked as a fallback. Each candidate
+// is trained here on its own (training is deterministic for a seed and rank) and the rule applied by hand.
+TEST(PredictorTrainTest, ChoosesTheSmallestRankThatQualifies) {
+  ThreadPool pool(2);
+  const Separable s = MakeSeparable(2500, 3);
+  profiler::TrainOptions o;
+  o.epochs = 3;
+  o.ranks = {16, 2, 8};
+  int several = 0, fallbacks = 0;  // cases where more than one rank qualifies; cases where none does
+  for (float target : {0.95f, 0.8f}) {
+    o.target_recall = target;
+    std::map<int64_t, PredictorLayerData> each;
+    for (int64_t r : {2, 8, 16}) {
+      auto L = profiler::TrainLayer(s.x.data(), s.mask.data(), 2000, 500, s.dim, s.n_ff, r, o, &pool);
+      ASSERT_TRUE(L.ok()) << L.status().ToString();
+      each[r] = *L;
+    }
+    for (float ratio : {4.0f, 1.5f, 1.2f, 0.5f}) {
+      SCOPED_TRACE("recall " + std::to_string(target) + ", max_predicted_ratio " + std::to_string(ratio));
+      o.max_predicted_ratio = ratio;
+      int64_t want = 0;
+      int qualified = 0;
+      for (const auto& [r, L] : each) {
+        if (L.info.recall >= target && L.info.predicted_fraction <= ratio * L.info.true_fraction) {
+          ++qualified;
+          if (want == 0) want = r;
+        }
+      }
+      several += qualified > 1;
+      const bool want_fallback = want == 0;
+      fallbacks += want_fallback;
+      if (want_fallback) {
+        for (const auto& [r, L] : each) {
+          if (want == 0 || L.info.predicted_fraction < each[want].info.predicted_fraction) want = r;
+        }
+      }
+      bool fallback = !want_fallback;
+      auto got =
+          profiler::TrainLayerChooseRank(s.x.data(), s.mask.data(), 2000, 500, s.dim, s.n_ff, o, &pool, &fallback);
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      EXPECT_EQ(got->info.rank, want);
+      EXPECT_EQ(fallback, want_fallback);
+      EXPECT_EQ(got->fc1, each[want].fc1);
+    }
+  }
+  EXPECT_GT(several, 0) << "no case where the order of the ranks matters";
+  EXPECT_GT(fallbacks, 0) << "no case without a qualifying rank";
+}
+
+// SiLU never gives exact zeros: the low-rank fit moves its boundary to the gate value whose silu is the threshold.
+TEST(LowRankTest, ActivationBoundaryIsWhereSiluCrossesTheThreshold) {
+  for (float t : {0.05f, 0.3f, 1.0f, 4.0f}) {
+    const double b = profiler::ActivationBoundary(FfnActivation::kSilu, t);
+    EXPECT_GT(b, 0.0) << t;
+    EXPECT_NEAR(b / (1.0 + std::exp(-b)), t, 1e-5) << t;
+  }
+  EXPECT_EQ(profiler::ActivationBoundary(FfnActivation::kRelu, 0.3f), 0.0f);
+  EXPECT_EQ(profiler::ActivationBoundary(FfnActivation::kSilu, 0.0f), 0.0f);
+}
+
+// With as many directions as neurons the subspace is everything and the fit is exact: a neuron's score is positive
+// exactly where its gate exceeds the boundary (away from float ties). Ranks above the training tokens are cut to
+// them; a ratio no rank can meet gives the fallback.
+TEST(LowRankTest, AFullRankFitSeparatesAtTheBoundary) {
+  constexpr int64_t kDim = 16, kFf = 12, kTrain = 300, kVal = 200;
+  constexpr float kBoundary = 0.3f;
+  std::mt19937 rng(8);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> w(kFf * kDim), x((kTrain + kVal) * kDim);
+  for (float& v : w) v = nd(rng);
+  for (float& v : x) v = nd(rng);
+  const MatrixView gate = DenseMatrix(GgmlType::kF32, w.data(), kFf, kDim);
+  std::vector<float> g((kTrain + kVal) * kFf);
+  Gemm(gate, x.data(), kTrain + kVal, g.data(), nullptr);
+  std::vector<uint8_t> mask(g.size());
+  for (size_t i = 0; i < g.size(); ++i) mask[i] = g[i] > kBoundary;
+  ThreadPool pool(2);
+  profiler::LowRankOptions o;
+  o.ranks = {kFf};
+  o.target_recall = 0.99f;
+  bool fallback = true;
+  auto L = profiler::FitLowRankLayer(gate, x.data(), mask.data(), kTrain, kVal, kBoundary, o, &pool, &fallback);
+  ASSERT_TRUE(L.ok()) << L.status().ToString();
+  std::vector<float> lg;
+  profiler::PredictorLogits(*L, kDim, kFf, x.data() + kTrain * kDim, kVal, &lg, &pool);
+  int64_t checked = 0;
+  for (int64_t i = 0; i < kVal * kFf; ++i) {
+    const float margin = g[kTrain * kFf + i] - kBoundary;
+    if (std::fabs(margin) < 1e-3f) continue;
+    ASSERT_EQ(lg[i] > 0.0f, margin > 0.0f) << "pair " << i << ": gate margin " << margin << ", score " << lg[i];
+    ++checked;
+  }
+  EXPECT_GT(checked, kVal * kFf * 9 / 10);
+  // Eight training tokens: at most eight directions (file rank 16).
+  auto few = profiler::FitLowRankLayer(gate, x.data(), mask.data(), 8, kVal, kBoundary, o, &pool, &fallback);
+  ASSERT_TRUE(few.ok()) << few.status().ToString();
+  EXPECT_EQ(few->info.rank, 2 * 8);
+  // No rank meets 0.5x the true count at 99% recall: the fallback predicts the fewest. With every direction iterated
+  // (oversample past n_ff) a rank's layer does not depend on the other candidates, so each is fitted alone to compare.
+  o.oversample = 100;
+  o.max_predicted_ratio = 0.5f;
+  std::map<int64_t, PredictorLayerData> alone;
+  for (int64_t r : {2, 4}) {
+    o.ranks = {r};
+    auto one = profiler::FitLowRankLayer(gate, x.data(), mask.data(), kTrain, kVal, kBoundary, o, &pool, &fallback);
+    ASSERT_TRUE(one.ok()) << one.status().ToString();
+    alone[r] = *one;
+  }
+  const int64_t fewest = alone[2].info.predicted_fraction <= alone[4].info.predicted_fraction ? 2 : 4;
+  o.ranks = {4, 2};
+  fallback = false;
+  auto none = profiler::FitLowRankLayer(gate, x.data(), mask.data(), kTrain, kVal, kBoundary, o, &pool, &fallback);
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_TRUE(fallback);
+  EXPECT_EQ(none->info.rank, 2 * fewest);
+  EXPECT_EQ(none->info.predicted_fraction, alone[fewest].info.predicted_fraction);
+  EXPECT_EQ(none->fc2_bias, alone[fewest].fc2_bias);
+}
+
+// Samples from the SiLU stories260K: the gate magnitudes (SiLU is negative below 0: the magnitude, not the value),
+// a window beyond the context cut to it (the same samples as the default), and sparsity 0 meaning threshold 0.
+TEST(PredictorTrainTest, SamplesAreMagnitudesInContextSizedWindows) {
+  testing::TempDir dir;
+  auto src = converter::ReadLlama2c(testing::SharedPath("models/stories260K/stories260K.bin"),
+                                    testing::SharedPath("models/stories260K/tok512.bin"), FfnActivation::kSilu);
+  ASSERT_TRUE(src.ok()) << src.status().ToString();
+  converter::WriteOptions wo;
+  wo.path = dir.File("silu.gguf");
+  wo.progress = false;
+  ASSERT_TRUE(converter::WriteModelGguf(*src, wo).ok());
+  auto model = Model::Load(wo.path, LoadOptions());
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const LlamaHparams& hp = (*model)->hparams();
+  ASSERT_EQ(hp.activation, FfnActivation::kSilu);
+  std::mt19937 rng(2);
+  std::vector<int32_t> tokens(static_cast<size_t>(hp.context_length + 40));
+  for (int32_t& t : tokens) t = 3 + static_cast<int32_t>(rng() % static_cast<uint32_t>(hp.n_vocab - 3));
+  ThreadPool pool(2);
+  auto a = profiler::CollectSamples(**model, tokens, 0, &pool);
+  auto b = profiler::CollectSamples(**model, tokens, 100 * hp.context_length, &pool);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->x, b->x) << "a window beyond the context is the context";
+  const std::vector<float>& g = a->gate_abs[0];
+  ASSERT_EQ(g.size(), tokens.size() * static_cast<size_t>(hp.n_ff));
+  EXPECT_GE(*std::min_element(g.begin(), g.end()), 0.0f);
+  EXPECT_GT(*std::max_element(g.begin(), g.end()), 0.0f);
+  for (float t : profiler::SparsityThresholds(*a, 0.0)) EXPECT_EQ(t, 0.0f);
 }
 
 PredictorData RandomData(int64_t dim, int64_t n_ff, int64_t layers, uint64_t seed) {
