@@ -201,6 +201,12 @@ TEST_F(ServeDenseTest, GreedyCompletionEqualsRun) {
   EXPECT_EQ(j["stop_reason"], "length");
   EXPECT_GT(j["timings"]["predicted_per_second"].get<double>(), 0);
   EXPECT_GT(j["timings"]["prompt_ms"].get<double>(), 0);
+  // Rates are per second of the reported milliseconds.
+  for (const char* part : {"prompt", "predicted"}) {
+    const Json& tm = j["timings"];
+    const double n = tm[std::string(part) + "_n"].get<double>(), ms = tm[std::string(part) + "_ms"].get<double>();
+    EXPECT_NEAR(tm[std::string(part) + "_per_second"].get<double>(), n * 1000.0 / ms, 1e-6 * n * 1000.0 / ms) << part;
+  }
   EXPECT_EQ(kPrompt + j["content"].get<std::string>() + "\n", RunText(Model(), "-n 60 --temp 0"));
   // Until the model ends the story by itself: the end is "eos", and the text still equals run's.
   const Json full = Greedy(400);
@@ -258,6 +264,53 @@ TEST_F(ServeDenseTest, OpenAiCompletionsAgree) {
   for (size_t i = 0; i + 1 < events.size(); ++i) text += Json::parse(events[i])["choices"][0]["text"].get<std::string>();
   EXPECT_EQ(text, plain["content"].get<std::string>());
   EXPECT_EQ(Json::parse(events[events.size() - 2])["choices"][0]["finish_reason"], "length");
+
+  // The model ending the text: OpenAI has no "eos", it is "stop".
+  auto [s_end, j_end] = Post(*c, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 400}, {"temperature", 0}});
+  ASSERT_EQ(s_end, 200) << j_end.dump();
+  EXPECT_LT(j_end["usage"]["completion_tokens"].get<int>(), 400) << "the greedy story ends by itself";
+  EXPECT_EQ(j_end["choices"][0]["finish_reason"], "stop");
+}
+
+// What a request leaves out: OpenAI's route samples at temperature 1 and top-p 1 (its API's defaults) and stops after
+// 16 tokens; llama.cpp's after 128, or what the context has left; ignore_eos generates past the model's end.
+TEST_F(ServeDenseTest, EachRoutesDefaults) {
+  auto c = ClientFor(*server_);
+  int sensitive = 0;  // seeds whose text at temperature 0.8 differs from that at 1
+  for (int seed = 1; seed <= 6; ++seed) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    auto [s1, openai] = Post(*c, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 60}, {"seed", seed}});
+    auto [s2, llama] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 60}, {"seed", seed},
+                                               {"temperature", 1.0}, {"top_p", 1.0}});
+    auto [s3, cooler] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 60}, {"seed", seed},
+                                                {"temperature", 0.8}, {"top_p", 1.0}});
+    ASSERT_EQ(s1, 200) << openai.dump();
+    ASSERT_EQ(s2, 200) << llama.dump();
+    ASSERT_EQ(s3, 200) << cooler.dump();
+    EXPECT_EQ(openai["choices"][0]["text"], llama["content"]);
+    sensitive += cooler["content"] != llama["content"];
+  }
+  EXPECT_GT(sensitive, 0) << "the temperature never changed the text: the comparison shows nothing";
+
+  auto [s4, short_openai] = Post(*c, "/v1/completions", {{"prompt", kPrompt}, {"temperature", 0}});
+  ASSERT_EQ(s4, 200) << short_openai.dump();
+  EXPECT_EQ(short_openai["usage"]["completion_tokens"], 16);
+  auto [s5, long_llama] = Post(*c, "/completion", {{"prompt", kPrompt}, {"temperature", 0}, {"ignore_eos", true}});
+  ASSERT_EQ(s5, 200) << long_llama.dump();
+  EXPECT_EQ(long_llama["tokens_predicted"], 128);
+  auto [s6, past_end] =
+      Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 400}, {"temperature", 0}, {"ignore_eos", true}});
+  ASSERT_EQ(s6, 200) << past_end.dump();
+  EXPECT_EQ(past_end["tokens_predicted"], 400) << "the greedy story ends before 400 tokens without ignore_eos";
+  EXPECT_EQ(past_end["stop_reason"], "length");
+  // A prompt that leaves less than 128 tokens of context: the default is what is left.
+  std::string prompt = kPrompt;
+  for (int i = 0; i < 150; ++i) prompt += " the dog";
+  auto [s7, tight] = Post(*c, "/completion", {{"prompt", prompt}, {"temperature", 0}, {"ignore_eos", true}});
+  ASSERT_EQ(s7, 200) << tight.dump();
+  const int evaluated = tight["tokens_evaluated"].get<int>();
+  ASSERT_GT(evaluated, 512 - 128) << "the prompt must leave less than the default";
+  EXPECT_EQ(tight["tokens_predicted"], 512 - evaluated);
 }
 
 TEST_F(ServeDenseTest, SeededSamplingIsReproducibleAndMatchesRun) {
@@ -331,6 +384,12 @@ TEST_F(ServeDenseTest, BadRequestsGet400NamingTheField) {
       {"/completion", "{" + p + ", \"seed\": 1.5}", {"'seed'", "integer"}},
       {"/v1/completions", "{" + p + ", \"max_tokens\": 1e3}", {"'max_tokens'", "integer"}},
       {"/v1/completions", "{" + p + ", \"model\": 1}", {"'model'", "expected a string"}},
+      {"/completion", "{" + p + ", \"min_p\": 1.5}", {"'min_p'", "[0, 1]", "1.5"}},
+      {"/completion", "{" + p + ", \"repeat_penalty\": 0}", {"'repeat_penalty'", "> 0"}},
+      // JSON has no infinity: a literal beyond double's range is refused by the parser (the range checks' finiteness
+      // test is a second line behind it).
+      {"/completion", "{" + p + ", \"temperature\": 1e400}", {"not JSON", "overflow"}},
+      {"/completion", "{" + p + ", \"seed\": -2}", {"'seed'"}},
   };
   for (const Case& k : cases) {
     auto res = c->Post(k.path, k.body, "application/json");
@@ -340,10 +399,13 @@ TEST_F(ServeDenseTest, BadRequestsGet400NamingTheField) {
     ASSERT_TRUE(j.contains("error")) << res->body;
     const std::string msg = j["error"]["message"].get<std::string>();
     for (const std::string& e : k.expected) EXPECT_NE(msg.find(e), std::string::npos) << "'" << e << "' in: " << msg;
+    EXPECT_EQ(j["error"]["type"], "invalid_request_error") << res->body;
+    EXPECT_EQ(j["error"]["code"], 400) << res->body;
   }
   auto res = c->Get("/nowhere");
   ASSERT_TRUE(res);
   EXPECT_EQ(res->status, 404);
+  EXPECT_EQ(Json::parse(res->body)["error"]["type"], "not_found_error") << res->body;
   EXPECT_NE(Json::parse(res->body)["error"]["message"].get<std::string>().find("unknown endpoint GET /nowhere"),
             std::string::npos);
   // Still serving after all that.
