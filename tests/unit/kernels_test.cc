@@ -4,6 +4,8 @@
 // odd shapes, thread-count independence (bit-exact), sparse = dense restricted to the chosen rows, and the vector
 // AccumulateRows kernels bit for bit against the per-element FMA sequence they implement.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,9 +16,6 @@
 #include <random>
 #include <string>
 #include <vector>
-
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include "runtime/core/float16.h"
 #include "runtime/core/kernels.h"
