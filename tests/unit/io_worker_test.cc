@@ -97,8 +97,6 @@ TEST(IoWorkerTest, WaitBlocksOnceTheIdleWorkRunsOut) {
   EXPECT_GE(worker.wait_ns(), uint64_t{40'000'000}) << "the time of the steps and the block counts as waiting";
 }
 
-// The event trace and the busy time: one span per stream on the I/O lane (its label and request count), whose
-// duration is exactly what busy_ns() adds; a "wait" span on the compute lane only for a WaitChunk that blocked.
 // An empty chunk is done at once, before any read of its stream lands (the caller need not wait for the reads of
 // other chunks), and Ok.
 TEST(IoWorkerTest, AnEmptyChunkIsDoneAtOnce) {
@@ -142,6 +140,8 @@ TEST(IoWorkerTest, AFailedReadFailsItsChunkOnly) {
   EXPECT_EQ(buf[128], 7);
 }
 
+// The event trace and the busy time: one span per stream on the I/O lane (its label and request count), whose
+// duration is exactly what busy_ns() adds; a "wait" span on the compute lane only for a WaitChunk that blocked.
 TEST(IoWorkerTest, TraceAndBusyTimeCoverEachStream) {
   GatedFile file;
   IoWorker worker(&file);

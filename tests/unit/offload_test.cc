@@ -69,6 +69,36 @@ Result<GreedyRun> Greedy(InferenceContext& ctx, int64_t n_vocab, size_t n) {
   return ::testing::AssertionSuccess();
 }
 
+// One line of an active-set trace (OffloadFfn::SetActiveTrace): a group and its active neurons, ascending.
+struct TracedStep {
+  int64_t group = -1;
+  std::vector<int64_t> active;
+};
+
+// Greedy for `n` tokens with every decode-path active set traced to `path`, the logits checked against `ref` (the
+// in-memory sparse FFN's run); the trace read back, one step per layer and token.
+Result<std::vector<TracedStep>> TracedGreedy(SparseRuntime& rt, int64_t n_vocab, size_t n, const GreedyRun& ref,
+                                             const std::string& path) {
+  NF_ASSIGN_OR_RETURN(auto trace, AtomicFileWriter::Create(path, true));
+  rt.ffn().SetActiveTrace(trace.get());
+  auto run = Greedy(rt.context(), n_vocab, n);
+  rt.ffn().SetActiveTrace(nullptr);
+  NF_RETURN_IF_ERROR(run.status());
+  if (!SameLogits(*run, ref)) return Status::Internal("the traced run's logits differ from the in-memory sparse FFN's");
+  NF_RETURN_IF_ERROR(trace->Commit());
+  std::vector<TracedStep> steps;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    TracedStep s;
+    ls >> s.group;
+    for (int64_t a; ls >> a;) s.active.push_back(a);
+    steps.push_back(std::move(s));
+  }
+  return steps;
+}
+
 // A flash file whose every read takes `delay` longer: the compute thread reaches each chunk's wait before its reads
 // land.
 class SlowFile final : public ReadableFile {
@@ -699,27 +729,14 @@ TEST_F(OffloadTest, MissesNeverEvictTheSameTokensHits) {
   o.lookahead_slots = 0;
   auto rt = SparseRuntime::Open(DeployDir(), o, pool_);
   ASSERT_TRUE(rt.ok()) << rt.status().ToString();
-  const std::string trace_path = dir_->File("misses-trace.txt");
-  auto trace = AtomicFileWriter::Create(trace_path, true);
-  ASSERT_TRUE(trace.ok()) << trace.status().ToString();
-  (*rt)->ffn().SetActiveTrace(trace->get());
-  auto run = Greedy((*rt)->context(), n_vocab_, std::min<size_t>(24, sparse_->tokens.size()));
-  ASSERT_TRUE(run.ok()) << run.status().ToString();
-  ASSERT_TRUE(SameLogits(*run, *sparse_));
-  (*rt)->ffn().SetActiveTrace(nullptr);
-  ASSERT_TRUE((*trace)->Commit().ok());
+  auto traced = TracedGreedy(**rt, n_vocab_, std::min<size_t>(24, sparse_->tokens.size()), *sparse_,
+                             dir_->File("misses-trace.txt"));
+  ASSERT_TRUE(traced.ok()) << traced.status().ToString();
 
   std::map<int64_t, std::vector<int64_t>> lru;  // per group, least recently used first
   std::map<int64_t, CacheCounters> expect;
-  std::ifstream in(trace_path);
-  std::string line;
   int steps = 0, steps_with_held_active_at_head = 0;
-  while (std::getline(in, line)) {
-    std::istringstream ls(line);
-    int64_t g = -1, n = -1;
-    ls >> g;
-    std::vector<int64_t> active;
-    while (ls >> n) active.push_back(n);
+  for (const auto& [g, active] : *traced) {
     ASSERT_LT(static_cast<int64_t>(active.size()), kPartition) << "the reference assumes no bypass";
     std::vector<int64_t>& list = lru[g];
     const std::set<int64_t> a(active.begin(), active.end());
@@ -845,12 +862,7 @@ TEST_F(OffloadTest, FaultsWhileOpeningAreRetriedOnceThenReported) {
         o.batched_prefill = false;
         o.hot_slots = pinned ? 1000 : 1;
         o.cold_slots = 60;
-        o.wrap_flash = [&fi, fault, count](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
-          auto f = std::make_shared<FaultInjectingFile>(std::move(base));
-          f->AddRule({fault, 0, UINT64_MAX, count});  // from the first read on
-          fi = f.get();
-          return f;
-        };
+        o.wrap_flash = WrapWithFaults(&fi, FaultInjectingFile::Rule{fault, 0, UINT64_MAX, count});  // from the first read on
         auto rt = SparseRuntime::Open(pinned ? dir_->File("deploy-pred") : DeployDir(), o, pool_);
         if (count < 0) {
           ASSERT_FALSE(rt.ok());
@@ -896,27 +908,18 @@ TEST_F(OffloadTest, WithoutACacheARequestIsARunOfFlashNeighbours) {
     o.batched_prefill = false;  // every token through the decode path
     auto rt = Open(o);
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
-    const std::string trace_path = dir_->File(std::string("runs-trace-") + OffloadModeName(mode) + ".txt");
-    auto trace = AtomicFileWriter::Create(trace_path, true);
-    ASSERT_TRUE(trace.ok()) << trace.status().ToString();
-    (*rt)->ffn().SetActiveTrace(trace->get());
-    auto run = Greedy((*rt)->context(), n_vocab_, 12);
-    ASSERT_TRUE(run.ok()) << run.status().ToString();
-    ASSERT_TRUE(SameLogits(*run, *sparse_));
-    (*rt)->ffn().SetActiveTrace(nullptr);
-    ASSERT_TRUE((*trace)->Commit().ok());
+    auto traced = TracedGreedy(**rt, n_vocab_, 12, *sparse_,
+                               dir_->File(std::string("runs-trace-") + OffloadModeName(mode) + ".txt"));
+    ASSERT_TRUE(traced.ok()) << traced.status().ToString();
 
     int64_t active = 0, runs = 0, steps = 0, merged_steps = 0;
-    std::ifstream in(trace_path);
-    std::string line;
-    while (std::getline(in, line)) {
-      std::istringstream ls(line);
-      int64_t g = -1, n = -1;
-      ls >> g;
-      const packer::RegionInfo* region = (*d)->Region(g, -1);
+    for (const TracedStep& step : *traced) {
+      const packer::RegionInfo* region = (*d)->Region(step.group, -1);
       ASSERT_NE(region, nullptr);
       std::vector<uint64_t> offsets;
-      while (ls >> n) offsets.push_back(region->offset + lay.SlotOffset(region->slot_of_neuron[static_cast<size_t>(n)]));
+      for (int64_t n : step.active) {
+        offsets.push_back(region->offset + lay.SlotOffset(region->slot_of_neuron[static_cast<size_t>(n)]));
+      }
       std::sort(offsets.begin(), offsets.end());
       int64_t step_runs = offsets.empty() ? 0 : 1;
       for (size_t i = 1; i < offsets.size(); ++i) step_runs += offsets[i - 1] + read != offsets[i];

@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -20,11 +21,13 @@
 namespace nflash::sparse {
 
 // A SparseRuntimeOptions::wrap_flash that puts a FaultInjectingFile around the flash file and stores it in *fi (which
-// must outlive the runtime's opening), for the test to add fault rules to.
+// must outlive the runtime's opening), for the test to add fault rules to; `first`, when given, is in place before
+// the runtime's first read (the reads made while opening).
 inline std::function<std::shared_ptr<const ReadableFile>(std::shared_ptr<const ReadableFile>)> WrapWithFaults(
-    FaultInjectingFile** fi) {
-  return [fi](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
+    FaultInjectingFile** fi, std::optional<FaultInjectingFile::Rule> first = std::nullopt) {
+  return [fi, first](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
     auto f = std::make_shared<FaultInjectingFile>(std::move(base));
+    if (first) f->AddRule(*first);
     *fi = f.get();
     return f;
   };
