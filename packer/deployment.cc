@@ -294,8 +294,20 @@ Result<Manifest> ParseManifest(const std::string& text, const std::string& sourc
                                 std::to_string(r.offset) + " does not fit in flash_bytes " +
                                 std::to_string(m.flash_bytes));
     }
+    if (r.hot_bytes != m.layout.RegionBytes(r.hot_count)) {
+      return Status::Corruption(where + ": hot_bytes " + std::to_string(r.hot_bytes) + ", expected " +
+                                std::to_string(m.layout.RegionBytes(r.hot_count)) + " (the groups of " +
+                                std::to_string(r.hot_count) + " hot slots)");
+    }
     end_prev = r.offset + r.size;
     m.regions.push_back(std::move(r));
+  }
+  // Every byte of ffn.bin that holds no bundle is padding.
+  const uint64_t bundle_total = static_cast<uint64_t>(m.n_ff) * m.regions.size() * m.layout.bundle_bytes;
+  if (m.flash_bytes < bundle_total || m.padding_bytes != m.flash_bytes - bundle_total) {
+    return Status::Corruption(source + ": padding_bytes " + std::to_string(m.padding_bytes) + " with flash_bytes " +
+                              std::to_string(m.flash_bytes) + ", expected flash_bytes minus the bundles' " +
+                              std::to_string(bundle_total) + " bytes");
   }
   return m;
 }

@@ -208,6 +208,30 @@ TEST(PackerOrderTest, HotCountAndOrders) {
   EXPECT_EQ(OrderNeurons(f, 1, NeuronOrder::kCoactivation), (std::vector<int32_t>{1, 3, 4, 0, 2, 5}));
 }
 
+// The ordering rules the example above does not reach: equal counts in index order, a hot fraction rounded to the
+// nearest count, no hot neuron for a profile that saw nothing, and of a neuron's partners the first (strongest)
+// unplaced one with a count, never one outside the region.
+TEST(PackerOrderTest, TiesRoundingAndPartnerRules) {
+  profiler::FfnProfile f;
+  f.n_neurons = 6;
+  f.count_bs1 = {4, 7, 4, 7, 4, 0};
+  EXPECT_EQ(OrderNeurons(f, 0, NeuronOrder::kHotness), (std::vector<int32_t>{1, 3, 0, 2, 4, 5}));
+  EXPECT_EQ(HotCount(f, 0.45), 3);  // 2.7 neurons
+  EXPECT_EQ(HotCount(f, 0.40), 2);  // 2.4
+  EXPECT_EQ(HotCount(f, 0.0), 0);
+  EXPECT_EQ(HotCount(f, 1.0), 6);
+  profiler::FfnProfile silent = f;
+  silent.count_bs1.assign(6, 0);
+  EXPECT_EQ(HotCount(silent, -1), 0);
+
+  // hot = {1}. Neuron 3 (the first cold one) lists 0 (count 0: never seen together), 2, then 4: the chain takes 2.
+  // Neuron 2 lists 6 (outside the region) and 3 (placed): the chain ends. Next chain: 0 -> 4 (strongest) -> 5.
+  f.coact_k = 3;
+  f.coact_partner = {/*0*/ 4, 5, -1, /*1*/ 0, -1, -1, /*2*/ 6, 3, -1, /*3*/ 0, 2, 4, /*4*/ 5, 0, -1, /*5*/ -1, -1, -1};
+  f.coact_count = {/*0*/ 6, 5, 0, /*1*/ 9, 0, 0, /*2*/ 9, 8, 0, /*3*/ 0, 7, 6, /*4*/ 3, 2, 0, /*5*/ 0, 0, 0};
+  EXPECT_EQ(OrderNeurons(f, 1, NeuronOrder::kCoactivation), (std::vector<int32_t>{1, 3, 2, 0, 4, 5}));
+}
+
 class PackerTypeTest : public ::testing::TestWithParam<GgmlType> {};
 
 TEST_P(PackerTypeTest, EveryNeuronMatchesTheSource) {
@@ -796,6 +820,39 @@ TEST(PackerLookaheadTest, MismatchesAndCorruptionAreClearErrors) {
   EXPECT_TRUE((*writer)->Finish().ok());
 }
 
+// The manifest's summary figures, computed here from the profile and the layout's arithmetic (F32, dim 64: bundles of
+// 3 x 256 bytes, five to a 4 KiB group): the active fraction weighted by neurons, the bytes a token is expected to read,
+// the read amplification of whole groups, the padding, each region's hot prefix in whole groups.
+TEST(PackerTest, ManifestFiguresFollowTheProfileAndTheLayout) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  const std::string model = tmp.File("m.gguf");
+  ASSERT_EQ(WriteModel(model, GgmlType::kF32), "");
+  profiler::ModelProfile prof = MakeProfile(model, 0, 7);
+  prof.ffns.at(0).mean_active_fraction = 0.1;
+  prof.ffns.at(1).mean_active_fraction = 0.3;
+  PackOptions o;
+  o.progress = false;
+  o.hot_fraction = 0.25;  // 24 hot neurons: 4.8 groups, so the hot prefix ends inside a group
+  ASSERT_TRUE(PackDeployment(model, prof, "x", tmp.File("d"), o, &pool).ok());
+  auto d = Deployment::Open(tmp.File("d"));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  const Manifest& m = (*d)->manifest();
+  ASSERT_EQ(m.layout.bundle_bytes, 768u);
+  ASSERT_EQ(m.layout.slots_per_group, 5);
+  EXPECT_DOUBLE_EQ(m.mean_active_fraction, 0.2);
+  EXPECT_DOUBLE_EQ(m.expected_bytes_per_token, (0.1 * 96 + 0.3 * 96) * 768);
+  EXPECT_DOUBLE_EQ(m.read_amplification, 4096.0 / (5 * 768));
+  const uint64_t groups = 2 * ((96 + 4) / 5);  // 20 groups per region
+  EXPECT_EQ(m.flash_bytes, groups * 4096);
+  EXPECT_EQ(m.padding_bytes, groups * 4096 - 2 * 96 * 768);
+  for (const RegionInfo& r : m.regions) {
+    EXPECT_EQ(r.hot_count, 24);
+    EXPECT_EQ(r.hot_bytes, 5u * 4096) << "layer " << r.layer;
+    EXPECT_EQ(r.offset, static_cast<uint64_t>(r.layer) * 20 * 4096);
+  }
+}
+
 // Every manifest field the reader derives or bounds, changed one at a time: Deployment::Open names the field, what it
 // found and what it expected (the reader never trusts stored layout numbers alone).
 TEST(PackerCorruptionTest, EachManifestFieldIsCheckedByName) {
@@ -839,6 +896,10 @@ TEST(PackerCorruptionTest, EachManifestFieldIsCheckedByName) {
        {"regions[1]: size " + std::to_string(region_size + 4096) + " (expected " + std::to_string(region_size) + ")"}},
       {"past flash_bytes", [&](nlohmann::json* m) { (*m)["regions"][1]["offset"] = r1_offset + 4096; },
        {"regions[1]", "does not fit in flash_bytes"}},
+      {"hot_bytes", [](nlohmann::json* m) { (*m)["regions"][0]["hot_bytes"] = (*m)["regions"][0]["hot_bytes"].get<uint64_t>() + 4096; },
+       {"regions[0]: hot_bytes", "expected"}},
+      {"padding_bytes", [](nlohmann::json* m) { (*m)["padding_bytes"] = (*m)["padding_bytes"].get<uint64_t>() + 1; },
+       {"padding_bytes", "expected flash_bytes minus the bundles' " + std::to_string(2 * 96 * 768) + " bytes"}},
       {"resident_bytes", [](nlohmann::json* m) { (*m)["resident_bytes"] = (*m)["resident_bytes"].get<uint64_t>() + 1; },
        {"resident.gguf", "records resident_bytes"}},
   };
@@ -872,6 +933,7 @@ TEST(PackerCorruptionTest, VerifyRefusesGapsAndTrailingBytes) {
   fs::resize_file(a.dir + "/ffn.bin", flash + 4096);
   nlohmann::json m = good;
   m["flash_bytes"] = flash + 4096;
+  m["padding_bytes"] = good["padding_bytes"].get<uint64_t>() + 4096;  // bytes of no bundle: padding
   WriteText(a.dir + "/manifest.json", m.dump(1) + "\n");
   ASSERT_TRUE(Deployment::Open(a.dir).ok());
   auto trailing = VerifyDeployment(a.dir, false);
