@@ -833,7 +833,7 @@ TEST(PackerTest, ManifestFiguresFollowTheProfileAndTheLayout) {
   prof.ffns.at(1).mean_active_fraction = 0.3;
   PackOptions o;
   o.progress = false;
-  o.hot_fraction = 0.25;  // 24 hot neurons: 4.8 groups, so the hot prefix ends inside a group
+  o.hot_fraction = 25.0 / 96;  // 25 hot neurons fill 5 groups exactly: one more would need a sixth
   ASSERT_TRUE(PackDeployment(model, prof, "x", tmp.File("d"), o, &pool).ok());
   auto d = Deployment::Open(tmp.File("d"));
   ASSERT_TRUE(d.ok()) << d.status().ToString();
@@ -847,7 +847,7 @@ TEST(PackerTest, ManifestFiguresFollowTheProfileAndTheLayout) {
   EXPECT_EQ(m.flash_bytes, groups * 4096);
   EXPECT_EQ(m.padding_bytes, groups * 4096 - 2 * 96 * 768);
   for (const RegionInfo& r : m.regions) {
-    EXPECT_EQ(r.hot_count, 24);
+    EXPECT_EQ(r.hot_count, 25);
     EXPECT_EQ(r.hot_bytes, 5u * 4096) << "layer " << r.layer;
     EXPECT_EQ(r.offset, static_cast<uint64_t>(r.layer) * 20 * 4096);
   }
