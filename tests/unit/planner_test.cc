@@ -732,6 +732,55 @@ TEST(CalibrationTest, ScalesTheFiguresAndReproducesTheMeasuredRun) {
   EXPECT_FALSE(FitCalibration(hw, m, s, 1e3, 0, 8).ok());    // 1000 s per token: not this plan
 }
 
+// The fit's edges: the predictor's time is compute to be scaled, a wait as long as the token is refused by the first
+// check (not by the factor's bound it would lead to), a compute factor below 1e-3 is refused, and a run no disk factor
+// in [1e-3, 1e3] reproduces gets the nearest bound.
+TEST(CalibrationTest, ScalesThePredictorRefusesTheEdgesAndClampsTheDiskFactor) {
+  const HardwareParams hw = Hw();
+  ModelParams m = OneRegion(Linear(), Zero());
+  m.predictor_bytes = 400000;  // 0.2 ms at 2 GB/s: a predictor that costs time
+  PlanSettings s;
+  s.compute_threads = 1;
+  s.queue_depth = 1;
+  s.cluster_neurons = 8;
+  s.hot_neurons = {500};
+  s.cold_slots = {0};
+  const Prediction raw = Evaluate(hw, m, s);
+  ASSERT_GT(raw.predictor_s, 0);
+  ASSERT_GT(raw.io_s, 0);
+  const double compute_side = raw.attention_s + raw.predictor_s + raw.ffn_compute_s + raw.pipeline_s;
+  const double t = 2 * raw.token_s, w = raw.token_s / 2;
+  auto fit = FitCalibration(hw, m, s, t, w, 8);
+  ASSERT_TRUE(fit.ok()) << fit.status().ToString();
+  EXPECT_NEAR(fit->compute_scale, (t - w) / compute_side, 1e-12);
+
+  auto equal = FitCalibration(hw, m, s, t, t, 8);
+  ASSERT_FALSE(equal.ok());
+  EXPECT_NE(equal.status().message().find("expected 0 <= wait < time"), std::string::npos) << equal.status().ToString();
+  auto tiny = FitCalibration(hw, m, s, compute_side * 1e-4, 0, 8);
+  ASSERT_FALSE(tiny.ok());
+  EXPECT_NE(tiny.status().message().find("compute factor"), std::string::npos) << tiny.status().ToString();
+
+  // A disk of 10 kB/s (20 s of reads per token) and a run 100x faster than the compute side predicts, without
+  // waiting: even a disk 1000x faster, with the fitted compute factor, predicts more than the run took.
+  HardwareParams crawl = hw;
+  for (IoPoint& q : crawl.random_reads) q.mb_per_s = 0.01;
+  const Prediction crawl_raw = Evaluate(crawl, m, s);
+  const double crawl_t =
+      (crawl_raw.attention_s + crawl_raw.predictor_s + crawl_raw.ffn_compute_s + crawl_raw.pipeline_s) / 100;
+  auto fast = FitCalibration(crawl, m, s, crawl_t, 0, 8);
+  ASSERT_TRUE(fast.ok()) << fast.status().ToString();
+  ASSERT_GT(Evaluate(Calibrated(crawl, {.compute_scale = fast->compute_scale, .io_scale = 1e-3}), m, s).token_s, crawl_t);
+  EXPECT_DOUBLE_EQ(fast->io_scale, 1e-3);
+  // A wait of 1e5 times the predicted reads: even a disk 1000x slower predicts less.
+  const double long_wait = 1e5 * raw.io_s;
+  auto slow = FitCalibration(hw, m, s, compute_side + long_wait, long_wait, 8);
+  ASSERT_TRUE(slow.ok()) << slow.status().ToString();
+  ASSERT_LT(Evaluate(Calibrated(hw, {.compute_scale = slow->compute_scale, .io_scale = 1e3}), m, s).token_s,
+            compute_side + long_wait);
+  EXPECT_DOUBLE_EQ(slow->io_scale, 1e3);
+}
+
 TEST(PlanFileTest, RoundTripsAndRejectsBadFilesAndOtherDeployments) {
   nflash::testing::TempDir dir;
   const std::string deploy = dir.path();
