@@ -10,18 +10,22 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
 
 #include "converter/readers.h"
 #include "converter/synth.h"
 #include "packer/deployment.h"
 #include "packer/lookahead_table.h"
 #include "packer/pack.h"
+#include "packer/replay.h"
 #include "packer/verify.h"
+#include "runtime/cli/model_loader.h"
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
 #include "runtime/core/float16.h"
 #include "runtime/core/gguf.h"
 #include "runtime/core/quant.h"
+#include "runtime/engine/context.h"
 #include "runtime/engine/predictor.h"
 #include "tests/test_util.h"
 
@@ -851,6 +855,102 @@ TEST(PackerTest, ManifestFiguresFollowTheProfileAndTheLayout) {
     EXPECT_EQ(r.hot_bytes, 5u * 4096) << "layer " << r.layer;
     EXPECT_EQ(r.offset, static_cast<uint64_t>(r.layer) * 20 * 4096);
   }
+}
+
+// The held-out replay against a count of its own: the same text in the same windows through the dense engine, each
+// token's active neurons (output > 0) mapped through the deployment's slot table to 4 KiB groups of five bundles,
+// groups and runs of adjacent groups counted per region. With no hot neuron every read is cold; with every neuron hot
+// none is, and the layout (popularity order) is the same, so "all" agrees between the two.
+TEST(PackerReplayTest, CountsWholeGroupsAndRunsOfTheLayout) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  const std::string model = tmp.File("m.gguf");
+  ASSERT_EQ(WriteModel(model, GgmlType::kF32), "");
+  const profiler::ModelProfile prof = MakeProfile(model, 0, 7);
+  std::unique_ptr<Deployment> d[2];
+  for (int hot = 0; hot < 2; ++hot) {
+    PackOptions o;
+    o.progress = false;
+    o.order = NeuronOrder::kHotness;
+    o.hot_fraction = hot;
+    const std::string dir = tmp.File("d" + std::to_string(hot));
+    ASSERT_TRUE(PackDeployment(model, prof, "x", dir, o, &pool).ok());
+    auto opened = Deployment::Open(dir);
+    ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+    d[hot] = std::move(*opened);
+  }
+  const std::string text = tmp.File("held_out.txt");
+  WriteText(text, "Once upon a time there was a little cat. The cat saw a big red ball and ran to it. \"Look!\" "
+                  "said the cat, and they played in the sun all day long until the moon came out.");
+  ReplayOptions ro;
+  ro.model_path = model;
+  ro.text_path = text;
+  ro.tokens = 70;
+  ro.window = 16;  // five windows, the last one short
+
+  // The count of its own.
+  const Deployment& cold = *d[0];
+  const BundleLayout& l = cold.layout();
+  ASSERT_EQ(l.slots_per_group, 5);
+  cli::ModelSource src;
+  src.path = model;
+  auto lm = cli::LoadModelForInference(src);
+  ASSERT_TRUE(lm.ok()) << lm.status().ToString();
+  auto bytes = ReadWholeFile(text);
+  ASSERT_TRUE(bytes.ok());
+  std::vector<int32_t> ids = lm->tokenizer->Encode(std::string(bytes->begin(), bytes->end()), true);
+  ASSERT_GT(ids.size(), 70u);
+  ids.resize(70);
+  double active = 0, groups = 0, runs = 0;
+  InferenceContext ctx(*lm->model, &pool, 16);
+  ctx.SetFfnObserver([&](const FfnObservation& o) {
+    const RegionInfo* r = cold.Region(o.layer, o.expert);
+    ASSERT_NE(r, nullptr);
+    for (int64_t t = 0; t < o.n_tokens; ++t) {
+      std::set<int64_t> touched;
+      for (int64_t k = 0; k < 96; ++k) {
+        if (o.gate_act[t * 96 + k] > 0) {
+          active += 1;
+          touched.insert(r->slot_of_neuron[static_cast<size_t>(k)] / 5);
+        }
+      }
+      groups += static_cast<double>(touched.size());
+      for (int64_t g : touched) runs += touched.count(g - 1) ? 0 : 1;
+    }
+  });
+  for (size_t start = 0; start < ids.size(); start += 16) {
+    ctx.Reset();
+    ASSERT_TRUE(ctx.Eval(std::span<const int32_t>(ids.data() + start, std::min<size_t>(16, ids.size() - start)), false).ok());
+  }
+  active /= 70;
+  groups /= 70;
+  runs /= 70;
+  ASSERT_GT(runs, 0);
+  ASSERT_LT(runs, groups) << "some neighbouring groups merge into one request";
+  ASSERT_LT(groups, active) << "some groups serve several active neurons";
+
+  auto all_cold = ReplayHeldOut(cold, ro, &pool);
+  ASSERT_TRUE(all_cold.ok()) << all_cold.status().ToString();
+  auto all_hot = ReplayHeldOut(*d[1], ro, &pool);
+  ASSERT_TRUE(all_hot.ok()) << all_hot.status().ToString();
+  for (const ReplayStats* st : {&*all_cold, &*all_hot}) {
+    EXPECT_EQ(st->tokens, 70);
+    EXPECT_NEAR(st->active, active, 1e-9);
+    EXPECT_NEAR(st->groups, groups, 1e-9);
+    EXPECT_NEAR(st->requests, runs, 1e-9);
+    EXPECT_NEAR(st->bundle_bytes, active * 768, 1e-6);
+    EXPECT_NEAR(st->read_bytes, groups * 4096, 1e-6);
+  }
+  EXPECT_NEAR(all_cold->active_cold, active, 1e-9);
+  EXPECT_NEAR(all_cold->groups_cold, groups, 1e-9);
+  EXPECT_NEAR(all_cold->requests_cold, runs, 1e-9);
+  EXPECT_NEAR(all_cold->bundle_bytes_cold, active * 768, 1e-6);
+  EXPECT_NEAR(all_cold->read_bytes_cold, groups * 4096, 1e-6);
+  EXPECT_EQ(all_hot->active_cold, 0);
+  EXPECT_EQ(all_hot->groups_cold, 0);
+  EXPECT_EQ(all_hot->requests_cold, 0);
+  EXPECT_EQ(all_hot->read_bytes_cold, 0);
+  EXPECT_EQ(all_hot->bundle_bytes_cold, 0);
 }
 
 // Every manifest field the reader derives or bounds, changed one at a time: Deployment::Open names the field, what it
