@@ -824,6 +824,90 @@ TEST(PackerLookaheadTest, MismatchesAndCorruptionAreClearErrors) {
   EXPECT_TRUE((*writer)->Finish().ok());
 }
 
+// Regions of more neurons than one projection call takes (256 columns): 600 neurons in calls of 256, 256 and 88, for
+// two tables of different ranks (the next layer's: 16 and 12), each row against a double-precision product.
+TEST(PackerLookaheadTest, WideRegionsAreProjectedInSeveralCalls) {
+  TempDir tmp;
+  PredictorData pd;
+  pd.model_hash = "0000000000000000";
+  pd.model_name = "test";
+  pd.activation = "relu";
+  pd.dim = 64;
+  pd.n_ff = 600;
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  for (int64_t rank : {8, 16, 12}) {
+    PredictorLayerData ld;
+    ld.info.rank = rank;
+    ld.fc1.resize(static_cast<size_t>(rank * 64));
+    ld.fc2.resize(static_cast<size_t>(600 * rank));
+    for (float& w : ld.fc1) w = normal(rng);
+    for (float& w : ld.fc2) w = normal(rng);
+    pd.layers.push_back(std::move(ld));
+  }
+  auto pred = Predictor::FromData(pd);
+  ASSERT_TRUE(pred.ok()) << pred.status().ToString();
+  const std::string path = tmp.File("t.gguf");
+  auto writer = LookaheadTableWriter::Begin(path, **pred);
+  ASSERT_TRUE(writer.ok()) << writer.status().ToString();
+  auto value = [](int64_t l, int64_t k, int64_t i) {
+    return std::sin(0.37 * static_cast<double>(k) + 0.11 * static_cast<double>(i) + static_cast<double>(l));
+  };
+  std::vector<std::vector<float>> norms(2);
+  ThreadPool pool(2);
+  {
+    // Layers in order only, and a column that cannot be read fails the layer.
+    auto other = LookaheadTableWriter::Begin(tmp.File("other.gguf"), **pred);
+    ASSERT_TRUE(other.ok()) << other.status().ToString();
+    std::vector<float> ones(64, 1.0f);
+    auto zeros = [](int64_t, float* dst) {
+      std::fill(dst, dst + 64, 0.0f);
+      return Status::Ok();
+    };
+    auto early = (*other)->WriteLayer(1, ones.data(), zeros, &pool);
+    ASSERT_FALSE(early.ok());
+    EXPECT_NE(early.message().find("layer 1 written, expected 0"), std::string::npos) << early.ToString();
+    auto failing = [](int64_t k, float* dst) {
+      std::fill(dst, dst + 64, 0.0f);
+      return k == 300 ? Status::IOError("column 300 unreadable") : Status::Ok();
+    };
+    auto bad = (*other)->WriteLayer(0, ones.data(), failing, &pool);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.message().find("column 300 unreadable"), std::string::npos) << bad.ToString();
+  }
+  for (int64_t l = 0; l < 2; ++l) {
+    for (int64_t i = 0; i < 64; ++i) norms[l].push_back(1.0f + 0.01f * static_cast<float>(i + l));
+    int64_t expected_k = 0;
+    auto column = [&](int64_t k, float* dst) {
+      EXPECT_EQ(k, expected_k++) << "columns are asked for once each, in order";
+      for (int64_t i = 0; i < 64; ++i) dst[i] = static_cast<float>(value(l, k, i));
+      return Status::Ok();
+    };
+    ASSERT_TRUE((*writer)->WriteLayer(l, norms[l].data(), column, &pool).ok());
+    EXPECT_EQ(expected_k, 600);
+  }
+  ASSERT_TRUE((*writer)->Finish().ok());
+  auto table = LookaheadTable::Load(path, **pred);
+  ASSERT_TRUE(table.ok()) << table.status().ToString();
+  EXPECT_EQ((*table)->bytes(), 600u * 16 * 2 + 600u * 12 * 2);
+  for (int64_t l = 0; l < 2; ++l) {
+    const MatrixView& t = (*table)->layer(l);
+    const int64_t rank = pd.layers[static_cast<size_t>(l + 1)].info.rank;
+    ASSERT_EQ(t.rows, 600);
+    ASSERT_EQ(t.cols, rank);
+    const std::vector<float>& fc1 = pd.layers[static_cast<size_t>(l + 1)].fc1;
+    for (int64_t k = 0; k < 600; ++k) {
+      for (int64_t r = 0; r < rank; ++r) {
+        double want = 0.0;
+        for (int64_t i = 0; i < 64; ++i) want += static_cast<double>(fc1[r * 64 + i]) * norms[l][i] * value(l, k, i);
+        const float got =
+            Fp16ToFp32(reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(t.data) + k * t.row_bytes)[r]);
+        ASSERT_NEAR(got, want, 2e-3 * (1.0 + std::fabs(want))) << "layer " << l << " neuron " << k << " unit " << r;
+      }
+    }
+  }
+}
+
 // The manifest's summary figures, computed here from the profile and the layout's arithmetic (F32, dim 64: bundles of
 // 3 x 256 bytes, five to a 4 KiB group): the active fraction weighted by neurons, the bytes a token is expected to read,
 // the read amplification of whole groups, the padding, each region's hot prefix in whole groups.
