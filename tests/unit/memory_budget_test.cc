@@ -22,6 +22,9 @@ TEST(MemoryBudgetTest, ParsesSizes) {
       {"0", 0},                 {".5K", 512},            {"1.", 1},                 {"1T", 1099511627776ull},
       {"0.001K", 1},  // 1.024 bytes, rounded down
       {"18446744073709551615", UINT64_MAX},
+      {"3kb", 3000},            {"3KB", 3000},           {"2tb", 2000000000000ull}, {"2TiB", 2199023255552ull},
+      // Fraction digits past the ninth are read and ignored (far below a byte at TiB): 1 GiB exactly.
+      {"1.000000000000000000000000000000000000000000009G", 1073741824ull},
   };
   for (const Case& c : cases) {
     auto r = ParseMemorySize(c.text);
@@ -32,7 +35,9 @@ TEST(MemoryBudgetTest, ParsesSizes) {
 
 TEST(MemoryBudgetTest, RejectsBadSizes) {
   for (const char* text : {"", "G", "-1G", "1.5X", "1.5 Gigs", "abc", "1e9", "18446744073709551616", "16777216T",
-                           "1..5G", "1,5G"}) {
+                           "1..5G", "1,5G",
+                           // 45 digits: beyond 2^128 too, so an unchecked sum would wrap to some small number
+                           "123456789012345678901234567890123456789012345"}) {
     auto r = ParseMemorySize(text);
     ASSERT_FALSE(r.ok()) << "'" << text << "' parsed as " << *r;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
@@ -45,6 +50,9 @@ TEST(MemoryBudgetTest, FormatsBytes) {
   EXPECT_EQ(FormatBytes(1023), "1023 B");
   EXPECT_EQ(FormatBytes(1536), "1.50 KiB");
   EXPECT_EQ(FormatBytes(1610612736ull), "1.50 GiB");
+  EXPECT_EQ(FormatBytes(1024), "1.00 KiB");
+  EXPECT_EQ(FormatBytes(3ull << 50), "3.00 PiB");
+  EXPECT_EQ(FormatBytes(3ull << 60), "3.00 EiB");
 }
 
 TEST(MemoryBudgetTest, KvCacheBytes) {
@@ -71,6 +79,14 @@ TEST(MemoryBudgetTest, RefusesWithTheMinimum) {
   f.predictor = 1ull << 20;
   s = CheckFixedFits(1ull << 30, f);
   EXPECT_NE(s.message().find("predictor 1.00 MiB"), std::string::npos) << s.message();
+  // The lookahead table is part of the fixed part: the budget that held everything else no longer does.
+  f.lookahead = 2ull << 20;
+  EXPECT_EQ(f.Total(), 1610612736ull + (3ull << 20));
+  EXPECT_FALSE(CheckFixedFits(1610612736ull + (1ull << 20), f).ok());
+  s = CheckFixedFits(1ull << 30, f);
+  EXPECT_NE(s.message().find("predictor 1.00 MiB, lookahead table 2.00 MiB); the minimum is 1.50 GiB (1613758464 bytes)"),
+            std::string::npos)
+      << s.message();
 }
 
 TEST(MemoryBudgetTest, DefaultSplitHotFirstThenCold) {
@@ -120,6 +136,16 @@ TEST(MemoryBudgetTest, DefaultSplitHotFirstThenCold) {
   ASSERT_FALSE(split.ok());
   EXPECT_NE(split.status().message().find("hot fraction 1.5"), std::string::npos) << split.status().message();
   EXPECT_NE(split.status().message().find("outside [0, 1]"), std::string::npos) << split.status().message();
+  // A shape with negative unit counts or a zero slot size for units it has is refused.
+  for (const auto& edit : {+[](CacheShape* c) { c->hot_clusters = -1; }, +[](CacheShape* c) { c->cold_neurons = -1; },
+                           +[](CacheShape* c) { c->cold_slot_bytes = 0; }, +[](CacheShape* c) { c->hot_slot_bytes = 0; }}) {
+    CacheShape bad = shape;
+    edit(&bad);
+    split = SplitBudget(1000 + 200 * 1024, f, bad);
+    ASSERT_FALSE(split.ok());
+    EXPECT_NE(split.status().message().find("slot sizes must be > 0 and unit counts >= 0"), std::string::npos)
+        << split.status().message();
+  }
 }
 
 TEST(MemoryBudgetTest, AccountingTableListsEveryPart) {
