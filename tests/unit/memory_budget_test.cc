@@ -23,8 +23,10 @@ TEST(MemoryBudgetTest, ParsesSizes) {
       {"0.001K", 1},  // 1.024 bytes, rounded down
       {"18446744073709551615", UINT64_MAX},
       {"3kb", 3000},            {"3KB", 3000},           {"2tb", 2000000000000ull}, {"2TiB", 2199023255552ull},
-      // Fraction digits past the ninth are read and ignored (far below a byte at TiB): 1 GiB exactly.
+      // Fraction digits past the ninth are read and ignored (far below a byte at TiB); 45 of them: 10^45 does not fit
+      // in 128 bits either.
       {"1.000000000000000000000000000000000000000000009G", 1073741824ull},
+      {"1.500000000000000000000000000000000000000000000G", 1610612736ull},
   };
   for (const Case& c : cases) {
     auto r = ParseMemorySize(c.text);
@@ -36,8 +38,8 @@ TEST(MemoryBudgetTest, ParsesSizes) {
 TEST(MemoryBudgetTest, RejectsBadSizes) {
   for (const char* text : {"", "G", "-1G", "1.5X", "1.5 Gigs", "abc", "1e9", "18446744073709551616", "16777216T",
                            "1..5G", "1,5G",
-                           // 45 digits: beyond 2^128 too, so an unchecked sum would wrap to some small number
-                           "123456789012345678901234567890123456789012345"}) {
+                           // 2^128 + 5: a sum checked only at the end would wrap to 5 bytes
+                           "340282366920938463463374607431768211461"}) {
     auto r = ParseMemorySize(text);
     ASSERT_FALSE(r.ok()) << "'" << text << "' parsed as " << *r;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
