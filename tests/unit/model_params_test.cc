@@ -10,8 +10,6 @@
 #include <utility>
 #include <vector>
 
-#include "converter/readers.h"
-#include "converter/synth.h"
 #include "packer/deployment.h"
 #include "packer/pack.h"
 #include "planner/floors.h"
@@ -20,6 +18,7 @@
 #include "runtime/core/thread_pool.h"
 #include "runtime/engine/predictor.h"
 #include "tests/test_util.h"
+#include "tests/unit/small_model.h"
 
 namespace nflash::planner {
 namespace {
@@ -39,29 +38,10 @@ struct PlannerInputs {
 std::unique_ptr<PlannerInputs> PackForPlanner(FfnActivation activation, int64_t experts,
                                               const std::vector<std::pair<float, float>>& fractions) {
   auto in = std::make_unique<PlannerInputs>();
-  converter::SynthOptions o;
-  o.shape = "custom";
-  o.dim = 64;
-  o.ffn = 96;
-  o.layers = 2;
-  o.heads = 4;
-  o.vocab = 260;
-  o.context = 64;
-  o.experts = experts;
-  o.activation = activation;
-  o.calib_sequences = 2;
-  o.calib_tokens = 8;
-  o.threads = 1;
-  auto model = converter::BuildSyntheticModel(o, nullptr);
-  EXPECT_TRUE(model.ok()) << model.status().ToString();
-  if (!model.ok()) return nullptr;
   in->model = in->tmp.File("m.gguf");
-  converter::WriteOptions w;
-  w.path = in->model;
-  w.type = GgmlType::kF32;
-  w.progress = false;
-  w.threads = 1;
-  EXPECT_TRUE(converter::WriteModelGguf(*model, w).ok());
+  const std::string written = nflash::testing::WriteSmallModel(in->model, GgmlType::kF32, experts, activation);
+  EXPECT_EQ(written, "");
+  if (!written.empty()) return nullptr;
   const std::string model_hash = HashToHex(*HashFile(in->model));
 
   profiler::ModelProfile& p = in->profile;

@@ -12,8 +12,6 @@
 #include <random>
 #include <set>
 
-#include "converter/readers.h"
-#include "converter/synth.h"
 #include "packer/deployment.h"
 #include "packer/lookahead_table.h"
 #include "packer/pack.h"
@@ -28,6 +26,7 @@
 #include "runtime/engine/context.h"
 #include "runtime/engine/predictor.h"
 #include "tests/test_util.h"
+#include "tests/unit/small_model.h"
 
 namespace nflash::packer {
 namespace {
@@ -36,32 +35,8 @@ namespace fs = std::filesystem;
 using nflash::testing::TempDir;
 using nflash::testing::WriteText;
 
-// A small synthetic model: dim 64 (two quant blocks), n_ff 96 (three blocks: down rows quantize too), 2 layers.
 std::string WriteModel(const std::string& path, GgmlType type, int64_t experts = 0) {
-  converter::SynthOptions o;
-  o.shape = "custom";
-  o.dim = 64;
-  o.ffn = 96;
-  o.layers = 2;
-  o.heads = 4;
-  o.vocab = 260;  // the synthetic byte tokenizer needs 3 specials + 256 bytes
-  o.context = 64;
-  o.experts = experts;
-  o.type = type;
-  o.calib_sequences = 2;
-  o.calib_tokens = 8;
-  o.threads = 1;
-  auto model = converter::BuildSyntheticModel(o, nullptr);
-  if (!model.ok()) return model.status().ToString();
-  converter::WriteOptions w;
-  w.path = path;
-  w.type = type;
-  w.overwrite = true;
-  w.progress = false;
-  w.threads = 1;
-  w.q4_0_scale_search = false;  // faster; the packer does not care which Q4_0 rounding made the file
-  const Status s = converter::WriteModelGguf(*model, w);
-  return s.ok() ? "" : s.ToString();
+  return nflash::testing::WriteSmallModel(path, type, experts);
 }
 
 // A profile with seeded random popularity and co-activation partners, bound to the model by its hash.
