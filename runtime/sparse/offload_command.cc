@@ -350,12 +350,19 @@ Status RunOffload(const OffloadFlags& f) {
       {"kv_cache_bytes", rt.fixed().kv_cache},
       {"prefetched_per_token", static_cast<double>(st.prefetched) / steps},
       {"prefetch_used_per_token", static_cast<double>(st.prefetch_used) / steps},
+      // The lookahead's share of mb_read_per_token and requests_per_token (the I/O floor leaves out the part of it
+      // that no active set used).
+      {"prefetch_mb_per_token", static_cast<double>(st.prefetch_bytes) / 1e6 / steps},
+      {"prefetch_requests_per_token", static_cast<double>(st.prefetch_requests) / steps},
       {"gate_requests_per_token", static_cast<double>(st.gate_requests) / steps},
       {"gate_mb_per_token", static_cast<double>(st.gate_bytes) / 1e6 / steps},
       {"updown_requests_per_token", static_cast<double>(st.updown_requests) / steps},
       {"updown_mb_per_token", static_cast<double>(st.updown_bytes) / 1e6 / steps},
       {"updown_skipped_per_token", static_cast<double>(st.updown_skipped) / steps},
       {"memory_budget", rt.budget()},
+      // The active-set source's weights read per token: the predictor's, or the oracle's gate rows (the floors'
+      // predictor part).
+      {"predictor_bytes", rt.fixed().predictor},
       {"accounted_bytes", rt.fixed().Total() + rt.split().hot_bytes + rt.split().cold_bytes},
       {"hot_slots", rt.split().hot_slots},
       {"cold_slots", rt.split().cold_slots},

@@ -136,14 +136,10 @@ uint64_t DenseBytes(const std::string& resident) {
   return n;
 }
 
-// The I/O floor of `row` under FakeHwProfileJson at queue depth 32 (the runtime's default; priced at the depth-8 figure,
-// 100 MB/s at 4 KiB): at or above 4 KiB per request the throughput is the 4 KiB one; below it, the 4 KiB IOPS.
-double ExpectedIoMs(const nlohmann::json& row) {
-  const double bytes = row["mb_read_per_token"].get<double>() * 1e6;
-  // (contains() first: operator[] of a const json on a missing key is undefined behaviour, not null; bench rows have
-  // reads_per_token, offload's JSON requests_per_token.)
-  const double requests = row.contains("requests_per_token") ? row.at("requests_per_token").get<double>()
-                                                             : row.at("reads_per_token").get<double>();
+// The I/O floor of `bytes` read per token in `requests` under FakeHwProfileJson at queue depth 32 (the runtime's
+// default; priced at the depth-8 figure, 100 MB/s at 4 KiB): at or above 4 KiB per request the throughput is the
+// 4 KiB one; below it, the 4 KiB IOPS.
+double ExpectedIoMs(double bytes, double requests) {
   if (bytes == 0) return 0.0;  // a warm cache that held every neuron the tokens used
   // The test profile: 100 MB/s from 4 KiB requests up; below, the same IOPS (throughput in proportion to the size).
   // The floor takes the mean request in whole bytes.
@@ -152,40 +148,132 @@ double ExpectedIoMs(const nlohmann::json& row) {
   return bytes / (100e6 * mean_request / 4096) * 1e3;
 }
 
-TEST_F(OffloadPplTest, OffloadReportsFloors) {
-  // Without lookahead: every byte read was needed, so the I/O floor is that of the bytes and requests reported.
-  auto r = RunCommand(Nflash() + " -q offload -d " + tmp_->File("deploy") + " --active-set oracle --hot-slots 1 " +
-                          "--cold-slots 64 -n 24 -t 1 --lookahead 0 --hw " + tmp_->File("hw.json") + " --json",
-                      /*capture_stderr=*/false);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  auto j = nlohmann::json::parse(r.output, nullptr, false);
-  ASSERT_TRUE(j.is_object()) << r.output;
-  for (const char* k : {"floor_compute_ms", "floor_io_ms", "floor_ratio", "token_ms_mean"}) {
-    ASSERT_TRUE(j.contains(k) && j[k].is_number()) << k << "\n" << r.output;
-    EXPECT_TRUE(std::isfinite(j[k].get<double>())) << k;
+// The same for every byte and request of `row`.
+double ExpectedIoMs(const nlohmann::json& row) {
+  // (contains() first: operator[] of a const json on a missing key is undefined behaviour, not null; bench rows have
+  // reads_per_token, offload's JSON requests_per_token.)
+  const double requests = row.contains("requests_per_token") ? row.at("requests_per_token").get<double>()
+                                                             : row.at("reads_per_token").get<double>();
+  return ExpectedIoMs(row.at("mb_read_per_token").get<double>() * 1e6, requests);
+}
+
+// The I/O floor of what `nflash offload --json` says its tokens needed: its reads less the share of the lookahead's
+// bytes and requests that belongs to bundles read ahead and never used (prefetched - prefetch_used of prefetched).
+double ExpectedNeededIoMs(const nlohmann::json& run) {
+  const double prefetched = run.at("prefetched_per_token").get<double>();
+  const double unused = prefetched > 0 ? (prefetched - run.at("prefetch_used_per_token").get<double>()) / prefetched : 0;
+  return ExpectedIoMs((run.at("mb_read_per_token").get<double>() - unused * run.at("prefetch_mb_per_token").get<double>()) * 1e6,
+                      run.at("requests_per_token").get<double>() -
+                          unused * run.at("prefetch_requests_per_token").get<double>());
+}
+
+// The predictor's weights as predictor.gguf stores them: both layers' matrices and the output bias of every layer.
+double PredictorWeightBytes(const std::string& path) {
+  auto g = GgufFile::OpenPath(path);
+  EXPECT_TRUE(g.ok()) << g.status().ToString();
+  if (!g.ok()) return 0;
+  double n = 0;
+  auto ends_with = [](const std::string& s, const std::string& tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  for (const GgufTensorInfo& t : g->tensors()) {
+    if (ends_with(t.name, "fc1.weight") || ends_with(t.name, "fc2.weight") || ends_with(t.name, "fc2.bias")) {
+      n += static_cast<double>(t.n_bytes);
+    }
   }
-  // The compute floor holds at least the dense GEMV part: dense bytes at 4 GB/s (1 thread).
-  const double dense_ms = static_cast<double>(DenseBytes(tmp_->File("deploy/resident.gguf"))) / 4e9 * 1e3;
-  EXPECT_GT(dense_ms, 0.0);
-  EXPECT_GE(j["floor_compute_ms"].get<double>(), dense_ms * (1 - 1e-12));
-  EXPECT_GT(j["mb_read_per_token"].get<double>(), 0.0);
-  EXPECT_NEAR(j["floor_io_ms"].get<double>(), ExpectedIoMs(j), 1e-6 * ExpectedIoMs(j));
+  EXPECT_GT(n, 0.0) << path;
+  return n;
+}
+
+// The compute floor's parts (ms per token) of a `nflash offload --json` run of `deploy` under FakeHwProfileJson, whose
+// kernels all stream 4 GB/s per thread: the dense matrices; the active-set source (the predictor's weights, or the
+// oracle's gate rows of every layer: n_layers x n_ff x a gate row); the FFN rows the run had to compute (a gate row per
+// predicted neuron, none with the oracle, which has every gate value; an up row and a down column per neuron with
+// h != 0). The bundle's part sizes come from manifest.json, the neuron counts from the run's report.
+struct FloorPartsMs {
+  double dense = 0, predictor = 0, ffn = 0;
+};
+FloorPartsMs ExpectedComputeMs(const std::string& deploy, const nlohmann::json& run, int threads) {
+  const auto m = nlohmann::json::parse(testing::ReadText(deploy + "/manifest.json"));
+  const nlohmann::json& b = m.at("bundle");
+  const double gate = b.at("gate_bytes").get<double>(), up_down = b.at("up_bytes").get<double>() + b.at("down_bytes").get<double>();
+  const bool oracle = run.at("active_set") == "oracle";
+  const double ms_per_byte = 1.0 / (4e9 * threads) * 1e3;
+  FloorPartsMs f;
+  f.dense = static_cast<double>(DenseBytes(deploy + "/resident.gguf")) * ms_per_byte;
+  f.predictor = (oracle ? m.at("n_layers").get<double>() * m.at("n_ff").get<double>() * gate
+                        : PredictorWeightBytes(deploy + "/predictor.gguf")) *
+                ms_per_byte;
+  f.ffn = ((oracle ? 0.0 : run.at("active_neurons_per_token").get<double>() * gate) +
+           run.at("used_neurons_per_token").get<double>() * up_down) *
+          ms_per_byte;
+  return f;
+}
+
+// Checks a run's floors against ExpectedComputeMs and ExpectedNeededIoMs.
+void ExpectFloors(const std::string& deploy, const nlohmann::json& run, int threads) {
+  SCOPED_TRACE(deploy + ", " + std::to_string(threads) + " thread(s)");
+  ASSERT_TRUE(run.contains("floor_parts_ms")) << run.dump();
+  const FloorPartsMs want = ExpectedComputeMs(deploy, run, threads);
+  const nlohmann::json& got = run.at("floor_parts_ms");
+  EXPECT_GT(want.dense, 0.0);
+  EXPECT_GT(want.predictor, 0.0);
+  EXPECT_GT(want.ffn, 0.0);
+  EXPECT_NEAR(got.at("dense").get<double>(), want.dense, 1e-9 * want.dense);
+  EXPECT_NEAR(got.at("predictor").get<double>(), want.predictor, 1e-9 * want.predictor);
+  EXPECT_NEAR(got.at("ffn").get<double>(), want.ffn, 1e-9 * want.ffn);
+  const double compute = want.dense + want.predictor + want.ffn;
+  EXPECT_NEAR(run.at("floor_compute_ms").get<double>(), compute, 1e-9 * compute);
+  const double io = ExpectedNeededIoMs(run);
+  EXPECT_NEAR(run.at("floor_io_ms").get<double>(), io, 1e-6 * io);
   // The ratio is measured time over the larger floor. The test's hardware profile is not this machine's (its flash
   // figures may be slower than the real disk), so only its sign is checked, not that it is >= 1.
-  const double floor = std::max(j["floor_compute_ms"].get<double>(), j["floor_io_ms"].get<double>());
-  EXPECT_NEAR(j["floor_ratio"].get<double>(), j["token_ms_mean"].get<double>() / floor, 1e-9);
-  EXPECT_GT(j["floor_ratio"].get<double>(), 0.0);
+  EXPECT_NEAR(run.at("floor_ratio").get<double>(), run.at("token_ms_mean").get<double>() / std::max(compute, io),
+              1e-9 * run.at("floor_ratio").get<double>());
+  EXPECT_GT(run.at("floor_ratio").get<double>(), 0.0);
+}
+
+TEST_F(OffloadPplTest, OffloadReportsFloors) {
+  auto run = [](const std::string& deploy, const std::string& args) {
+    auto r = RunCommand(Nflash() + " -q offload -d " + tmp_->File(deploy) + " " + args + " --hw " +
+                            tmp_->File("hw.json") + " --json",
+                        /*capture_stderr=*/false);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    auto j = nlohmann::json::parse(r.output, nullptr, false);
+    EXPECT_TRUE(j.is_object()) << r.output;
+    return j;
+  };
+  // The oracle without lookahead: every byte read was needed, so the I/O floor is that of the bytes and requests
+  // reported, and the compute floor has no gate rows of the FFN (the oracle's are its predictor part).
+  const nlohmann::json j = run("deploy", "--active-set oracle --hot-slots 1 --cold-slots 64 -n 24 -t 1 --lookahead 0");
+  ASSERT_TRUE(j.is_object());
+  for (const char* k : {"floor_compute_ms", "floor_io_ms", "floor_ratio", "token_ms_mean"}) {
+    ASSERT_TRUE(j.contains(k) && j[k].is_number()) << k << "\n" << j.dump();
+    EXPECT_TRUE(std::isfinite(j[k].get<double>())) << k;
+  }
+  EXPECT_GT(j["mb_read_per_token"].get<double>(), 0.0);
+  EXPECT_EQ(j["prefetched_per_token"].get<double>(), 0.0);
+  EXPECT_NEAR(j["floor_io_ms"].get<double>(), ExpectedIoMs(j), 1e-6 * ExpectedIoMs(j));
+  ExpectFloors(tmp_->File("deploy"), j, 1);
 
   // With lookahead (n_ff / 8, given: auto depends on the machine's cores), bundles read ahead and not used are left
-  // out of the floor: it is at most that of all bytes read.
-  auto la = RunCommand(Nflash() + " -q offload -d " + tmp_->File("deploy") + " --active-set oracle --hot-slots 1 " +
-                           "--cold-slots 64 -n 24 -t 1 --lookahead 21 --hw " + tmp_->File("hw.json") + " --json",
-                       /*capture_stderr=*/false);
-  ASSERT_EQ(la.exit_code, 0) << la.output;
-  auto jl = nlohmann::json::parse(la.output, nullptr, false);
-  ASSERT_TRUE(jl.is_object()) << la.output;
-  ASSERT_GT(jl["prefetched_per_token"].get<double>(), jl["prefetch_used_per_token"].get<double>()) << la.output;
-  EXPECT_LT(jl["floor_io_ms"].get<double>(), ExpectedIoMs(jl)) << la.output;
+  // out of the floor: it is below that of all bytes read.
+  const nlohmann::json jl = run("deploy", "--active-set oracle --hot-slots 1 --cold-slots 64 -n 24 -t 1 --lookahead 21");
+  ASSERT_TRUE(jl.is_object());
+  ASSERT_GT(jl["prefetched_per_token"].get<double>(), jl["prefetch_used_per_token"].get<double>()) << jl.dump();
+  ASSERT_GT(jl["prefetch_used_per_token"].get<double>(), 0.0) << jl.dump();
+  EXPECT_LT(jl["floor_io_ms"].get<double>(), ExpectedIoMs(jl)) << jl.dump();
+  ExpectFloors(tmp_->File("deploy"), jl, 1);
+
+  // A predictor on two threads (the profile's 2-thread figures: 8 GB/s): gate rows of every predicted neuron, up and
+  // down of those whose gate passed, the predictor's weights.
+  const nlohmann::json jp = run("deploy_pred", "--hot-slots 1 --cold-slots 64 -n 24 -t 2 --lookahead 21");
+  ASSERT_TRUE(jp.is_object());
+  ASSERT_EQ(jp["active_set"], "predictor");
+  ASSERT_EQ(jp["compute_threads"], 2);
+  // Predicted neurons whose gate turned out inactive: the gate term and the up/down term count different sets.
+  ASSERT_GT(jp["active_neurons_per_token"].get<double>(), jp["used_neurons_per_token"].get<double>()) << jp.dump();
+  ExpectFloors(tmp_->File("deploy_pred"), jp, 2);
 
   // Text mode prints the same figures.
   auto text = RunCommand(Nflash() + " -q offload -d " + tmp_->File("deploy") + " --active-set oracle -n 4 -t 1 --hw " +
