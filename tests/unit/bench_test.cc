@@ -6,6 +6,9 @@
 
 #include <cmath>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "runtime/bench/bench_report.h"
 #include "runtime/bench/cgroup.h"
@@ -155,6 +158,200 @@ TEST(BenchFormat, JsonRoundTrip) {
   EXPECT_EQ(RowSpec::FromJson(nlohmann::json{{"model", "m"}, {"mode", "full"}, {"test", "tg1"}})->kv_type, "f32");
   EXPECT_FALSE(RowSpec::FromJson(nlohmann::json{{"model", "m"}, {"mode", "warp"}, {"test", "tg1"}}).ok());
   EXPECT_FALSE(RowSpec::FromJson(nlohmann::json{{"mode", "full"}}).ok());
+}
+
+// Every field of a row survives the JSON the row's child process prints and the parent reads back
+// (RowResult::ToJson / FromJson): each set to a value no default has, and checked one by one.
+TEST(BenchFormat, JsonRoundTripKeepsEveryField) {
+  RowResult r;
+  RowSpec& s = r.spec;
+  s.model = "m.gguf";
+  s.deploy = "d.deploy";
+  s.tokenizer = "tok.bin";
+  s.activation = "relu";
+  s.mode = BenchMode::kBundles;
+  s.memory_budget = 123456789;
+  s.offload = 0.375;
+  s.test = BenchTest{true, 7};
+  s.prompt_tokens = 11;
+  s.repetitions = 5;
+  s.warmup = 3;
+  s.threads = 6;
+  s.use_cgroup = false;
+  s.drop_all_caches = true;
+  s.hw = "hw.json";
+  s.lookahead = 42;
+  s.kv_type = "f16";
+  r.status = "error: x";
+  r.tok_s = {1.5, 2.5, 3.5};
+  r.speed = {2.25, 0.125};  // not what the samples give: the stored figures are read back, not recomputed
+  r.p50_ms = 4.5;
+  r.p90_ms = 5.5;
+  r.p99_ms = 6.5;
+  r.hit_rate = 0.625;
+  r.mb_read_per_token = 7.25;
+  r.reads_per_token = 8.75;
+  r.miss_rate_mean = 0.0625;
+  r.miss_rate_p99 = 0.1875;
+  r.peak_rss_bytes = 987654321;
+  r.cgroup_peak_bytes = 876543210;
+  r.cpu_util = 1.75;
+  r.constraint = "runtime budget";
+  r.floor_compute_ms = 9.25;
+  r.floor_io_ms = 10.75;
+  r.floor_ratio = 1.3125;
+  auto back = RowResult::FromJson(nlohmann::json::parse(r.ToJson().dump()));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  const RowSpec& b = back->spec;
+  EXPECT_EQ(b.model, "m.gguf");
+  EXPECT_EQ(b.deploy, "d.deploy");
+  EXPECT_EQ(b.tokenizer, "tok.bin");
+  EXPECT_EQ(b.activation, "relu");
+  EXPECT_EQ(b.mode, BenchMode::kBundles);
+  EXPECT_EQ(b.memory_budget, 123456789u);
+  EXPECT_EQ(b.offload, 0.375);
+  EXPECT_TRUE(b.test.decode);
+  EXPECT_EQ(b.test.n_tokens, 7);
+  EXPECT_EQ(b.prompt_tokens, 11);
+  EXPECT_EQ(b.repetitions, 5);
+  EXPECT_EQ(b.warmup, 3);
+  EXPECT_EQ(b.threads, 6);
+  EXPECT_FALSE(b.use_cgroup);
+  EXPECT_TRUE(b.drop_all_caches);
+  EXPECT_EQ(b.hw, "hw.json");
+  EXPECT_EQ(b.lookahead, 42);
+  EXPECT_EQ(b.kv_type, "f16");
+  EXPECT_EQ(back->status, "error: x");
+  EXPECT_EQ(back->tok_s, r.tok_s);
+  EXPECT_EQ(back->speed.mean, 2.25);
+  EXPECT_EQ(back->speed.sd, 0.125);
+  EXPECT_EQ(back->p50_ms, 4.5);
+  EXPECT_EQ(back->p90_ms, 5.5);
+  EXPECT_EQ(back->p99_ms, 6.5);
+  EXPECT_EQ(back->hit_rate, 0.625);
+  EXPECT_EQ(back->mb_read_per_token, 7.25);
+  EXPECT_EQ(back->reads_per_token, 8.75);
+  EXPECT_EQ(back->miss_rate_mean, 0.0625);
+  EXPECT_EQ(back->miss_rate_p99, 0.1875);
+  EXPECT_EQ(back->peak_rss_bytes, 987654321u);
+  EXPECT_EQ(back->cgroup_peak_bytes, 876543210u);
+  EXPECT_EQ(back->cpu_util, 1.75);
+  EXPECT_EQ(back->constraint, "runtime budget");
+  EXPECT_EQ(back->floor_compute_ms, 9.25);
+  EXPECT_EQ(back->floor_io_ms, 10.75);
+  EXPECT_EQ(back->floor_ratio, 1.3125);
+
+  // Absent fields take the documented defaults ("not applicable" is -1 for rates and floors).
+  auto bare = RowResult::FromJson(nlohmann::json{{"model", "m"}, {"mode", "full"}, {"test", "pp4"}, {"status", "ok"}});
+  ASSERT_TRUE(bare.ok()) << bare.status().ToString();
+  EXPECT_EQ(bare->spec.threads, 2);
+  EXPECT_EQ(bare->spec.warmup, 1);
+  EXPECT_EQ(bare->spec.repetitions, 3);
+  EXPECT_EQ(bare->spec.prompt_tokens, 32);
+  EXPECT_EQ(bare->spec.lookahead, -1);
+  EXPECT_EQ(bare->spec.offload, -1.0);
+  EXPECT_TRUE(bare->spec.use_cgroup);
+  EXPECT_FALSE(bare->spec.drop_all_caches);
+  EXPECT_EQ(bare->hit_rate, -1.0);
+  EXPECT_EQ(bare->miss_rate_mean, -1.0);
+  EXPECT_FALSE(bare->has_floors());
+  // A row spec with no warmup or repetitions to run is refused, naming the field.
+  for (const auto& [key, value] : {std::pair{"warmup", -1}, {"repetitions", 0}}) {
+    nlohmann::json j = {{"model", "m"}, {"mode", "full"}, {"test", "tg1"}};
+    j[key] = value;
+    auto bad = RowSpec::FromJson(j);
+    ASSERT_FALSE(bad.ok()) << key;
+    EXPECT_NE(bad.status().ToString().find(key), std::string::npos) << bad.status().ToString();
+    j[key] = value + 1;
+    EXPECT_TRUE(RowSpec::FromJson(j).ok()) << key;
+  }
+}
+
+// Splits a markdown table line into its cells (escaped bars stay inside a cell).
+std::vector<std::string> MdCells(const std::string& line) {
+  std::vector<std::string> cells;
+  std::string cur;
+  for (size_t i = 1; i < line.size(); ++i) {
+    if (line[i] == '|' && line[i - 1] != '\\') {
+      cells.push_back(cur.substr(1, cur.size() - 2));  // " text " -> "text"
+      cur.clear();
+    } else {
+      cur += line[i];
+    }
+  }
+  return cells;
+}
+
+std::vector<std::string> Lines(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<std::string> lines;
+  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  return lines;
+}
+
+TEST(BenchFormat, MarkdownColumnsDashesAndFloors) {
+  // A decode row with floors, a prefill row without a budget, rates or floors (dense), both ok.
+  RowResult tg = SampleRow(BenchMode::kFull, true);
+  tg.miss_rate_mean = 0.07;
+  tg.miss_rate_p99 = 0.25;
+  tg.floor_compute_ms = 2.0;
+  tg.floor_io_ms = 3.0;
+  tg.floor_ratio = 1.5;
+  RowResult pp = SampleRow(BenchMode::kDenseMmap, false);
+  pp.spec.memory_budget = 0;
+  pp.hit_rate = -1;
+  const std::vector<std::string> lines = Lines(FormatMarkdown({tg, pp}));
+  ASSERT_EQ(lines.size(), 4u);
+  const std::vector<std::string> header = MdCells(lines[0]);
+  const std::vector<std::string> want_header = {
+      "model",    "mode",        "memory",         "test",     "t/s",              "P50 ms",       "P90 ms",  "P99 ms",
+      "hit rate", "miss/tok mean", "miss/tok P99", "MB/tok",   "reads/tok",        "peak RSS",     "CPU",
+      "compute floor ms", "I/O floor ms", "x floor", "constraint"};
+  EXPECT_EQ(header, want_header);
+  // Text columns (the first four and the constraint) left-aligned, numbers right-aligned.
+  const std::vector<std::string> align = MdCells(lines[1]);
+  ASSERT_EQ(align.size(), want_header.size());
+  for (size_t i = 0; i < align.size(); ++i) {
+    EXPECT_EQ(align[i], i < 4 || i + 1 == align.size() ? "---" : "---:") << want_header[i];
+  }
+  const std::vector<std::string> a = MdCells(lines[2]);
+  const std::vector<std::string> want_a = {"x, \"odd\".gguf", "full", "1.00 GiB (offload 0.50)", "tg16", "15.00 ± 7.07",
+                                           "1.25", "2.50", "3.75", "0.875", "0.070", "0.250", "0.125", "12.5",
+                                           "3.00 MiB", "150%", "2.000", "3.000", "1.50",
+                                           "cgroup v1 memory.limit_in_bytes=1.00 GiB"};
+  EXPECT_EQ(a, want_a);
+  // The prefill row: no latency percentiles, no rates, no budget, no floors.
+  const std::vector<std::string> b = MdCells(lines[3]);
+  ASSERT_EQ(b.size(), want_header.size());
+  EXPECT_EQ(b[2], "-");
+  for (size_t i : {5u, 6u, 7u, 8u, 9u, 10u, 15u, 16u, 17u}) EXPECT_EQ(b[i], "-") << want_header[i];
+  // A budget not derived from --offload names no fraction.
+  pp.spec.memory_budget = uint64_t{3} << 20;
+  pp.spec.offload = -1;
+  EXPECT_EQ(MdCells(Lines(FormatMarkdown({pp}))[2])[2], "3.00 MiB");
+  // Without any row with floors, no floor columns at all.
+  EXPECT_EQ(MdCells(Lines(FormatMarkdown({pp}))[0]).size(), want_header.size() - 3);
+}
+
+TEST(BenchFormat, CsvFloorsAndQuotedLines) {
+  RowResult r = SampleRow(BenchMode::kFull, true);
+  r.floor_compute_ms = 2.5;
+  r.floor_io_ms = 4.25;
+  r.floor_ratio = 1.125;
+  r.status = "error: two\nlines";
+  const std::string csv = FormatCsv({r});
+  EXPECT_NE(csv.find(",constraint,status,floor_compute_ms,floor_io_ms,floor_ratio\n"), std::string::npos) << csv;
+  // A field with a line break is quoted, so the row stays one record.
+  EXPECT_NE(csv.find(",\"error: two\nlines\",2.500000,4.250000,1.1250\n"), std::string::npos) << csv;
+}
+
+TEST(BenchParse, ListItemsIncludeEmptyOnes) {
+  EXPECT_EQ(SplitList("a,"), (std::vector<std::string>{"a", ""}));
+  EXPECT_EQ(SplitList(""), (std::vector<std::string>{""}));
+  EXPECT_EQ(SplitList("x"), (std::vector<std::string>{"x"}));
+  EXPECT_FALSE(ParseModeList("full,").ok());
+  EXPECT_FALSE(ParseTestList("tg4,").ok());
+  EXPECT_FALSE(ParseSizeList("1G,").ok());
 }
 
 // A fake /proc/self/mountinfo + /proc/self/cgroup pointing at directories in a TempDir.
