@@ -4,9 +4,11 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "runtime/core/gguf.h"
 #include "tests/test_util.h"
 
 namespace nflash {
@@ -25,6 +27,25 @@ class BenchCliTest : public ::testing::Test {
   }
   static void TearDownTestSuite() { delete dir_; }
   static std::string Model() { return dir_->File("s.gguf"); }
+  // stories260K-relu converted, profiled on calibration text and packed, once per process (ctest runs each test in a
+  // process of its own).
+  static void MakeReluDeployment(std::string* model, std::string* deploy) {
+    const std::string nf = testing::NflashBinary();
+    *model = dir_->File("relu.gguf");
+    *deploy = dir_->File("deploy");
+    if (std::filesystem::exists(*deploy + "/manifest.json")) return;
+    auto r = testing::RunCommand(nf + " -q convert " +
+                                 testing::SharedPath("models/stories260K-relu/stories260K-relu.bin") + " --tokenizer " +
+                                 testing::SharedPath("models/stories260K/tok512.bin") +
+                                 " --activation relu --type f32 -o " + *model);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = testing::RunCommand(nf + " -q profile -m " + *model + " -f " +
+                            testing::SharedPath("text/tinystories_calib.txt") + " --tokens 2000 -t 2 -o " +
+                            dir_->File("p.prof"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    r = testing::RunCommand(nf + " -q pack -m " + *model + " -p " + dir_->File("p.prof") + " -o " + *deploy);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
   static testing::TempDir* dir_;
 };
 testing::TempDir* BenchCliTest::dir_ = nullptr;
@@ -101,16 +122,9 @@ TEST_F(BenchCliTest, CsvAndMarkdown) {
 // full and llmflash through a deployment of stories260K-relu (convert, profile on calibration text, pack).
 TEST_F(BenchCliTest, SparseModesWithDeployment) {
   const std::string nf = testing::NflashBinary();
-  const std::string model = dir_->File("relu.gguf"), deploy = dir_->File("deploy");
-  auto r = testing::RunCommand(nf + " -q convert " + testing::SharedPath("models/stories260K-relu/stories260K-relu.bin") +
-                               " --tokenizer " + testing::SharedPath("models/stories260K/tok512.bin") +
-                               " --activation relu --type f32 -o " + model);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = testing::RunCommand(nf + " -q profile -m " + model + " -f " + testing::SharedPath("text/tinystories_calib.txt") +
-                          " --tokens 2000 -t 2 -o " + dir_->File("p.prof"));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = testing::RunCommand(nf + " -q pack -m " + model + " -p " + dir_->File("p.prof") + " -o " + deploy);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::string model, deploy;
+  ASSERT_NO_FATAL_FAILURE(MakeReluDeployment(&model, &deploy));
+  testing::CommandResult r;
   const std::string out = dir_->File("sparse.json");
   r = testing::RunCommand(nf + " bench -m " + model + " --deploy " + deploy +
                           " --modes full,llmflash --memory 2M --tests tg8 -r 1 --lookahead 0 --output json -o " + out);
@@ -157,6 +171,112 @@ TEST_F(BenchCliTest, SparseModesWithDeployment) {
     budget[k++] = rows[0]["memory_budget"].get<uint64_t>();
   }
   EXPECT_EQ(budget[0] - budget[1], 5u * 64 * 32 * 2 * 2) << budget[0] << " " << budget[1];
+
+  // --offload F: every byte of the model that is not FFN (ffn_gate, ffn_up, ffn_down), 1 - F of the FFN bytes, the
+  // F32 KV cache of the test's 64 positions (5 layers x 64 x kv_dim 32 x K and V x 4 bytes) and 16 MiB of runtime
+  // overhead (bench_runner.h). The tensors' bytes from the GGUF itself; 0.25 tells F from 1 - F.
+  auto g = GgufFile::OpenPath(model);
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  uint64_t ffn = 0, other = 0;
+  for (const GgufTensorInfo& t : g->tensors()) {
+    const bool is_ffn = t.name.find(".ffn_gate.") != std::string::npos || t.name.find(".ffn_up.") != std::string::npos ||
+                        t.name.find(".ffn_down.") != std::string::npos;
+    (is_ffn ? ffn : other) += t.n_bytes;
+  }
+  ASSERT_EQ(ffn, 5u * 3 * 64 * 172 * 4);  // stories260K: 5 layers of 64 x 172 F32 gate, up and down
+  const std::string o = dir_->File("offload.json");
+  r = testing::RunCommand(nf + " -q bench -m " + model + " --deploy " + deploy + " --modes llmflash --offload 0.25 " +
+                          "--tests tg8 --prompt-tokens 56 -r 1 --output json -o " + o);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto off = nlohmann::json::parse(ReadText(o));
+  ASSERT_EQ(off.size(), 1u) << off.dump(2);
+  EXPECT_EQ(off[0]["memory_budget"].get<uint64_t>(), other + ffn * 3 / 4 + 5u * 64 * 32 * 2 * 4 + (uint64_t{16} << 20));
+  EXPECT_EQ(off[0]["offload"].get<double>(), 0.25);
+  EXPECT_EQ(testing::RunCommand(nf + " -q bench -m " + model + " --deploy " + deploy + " --offload 1.5").exit_code, 2);
+
+  // Sparse rows without a budget: empty caches, and the row says so.
+  r = testing::RunCommand(nf + " -q bench -m " + model + " --deploy " + deploy +
+                          " --modes llmflash --tests tg2 -r 1 --output json -o " + o + ".2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(ReadText(o + ".2"))[0]["constraint"], "no budget: cache empty, every neuron read");
+}
+
+// Bundles mode keeps no neuron between tokens, so every repetition of the same greedy decode reads the same bytes in
+// the same requests: the figures per token are the same over one repetition or three (sums over the repetitions
+// divided by all their tokens).
+TEST_F(BenchCliTest, PerTokenFiguresAverageOverEveryRepetition) {
+  const std::string nf = testing::NflashBinary();
+  std::string model, deploy;
+  ASSERT_NO_FATAL_FAILURE(MakeReluDeployment(&model, &deploy));
+  nlohmann::json rows[2];
+  int i = 0;
+  for (const char* reps : {"1", "3"}) {
+    const std::string o = dir_->File(std::string("reps-") + reps + ".json");
+    auto r = testing::RunCommand(nf + " -q bench -m " + model + " --deploy " + deploy + " --modes bundles --memory 2M " +
+                                 "--tests tg6 --lookahead 0 --warmup 0 -r " + reps + " --output json -o " + o);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    rows[i] = nlohmann::json::parse(ReadText(o)).at(0);
+    ASSERT_EQ(rows[i]["status"], "ok") << rows[i].dump();
+    ++i;
+  }
+  ASSERT_EQ(rows[1]["tok_s"].size(), 3u);
+  EXPECT_GT(rows[0]["mb_read_per_token"].get<double>(), 0.0);
+  EXPECT_DOUBLE_EQ(rows[1]["mb_read_per_token"].get<double>(), rows[0]["mb_read_per_token"].get<double>());
+  EXPECT_DOUBLE_EQ(rows[1]["reads_per_token"].get<double>(), rows[0]["reads_per_token"].get<double>());
+  // Every active neuron is read each token: a miss rate of exactly 1.
+  EXPECT_EQ(rows[1]["miss_rate_mean"].get<double>(), 1.0);
+  EXPECT_EQ(rows[1]["hit_rate"].get<double>(), 0.0);
+}
+
+// A budget whose caches hold the whole FFN, no lookahead: the measured repetition decodes the warm-up's tokens again
+// (greedy, the same prompt), so every neuron it looks up is cached: per-token miss rates of exactly 0 (each token's
+// own lookups, not the run's totals since the warm-up), a hit rate of 1, nothing read.
+TEST_F(BenchCliTest, AWarmCacheThatHoldsEverythingReadsNothing) {
+  std::string model, deploy;
+  ASSERT_NO_FATAL_FAILURE(MakeReluDeployment(&model, &deploy));
+  auto r = testing::RunCommand(testing::NflashBinary() + " -q bench -m " + model + " --deploy " + deploy +
+                                   " --modes llmflash,full --memory 64M --tests tg6 --lookahead 0 --warmup 1 -r 1"
+                                   " --output json",
+                               /*capture_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto rows = nlohmann::json::parse(r.output);
+  ASSERT_EQ(rows.size(), 2u) << r.output;
+  for (const auto& row : rows) {
+    ASSERT_EQ(row["status"], "ok") << row.dump();
+    EXPECT_EQ(row["miss_rate_mean"].get<double>(), 0.0) << row.dump();
+    EXPECT_EQ(row["miss_rate_p99"].get<double>(), 0.0) << row.dump();
+    EXPECT_EQ(row["hit_rate"].get<double>(), 1.0) << row.dump();
+    EXPECT_EQ(row["mb_read_per_token"].get<double>(), 0.0) << row.dump();
+    EXPECT_EQ(row["reads_per_token"].get<double>(), 0.0) << row.dump();
+  }
+}
+
+// A bench row and `nflash offload` measure the same run alike: the row's prompt is its fixed text cut to
+// --prompt-tokens, here the 16 tokens (with BOS) of its first sentence, which offload is given as its prompt; the same
+// deployment, budget, threads and greedy tokens, no warm-up, no lookahead. Offload computes the per-token figures in its
+// own code (offload_command.cc): miss rates, bytes and requests per token must agree to the last bit.
+TEST_F(BenchCliTest, BenchRowsAgreeWithOffloadOnTheSameRun) {
+  std::string model, deploy;
+  ASSERT_NO_FATAL_FAILURE(MakeReluDeployment(&model, &deploy));
+  const std::string nf = testing::NflashBinary();
+  auto o = testing::RunCommand(nf + " -q offload -d " + deploy + " --memory 2M --lookahead 0 -n 8 --warmup 0 -t 2 " +
+                                   "-p 'Once upon a time, there was a little girl named Lily.' --json",
+                               /*capture_stderr=*/false);
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  const auto off = nlohmann::json::parse(o.output);
+  ASSERT_EQ(off["prompt_tokens"], 16) << o.output;
+  auto b = testing::RunCommand(nf + " -q bench -m " + model + " --deploy " + deploy + " --modes full --memory 2M " +
+                                   "--lookahead 0 --tests tg8 --prompt-tokens 16 --warmup 0 -r 1 -t 2 --output json",
+                               /*capture_stderr=*/false);
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  const auto row = nlohmann::json::parse(b.output).at(0);
+  ASSERT_EQ(row["status"], "ok") << row.dump();
+  // Some tokens miss more than others, so the per-token mean and P99 are not the run's totals.
+  EXPECT_GT(off["miss_rate_p99"].get<double>(), off["miss_rate_mean"].get<double>()) << o.output;
+  EXPECT_EQ(row["miss_rate_mean"].get<double>(), off["miss_rate_mean"].get<double>());
+  EXPECT_EQ(row["miss_rate_p99"].get<double>(), off["miss_rate_p99"].get<double>());
+  EXPECT_EQ(row["mb_read_per_token"].get<double>(), off["mb_read_per_token"].get<double>());
+  EXPECT_EQ(row["reads_per_token"].get<double>(), off["requests_per_token"].get<double>());
 }
 
 TEST_F(BenchCliTest, RowTimeoutKillsTheRow) {

@@ -300,8 +300,19 @@ TEST_F(OffloadPplTest, BenchBundlesModeAndFloors) {
   EXPECT_EQ(bundles["hit_rate"].get<double>(), 0.0);
   EXPECT_GT(llmflash["hit_rate"].get<double>(), 0.0);
   EXPECT_GE(bundles["mb_read_per_token"].get<double>(), llmflash["mb_read_per_token"].get<double>());
+  // The deployment's oracle: the compute floor holds the dense matrices, every layer's gate rows and, for the neurons
+  // with h != 0, between one up row and down column a token and every neuron's (the bench rows report no neuron
+  // counts; offload's parts are checked exactly in OffloadReportsFloors).
+  const auto m = nlohmann::json::parse(testing::ReadText(tmp_->File("deploy/manifest.json")));
+  const double ms_per_byte = 1.0 / 4e9 * 1e3;  // 1 thread
+  const double neurons = m["n_layers"].get<double>() * m["n_ff"].get<double>();
+  const double up_down = m["bundle"]["up_bytes"].get<double>() + m["bundle"]["down_bytes"].get<double>();
+  const double fixed_ms = (static_cast<double>(DenseBytes(tmp_->File("deploy/resident.gguf"))) +
+                           neurons * m["bundle"]["gate_bytes"].get<double>()) *
+                          ms_per_byte;
   for (const nlohmann::json& row : {bundles, llmflash}) {
-    EXPECT_GT(row["floor_compute_ms"].get<double>(), 0.0) << row.dump();
+    EXPECT_GE(row["floor_compute_ms"].get<double>(), fixed_ms + up_down * ms_per_byte) << row.dump();
+    EXPECT_LE(row["floor_compute_ms"].get<double>(), fixed_ms + neurons * up_down * ms_per_byte) << row.dump();
     EXPECT_NEAR(row["floor_io_ms"].get<double>(), ExpectedIoMs(row), 1e-6 * ExpectedIoMs(row)) << row.dump();
     EXPECT_GT(row["floor_ratio"].get<double>(), 0.0) << row.dump();
   }
