@@ -700,12 +700,9 @@ TEST(CalibrationTest, ScalesTheFiguresAndReproducesTheMeasuredRun) {
 
   // A plan that reads: half the active neurons from flash.
   const ModelParams m = OneRegion(Linear(), Zero());
-  PlanSettings s;
-  s.compute_threads = 1;
+  PlanSettings s = OneRegionSettings(500, 0);
   s.queue_depth = 1;
   s.cluster_neurons = 8;
-  s.hot_neurons = {500};
-  s.cold_slots = {0};
   const Prediction raw = Evaluate(hw, m, s);
   ASSERT_GT(raw.io_s, 0);
   // "Measured": 3x the predicted time, a third of it waiting for reads.
@@ -739,12 +736,9 @@ TEST(CalibrationTest, ScalesThePredictorRefusesTheEdgesAndClampsTheDiskFactor) {
   const HardwareParams hw = Hw();
   ModelParams m = OneRegion(Linear(), Zero());
   m.predictor_bytes = 400000;  // 0.2 ms at 2 GB/s: a predictor that costs time
-  PlanSettings s;
-  s.compute_threads = 1;
+  PlanSettings s = OneRegionSettings(500, 0);
   s.queue_depth = 1;
   s.cluster_neurons = 8;
-  s.hot_neurons = {500};
-  s.cold_slots = {0};
   const Prediction raw = Evaluate(hw, m, s);
   ASSERT_GT(raw.predictor_s, 0);
   ASSERT_GT(raw.io_s, 0);
