@@ -617,26 +617,32 @@ TEST(PackerOrderTest, DefaultChainsAndFallsBackToPopularityWithoutPartners) {
 namespace nflash::packer {
 namespace {
 
-// A predictor for PackSmall's 2-layer model (dim 64, n_ff 96) with ranks 8 and 16, weights N(0, 0.3) from `seed`.
-PredictorData SmallPredictor(const std::string& model_path, uint64_t seed) {
+// A predictor of dim 64 with normal(0, 0.3) weights: one layer per rank of `ranks`, `n_ff` outputs each.
+PredictorData RandomPredictor(const std::string& model_hash, uint64_t seed, int64_t n_ff,
+                              const std::vector<int64_t>& ranks) {
   PredictorData pd;
-  pd.model_hash = HashToHex(*HashFile(model_path));
+  pd.model_hash = model_hash;
   pd.model_name = "test";
   pd.activation = "relu";
   pd.dim = 64;
-  pd.n_ff = 96;
+  pd.n_ff = n_ff;
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, 0.3f);
-  for (int64_t rank : {8, 16}) {
+  for (int64_t rank : ranks) {
     PredictorLayerData ld;
     ld.info.rank = rank;
     ld.fc1.resize(static_cast<size_t>(rank * 64));
-    ld.fc2.resize(static_cast<size_t>(96 * rank));
+    ld.fc2.resize(static_cast<size_t>(n_ff * rank));
     for (float& w : ld.fc1) w = normal(rng);
     for (float& w : ld.fc2) w = normal(rng);
     pd.layers.push_back(std::move(ld));
   }
   return pd;
+}
+
+// A predictor for PackSmall's 2-layer model (dim 64, n_ff 96) with ranks 8 and 16, weights N(0, 0.3) from `seed`.
+PredictorData SmallPredictor(const std::string& model_path, uint64_t seed) {
+  return RandomPredictor(HashToHex(*HashFile(model_path)), seed, 96, {8, 16});
 }
 
 // A pack with a predictor writes lookahead.gguf (manifest: hash and size): row k of layer 0's table is layer 1's fc1
@@ -803,23 +809,7 @@ TEST(PackerLookaheadTest, MismatchesAndCorruptionAreClearErrors) {
 // two tables of different ranks (the next layer's: 16 and 12), each row against a double-precision product.
 TEST(PackerLookaheadTest, WideRegionsAreProjectedInSeveralCalls) {
   TempDir tmp;
-  PredictorData pd;
-  pd.model_hash = "0000000000000000";
-  pd.model_name = "test";
-  pd.activation = "relu";
-  pd.dim = 64;
-  pd.n_ff = 600;
-  std::mt19937_64 rng(11);
-  std::normal_distribution<float> normal(0.0f, 0.3f);
-  for (int64_t rank : {8, 16, 12}) {
-    PredictorLayerData ld;
-    ld.info.rank = rank;
-    ld.fc1.resize(static_cast<size_t>(rank * 64));
-    ld.fc2.resize(static_cast<size_t>(600 * rank));
-    for (float& w : ld.fc1) w = normal(rng);
-    for (float& w : ld.fc2) w = normal(rng);
-    pd.layers.push_back(std::move(ld));
-  }
+  const PredictorData pd = RandomPredictor("0000000000000000", 11, 600, {8, 16, 12});
   auto pred = Predictor::FromData(pd);
   ASSERT_TRUE(pred.ok()) << pred.status().ToString();
   const std::string path = tmp.File("t.gguf");
