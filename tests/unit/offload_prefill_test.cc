@@ -295,6 +295,128 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
   }
 }
 
+// Decode starts warm, by a rule the test replays from the dense engine's activations: for each layer, the cold region
+// gets the neurons (h != 0) of the last prompt tokens, newest token first and within a token in index order, up to the
+// layer's share of the cold slots, leaving out the neurons of the hot prefix when there is a hot region; they are
+// acquired oldest first, so the last token's are the most recently used; the hot region gets each layer's most popular
+// clusters, an equal share of its slots per layer (the first layers take the remainder); none of it counts as a
+// token's lookups.
+TEST_F(OffloadPrefillTest, PrefillWarmsTheCachesWithTheLastTokensNeurons) {
+  auto src = converter::ReadLlama2c(testing::SharedPath("models/stories260K-relu/stories260K-relu.bin"),
+                                    testing::SharedPath("models/stories260K/tok512.bin"), FfnActivation::kRelu);
+  ASSERT_TRUE(src.ok()) << src.status().ToString();
+  converter::WriteOptions wo;
+  wo.path = dir_->File("w.gguf");
+  wo.progress = false;
+  ASSERT_TRUE(converter::WriteModelGguf(*src, wo).ok());
+  auto model = Model::Load(wo.path, LoadOptions{});
+  ASSERT_TRUE(model.ok());
+  const LlamaHparams& hp = (*model)->hparams();
+  const std::vector<int32_t> prompt = Prompt(hp.n_vocab, 70, 11);
+  const std::string deploy = dir_->File("w-deploy");
+  PackFrom(wo.path, prompt, deploy, "", pool_);
+  auto d = packer::Deployment::Open(deploy);
+  ASSERT_TRUE(d.ok());
+
+  // The dense engine's neurons with h != 0, per layer and prompt token. A gate within 1e-4 of 0 could fall either way
+  // in the sparse path (its residual stream differs from the dense one in rounding): its layer is not checked.
+  const size_t n_tok = prompt.size();
+  const int64_t n_ff = hp.n_ff, n_layers = hp.n_layers;
+  std::vector<std::vector<std::vector<int32_t>>> used(static_cast<size_t>(n_layers),
+                                                      std::vector<std::vector<int32_t>>(n_tok));
+  std::vector<bool> ambiguous(static_cast<size_t>(n_layers), false);
+  InferenceContext dctx(**model, pool_, 0);
+  dctx.SetFfnObserver([&](const FfnObservation& o) {
+    for (int64_t r = 0; r < o.n_tokens; ++r) {
+      const int64_t t = o.first_token + r;
+      for (int64_t i = 0; i < n_ff; ++i) {
+        const float g = o.gate_act[r * n_ff + i];
+        if (g > 0.0f && g < 1e-4f && t + kWarmTokens >= static_cast<int64_t>(n_tok)) ambiguous[o.layer] = true;
+        if (o.hidden[r * n_ff + i] != 0.0f) used[o.layer][t].push_back(static_cast<int32_t>(i));
+      }
+    }
+  });
+  ASSERT_TRUE(dctx.Eval(prompt, false).ok());
+
+  // Shares of 8 (a pool of 40; with and without a hot region), and of every neuron (the last 8 tokens' all fit).
+  for (auto [hot_slots, cold_slots] : {std::pair<int64_t, int64_t>{0, 40}, {7, 40}, {0, 5 * 172}}) {
+    SCOPED_TRACE("hot slots " + std::to_string(hot_slots) + ", cold slots " + std::to_string(cold_slots));
+    SparseRuntimeOptions o;
+    o.mode = OffloadMode::kLlmFlash;
+    o.active_set = ActiveSetSource::kOracle;
+    o.batched_prefill = true;
+    o.hot_slots = hot_slots;
+    o.hot_policy = HotPolicy::kLru;
+    o.cluster_groups = 2;  // clusters of 10 neurons (two pages of 5 bundles): several per layer's hot prefix
+    o.cold_slots = cold_slots;  // one pool, shared out evenly over the layers
+    auto rt = SparseRuntime::Open(deploy, o, pool_);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    ASSERT_TRUE((*rt)->context().Eval(prompt, false).ok());
+    const SlotRegion& cold = (*rt)->ffn().cache().cold();
+    const SlotRegion& hot = (*rt)->ffn().cache().hot();
+    ASSERT_EQ(cold.SlotCount(), cold_slots);
+    ASSERT_TRUE(cold.config().slots_per_group.empty());
+    const int64_t room = cold_slots / n_layers;
+    uint64_t warmed = 0;
+    std::vector<std::vector<int32_t>> expected(static_cast<size_t>(n_layers));
+    int checked = 0;
+    for (int64_t l = 0; l < n_layers; ++l) {
+      const packer::RegionInfo& region = *(*d)->Region(l, -1);
+      std::vector<int32_t>& e = expected[static_cast<size_t>(l)];
+      std::vector<bool> taken(static_cast<size_t>(n_ff), false);
+      for (size_t back = 1; back <= kWarmTokens && static_cast<int64_t>(e.size()) < room; ++back) {
+        for (int32_t n : used[static_cast<size_t>(l)][n_tok - back]) {
+          if (static_cast<int64_t>(e.size()) == room) break;
+          const bool hot_path = hot_slots > 0 && region.slot_of_neuron[n] < region.hot_count;
+          if (!taken[n] && !hot_path) e.push_back(n);
+          taken[n] = true;
+        }
+      }
+      if (room < n_ff) {
+        ASSERT_EQ(static_cast<int64_t>(e.size()), room) << "layer " << l << ": too few neurons to fill its share";
+      } else {
+        // Every neuron of the last 8 tokens, the oldest one's included (more than the newest 7 tokens had).
+        std::vector<bool> newer(static_cast<size_t>(n_ff), false);
+        int64_t in_newest_7 = 0;
+        for (size_t back = 1; back < kWarmTokens; ++back) {
+          for (int32_t n : used[static_cast<size_t>(l)][n_tok - back]) {
+            if (!newer[n]) ++in_newest_7;
+            newer[n] = true;
+          }
+        }
+        EXPECT_GT(static_cast<int64_t>(e.size()), in_newest_7) << "layer " << l;
+      }
+      warmed += e.size();
+      // Warming is not a token's lookups.
+      EXPECT_EQ(cold.counters(l).hits + cold.counters(l).misses, 0u) << "layer " << l;
+      // The hot region: clusters 0 .. share - 1 of each layer, the first layers one more of the remainder.
+      const int64_t per_cluster = (*rt)->ffn().cache().hot_cluster_neurons();
+      const int64_t n_clusters = hot_slots > 0 ? (region.hot_count + per_cluster - 1) / per_cluster : 0;
+      const int64_t share = hot_slots / n_layers + (l < hot_slots % n_layers ? 1 : 0);
+      for (int64_t c = 0; c < n_clusters; ++c) {
+        EXPECT_EQ(hot.Find(l, c) >= 0, c < share) << "layer " << l << " cluster " << c;
+      }
+      if (ambiguous[static_cast<size_t>(l)]) continue;
+      ++checked;
+      for (int32_t n = 0; n < n_ff; ++n) {
+        const bool want = std::find(e.begin(), e.end(), n) != e.end();
+        EXPECT_EQ(cold.Find(l, n) >= 0, want) << "layer " << l << " neuron " << n;
+      }
+    }
+    EXPECT_GE(checked, 3) << "too many layers with a gate near 0 to check";
+    ASSERT_EQ(hot.SlotCount(), hot_slots);
+    // Acquired layer by layer, each layer's list oldest first: the least recently used is layer 0's last.
+    if (!ambiguous[0] && room < n_ff) {
+      const int32_t victim = cold.NextVictim(0);
+      ASSERT_GE(victim, 0);
+      EXPECT_EQ(cold.GroupOf(victim), 0);
+      EXPECT_EQ(cold.UnitOf(victim), expected[0].back());
+    }
+    EXPECT_EQ((*rt)->ffn().prefill_stats().warmed_bundles, warmed);
+    EXPECT_EQ((*rt)->ffn().prefill_stats().warmed_clusters, static_cast<uint64_t>(hot_slots));
+  }
+}
+
 TEST_F(OffloadPrefillTest, SyntheticQ8_0AndPredictorDeployment) {
   converter::SynthOptions so;
   so.shape = "custom";
