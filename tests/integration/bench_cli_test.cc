@@ -179,8 +179,8 @@ TEST_F(BenchCliTest, SparseModesWithDeployment) {
   ASSERT_TRUE(g.ok()) << g.status().ToString();
   uint64_t ffn = 0, other = 0;
   for (const GgufTensorInfo& t : g->tensors()) {
-    const bool is_ffn = t.name.find(".ffn_gate.") != std::string::npos || t.name.find(".ffn_up.") != std::string::npos ||
-                        t.name.find(".ffn_down.") != std::string::npos;
+    const bool is_ffn = t.name.find(".ffn_gate.") != std::string::npos ||
+                        t.name.find(".ffn_up.") != std::string::npos || t.name.find(".ffn_down.") != std::string::npos;
     (is_ffn ? ffn : other) += t.n_bytes;
   }
   ASSERT_EQ(ffn, 5u * 3 * 64 * 172 * 4);  // stories260K: 5 layers of 64 x 172 F32 gate, up and down
@@ -212,8 +212,9 @@ TEST_F(BenchCliTest, PerTokenFiguresAverageOverEveryRepetition) {
   int i = 0;
   for (const char* reps : {"1", "3"}) {
     const std::string o = dir_->File(std::string("reps-") + reps + ".json");
-    auto r = testing::RunCommand(nf + " -q bench -m " + model + " --deploy " + deploy + " --modes bundles --memory 2M " +
-                                 "--tests tg6 --lookahead 0 --warmup 0 -r " + reps + " --output json -o " + o);
+    auto r = testing::RunCommand(nf + " -q bench -m " + model + " --deploy " + deploy +
+                                 " --modes bundles --memory 2M --tests tg6 --lookahead 0 --warmup 0 -r " + reps +
+                                 " --output json -o " + o);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     rows[i] = nlohmann::json::parse(ReadText(o)).at(0);
     ASSERT_EQ(rows[i]["status"], "ok") << rows[i].dump();
@@ -252,9 +253,9 @@ TEST_F(BenchCliTest, AWarmCacheThatHoldsEverythingReadsNothing) {
 }
 
 // A bench row and `nflash offload` measure the same run alike: the row's prompt is its fixed text cut to
-// --prompt-tokens, here the 16 tokens (with BOS) of its first sentence, which offload is given as its prompt; the same
-// deployment, budget, threads and greedy tokens, no warm-up, no lookahead. Offload computes the per-token figures in its
-// own code (offload_command.cc): miss rates, bytes and requests per token must agree to the last bit.
+// --prompt-tokens, here the 16 tokens (with BOS) of its first sentence, which offload is given as its prompt; the
+// same deployment, budget, threads and greedy tokens, no warm-up, no lookahead. Offload computes the per-token figures
+// in its own code (offload_command.cc): miss rates, bytes and requests per token must agree to the last bit.
 TEST_F(BenchCliTest, BenchRowsAgreeWithOffloadOnTheSameRun) {
   std::string model, deploy;
   ASSERT_NO_FATAL_FAILURE(MakeReluDeployment(&model, &deploy));

@@ -161,10 +161,13 @@ double ExpectedIoMs(const nlohmann::json& row) {
 // bytes and requests that belongs to bundles read ahead and never used (prefetched - prefetch_used of prefetched).
 double ExpectedNeededIoMs(const nlohmann::json& run) {
   const double prefetched = run.at("prefetched_per_token").get<double>();
-  const double unused = prefetched > 0 ? (prefetched - run.at("prefetch_used_per_token").get<double>()) / prefetched : 0;
-  return ExpectedIoMs((run.at("mb_read_per_token").get<double>() - unused * run.at("prefetch_mb_per_token").get<double>()) * 1e6,
-                      run.at("requests_per_token").get<double>() -
-                          unused * run.at("prefetch_requests_per_token").get<double>());
+  const double unused =
+      prefetched > 0 ? (prefetched - run.at("prefetch_used_per_token").get<double>()) / prefetched : 0.0;
+  const double bytes =
+      (run.at("mb_read_per_token").get<double>() - unused * run.at("prefetch_mb_per_token").get<double>()) * 1e6;
+  const double requests =
+      run.at("requests_per_token").get<double>() - unused * run.at("prefetch_requests_per_token").get<double>();
+  return ExpectedIoMs(bytes, requests);
 }
 
 // The predictor's weights as predictor.gguf stores them: both layers' matrices and the output bias of every layer.
@@ -196,7 +199,8 @@ struct FloorPartsMs {
 FloorPartsMs ExpectedComputeMs(const std::string& deploy, const nlohmann::json& run, int threads) {
   const auto m = nlohmann::json::parse(testing::ReadText(deploy + "/manifest.json"));
   const nlohmann::json& b = m.at("bundle");
-  const double gate = b.at("gate_bytes").get<double>(), up_down = b.at("up_bytes").get<double>() + b.at("down_bytes").get<double>();
+  const double gate = b.at("gate_bytes").get<double>();
+  const double up_down = b.at("up_bytes").get<double>() + b.at("down_bytes").get<double>();
   const bool oracle = run.at("active_set") == "oracle";
   const double ms_per_byte = 1.0 / (4e9 * threads) * 1e3;
   FloorPartsMs f;
@@ -258,7 +262,8 @@ TEST_F(OffloadPplTest, OffloadReportsFloors) {
 
   // With lookahead (n_ff / 8, given: auto depends on the machine's cores), bundles read ahead and not used are left
   // out of the floor: it is below that of all bytes read.
-  const nlohmann::json jl = run("deploy", "--active-set oracle --hot-slots 1 --cold-slots 64 -n 24 -t 1 --lookahead 21");
+  const nlohmann::json jl =
+      run("deploy", "--active-set oracle --hot-slots 1 --cold-slots 64 -n 24 -t 1 --lookahead 21");
   ASSERT_TRUE(jl.is_object());
   ASSERT_GT(jl["prefetched_per_token"].get<double>(), jl["prefetch_used_per_token"].get<double>()) << jl.dump();
   ASSERT_GT(jl["prefetch_used_per_token"].get<double>(), 0.0) << jl.dump();

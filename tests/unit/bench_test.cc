@@ -322,10 +322,10 @@ TEST(BenchFormat, MarkdownColumnsDashesAndFloors) {
     EXPECT_EQ(align[i], i < 4 || i + 1 == align.size() ? "---" : "---:") << want_header[i];
   }
   const std::vector<std::string> a = MdCells(lines[2]);
-  const std::vector<std::string> want_a = {"x, \"odd\".gguf", "full", "1.00 GiB (offload 0.50)", "tg16", "15.00 ± 7.07",
-                                           "1.25", "2.50", "3.75", "0.875", "0.070", "0.250", "0.125", "12.5",
-                                           "3.00 MiB", "150%", "2.000", "3.000", "1.50",
-                                           "cgroup v1 memory.limit_in_bytes=1.00 GiB"};
+  const std::vector<std::string> want_a = {
+      "x, \"odd\".gguf", "full", "1.00 GiB (offload 0.50)", "tg16", "15.00 ± 7.07", "1.25", "2.50", "3.75", "0.875",
+      "0.070", "0.250", "0.125", "12.5", "3.00 MiB", "150%", "2.000", "3.000", "1.50",
+      "cgroup v1 memory.limit_in_bytes=1.00 GiB"};
   EXPECT_EQ(a, want_a);
   // The prefill row: no latency percentiles, no rates, no budget, no floors.
   const std::vector<std::string> b = MdCells(lines[3]);
@@ -463,8 +463,9 @@ TEST(BenchCgroup, TheLimitHoldsTheProcessMovedIntoTheGroup) {
   const std::string limit_file =
       (*cg)->dir() + (s.version == CgroupVersion::kV2 ? "/memory.max" : "/memory.limit_in_bytes");
   EXPECT_EQ(std::stoull(testing::ReadText(limit_file)), limit);
-  EXPECT_EQ((*cg)->Describe(), std::string(s.version == CgroupVersion::kV2 ? "cgroup v2 memory.max=64.00 MiB"
-                                                                          : "cgroup v1 memory.limit_in_bytes=64.00 MiB"));
+  const char* want = s.version == CgroupVersion::kV2 ? "cgroup v2 memory.max=64.00 MiB"
+                                                     : "cgroup v1 memory.limit_in_bytes=64.00 MiB";
+  EXPECT_EQ((*cg)->Describe(), want);
   const int small = RunChildInCgroup(**cg, limit / 8);
   ASSERT_TRUE(WIFEXITED(small)) << small;
   EXPECT_EQ(WEXITSTATUS(small), 0);
