@@ -578,6 +578,14 @@ TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {
   }
   EXPECT_NEAR(token_requests / n, requests, 1e-9 * requests);
   EXPECT_NEAR(token_wait / n, wait, 1e-6 + 1e-9 * wait);
+  // The latency percentiles are nearest ranks of the measured tokens' latencies: of 12, the 6th, 11th and 12th.
+  std::vector<double> sorted;
+  for (const auto& v : lat) sorted.push_back(v.get<double>());
+  std::sort(sorted.begin(), sorted.end());
+  ASSERT_EQ(sorted.size(), 12u);
+  EXPECT_EQ(j["token_ms_p50"].get<double>(), sorted[5]);
+  EXPECT_EQ(j["token_ms_p90"].get<double>(), sorted[10]);
+  EXPECT_EQ(j["token_ms_p99"].get<double>(), sorted[11]);
   for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(trace).parent_path())) {
     EXPECT_EQ(e.path().filename().string().rfind("active.txt.tmp", 0), std::string::npos) << "left behind: " << e.path();
   }
