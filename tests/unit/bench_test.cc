@@ -106,13 +106,19 @@ RowResult SampleRow(BenchMode mode, bool decode) {
   return r;
 }
 
+// The lines of `text`, without their line breaks.
+std::vector<std::string> Lines(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<std::string> lines;
+  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  return lines;
+}
+
 TEST(BenchFormat, Markdown) {
   RowResult failed = SampleRow(BenchMode::kFull, false);
   failed.status = "unavailable: no --deploy directory for this model (a|b)";
   const std::string md = FormatMarkdown({SampleRow(BenchMode::kDenseMmap, true), failed});
-  std::istringstream in(md);
-  std::vector<std::string> lines;
-  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  const std::vector<std::string> lines = Lines(md);
   ASSERT_EQ(lines.size(), 4u) << md;
   EXPECT_EQ(lines[0].rfind("| model | mode | memory | test | t/s |", 0), 0u) << lines[0];
   // Every line has the same number of cells (16 columns -> 17 bars not escaped as "\|").
@@ -287,13 +293,6 @@ std::vector<std::string> MdCells(const std::string& line) {
     }
   }
   return cells;
-}
-
-std::vector<std::string> Lines(const std::string& text) {
-  std::istringstream in(text);
-  std::vector<std::string> lines;
-  for (std::string l; std::getline(in, l);) lines.push_back(l);
-  return lines;
 }
 
 TEST(BenchFormat, MarkdownColumnsDashesAndFloors) {

@@ -126,18 +126,14 @@ testing::TempDir* OffloadPrefillTest::dir_ = nullptr;
 ThreadPool* OffloadPrefillTest::pool_ = nullptr;
 
 TEST_F(OffloadPrefillTest, Stories260KReluF32) {
-  auto src = converter::ReadLlama2c(testing::SharedPath("models/stories260K-relu/stories260K-relu.bin"),
-                                    testing::SharedPath("models/stories260K/tok512.bin"), FfnActivation::kRelu);
-  ASSERT_TRUE(src.ok()) << src.status().ToString();
-  converter::WriteOptions wo;
-  wo.path = dir_->File("s.gguf");
-  wo.progress = false;
-  ASSERT_TRUE(converter::WriteModelGguf(*src, wo).ok());
-  auto model = Model::Load(wo.path, LoadOptions{});
+  const std::string model_path = dir_->File("s.gguf");
+  const Status written = WriteStoriesReluF32(model_path);
+  ASSERT_TRUE(written.ok()) << written.ToString();
+  auto model = Model::Load(model_path, LoadOptions{});
   ASSERT_TRUE(model.ok());
   const int64_t n_vocab = (*model)->hparams().n_vocab;
   const std::vector<int32_t> prompt = Prompt(n_vocab, 70, 11);
-  PackFrom(wo.path, prompt, dir_->File("s-deploy"), "", pool_);
+  PackFrom(model_path, prompt, dir_->File("s-deploy"), "", pool_);
 
   // References: the in-memory oracle sparse FFN run token by token (bitwise target) and the dense engine.
   SparseFfnOptions so;
@@ -302,19 +298,15 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
 // clusters, an equal share of its slots per layer (the first layers take the remainder); none of it counts as a
 // token's lookups.
 TEST_F(OffloadPrefillTest, PrefillWarmsTheCachesWithTheLastTokensNeurons) {
-  auto src = converter::ReadLlama2c(testing::SharedPath("models/stories260K-relu/stories260K-relu.bin"),
-                                    testing::SharedPath("models/stories260K/tok512.bin"), FfnActivation::kRelu);
-  ASSERT_TRUE(src.ok()) << src.status().ToString();
-  converter::WriteOptions wo;
-  wo.path = dir_->File("w.gguf");
-  wo.progress = false;
-  ASSERT_TRUE(converter::WriteModelGguf(*src, wo).ok());
-  auto model = Model::Load(wo.path, LoadOptions{});
+  const std::string model_path = dir_->File("w.gguf");
+  const Status written = WriteStoriesReluF32(model_path);
+  ASSERT_TRUE(written.ok()) << written.ToString();
+  auto model = Model::Load(model_path, LoadOptions{});
   ASSERT_TRUE(model.ok());
   const LlamaHparams& hp = (*model)->hparams();
   const std::vector<int32_t> prompt = Prompt(hp.n_vocab, 70, 11);
   const std::string deploy = dir_->File("w-deploy");
-  PackFrom(wo.path, prompt, deploy, "", pool_);
+  PackFrom(model_path, prompt, deploy, "", pool_);
   auto d = packer::Deployment::Open(deploy);
   ASSERT_TRUE(d.ok());
 

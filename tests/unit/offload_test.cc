@@ -123,19 +123,15 @@ class OffloadTest : public ::testing::Test {
     dir_ = new testing::TempDir();
     pool_ = new ThreadPool(2);
     // The model as an F32 GGUF.
-    auto src = converter::ReadLlama2c(testing::SharedPath("models/stories260K-relu/stories260K-relu.bin"),
-                                      testing::SharedPath("models/stories260K/tok512.bin"), FfnActivation::kRelu);
-    ASSERT_TRUE(src.ok()) << src.status().ToString();
-    converter::WriteOptions wo;
-    wo.path = dir_->File("model.gguf");
-    wo.progress = false;
-    ASSERT_TRUE(converter::WriteModelGguf(*src, wo).ok());
-    auto model = Model::Load(wo.path, LoadOptions{});
+    const std::string model_path = dir_->File("model.gguf");
+    const Status written = WriteStoriesReluF32(model_path);
+    ASSERT_TRUE(written.ok()) << written.ToString();
+    auto model = Model::Load(model_path, LoadOptions{});
     ASSERT_TRUE(model.ok()) << model.status().ToString();
     const LlamaHparams& hp = (*model)->hparams();
 
     // A profile from real activations: how often each neuron fires over the golden continuation.
-    profiler::ModelProfile prof = EmptyReluProfile(wo.path, hp);
+    profiler::ModelProfile prof = EmptyReluProfile(model_path, hp);
     InferenceContext ctx(**model, pool_, 0);
     ctx.SetFfnObserver(CountActivations(&prof, hp.n_ff));
     auto dense = Greedy(ctx, hp.n_vocab, kGolden.size());
@@ -146,15 +142,15 @@ class OffloadTest : public ::testing::Test {
     packer::PackOptions po;
     po.hot_fraction = 0.3;  // a real hot region (the flat popularity of this model would give a tiny one)
     po.progress = false;
-    auto packed = packer::PackDeployment(wo.path, prof, "0000000000000000", dir_->File("deploy"), po, pool_);
+    auto packed = packer::PackDeployment(model_path, prof, "0000000000000000", dir_->File("deploy"), po, pool_);
     ASSERT_TRUE(packed.ok()) << packed.status().ToString();
 
     // A predictor (random low-rank weights from a seed: what it predicts does not matter here, only that both
     // runtimes use the same one) shipped in a second deployment.
     std::mt19937 rng(7);
-    ASSERT_TRUE(WriteRandomPredictor(wo.path, hp, &rng, dir_->File("pred.gguf")).ok());
+    ASSERT_TRUE(WriteRandomPredictor(model_path, hp, &rng, dir_->File("pred.gguf")).ok());
     po.predictor_path = dir_->File("pred.gguf");
-    packed = packer::PackDeployment(wo.path, prof, "0000000000000000", dir_->File("deploy-pred"), po, pool_);
+    packed = packer::PackDeployment(model_path, prof, "0000000000000000", dir_->File("deploy-pred"), po, pool_);
     ASSERT_TRUE(packed.ok()) << packed.status().ToString();
     auto predictor = Predictor::Load(dir_->File("pred.gguf"));
     ASSERT_TRUE(predictor.ok()) << predictor.status().ToString();

@@ -17,6 +17,7 @@
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
 #include "runtime/engine/predictor.h"
+#include "tests/test_util.h"
 
 namespace nflash::sparse {
 
@@ -31,6 +32,18 @@ inline std::function<std::shared_ptr<const ReadableFile>(std::shared_ptr<const R
     *fi = f.get();
     return f;
   };
+}
+
+// stories260K-relu (../shared, with its tokenizer and the ReLU activation) written to `path` as an F32 GGUF.
+inline Status WriteStoriesReluF32(const std::string& path) {
+  NF_ASSIGN_OR_RETURN(auto src,
+                      converter::ReadLlama2c(testing::SharedPath("models/stories260K-relu/stories260K-relu.bin"),
+                                             testing::SharedPath("models/stories260K/tok512.bin"), FfnActivation::kRelu));
+  converter::WriteOptions wo;
+  wo.path = path;
+  wo.type = GgmlType::kF32;
+  wo.progress = false;
+  return converter::WriteModelGguf(src, wo);
 }
 
 // A synthetic model of the shape in `so` (shape "custom", dim, ffn, layers, heads, vocab, context, type), calibrated on

@@ -708,15 +708,10 @@ TEST(PredictorFileTest, EachCorruptFieldIsNamed) {
 
 // stories260K-relu converted to an F32 GGUF (shared by the tests below).
 std::string ConvertRelu(const testing::TempDir& dir) {
-  auto src = converter::ReadLlama2c(testing::SharedPath("models/stories260K-relu/stories260K-relu.bin"),
-                                    testing::SharedPath("models/stories260K/tok512.bin"), FfnActivation::kRelu);
-  EXPECT_TRUE(src.ok()) << src.status().ToString();
-  converter::WriteOptions opt;
-  opt.path = dir.File("relu.gguf");
-  opt.type = GgmlType::kF32;
-  opt.progress = false;
-  EXPECT_TRUE(converter::WriteModelGguf(*src, opt).ok());
-  return opt.path;
+  const std::string path = dir.File("relu.gguf");
+  const Status s = sparse::WriteStoriesReluF32(path);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return path;
 }
 
 TEST(PredictorFileTest, RejectsPredictorOfAnotherModel) {
