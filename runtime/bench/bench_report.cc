@@ -200,6 +200,8 @@ nlohmann::json RowResult::ToJson() const {
   j["token_ms_p90"] = p90_ms;
   j["token_ms_p99"] = p99_ms;
   j["hit_rate"] = hit_rate;
+  j["hot_hit_rate"] = hot_hit_rate;
+  j["cold_hit_rate"] = cold_hit_rate;
   j["mb_read_per_token"] = mb_read_per_token;
   j["reads_per_token"] = reads_per_token;
   j["miss_rate_mean"] = miss_rate_mean;
@@ -226,6 +228,8 @@ Result<RowResult> RowResult::FromJson(const nlohmann::json& j) {
     r.p90_ms = j.value("token_ms_p90", 0.0);
     r.p99_ms = j.value("token_ms_p99", 0.0);
     r.hit_rate = j.value("hit_rate", -1.0);
+    r.hot_hit_rate = j.value("hot_hit_rate", -1.0);
+    r.cold_hit_rate = j.value("cold_hit_rate", -1.0);
     r.mb_read_per_token = j.value("mb_read_per_token", 0.0);
     r.reads_per_token = j.value("reads_per_token", 0.0);
     r.miss_rate_mean = j.value("miss_rate_mean", -1.0);
@@ -307,7 +311,8 @@ std::string FormatJson(const std::vector<RowResult>& rows) {
 std::string FormatCsv(const std::vector<RowResult>& rows) {
   std::string out =
       "model,mode,memory_budget_bytes,offload,test,n_tokens,prompt_tokens,repetitions,threads,tok_s_mean,tok_s_sd,"
-      "token_ms_p50,token_ms_p90,token_ms_p99,hit_rate,miss_rate_mean,miss_rate_p99,mb_read_per_token,reads_per_token,"
+      "token_ms_p50,token_ms_p90,token_ms_p99,hit_rate,hot_hit_rate,cold_hit_rate,miss_rate_mean,miss_rate_p99,"
+      "mb_read_per_token,reads_per_token,"
       "peak_rss_bytes,"
       "cgroup_peak_bytes,cpu_util,constraint,status";
   const bool floors = AnyFloors(rows);
@@ -320,6 +325,7 @@ std::string FormatCsv(const std::vector<RowResult>& rows) {
                                         std::to_string(s.repetitions), std::to_string(s.threads),
                                         Fixed(r.speed.mean, 4), Fixed(r.speed.sd, 4), Fixed(r.p50_ms, 4),
                                         Fixed(r.p90_ms, 4), Fixed(r.p99_ms, 4), Fixed(r.hit_rate, 4),
+                                        Fixed(r.hot_hit_rate, 4), Fixed(r.cold_hit_rate, 4),
                                         Fixed(r.miss_rate_mean, 4), Fixed(r.miss_rate_p99, 4),
                                         Fixed(r.mb_read_per_token, 6), Fixed(r.reads_per_token, 3),
                                         std::to_string(r.peak_rss_bytes), std::to_string(r.cgroup_peak_bytes),

@@ -79,6 +79,8 @@ struct RowResult {
   MeanSd speed;                    // over tok_s
   double p50_ms = 0, p90_ms = 0, p99_ms = 0;  // tg: per-token latency over every step of every repetition
   double hit_rate = -1;            // sparse: neuron cache hits / lookups (hot and cold together); < 0: not applicable
+  // Sparse: the same per region, as `nflash offload` reports them (0 for a region with no lookups); < 0: not applicable.
+  double hot_hit_rate = -1, cold_hit_rate = -1;
   double mb_read_per_token = 0;    // sparse: flash bytes read; dense: bytes the kernel read from storage (/proc/self/io)
   double reads_per_token = 0;      // sparse: read requests after coalescing; dense: major page faults
   // Sparse tg rows: per token, the share of its active neurons that had to be read from flash (paper Table 4's cache

@@ -75,6 +75,7 @@ struct Engine {
 // Flash traffic and cache lookups of the sparse runtime so far.
 struct SparseCounters {
   uint64_t bytes = 0, requests = 0, hits = 0, lookups = 0;
+  sparse::CacheCounters hot, cold;  // per region (hits and lookups above: both together)
   int64_t active = 0, used = 0;  // neurons computed, and those with h != 0 (the floors' FFN bytes)
   int64_t missed = 0;            // active neurons read from flash
 };
@@ -87,10 +88,10 @@ SparseCounters ReadSparseCounters(const Engine& e) {
   c.active = st.active;
   c.missed = st.missed;
   c.used = st.used;
-  sparse::CacheCounters cc = e.rt->ffn().cache().hot().TotalCounters();
-  cc += e.rt->ffn().cache().cold().TotalCounters();
-  c.hits = cc.hits;
-  c.lookups = cc.hits + cc.misses;
+  c.hot = e.rt->ffn().cache().hot().TotalCounters();
+  c.cold = e.rt->ffn().cache().cold().TotalCounters();
+  c.hits = c.hot.hits + c.cold.hits;
+  c.lookups = c.hits + c.hot.misses + c.cold.misses;
   return c;
 }
 
@@ -217,6 +218,10 @@ Status Measure(const RowSpec& s, Engine& e, RowResult* r) {
     sparse_sum.requests += c1.requests - c0.requests;
     sparse_sum.hits += c1.hits - c0.hits;
     sparse_sum.lookups += c1.lookups - c0.lookups;
+    sparse_sum.hot.hits += c1.hot.hits - c0.hot.hits;
+    sparse_sum.hot.misses += c1.hot.misses - c0.hot.misses;
+    sparse_sum.cold.hits += c1.cold.hits - c0.cold.hits;
+    sparse_sum.cold.misses += c1.cold.misses - c0.cold.misses;
     sparse_sum.active += c1.active - c0.active;
     sparse_sum.used += c1.used - c0.used;
   }
@@ -228,6 +233,8 @@ Status Measure(const RowSpec& s, Engine& e, RowResult* r) {
   const double n = static_cast<double>(std::max<uint64_t>(1, tokens));
   if (e.rt) {
     r->hit_rate = sparse_sum.lookups ? static_cast<double>(sparse_sum.hits) / sparse_sum.lookups : 0.0;
+    r->hot_hit_rate = sparse_sum.hot.HitRate();
+    r->cold_hit_rate = sparse_sum.cold.HitRate();
     r->mb_read_per_token = static_cast<double>(sparse_sum.bytes) / 1e6 / n;
     r->reads_per_token = static_cast<double>(sparse_sum.requests) / n;
     if (!miss_rates.empty()) {

@@ -249,6 +249,9 @@ TEST_F(BenchCliTest, AWarmCacheThatHoldsEverythingReadsNothing) {
     EXPECT_EQ(row["miss_rate_mean"].get<double>(), 0.0) << row.dump();
     EXPECT_EQ(row["miss_rate_p99"].get<double>(), 0.0) << row.dump();
     EXPECT_EQ(row["hit_rate"].get<double>(), 1.0) << row.dump();
+    // All of it in pinned hot clusters: the cold slots are never looked up (a region's rate is 0 then, as offload's).
+    EXPECT_EQ(row["hot_hit_rate"].get<double>(), 1.0) << row.dump();
+    EXPECT_EQ(row["cold_hit_rate"].get<double>(), 0.0) << row.dump();
     EXPECT_EQ(row["mb_read_per_token"].get<double>(), 0.0) << row.dump();
     EXPECT_EQ(row["reads_per_token"].get<double>(), 0.0) << row.dump();
   }
@@ -280,6 +283,14 @@ TEST_F(BenchCliTest, BenchRowsAgreeWithOffloadOnTheSameRun) {
   EXPECT_EQ(row["miss_rate_p99"].get<double>(), off["miss_rate_p99"].get<double>());
   EXPECT_EQ(row["mb_read_per_token"].get<double>(), off["mb_read_per_token"].get<double>());
   EXPECT_EQ(row["reads_per_token"].get<double>(), off["requests_per_token"].get<double>());
+  // The regions' hit rates over the decoded tokens (offload resets its counters after the prompt, the row counts from
+  // the end of its untimed prompt): the pinned hot clusters, loaded at the start, never miss; the cold slots at 2M do
+  // both.
+  EXPECT_EQ(off["hot_hit_rate"].get<double>(), 1.0) << o.output;
+  EXPECT_GT(off["cold_hit_rate"].get<double>(), 0.0) << o.output;
+  EXPECT_LT(off["cold_hit_rate"].get<double>(), 1.0) << o.output;
+  EXPECT_EQ(row["hot_hit_rate"].get<double>(), off["hot_hit_rate"].get<double>());
+  EXPECT_EQ(row["cold_hit_rate"].get<double>(), off["cold_hit_rate"].get<double>());
 }
 
 // A dense-mmap row counts what its measured run reads from storage: the runner drops the model's pages before the row

@@ -98,6 +98,8 @@ RowResult SampleRow(BenchMode mode, bool decode) {
   r.p90_ms = 2.5;
   r.p99_ms = 3.75;
   r.hit_rate = 0.875;
+  r.hot_hit_rate = 0.75;
+  r.cold_hit_rate = 0.9375;
   r.mb_read_per_token = 0.125;
   r.reads_per_token = 12.5;
   r.peak_rss_bytes = 3u << 20;
@@ -142,10 +144,12 @@ TEST(BenchFormat, CsvQuotesAndColumns) {
   std::getline(in, row);
   EXPECT_EQ(header.rfind("model,mode,memory_budget_bytes,", 0), 0u);
   const size_t n_header = static_cast<size_t>(std::count(header.begin(), header.end(), ',')) + 1;
-  EXPECT_EQ(n_header, 24u);
+  EXPECT_EQ(n_header, 26u);
+  EXPECT_NE(header.find(",hit_rate,hot_hit_rate,cold_hit_rate,miss_rate_mean,"), std::string::npos) << header;
   // The model basename has a comma and quotes: one quoted field, quotes doubled.
   EXPECT_EQ(row.rfind("\"x, \"\"odd\"\".gguf\",in-memory,1073741824,0.500,pp16,16,", 0), 0u) << row;
   EXPECT_NE(row.find(",15.0000,7.0711,"), std::string::npos) << row;
+  EXPECT_NE(row.find(",0.8750,0.7500,0.9375,"), std::string::npos) << row;
   EXPECT_EQ(row.substr(row.size() - 3), ",ok");
 }
 
@@ -202,6 +206,8 @@ TEST(BenchFormat, JsonRoundTripKeepsEveryField) {
   r.p90_ms = 5.5;
   r.p99_ms = 6.5;
   r.hit_rate = 0.625;
+  r.hot_hit_rate = 0.5;
+  r.cold_hit_rate = 0.8125;
   r.mb_read_per_token = 7.25;
   r.reads_per_token = 8.75;
   r.miss_rate_mean = 0.0625;
@@ -242,6 +248,8 @@ TEST(BenchFormat, JsonRoundTripKeepsEveryField) {
   EXPECT_EQ(back->p90_ms, 5.5);
   EXPECT_EQ(back->p99_ms, 6.5);
   EXPECT_EQ(back->hit_rate, 0.625);
+  EXPECT_EQ(back->hot_hit_rate, 0.5);
+  EXPECT_EQ(back->cold_hit_rate, 0.8125);
   EXPECT_EQ(back->mb_read_per_token, 7.25);
   EXPECT_EQ(back->reads_per_token, 8.75);
   EXPECT_EQ(back->miss_rate_mean, 0.0625);
@@ -266,6 +274,8 @@ TEST(BenchFormat, JsonRoundTripKeepsEveryField) {
   EXPECT_TRUE(bare->spec.use_cgroup);
   EXPECT_FALSE(bare->spec.drop_all_caches);
   EXPECT_EQ(bare->hit_rate, -1.0);
+  EXPECT_EQ(bare->hot_hit_rate, -1.0);
+  EXPECT_EQ(bare->cold_hit_rate, -1.0);
   EXPECT_EQ(bare->miss_rate_mean, -1.0);
   EXPECT_FALSE(bare->has_floors());
   // A row spec with no warmup or repetitions to run is refused, naming the field.
