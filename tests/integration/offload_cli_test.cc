@@ -478,6 +478,29 @@ TEST_F(OffloadCliTest, TraceEventsTimeTheDecode) {
   EXPECT_FALSE(std::filesystem::exists(bad));
 }
 
+// The decode rate counts the measured tokens over the time from the end of the warm-up to the end of the decode: that
+// time holds every measured token's own latency (the same monotonic clock), plus what runs between tokens (the argmax,
+// the detokenizer: little here). With 4 of 16 steps as warm-up, a rate over all 16 steps would put 16/12 of the
+// measured time's tokens into it, below the latencies' sum.
+TEST_F(OffloadCliTest, DecodeRateCountsTheMeasuredTokensOnly) {
+  auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
+                                   " --active-set oracle --memory 3M --json -n 16 --warmup 4",
+                               /*capture_stderr=*/false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.output;
+  const auto lat = j["token_latencies_ms"].get<std::vector<double>>();
+  ASSERT_EQ(lat.size(), 12u) << r.output;
+  double sum_ms = 0;
+  for (double v : lat) sum_ms += v;
+  EXPECT_NEAR(j["token_ms_mean"].get<double>(), sum_ms / 12, 1e-9 * sum_ms);
+  const double rate = j["decode_tok_s"].get<double>();
+  ASSERT_GT(rate, 0.0);
+  const double decode_s = 12 / rate;
+  EXPECT_GE(decode_s * (1 + 1e-9), sum_ms / 1e3) << "the measured time holds every measured token";
+  EXPECT_LE(decode_s, 2 * sum_ms / 1e3 + 0.5) << "and little else";
+}
+
 TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {
   const std::string trace = dir_->File("active.txt");
   const int n = 12;
