@@ -887,5 +887,281 @@ TEST(SparseFfnTest, StatisticsCountDecodeTokensOnly) {
   }
 }
 
+// Passes every call on to another FFN backend and keeps each single-token FFN input, in call order.
+class RecordingFfn : public FfnBackend {
+ public:
+  struct Input {
+    int64_t layer;
+    std::vector<float> x;
+  };
+  explicit RecordingFfn(FfnBackend* inner) : inner_(inner) {}
+  Result<bool> Forward(int64_t layer, int64_t expert, const Activation& x, float* out) override {
+    if (x.n() == 1) inputs.push_back({layer, std::vector<float>(x.f32(), x.f32() + x.cols())});
+    return inner_->Forward(layer, expert, x, out);
+  }
+  std::vector<Input> inputs;
+
+ private:
+  FfnBackend* inner_;
+};
+
+// Gate pre-activations of layer `layer` of an F32 model for input `x`, summed in double by the test (independent of
+// the kernels).
+std::vector<double> DirectGates(const Model& m, int64_t layer, const std::vector<float>& x) {
+  const MatrixView& g = m.layers()[static_cast<size_t>(layer)].gate;
+  EXPECT_EQ(g.type, GgmlType::kF32);
+  std::vector<double> out(static_cast<size_t>(g.rows));
+  for (int64_t i = 0; i < g.rows; ++i) {
+    const float* row = reinterpret_cast<const float*>(static_cast<const uint8_t*>(g.data) + g.row_bytes * i);
+    double acc = 0;
+    for (int64_t k = 0; k < g.cols; ++k) acc += static_cast<double>(row[k]) * x[static_cast<size_t>(k)];
+    out[static_cast<size_t>(i)] = acc;
+  }
+  return out;
+}
+
+// Counts of the neurons whose activated gate relu(g) passes `thr` (every activation here gates with relu), as an
+// interval: gates within kGateSlack of the threshold may fall either way in float sums.
+constexpr double kGateSlack = 1e-4;
+struct CountRange {
+  int64_t lo = 0, hi = 0;
+  void Add(double g, double thr) {
+    const double ga = std::max(g, 0.0);
+    lo += ga > thr + kGateSlack;
+    hi += ga > thr - kGateSlack && (thr > 0 || g > -kGateSlack);
+  }
+};
+
+// What the sparse FFN counts in oracle mode, against the gates the test computes itself from the recorded FFN inputs:
+// computed = true active = true positives = the neurons whose activated gate exceeds the layer's threshold (some
+// thresholds above 0 here), and "active" the same set: a neuron that passes the gate test counts even when its
+// product is zero (dReLU with up <= 0: about half of the active neurons of the synthetic dReLU model).
+TEST(SparseFfnTest, OracleStatisticsCountTheGatesAboveTheThreshold) {
+  testing::TempDir dir;
+  converter::SynthOptions so;
+  so.shape = "custom";
+  so.dim = 64;
+  so.ffn = 128;
+  so.layers = 2;
+  so.heads = 4;
+  so.vocab = 300;
+  so.context = 64;
+  so.activation = FfnActivation::kDRelu;
+  for (const bool drelu : {false, true}) {
+    SCOPED_TRACE(drelu ? "synthetic drelu" : "stories260K-relu");
+    auto model = drelu ? sparse::WriteSyntheticModel(so, dir.File("drelu.gguf"))
+                       : Model::Load(ConvertRelu(dir), LoadOptions());
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    const LlamaHparams& hp = (*model)->hparams();
+    ThreadPool pool(2);
+    SparseFfnOptions o;
+    for (int64_t l = 0; l < hp.n_layers; ++l) o.activation_threshold.push_back(l % 2 ? 0.02f : 0.0f);
+    auto ffn = SparseFfn::Create(**model, nullptr, o, &pool);
+    ASSERT_TRUE(ffn.ok()) << ffn.status().ToString();
+    RecordingFfn rec(ffn->get());
+    InferenceContext ctx(**model, &pool, 32);
+    ctx.SetFfnBackend(&rec);
+    for (int32_t t = 1; t <= 12; ++t) {
+      const int32_t tok = (t * 37) % static_cast<int32_t>(hp.n_vocab);
+      ASSERT_TRUE(ctx.Eval({&tok, 1}, false).ok());
+    }
+    ASSERT_EQ(static_cast<int64_t>(rec.inputs.size()), 12 * hp.n_layers);
+    std::vector<CountRange> want(static_cast<size_t>(hp.n_layers)), at_zero(static_cast<size_t>(hp.n_layers));
+    for (const RecordingFfn::Input& in : rec.inputs) {
+      const double thr = o.activation_threshold[static_cast<size_t>(in.layer)];
+      for (double g : DirectGates(**model, in.layer, in.x)) {
+        want[static_cast<size_t>(in.layer)].Add(g, thr);
+        at_zero[static_cast<size_t>(in.layer)].Add(g, 0.0);
+      }
+    }
+    for (int64_t l = 0; l < hp.n_layers; ++l) {
+      SCOPED_TRACE("layer " + std::to_string(l));
+      const SparseFfnLayerStats& st = (*ffn)->stats()[static_cast<size_t>(l)];
+      const CountRange& w = want[static_cast<size_t>(l)];
+      EXPECT_EQ(st.tokens, 12);
+      EXPECT_GT(w.lo, 0);
+      EXPECT_LT(w.hi, 12 * hp.n_ff) << "some gates are not active";
+      if (l % 2) {
+        EXPECT_LT(w.hi, at_zero[static_cast<size_t>(l)].lo) << "the threshold must matter";
+      }
+      EXPECT_GE(st.computed, w.lo);
+      EXPECT_LE(st.computed, w.hi);
+      EXPECT_EQ(st.true_active, st.computed);
+      EXPECT_EQ(st.true_positive, st.computed);
+      EXPECT_EQ(st.active, st.computed);
+    }
+  }
+}
+
+// Predictor mode with measure_recall: the sparse FFN computes the predicted neurons, and counts the truly active ones
+// (activated gate above the threshold) and those of them it predicted; "active" is the predicted ones that pass the
+// gate test. The test predicts with the same predictor on the recorded inputs and computes the gates itself. A random
+// predictor misses many active neurons (recall well below 1), and thresholds above 0 (given as options, replacing the
+// predictor's) drop predicted neurons with a small positive gate.
+TEST(SparseFfnTest, PredictorStatisticsCountTruePositivesAndTheThreshold) {
+  testing::TempDir dir;
+  auto model = Model::Load(ConvertRelu(dir), LoadOptions());
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const LlamaHparams& hp = (*model)->hparams();
+  auto pred = Predictor::FromData(RandomData(hp.dim, hp.n_ff, hp.n_layers, 3));
+  ASSERT_TRUE(pred.ok()) << pred.status().ToString();
+  ThreadPool pool(2);
+  SparseFfnOptions o;
+  o.mode = SparseMode::kPredictor;
+  o.measure_recall = true;
+  for (int64_t l = 0; l < hp.n_layers; ++l) o.activation_threshold.push_back(0.01f * static_cast<float>(l));
+  auto ffn = SparseFfn::Create(**model, pred->get(), o, &pool);
+  ASSERT_TRUE(ffn.ok()) << ffn.status().ToString();
+  RecordingFfn rec(ffn->get());
+  InferenceContext ctx(**model, &pool, 32);
+  ctx.SetFfnBackend(&rec);
+  for (int32_t t = 1; t <= 10; ++t) {
+    const int32_t tok = (t * 41) % static_cast<int32_t>(hp.n_vocab);
+    ASSERT_TRUE(ctx.Eval({&tok, 1}, false).ok());
+  }
+  ASSERT_EQ(static_cast<int64_t>(rec.inputs.size()), 10 * hp.n_layers);
+  const size_t nl = static_cast<size_t>(hp.n_layers);
+  std::vector<int64_t> predicted(nl, 0);
+  std::vector<CountRange> truth(nl), hit(nl), positive_below(nl);
+  PredictorScratch scratch;
+  (*pred)->PrepareScratch(&scratch);
+  std::vector<int32_t> rows;
+  for (const RecordingFfn::Input& in : rec.inputs) {
+    const size_t l = static_cast<size_t>(in.layer);
+    const double thr = o.activation_threshold[l];
+    (*pred)->Predict(in.layer, Activation(in.x.data(), 1, hp.dim), 0, &scratch, &rows, nullptr);
+    predicted[l] += static_cast<int64_t>(rows.size());
+    const std::vector<double> g = DirectGates(**model, in.layer, in.x);
+    for (double v : g) truth[l].Add(v, thr);
+    for (int32_t i : rows) {
+      hit[l].Add(g[static_cast<size_t>(i)], thr);
+      positive_below[l].Add(g[static_cast<size_t>(i)], 0.0);
+    }
+  }
+  for (size_t l = 0; l < nl; ++l) {
+    SCOPED_TRACE("layer " + std::to_string(l));
+    const SparseFfnLayerStats& st = (*ffn)->stats()[l];
+    EXPECT_EQ(st.computed, predicted[l]);
+    EXPECT_GE(st.true_active, truth[l].lo);
+    EXPECT_LE(st.true_active, truth[l].hi);
+    EXPECT_GE(st.true_positive, hit[l].lo);
+    EXPECT_LE(st.true_positive, hit[l].hi);
+    EXPECT_LT(hit[l].hi, truth[l].lo) << "the random predictor misses active neurons";
+    EXPECT_GE(st.active, hit[l].lo);
+    EXPECT_LE(st.active, hit[l].hi);
+    if (l > 0) {
+      EXPECT_LT(hit[l].hi, positive_below[l].lo) << "predicted neurons with a positive gate under the threshold";
+    }
+  }
+}
+
+// Oracle prefill of a batch (by GEMM, from batched_prefill_min_tokens tokens) computes what the token path computes,
+// bit for bit, also with thresholds above 0 and over more tokens than one GEMM tile (32): 70 random inputs through
+// each layer at once against one at a time; and a batch of exactly batched_prefill_min_tokens (the first batched size;
+// which path ran is not observable here, only that the results agree).
+TEST(SparseFfnTest, BatchedOraclePrefillEqualsTheTokenPathBitwise) {
+  testing::TempDir dir;
+  auto model = Model::Load(ConvertRelu(dir), LoadOptions());
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const LlamaHparams& hp = (*model)->hparams();
+  ThreadPool pool(2);
+  SparseFfnOptions o;
+  for (int64_t l = 0; l < hp.n_layers; ++l) o.activation_threshold.push_back(l % 2 ? 0.05f : 0.0f);
+  auto ffn = SparseFfn::Create(**model, nullptr, o, &pool);
+  ASSERT_TRUE(ffn.ok()) << ffn.status().ToString();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (const int64_t n : {int64_t{70}, o.batched_prefill_min_tokens}) {
+    std::vector<float> x(static_cast<size_t>(n * hp.dim));
+    for (float& v : x) v = nd(rng);
+    for (int64_t l = 0; l < hp.n_layers; ++l) {
+      SCOPED_TRACE("layer " + std::to_string(l) + ", " + std::to_string(n) + " tokens");
+      std::vector<float> batch(x.size(), -1.0f), single(x.size(), -2.0f);
+      ASSERT_TRUE((*ffn)->Forward(l, -1, Activation(x.data(), n, hp.dim), batch.data()).ok());
+      for (int64_t t = 0; t < n; ++t) {
+        ASSERT_TRUE(
+            (*ffn)->Forward(l, -1, Activation(x.data() + t * hp.dim, 1, hp.dim), single.data() + t * hp.dim).ok());
+      }
+      EXPECT_EQ(batch, single);
+    }
+  }
+  // The token path counted its n tokens per layer; the batches counted nothing.
+  for (const SparseFfnLayerStats& st : (*ffn)->stats()) EXPECT_EQ(st.tokens, 70 + o.batched_prefill_min_tokens);
+}
+
+// MoE: thresholds given per layer apply to every expert of that layer: a layer whose threshold no gate reaches adds
+// nothing from any expert, and the other layer's experts all compute something.
+TEST(SparseFfnTest, PerLayerThresholdsApplyToEveryExpertOfTheLayer) {
+  testing::TempDir dir;
+  converter::SynthOptions so;
+  so.shape = "custom";
+  so.dim = 64;
+  so.ffn = 64;
+  so.layers = 2;
+  so.heads = 4;
+  so.vocab = 300;
+  so.context = 32;
+  so.experts = 4;
+  so.top_k = 2;
+  auto model = sparse::WriteSyntheticModel(so, dir.File("moe.gguf"));
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const LlamaHparams& hp = (*model)->hparams();
+  ASSERT_EQ(hp.n_experts, 4);
+  ThreadPool pool(1);
+  SparseFfnOptions o;
+  o.activation_threshold = {0.0f, 1e9f};
+  auto ffn = SparseFfn::Create(**model, nullptr, o, &pool);
+  ASSERT_TRUE(ffn.ok()) << ffn.status().ToString();
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(hp.dim)), out(static_cast<size_t>(hp.dim));
+  for (float& v : x) v = nd(rng);
+  for (int64_t l = 0; l < 2; ++l) {
+    for (int64_t e = 0; e < hp.n_experts; ++e) {
+      SCOPED_TRACE("layer " + std::to_string(l) + " expert " + std::to_string(e));
+      ASSERT_TRUE((*ffn)->Forward(l, e, Activation(x.data(), 1, hp.dim), out.data()).ok());
+      double norm = 0;
+      for (float v : out) norm += std::fabs(v);
+      if (l == 0) {
+        EXPECT_GT(norm, 0.0);
+      } else {
+        EXPECT_EQ(norm, 0.0);
+      }
+    }
+  }
+}
+
+// Create refuses what it cannot run, naming it: predictor mode without a predictor, a threshold list that is neither
+// per layer nor per group, a negative or NaN threshold.
+TEST(SparseFfnTest, CreateRefusesBadOptions) {
+  testing::TempDir dir;
+  auto model = Model::Load(ConvertRelu(dir), LoadOptions());
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const int64_t nl = (*model)->hparams().n_layers;
+  ThreadPool pool(1);
+  SparseFfnOptions o;
+  o.mode = SparseMode::kPredictor;
+  auto r = SparseFfn::Create(**model, nullptr, o, &pool);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("needs a predictor"), std::string::npos) << r.status().ToString();
+  o.mode = SparseMode::kOracle;
+  o.activation_threshold.assign(static_cast<size_t>(nl - 1), 0.0f);
+  r = SparseFfn::Create(**model, nullptr, o, &pool);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find(std::to_string(nl - 1) + " activation thresholds for a model of " +
+                                      std::to_string(nl) + " layers"),
+            std::string::npos)
+      << r.status().ToString();
+  for (const float bad : {-0.5f, std::nanf("")}) {
+    o.activation_threshold.assign(static_cast<size_t>(nl), 0.0f);
+    o.activation_threshold[1] = bad;
+    r = SparseFfn::Create(**model, nullptr, o, &pool);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("thresholds must be >= 0"), std::string::npos) << r.status().ToString();
+  }
+  o.activation_threshold.assign(static_cast<size_t>(nl), 0.0f);
+  EXPECT_TRUE(SparseFfn::Create(**model, nullptr, o, &pool).ok());
+}
+
 }  // namespace
 }  // namespace nflash
