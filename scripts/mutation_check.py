@@ -28,6 +28,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -61,6 +62,20 @@ def from_file(path):
     return [(name, f, targets.split(), old, new or '') for name, f, targets, old, new in blocks]
 
 
+def run_test(exe, build, timeout):
+    """Runs one test executable in a session of its own: on a timeout the whole group goes, with the commands the
+    tests started (a mutant that removes a bound can leave an `nflash` child running for hours)."""
+    p = subprocess.Popen([exe], cwd=build, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        return p.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+
+
 def run_one(build, mutation, timeout=600):
     name, path, targets, old, new = mutation
     original = open(path).read()
@@ -78,10 +93,10 @@ def run_one(build, mutation, timeout=600):
             if not os.access(exe, os.X_OK):
                 continue
             try:
-                r = subprocess.run([os.path.abspath(exe)], cwd=build, capture_output=True, text=True, timeout=timeout)
-                if r.returncode != 0:
-                    failed += [l for l in r.stdout.splitlines() if l.startswith('[  FAILED  ] ') and '(' in l][:2]
-                    failed += [] if failed else [f'{t}: exit code {r.returncode}']
+                rc, out = run_test(os.path.abspath(exe), build, timeout)
+                if rc != 0:
+                    failed += [l for l in out.splitlines() if l.startswith('[  FAILED  ] ') and '(' in l][:2]
+                    failed += [] if failed else [f'{t}: exit code {rc}']
             except subprocess.TimeoutExpired:
                 failed.append(f'{t}: timed out')
         return ('CAUGHT' if failed else 'SURVIVED'), failed

@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <string>
 
 #include "tests/test_util.h"
@@ -79,6 +80,92 @@ TEST(Cli, ConvertThenInspect) {
   ASSERT_EQ(l2c.exit_code, 0) << l2c.output;
   EXPECT_NE(l2c.output.find("llama2.c checkpoint v0"), std::string::npos) << l2c.output;
   EXPECT_NE(l2c.output.find("size check: ok"), std::string::npos) << l2c.output;
+}
+
+// Inspect's figures against what the test derives itself: each tensor's bytes from its dims and type (f32 4, f16 2,
+// q8_0 34 per 32 values), their sums overall and by type, the tensors laid out in order at aligned offsets inside the
+// file's data section; the hyper-parameters as stories260K's README gives them; and for the llama2.c original, its
+// header and the size the README's array list implies.
+TEST(Cli, InspectFiguresMatchTheFilesLayout) {
+  TempDir dir;
+  const std::string out = dir.File("s-q8.gguf");
+  ASSERT_EQ(Nflash("-q convert " + Stories() + " -o " + out + " --type q8_0").exit_code, 0);
+  CommandResult js = Nflash("-q inspect --json --tensors " + out);
+  ASSERT_EQ(js.exit_code, 0) << js.output;
+  const auto j = nlohmann::json::parse(js.output);
+  EXPECT_EQ(j["file_bytes"].get<uint64_t>(), std::filesystem::file_size(out));
+  const uint64_t align = j["alignment"].get<uint64_t>(), data = j["data_offset"].get<uint64_t>();
+  EXPECT_EQ(align, 32u);  // GGUF's default; convert writes no general.alignment
+  EXPECT_EQ(data % align, 0u);
+  uint64_t total = 0, end = 0;
+  std::map<std::string, std::pair<uint64_t, uint64_t>> by_type;  // count, bytes
+  for (const auto& t : j["tensors"]) {
+    const std::string type = t["type"];
+    uint64_t n = 1;
+    for (const auto& d : t["dims"]) n *= d.get<uint64_t>();
+    const uint64_t want = type == "f32" ? 4 * n : type == "f16" ? 2 * n : type == "q8_0" ? n / 32 * 34 : 0;
+    ASSERT_NE(want, 0u) << t.dump();
+    EXPECT_EQ(t["bytes"].get<uint64_t>(), want) << t.dump();
+    const uint64_t off = t["offset"].get<uint64_t>();
+    EXPECT_EQ(off % align, 0u) << t.dump();
+    EXPECT_GE(off, end) << t.dump();
+    end = off + want;
+    total += want;
+    by_type[type].first += 1;
+    by_type[type].second += want;
+  }
+  EXPECT_LE(data + end, j["file_bytes"].get<uint64_t>());
+  EXPECT_EQ(j["tensor_bytes"].get<uint64_t>(), total);
+  ASSERT_EQ(j["bytes_by_type"].size(), by_type.size());
+  for (const auto& [type, e] : by_type) {
+    EXPECT_EQ(j["bytes_by_type"][type]["count"].get<uint64_t>(), e.first) << type;
+    EXPECT_EQ(j["bytes_by_type"][type]["bytes"].get<uint64_t>(), e.second) << type;
+  }
+  const auto& hp = j["hyper_parameters"];
+  EXPECT_EQ(hp["embedding_length"], 64);
+  EXPECT_EQ(hp["feed_forward_length"], 172);
+  EXPECT_EQ(hp["block_count"], 5);
+  EXPECT_EQ(hp["attention.head_count"], 8);
+  EXPECT_EQ(hp["attention.head_count_kv"], 4);
+  EXPECT_EQ(hp["context_length"], 512);
+  EXPECT_FALSE(j["synthetic"].get<bool>());
+  CommandResult text = Nflash("inspect " + out);
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_NE(text.output.find("tensors: 47, " + std::to_string(total) + " bytes"), std::string::npos) << text.output;
+
+  // The llama2.c original: a 7-int header, then fp32 arrays (README): embedding, rms_att, wq, wk, wv, wo, rms_ffn,
+  // w1, w2, w3, rms_final, freq_cis_real and _imag; the classifier is shared.
+  const uint64_t dim = 64, hidden = 172, layers = 5, kv_dim = 64 * 4 / 8, vocab = 512, seq = 512, head = 64 / 8;
+  const uint64_t floats = vocab * dim + layers * (dim + 2 * dim * dim + 2 * kv_dim * dim + dim + 3 * hidden * dim) +
+                          dim + seq * head;
+  CommandResult l2c = Nflash("-q inspect --json --tensors " + Stories());
+  ASSERT_EQ(l2c.exit_code, 0) << l2c.output;
+  const auto k = nlohmann::json::parse(l2c.output);
+  EXPECT_EQ(k["header_bytes"].get<uint64_t>(), 28u);
+  EXPECT_EQ(k["expected_file_bytes"].get<uint64_t>(), 28 + 4 * floats);
+  EXPECT_EQ(k["file_bytes"].get<uint64_t>(), std::filesystem::file_size(Stories()));
+  EXPECT_TRUE(k["size_ok"].get<bool>());
+  EXPECT_EQ(k["header"]["hidden_dim"], 172);
+  EXPECT_EQ(k["header"]["n_kv_heads"], 4);
+  EXPECT_TRUE(k["header"]["shared_classifier"].get<bool>());
+  uint64_t listed = 0;
+  for (const auto& t : k["tensors"]) {
+    uint64_t n = 1;
+    for (const auto& d : t["dims"]) n *= d.get<uint64_t>();
+    EXPECT_EQ(t["bytes"].get<uint64_t>(), 4 * n) << t.dump();
+    listed += t["bytes"].get<uint64_t>();
+  }
+  EXPECT_EQ(28 + listed, 28 + 4 * floats);
+  // A truncated copy: the size check fails (exit 1), and with 5 layers the layout is still listed.
+  const std::string cut = dir.File("cut.bin");
+  std::filesystem::copy_file(Stories(), cut);
+  std::filesystem::resize_file(cut, std::filesystem::file_size(Stories()) - 4);
+  CommandResult c = RunCommand(NflashBinary() + " -q inspect --json --tensors " + cut, /*capture_stderr=*/false);
+  EXPECT_EQ(c.exit_code, 1) << c.output;
+  const auto m = nlohmann::json::parse(c.output);
+  EXPECT_FALSE(m["size_ok"].get<bool>());
+  EXPECT_EQ(m["file_bytes"].get<uint64_t>(), 28 + 4 * floats - 4);
+  EXPECT_EQ(m["tensors"].size(), k["tensors"].size());
 }
 
 // A damaged header claiming 2^24 layers: inspect and convert report the size mismatch at once (the layout would be

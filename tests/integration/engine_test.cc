@@ -18,7 +18,9 @@
 #include "runtime/core/kernels.h"
 #include "runtime/core/quant.h"
 #include "runtime/engine/context.h"
+#include "runtime/engine/generate.h"
 #include "runtime/engine/model.h"
+#include "runtime/text/tokenizer.h"
 #include "tests/test_util.h"
 
 namespace nflash {
@@ -418,6 +420,50 @@ TEST(EngineTest, HparamsOutOfRangeAreNamed) {
   ASSERT_FALSE(m.ok());
   EXPECT_NE(m.status().message().find("the engine needs the file mapped or in memory"), std::string::npos)
       << m.status().ToString();
+}
+
+// The decode loop every front end shares refuses what it cannot run, by name: an empty prompt, a context not at
+// position 0, a prompt that fills the context, a negative token budget. A prompt one short of the context leaves room
+// for one token, whatever the budget asks.
+TEST(EngineTest, GenerateRefusesWhatItCannotRun) {
+  testing::TempDir dir;
+  auto model = Model::Load(ConvertShared(dir, "models/stories260K/stories260K.bin", FfnActivation::kSilu,
+                                         GgmlType::kF32),
+                           LoadOptions());
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  auto tok = LoadTokenizer((*model)->gguf());
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  ThreadPool pool(1);
+  InferenceContext ctx(**model, &pool, 8);
+  GenerateOptions o;
+  o.sampler.temperature = 0;
+  o.max_tokens = 4;
+  auto sink = [](std::string_view) { return true; };
+  const std::vector<int32_t> none;
+  auto r = Generate(ctx, **tok, none, o, sink);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("the prompt is empty"), std::string::npos) << r.status().ToString();
+  const std::vector<int32_t> full = {1, 403, 407, 261, 378, 300, 301, 302};  // 8 tokens: the whole context
+  r = Generate(ctx, **tok, full, o, sink);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("the prompt has 8 tokens, more than the context size 8"), std::string::npos)
+      << r.status().ToString();
+  o.max_tokens = -1;
+  r = Generate(ctx, **tok, std::span<const int32_t>(full).first(2), o, sink);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("max tokens -1 < 0"), std::string::npos) << r.status().ToString();
+  o.max_tokens = 4;
+  o.ignore_eos = true;
+  r = Generate(ctx, **tok, std::span<const int32_t>(full).first(7), o, sink);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->generated_tokens, 1);
+  EXPECT_EQ(r->reason, StopReason::kMaxTokens);
+  EXPECT_EQ(ctx.pos(), 7);  // the last token is sampled, not evaluated
+  r = Generate(ctx, **tok, std::span<const int32_t>(full).first(2), o, sink);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInternal);
+  EXPECT_NE(r.status().message().find("the context is at position 7"), std::string::npos) << r.status().ToString();
 }
 
 TEST(EngineTest, RejectsBadInput) {

@@ -995,6 +995,57 @@ TEST_F(OffloadTest, MemoryBudgetRefusesBelowTheFixedPart) {
   EXPECT_NE((*rt)->Accounting().find("cold region"), std::string::npos);
 }
 
+// The cache sizes and slot shapes Open is given are checked against the deployment and the budget, each refusal
+// naming what it got: a slot alignment that is not a power of two up to 4 KiB, per-layer slot lists of another length
+// than the deployment's layers, explicit cache sizes that with the fixed part exceed the budget (and the same sizes
+// within a budget that holds them open).
+TEST_F(OffloadTest, OpenRefusesCacheShapesItCannotHonour) {
+  SparseRuntimeOptions o;
+  o.active_set = ActiveSetSource::kOracle;
+  o.slot_alignment = 3072;
+  auto rt = Open(o);
+  ASSERT_FALSE(rt.ok());
+  EXPECT_EQ(rt.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(rt.status().message().find("slot alignment 3072"), std::string::npos) << rt.status().ToString();
+  o.slot_alignment = 8192;
+  rt = Open(o);
+  ASSERT_FALSE(rt.ok());
+  EXPECT_NE(rt.status().message().find("slot alignment 8192"), std::string::npos) << rt.status().ToString();
+  o.slot_alignment = 0;
+  for (const bool cold : {true, false}) {
+    SparseRuntimeOptions p = o;
+    (cold ? p.cold_slots_per_group : p.hot_slots_per_group).assign(2, 1);
+    if (!cold) p.cold_slots_per_group.assign(5, 1);
+    rt = Open(p);
+    ASSERT_FALSE(rt.ok()) << (cold ? "cold" : "hot");
+    EXPECT_NE(rt.status().message().find(std::string(cold ? "cold" : "hot") + " slots given for 2 layers/experts"),
+              std::string::npos)
+        << rt.status().ToString();
+    EXPECT_NE(rt.status().message().find("has 5"), std::string::npos) << rt.status().ToString();
+  }
+  // 4000 cold slots per layer under an 8 MiB budget: the refusal names the bytes needed; that budget exactly opens,
+  // one byte less does not.
+  o.cold_slots_per_group.assign(5, 4000);
+  o.memory_budget = uint64_t{8} << 20;
+  rt = Open(o);
+  ASSERT_FALSE(rt.ok());
+  const std::string msg = rt.status().message();
+  EXPECT_NE(msg.find("over the memory budget 8.00 MiB (8388608 B)"), std::string::npos) << msg;
+  const size_t at = msg.find(" B), over the memory budget");
+  ASSERT_NE(at, std::string::npos) << msg;
+  const uint64_t need = std::stoull(msg.substr(msg.rfind('(', at) + 1));
+  EXPECT_GT(need, uint64_t{20000} * 768) << msg;  // at least the 20000 bundles of 3 x 64 floats
+  o.memory_budget = need - 1;
+  rt = Open(o);
+  ASSERT_FALSE(rt.ok());
+  EXPECT_NE(rt.status().message().find("(" + std::to_string(need) + " B), over the memory budget"), std::string::npos)
+      << rt.status().ToString();
+  o.memory_budget = need;
+  rt = Open(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  EXPECT_GE((*rt)->split().cold_slots, 20000);
+}
+
 // An F16 KV cache (SparseRuntimeOptions::kv_type): the offloaded run equals, bit for bit, the in-memory sparse FFN
 // over a context with the same cache type, and the fixed part counts half the KV bytes.
 TEST_F(OffloadTest, HalfKvCacheEqualsInMemorySparseWithTheSameCache) {
