@@ -115,6 +115,7 @@ TEST(Cli, InspectFiguresMatchTheFilesLayout) {
     by_type[type].second += want;
   }
   EXPECT_LE(data + end, j["file_bytes"].get<uint64_t>());
+  EXPECT_LT(j["file_bytes"].get<uint64_t>() - (data + end), align) << "the last tensor ends the file (but padding)";
   EXPECT_EQ(j["tensor_bytes"].get<uint64_t>(), total);
   ASSERT_EQ(j["bytes_by_type"].size(), by_type.size());
   for (const auto& [type, e] : by_type) {

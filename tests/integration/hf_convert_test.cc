@@ -662,12 +662,13 @@ TEST(HfConvert, MixtralExpertsAreStacked) {
 
 // `nflash inspect` of a safetensors file written here: the header length, file size, tensor offsets (in the file:
 // after the 8-byte length and the header) and bytes, their sums overall and by dtype are the ones the writer above
-// laid out (an F32 [3, 4] tensor, 48 bytes at data offset 0, and a BF16 [8] one, 16 bytes at 48), and the text view
-// says the same.
+// laid out (an F32 [3, 4] tensor, 48 bytes at data offset 0, a BF16 [8] one, 16 bytes at 48, an F32 [2] one, 8 bytes
+// at 64), and the text view says the same.
 TEST(HfInspect, SafetensorsFiguresAreTheWritersLayout) {
   testing::TempDir dir;
   const std::vector<HfTensor> t = {{"a.weight", {3, 4}, Floats(12, 0.5f), false},
-                                   {"b.weight", {8}, Floats(8, 0.25f), true}};
+                                   {"b.weight", {8}, Floats(8, 0.25f), true},
+                                   {"c.weight", {2}, Floats(2, 1.0f), false}};
   const std::vector<uint8_t> bytes = SafetensorsBytes(t);
   uint64_t header = 0;
   std::memcpy(&header, bytes.data(), 8);
@@ -680,15 +681,15 @@ TEST(HfInspect, SafetensorsFiguresAreTheWritersLayout) {
   EXPECT_EQ(j["format"], "safetensors");
   EXPECT_EQ(j["file_bytes"].get<uint64_t>(), bytes.size());
   EXPECT_EQ(j["header_bytes"].get<uint64_t>(), header);
-  EXPECT_EQ(bytes.size(), 8 + header + 64);
+  EXPECT_EQ(bytes.size(), 8 + header + 72);
   EXPECT_EQ(j["metadata"]["format"], "pt");
-  EXPECT_EQ(j["tensor_count"], 2);
-  EXPECT_EQ(j["tensor_bytes"].get<uint64_t>(), 64u);
-  EXPECT_EQ(j["bytes_by_type"]["F32"]["count"], 1);
-  EXPECT_EQ(j["bytes_by_type"]["F32"]["bytes"], 48);
+  EXPECT_EQ(j["tensor_count"], 3);
+  EXPECT_EQ(j["tensor_bytes"].get<uint64_t>(), 72u);
+  EXPECT_EQ(j["bytes_by_type"]["F32"]["count"], 2);
+  EXPECT_EQ(j["bytes_by_type"]["F32"]["bytes"], 56);
   EXPECT_EQ(j["bytes_by_type"]["BF16"]["count"], 1);
   EXPECT_EQ(j["bytes_by_type"]["BF16"]["bytes"], 16);
-  ASSERT_EQ(j["tensors"].size(), 2u);
+  ASSERT_EQ(j["tensors"].size(), 3u);
   std::map<std::string, nlohmann::json> by_name;
   for (const auto& e : j["tensors"]) by_name[e["name"]] = e;
   EXPECT_EQ(by_name["a.weight"]["offset"].get<uint64_t>(), 8 + header);
@@ -697,11 +698,13 @@ TEST(HfInspect, SafetensorsFiguresAreTheWritersLayout) {
   EXPECT_EQ(by_name["b.weight"]["offset"].get<uint64_t>(), 8 + header + 48);
   EXPECT_EQ(by_name["b.weight"]["bytes"], 16);
   EXPECT_EQ(by_name["b.weight"]["dtype"], "BF16");
+  EXPECT_EQ(by_name["c.weight"]["offset"].get<uint64_t>(), 8 + header + 64);
+  EXPECT_EQ(by_name["c.weight"]["bytes"], 8);
   r = testing::RunCommand(testing::NflashBinary() + " inspect " + path);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_CONTAINS(r.output, "safetensors, " + std::to_string(bytes.size()) + " bytes, JSON header " +
                                 std::to_string(header) + " bytes");
-  EXPECT_CONTAINS(r.output, "tensors: 2, 64 bytes");
+  EXPECT_CONTAINS(r.output, "tensors: 3, 72 bytes");
   // Metadata only: the header runs to the end of the file, and it is still a safetensors file.
   const std::vector<uint8_t> empty = SafetensorsBytes({});
   std::memcpy(&header, empty.data(), 8);
