@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -124,6 +125,14 @@ TEST_F(PlanCliTest, BadInputsAreUsageErrors) {
   EXPECT_NE(bad.output.find("version"), std::string::npos) << bad.output;
   auto size = Plan("--memory 3Q", "y.json");
   EXPECT_EQ(size.exit_code, 2) << size.output;
+  auto memory = Plan("--memory 3M --objective memory", "y.json");
+  EXPECT_EQ(memory.exit_code, 2) << memory.output;
+  EXPECT_NE(memory.output.find("--objective memory needs --min-speed"), std::string::npos) << memory.output;
+  const std::string missing = tmp_->File("no-such.prof");
+  auto profile = Plan("--memory 3M --profile " + missing, "y.json");
+  EXPECT_EQ(profile.exit_code, 1) << profile.output;
+  EXPECT_NE(profile.output.find("no profile: " + missing + " does not exist"), std::string::npos) << profile.output;
+  EXPECT_FALSE(std::filesystem::exists(tmp_->File("y.json")));
 }
 
 TEST_F(PlanCliTest, TheRuntimeFollowsThePlanAndRefusesOneForAnotherDeployment) {
@@ -276,6 +285,13 @@ TEST_F(PlanCliTest, CalibrateFitsAMeasuredRunAndIsReusable) {
   EXPECT_DOUBLE_EQ(again->calibration.compute_scale, c.compute_scale);
   EXPECT_DOUBLE_EQ(again->calibration.io_scale, c.io_scale);
 
+  // A calibration measured against another hardware profile (one byte differs, so its hash does) is refused.
+  nflash::testing::WriteText(tmp_->File("hw2.json"), nflash::testing::FakeHwProfileJson() + "\n");
+  auto other = RunCommand(Nflash() + " plan --hw " + tmp_->File("hw2.json") + " --deploy " + tmp_->File("deploy") +
+                          " --memory 4M --ctx 128 --calibration " + tmp_->File("cal.json") + " -o " +
+                          tmp_->File("cal_other.json"));
+  EXPECT_EQ(other.exit_code, 2) << other.output;
+  EXPECT_NE(other.output.find("was measured for deployment"), std::string::npos) << other.output;
   // A plan without a calibration cannot lend one; both flags at once are a usage error.
   auto none = Plan("--memory 3M --ctx 128 --calibration " + tmp_->File("cal_raw.json"), "cal_none.json");
   EXPECT_EQ(none.exit_code, 2) << none.output;

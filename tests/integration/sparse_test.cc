@@ -69,5 +69,33 @@ TEST(SparseCliTest, TrainPredictorAndSparsePerplexity) {
   EXPECT_NE(foreign.output.find("different model"), std::string::npos) << foreign.output;
 }
 
+// train-predictor refuses each bad flag by name, as a usage error, before it trains: recall outside (0, 1], an unknown
+// method, a rank of 0, ranks all above --max-rank, a weight type other than f32/f16, --target-sparsity on a ReLU
+// model and its absence on a SiLU one, too few calibration tokens for a layer's split, an existing output.
+TEST(SparseCliTest, TrainPredictorRefusesBadFlags) {
+  testing::TempDir dir;
+  const std::string base = testing::NflashBinary() + " train-predictor -f " +
+                           testing::SharedPath("text/tinystories_calib.txt") + " -t 1 -o " +
+                           dir.File("p.gguf");
+  auto expect_usage = [&](const std::string& model, const std::string& flags, const std::string& message) {
+    auto r = testing::RunCommand(base + model + " " + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << flags << "\n" << r.output;
+  };
+  expect_usage(kRelu, "--recall 0", "--recall must be in (0, 1]");
+  expect_usage(kRelu, "--recall 1.5", "--recall must be in (0, 1]");
+  expect_usage(kRelu, "--method tree", "--method must be mlp or lowrank, not 'tree'");
+  expect_usage(kRelu, "--ranks 16,0", "--ranks: rank 0 must be positive");
+  expect_usage(kRelu, "--ranks 128,256 --max-rank 64", "no --ranks value is <= --max-rank");
+  expect_usage(kRelu, "--weight-type q8_0", "--weight-type must be f32 or f16");
+  expect_usage(kRelu, "--target-sparsity 0.5", "--target-sparsity applies to SiLU models");
+  const std::string silu = " -m " + testing::SharedPath("models/stories260K/stories260K.bin");
+  expect_usage(silu, "", "a SiLU model has no exact zeros: pass --target-sparsity S in (0, 1)");
+  expect_usage(silu, "--target-sparsity 1", "a SiLU model has no exact zeros");
+  expect_usage(kRelu, "--tokens 2", "calibration tokens, too few");
+  testing::WriteText(dir.File("p.gguf"), "x");
+  expect_usage(kRelu, "", "exists; pass --force to overwrite");
+}
+
 }  // namespace
 }  // namespace nflash
