@@ -95,6 +95,9 @@ TEST(SparseCliTest, TrainPredictorRefusesBadFlags) {
   expect_usage(kRelu, "--tokens 2", "calibration tokens, too few");
   testing::WriteText(dir.File("p.gguf"), "x");
   expect_usage(kRelu, "", "exists; pass --force to overwrite");
+  // ... before any work (the predictor file's writer would refuse too, after the training).
+  auto r = testing::RunCommand(base + kRelu);
+  EXPECT_EQ(r.output.find("calibration tokens"), std::string::npos) << r.output;
 }
 
 }  // namespace
