@@ -360,9 +360,24 @@ TEST_F(BenchCliTest, UsageErrors) {
   EXPECT_EQ(testing::RunCommand(testing::NflashBinary() + " -q bench -m " + dir_->File("absent.gguf")).exit_code, 2);
   const std::string existing = dir_->File("exists.md");
   testing::WriteText(existing, "keep");
-  auto r = testing::RunCommand(nf + " --modes in-memory --tests pp4 -r 1 -o " + existing);
+  // Refused before any row runs (without -q a row would log "row 1/1").
+  auto r = testing::RunCommand(testing::NflashBinary() + " bench -m " + Model() +
+                               " --modes in-memory --tests pp4 -r 1 -o " + existing);
   EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find(existing + " exists; pass --force to overwrite"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("row 1/1"), std::string::npos) << r.output;
   EXPECT_EQ(ReadText(existing), "keep");
+  // Each count's own refusal, by name.
+  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--repetitions 0", "--repetitions must be >= 1"},
+           {"--warmup -1", "--warmup must be >= 0"},
+           {"--prompt-tokens 0", "--prompt-tokens must be >= 1"},
+           {"--deploy a,b", "--deploy has 2 directories for 1 models"},
+           {"--offload 0.5,x", "--offload: 'x' is not a fraction in [0, 1]"}}) {
+    r = testing::RunCommand(nf + " " + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << flags << "\n" << r.output;
+  }
 }
 
 }  // namespace

@@ -211,7 +211,7 @@ TEST(Cli, ExitCodesForMissingInputAndExistingOutput) {
   const std::string missing = dir.File("missing-model.bin");
   CommandResult m = Nflash("convert " + missing + " -o " + dir.File("a.gguf"));
   EXPECT_EQ(m.exit_code, 1) << m.output;
-  EXPECT_NE(m.output.find(missing), std::string::npos) << m.output;
+  EXPECT_NE(m.output.find("input " + missing + " does not exist"), std::string::npos) << m.output;
 
   const std::string out = dir.File("b.gguf");
   ASSERT_EQ(Nflash("-q convert " + Stories() + " -o " + out).exit_code, 0);
@@ -223,6 +223,19 @@ TEST(Cli, ExitCodesForMissingInputAndExistingOutput) {
 
   CommandResult corrupt = Nflash("inspect " + SharedPath("models/stories260K/tok512.bin"));
   EXPECT_EQ(corrupt.exit_code, 1) << corrupt.output;
+
+  // A GGUF carries its own tokenizer: --tokenizer is for llama2.c checkpoints.
+  CommandResult tok = Nflash("convert " + out + " --tokenizer " + SharedPath("models/stories260K/tok512.bin") +
+                             " -o " + dir.File("c.gguf"));
+  EXPECT_EQ(tok.exit_code, 2) << tok.output;
+  EXPECT_NE(tok.output.find("--tokenizer applies to llama2.c checkpoints only"), std::string::npos) << tok.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.File("c.gguf")));
+  // synth's own refusals.
+  CommandResult act = Nflash("synth --shape custom --dim 64 --ffn 64 --heads 4 --vocab 300 --activation gelu -o " +
+                             dir.File("s.gguf"));
+  EXPECT_EQ(act.exit_code, 2) << act.output;
+  EXPECT_NE(act.output.find("--activation gelu is not relu, drelu or silu"), std::string::npos) << act.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.File("s.gguf")));
 }
 
 TEST(Cli, ReluModelNeedsTokenizerAndActivation) {

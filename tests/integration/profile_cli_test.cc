@@ -7,6 +7,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "profiler/profile.h"
 #include "runtime/cli/model_loader.h"
@@ -266,6 +269,23 @@ TEST(ProfileCliBadInput, EmptyNonUtf8AndUnwritable) {
   r = RunCommand(ProfileCmd(dir.File("ok.txt"), dir.File("e.prof")));
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(LoadProfile(dir.File("e.prof")).ok());
+}
+
+// Flags out of range are usage errors named in the message, and nothing is written: batch sizes other than 1, 2, 4,
+// a context beyond the model's, a decode-mode prompt longer than the text. (--ctx 0 and --target-sparsity 1 are
+// refused by the flags' own validators first.)
+TEST(ProfileCliBadInput, FlagsOutOfRangeAreNamed) {
+  TempDir dir;
+  testing::WriteText(dir.File("ok.txt"), "Once upon a time there was a cat.\n");
+  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--batch-sizes 1,3", "--batch-sizes: \"3\" is not supported"},
+           {"--ctx 513", "--ctx 513 must be in [1, 512]"},
+           {"--ctx 64 --prompt-tokens 32 --generate 8 --tokens 8", "fewer than --prompt-tokens 32"}}) {
+    const auto r = RunCommand(ProfileCmd(dir.File("ok.txt"), dir.File("a.prof"), flags));
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << flags << "\n" << r.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.File("a.prof"))) << flags;
+  }
 }
 
 }  // namespace

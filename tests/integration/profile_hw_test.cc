@@ -144,6 +144,12 @@ TEST(ProfileHwTest, BadDirIsAUsageError) {
   r = RunCommand(NflashBinary() + " profile-hw --quick --dir " + out.File("file") + " -o " + out.File("hw.json"));
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("is not a directory"), std::string::npos) << r.output;
+
+  r = RunCommand(NflashBinary() + " profile-hw --quick --threads-list 1,0 --dir " + out.path() + " -o " +
+                 out.File("hw.json"));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--threads-list: thread count 0 is not in [1, 1024]"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(out.File("hw.json")));
 }
 
 TEST(ProfileHwTest, RefusesToOverwriteWithoutForce) {

@@ -493,6 +493,9 @@ TEST(ServeCliTest, UsageErrors) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("--memory applies to -d"), std::string::npos) << r.output;
   EXPECT_EQ(testing::RunCommand(Nflash() + " serve -m " + Stories() + " --port 70000").exit_code, 2);
+  r = testing::RunCommand(Nflash() + " serve -m " + Stories() + " --ctx -1");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--ctx -1: expected 0 or more"), std::string::npos) << r.output;
 }
 
 // The offloaded runtime behind the same API: with the oracle active set a ReLU model's FFN is exact, so greedy text
