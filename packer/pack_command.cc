@@ -12,6 +12,7 @@
 #include "packer/replay.h"
 #include "packer/verify.h"
 #include "profiler/profile.h"
+#include "runtime/cli/validators.h"
 #include "runtime/core/checksum.h"
 #include "runtime/core/log.h"
 #include "runtime/core/thread_pool.h"
@@ -117,7 +118,7 @@ void RegisterVerifyCommand(CLI::App& app, cli::CommandAction* action) {
                   "bytes and read requests per token")->check(CLI::ExistingFile);
   cmd->add_option("-m,--model", flags->replay.model_path, "Source model GGUF (for --replay-text)")
       ->check(CLI::ExistingFile);
-  cmd->add_option("--tokens", flags->replay.tokens, "Tokens replayed")->check(CLI::PositiveNumber);
+  cmd->add_option("--tokens", flags->replay.tokens, "Tokens replayed")->check(cli::kPositive);
   cmd->add_option("--threads,-t", flags->threads, "Threads (0: all cores)");
   cmd->callback([flags, action] { *action = [flags] { return RunVerify(*flags); }; });
 }

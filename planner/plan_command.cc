@@ -17,6 +17,7 @@
 #include "planner/z3_planner.h"
 #include "profiler/profile.h"
 #include "runtime/cli/model_loader.h"
+#include "runtime/cli/validators.h"
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
 #include "runtime/core/ggml_type.h"
@@ -299,14 +300,14 @@ void RegisterPlanCommand(CLI::App& app, cli::CommandAction* action) {
                 "Run the plan (`nflash offload`, a few seconds), fit the cost model's compute and I/O factors to the "
                 "measured decode and plan again with them (recorded in plan.json)");
   cmd->add_option("--calibrate-tokens", flags->calibrate_tokens, "Measured decode tokens of --calibrate")
-      ->check(CLI::PositiveNumber)
+      ->check(cli::kPositive)
       ->capture_default_str();
   cmd->add_option("--calibrate-warmup", flags->calibrate_warmup, "Warm-up tokens of --calibrate (not measured)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(cli::kNonNegative)
       ->capture_default_str();
   cmd->add_option("--calibrate-runs", flags->calibrate_runs,
                   "Runs of --calibrate; the fit uses the one with the median time per token")
-      ->check(CLI::PositiveNumber)
+      ->check(cli::kPositive)
       ->capture_default_str();
   cmd->add_option("--calibration", flags->calibration,
                   "Reuse the calibration recorded in this plan.json (made with --calibrate for the same deployment "

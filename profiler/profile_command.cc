@@ -21,6 +21,7 @@
 #include "profiler/commands.h"
 #include "profiler/profile.h"
 #include "runtime/cli/model_loader.h"
+#include "runtime/cli/validators.h"
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
 #include "runtime/core/log.h"
@@ -468,9 +469,9 @@ void RegisterProfileCommand(CLI::App& app, cli::CommandAction* action) {
   sub->add_option("--activation", f->source.activation, "llama2.c only: FFN activation silu|relu|drelu");
   sub->add_option("-f,--file", f->text, "Calibration text (UTF-8)")->required()->check(CLI::ExistingFile);
   sub->add_option("-o,--output", f->output, "Profile file to write")->required();
-  sub->add_option("--tokens", f->tokens, "Calibration tokens (0: the whole text)")->check(CLI::NonNegativeNumber);
+  sub->add_option("--tokens", f->tokens, "Calibration tokens (0: the whole text)")->check(cli::kNonNegative);
   sub->add_option("--ctx", f->ctx, "Window length: the text runs in windows of this many tokens")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::kPositive);
   sub->add_option("--batch-sizes", f->batch_sizes, "Batch sizes whose union counts are recorded (always 1,2,4)");
   sub->add_option("--target-sparsity", f->target_sparsity,
                   "silu models: share of |silu(gate)| below each layer's threshold (default 0.5)")
@@ -480,17 +481,17 @@ void RegisterProfileCommand(CLI::App& app, cli::CommandAction* action) {
       ->delimiter(',')
       ->check(CLI::Range(0.0, 0.999));
   sub->add_option("--threshold-tokens", f->threshold_tokens, "Tokens used to calibrate thresholds")
-      ->check(CLI::PositiveNumber);
-  sub->add_option("--coact-k", f->coact_k, "Co-activation partners kept per neuron")->check(CLI::NonNegativeNumber);
+      ->check(cli::kPositive);
+  sub->add_option("--coact-k", f->coact_k, "Co-activation partners kept per neuron")->check(cli::kNonNegative);
   sub->add_option("--coact-tokens", f->coact_tokens, "Tokens sampled for co-activation counts")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::kPositive);
   sub->add_option("--traces", f->traces, "Also write per-token active bitsets here (zstd)");
   sub->add_option("--generate", f->generate,
                   "Record the model's own decode instead of the text: per window, --prompt-tokens of text prefilled "
                   "(not recorded), then this many tokens generated one at a time and recorded (0: the text itself)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(cli::kNonNegative);
   sub->add_option("--prompt-tokens", f->prompt_tokens, "--generate: text tokens prefilled before each window's decode")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::kPositive);
   sub->add_option("--temp", f->temperature, "--generate: sampling temperature (0: greedy)")
       ->check(CLI::Range(0.0, 10.0));
   sub->add_option("--seed", f->seed, "--generate: sampling seed (window w uses seed + w)");

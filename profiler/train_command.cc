@@ -13,6 +13,7 @@
 #include "profiler/predictor_lowrank.h"
 #include "profiler/predictor_train.h"
 #include "runtime/cli/model_loader.h"
+#include "runtime/cli/validators.h"
 #include "runtime/core/checksum.h"
 #include "runtime/core/file.h"
 #include "runtime/core/log.h"
@@ -233,25 +234,25 @@ void RegisterTrainPredictorCommand(CLI::App& app, cli::CommandAction* action) {
   sub->add_option("--activation", f->source.activation, "llama2.c only: FFN activation silu|relu|drelu");
   sub->add_option("-f,--file", f->calib_file, "Calibration text")->required()->check(CLI::ExistingFile);
   sub->add_option("--tokens", f->tokens, "Calibration tokens (the last 20% are the validation split)")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::kPositive);
   sub->add_option("--window", f->window, "Tokens per forward window (each from an empty context)")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::kPositive);
   sub->add_option("--method", f->method,
                   "mlp: PowerInfer's MLP trained with Adam; lowrank: closed-form projection of the model's own gate "
                   "onto the principal directions of its pre-activations (file rank 2 x r)");
-  sub->add_option("--iterations", f->lowrank.iterations, "lowrank: subspace iterations")->check(CLI::PositiveNumber);
+  sub->add_option("--iterations", f->lowrank.iterations, "lowrank: subspace iterations")->check(cli::kPositive);
   sub->add_option("--recall", f->train.target_recall, "Target recall (micro, per layer)");
-  sub->add_option("--max-rank", f->max_rank, "Largest candidate rank")->check(CLI::PositiveNumber);
+  sub->add_option("--max-rank", f->max_rank, "Largest candidate rank")->check(cli::kPositive);
   sub->add_option("--ranks", f->ranks, "Candidate ranks, comma-separated, tried smallest first (mlp: 16,32,64,128,256; "
                   "lowrank: subspace ranks r, 16,32,64)");
   sub->add_option("--max-ratio", f->train.max_predicted_ratio, "Accept a rank when predicted <= this x true active");
   sub->add_option("--target-sparsity", f->target_sparsity, "SiLU models: fraction of neurons counted inactive");
-  sub->add_option("--epochs", f->train.epochs, "Training epochs")->check(CLI::PositiveNumber);
+  sub->add_option("--epochs", f->train.epochs, "Training epochs")->check(cli::kPositive);
   sub->add_option("--lr", f->train.learning_rate, "Adam learning rate");
   sub->add_option("--pos-weight", f->train.pos_weight, "BCE weight of active neurons");
   sub->add_option("--seed", f->train.seed, "Random seed (initialisation, shuffling)");
   sub->add_option("--eval-text", f->eval_file, "Held-out text for the recall/precision report")->check(CLI::ExistingFile);
-  sub->add_option("--eval-tokens", f->eval_tokens, "Held-out tokens to evaluate")->check(CLI::PositiveNumber);
+  sub->add_option("--eval-tokens", f->eval_tokens, "Held-out tokens to evaluate")->check(cli::kPositive);
   sub->add_option("--weight-type", f->weight_type, "Predictor weight type: f32 or f16");
   sub->add_option("-t,--threads", f->threads, "Compute threads (0: all cores)");
   sub->add_option("-o,--output", f->output, "Output predictor file (.gguf)")->required();

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "converter/readers.h"
+#include "runtime/cli/validators.h"
 #include "runtime/core/file.h"
 #include "runtime/core/log.h"
 #include "runtime/engine/context.h"
@@ -85,7 +86,7 @@ CLI::Option* AddBatchOption(CLI::App* sub, int64_t* max_batch, const std::string
       ->add_option("--batch", *max_batch,
                    "Prompt tokens run through the layers at a time (longer prompts in chunks of near-equal size)" +
                        what)
-      ->check(CLI::PositiveNumber)
+      ->check(cli::kPositive)
       ->capture_default_str();
 }
 

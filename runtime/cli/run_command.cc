@@ -18,6 +18,7 @@
 #include "packer/deployment.h"
 #include "profiler/predictor_train.h"
 #include "runtime/cli/model_loader.h"
+#include "runtime/cli/validators.h"
 #include "runtime/core/checksum.h"
 #include "runtime/core/cpu_affinity.h"
 #include "runtime/core/file.h"
@@ -486,10 +487,10 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
   AddModelOptions(sub, &f->source, &f->threads, &f->no_mmap);
   auto* p = sub->add_option("-p,--prompt", f->prompt, "Prompt text (BOS is added when the model asks for it)");
   sub->add_option("-f,--file", f->prompt_file, "Read the prompt from a file")->excludes(p)->check(CLI::ExistingFile);
-  sub->add_option("-n,--max-tokens", f->n_predict, "Tokens to generate at most")->check(CLI::PositiveNumber);
+  sub->add_option("-n,--max-tokens", f->n_predict, "Tokens to generate at most")->check(cli::kPositive);
   sub->add_option("-c,--ctx", f->ctx, "Context size (0: prompt + max tokens, capped at the model's)");
   AddKvTypeOption(sub, &f->kv_type, "KV cache element type")->capture_default_str();
-  sub->add_option("--temp", f->sampler.temperature, "Temperature (0: greedy)")->check(CLI::NonNegativeNumber);
+  sub->add_option("--temp", f->sampler.temperature, "Temperature (0: greedy)")->check(cli::kNonNegative);
   sub->add_option("--top-k", f->sampler.top_k, "Top-k (0: off)");
   sub->add_option("--top-p", f->sampler.top_p, "Top-p (1: off)");
   sub->add_option("--min-p", f->sampler.min_p, "Min-p (0: off)");
@@ -503,7 +504,7 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
                   "--sparse oracle: prompts of at least this many tokens prefill by GEMM over every neuron, shorter "
                   "ones token by token (as `nflash offload --prefill-batch-min`, same default; the same logits either "
                   "way); --sparse predictor prefills token by token")
-      ->check(CLI::PositiveNumber)
+      ->check(cli::kPositive)
       ->capture_default_str();
   AddBatchOption(sub, &f->max_batch, "; the same default as `nflash offload --batch`");
   sub->add_option("--pin-threads", f->pin_threads,

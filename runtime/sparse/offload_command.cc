@@ -15,6 +15,7 @@
 #include "planner/plan.h"
 #include "runtime/cli/command.h"
 #include "runtime/cli/model_loader.h"
+#include "runtime/cli/validators.h"
 #include "runtime/core/block_device.h"
 #include "runtime/core/gguf.h"
 #include "runtime/core/log.h"
@@ -649,10 +650,10 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_option("--chunk-requests", flags->chunk_requests,
                   "Reads per pipeline chunk (default " + std::to_string(kDefaultChunkRequests) +
                       "; replaces the plan's)")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::kPositive);
   cmd->add_option("--queue-depth", flags->queue_depth,
                   "io_uring queue depth (default " + std::to_string(io::kDefaultQueueDepth) + "; replaces the plan's)")
-      ->check(CLI::PositiveNumber);
+      ->check(cli::kPositive);
   cmd->add_flag("--buffered", flags->buffered, "Read through the page cache (no O_DIRECT): a comparison only");
   cmd->add_flag("--token-prefill", flags->token_prefill,
                 "Prefill token by token through the decode path instead of whole layers (no prefill buffers): a "
@@ -664,7 +665,7 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_option("--prefill-batch-min", flags->prefill_batch_min,
                   "Prompts (batches) shorter than this prefill token by token through the decode path: a batched "
                   "prefill reads the whole FFN from flash")
-      ->check(CLI::PositiveNumber)
+      ->check(cli::kPositive)
       ->capture_default_str();
   cli::AddBatchOption(cmd, &flags->max_batch, ": the context's scratch for that many tokens is counted in the fixed part");
   cmd->add_option("--cold-protected", flags->cold_protected,
@@ -757,10 +758,10 @@ void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action) {
   CLI::App* cmd = app.add_subcommand("offload", "Generate (greedy) from a deployment with the FFN on flash");
   cmd->add_option("-d,--deploy", flags->deploy, "Deployment directory (nflash pack)")->required()->check(CLI::ExistingDirectory);
   cmd->add_option("-p,--prompt", flags->prompt, "Prompt text");
-  cmd->add_option("-n,--max-tokens", flags->n_predict, "Tokens to generate at most")->check(CLI::PositiveNumber);
+  cmd->add_option("-n,--max-tokens", flags->n_predict, "Tokens to generate at most")->check(cli::kPositive);
   cmd->add_option("--warmup", flags->warmup,
                   "Decode steps not measured (of the -n): the figures then describe warm caches")
-      ->check(CLI::NonNegativeNumber);
+      ->check(cli::kNonNegative);
   cmd->add_option("-c,--ctx", flags->ctx, "Context size (0: prompt + max tokens, capped at the model's)");
   cmd->add_option("-t,--threads", flags->threads, "Compute threads (0: all cores, or the plan's; replaces the plan's)");
   AddRuntimeOptions(cmd, flags.get());

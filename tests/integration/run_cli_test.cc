@@ -9,6 +9,8 @@
 #include <fstream>
 #include <regex>
 #include <sstream>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/core/cpu_affinity.h"
@@ -138,6 +140,16 @@ TEST(RunCliTest, UsageErrors) {
   auto r = testing::RunCommand(Nflash() + " perplexity -m " + Stories() + " -f " + HeldOut() + " --ctx 100000");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("--ctx"), std::string::npos);
+  // Number flags name their bound and the value given (runtime/cli/validators.h).
+  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
+           {" run -m " + Stories() + " -n 0", "--max-tokens: must be > 0 (got 0)"},
+           {" run -m " + Stories() + " -n many", "--max-tokens: must be a number > 0 (got 'many')"},
+           {" run -m " + Stories() + " --temp -1", "--temp: must be >= 0 (got -1)"},
+           {" run -m " + Stories() + " --batch 0", "--batch: must be > 0 (got 0)"}}) {
+    r = testing::RunCommand(Nflash() + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << flags << "\n" << r.output;
+  }
 }
 
 // The sparse flags' and perplexity's own refusals, each by its message, as usage errors (exit code 2).
