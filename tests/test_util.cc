@@ -46,6 +46,13 @@ CommandResult RunCommand(const std::string& command, bool capture_stderr) {
   return r;
 }
 
+::testing::AssertionResult FailsAsUsageError(const std::string& command, const std::string& message) {
+  const CommandResult r = RunCommand(command);
+  if (r.exit_code == 2 && r.output.find(message) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << command << "\nexit code " << r.exit_code << " (want 2), output lacks \""
+                                       << message << "\"?\n" << r.output;
+}
+
 std::string MakeReluDeployment(const std::string& model, const std::string& profile, const std::string& deploy) {
   const std::string nflash = NflashBinary();
   const std::vector<std::string> commands = {

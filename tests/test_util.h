@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "runtime/core/gguf.h"
 
 namespace nflash::testing {
@@ -37,6 +39,9 @@ struct CommandResult {
 };
 // Runs `command` through /bin/sh, capturing stdout and stderr interleaved (or stdout only, stderr passed through).
 CommandResult RunCommand(const std::string& command, bool capture_stderr = true);
+// Runs `command` (stdout and stderr captured): success when it exits with 2, a usage error, and its output contains
+// `message`; the failure shows the command, its exit code and its output.
+::testing::AssertionResult FailsAsUsageError(const std::string& command, const std::string& message);
 
 // The deployment of the offloaded-runtime tests: stories260K-relu converted to an F32 GGUF at `model`, profiled on
 // 4000 tokens of the calibration text (`profile`), packed into the directory `deploy`. "" when it worked, else the

@@ -24,6 +24,7 @@
 #include "runtime/engine/sparse_ffn.h"
 #include "tests/test_util.h"
 #include "tests/unit/offload_test_util.h"
+#include "tests/unit/small_model.h"
 
 namespace nflash {
 namespace {
@@ -935,22 +936,14 @@ struct CountRange {
 // What the sparse FFN counts in oracle mode, against the gates the test computes itself from the recorded FFN inputs:
 // computed = true active = true positives = the neurons whose activated gate exceeds the layer's threshold (some
 // thresholds above 0 here), and "active" the same set: a neuron that passes the gate test counts even when its
-// product is zero (dReLU with up <= 0: about half of the active neurons of the synthetic dReLU model).
+// product is zero (dReLU with up <= 0, in the synthetic dReLU model).
 TEST(SparseFfnTest, OracleStatisticsCountTheGatesAboveTheThreshold) {
   testing::TempDir dir;
-  converter::SynthOptions so;
-  so.shape = "custom";
-  so.dim = 64;
-  so.ffn = 128;
-  so.layers = 2;
-  so.heads = 4;
-  so.vocab = 300;
-  so.context = 64;
-  so.activation = FfnActivation::kDRelu;
+  const std::string drelu_path = dir.File("drelu.gguf");
+  ASSERT_EQ(testing::WriteSmallModel(drelu_path, GgmlType::kF32, 0, FfnActivation::kDRelu), "");
   for (const bool drelu : {false, true}) {
     SCOPED_TRACE(drelu ? "synthetic drelu" : "stories260K-relu");
-    auto model = drelu ? sparse::WriteSyntheticModel(so, dir.File("drelu.gguf"))
-                       : Model::Load(ConvertRelu(dir), LoadOptions());
+    auto model = Model::Load(drelu ? drelu_path : ConvertRelu(dir), LoadOptions());
     ASSERT_TRUE(model.ok()) << model.status().ToString();
     const LlamaHparams& hp = (*model)->hparams();
     ThreadPool pool(2);
@@ -1093,17 +1086,8 @@ TEST(SparseFfnTest, BatchedOraclePrefillEqualsTheTokenPathBitwise) {
 // nothing from any expert, and the other layer's experts all compute something.
 TEST(SparseFfnTest, PerLayerThresholdsApplyToEveryExpertOfTheLayer) {
   testing::TempDir dir;
-  converter::SynthOptions so;
-  so.shape = "custom";
-  so.dim = 64;
-  so.ffn = 64;
-  so.layers = 2;
-  so.heads = 4;
-  so.vocab = 300;
-  so.context = 32;
-  so.experts = 4;
-  so.top_k = 2;
-  auto model = sparse::WriteSyntheticModel(so, dir.File("moe.gguf"));
+  ASSERT_EQ(testing::WriteSmallModel(dir.File("moe.gguf"), GgmlType::kF32, /*experts=*/4), "");
+  auto model = Model::Load(dir.File("moe.gguf"), LoadOptions());
   ASSERT_TRUE(model.ok()) << model.status().ToString();
   const LlamaHparams& hp = (*model)->hparams();
   ASSERT_EQ(hp.n_experts, 4);
