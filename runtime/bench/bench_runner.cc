@@ -74,8 +74,8 @@ struct Engine {
 
 // Flash traffic and cache lookups of the sparse runtime so far.
 struct SparseCounters {
-  uint64_t bytes = 0, requests = 0, hits = 0, lookups = 0;
-  sparse::CacheCounters hot, cold;  // per region (hits and lookups above: both together)
+  uint64_t bytes = 0, requests = 0;
+  sparse::CacheCounters hot, cold;  // lookups per region
   int64_t active = 0, used = 0;  // neurons computed, and those with h != 0 (the floors' FFN bytes)
   int64_t missed = 0;            // active neurons read from flash
 };
@@ -90,8 +90,6 @@ SparseCounters ReadSparseCounters(const Engine& e) {
   c.used = st.used;
   c.hot = e.rt->ffn().cache().hot().TotalCounters();
   c.cold = e.rt->ffn().cache().cold().TotalCounters();
-  c.hits = c.hot.hits + c.cold.hits;
-  c.lookups = c.hits + c.hot.misses + c.cold.misses;
   return c;
 }
 
@@ -216,8 +214,6 @@ Status Measure(const RowSpec& s, Engine& e, RowResult* r) {
     read_bytes += p1.read_bytes - p0.read_bytes;
     sparse_sum.bytes += c1.bytes - c0.bytes;
     sparse_sum.requests += c1.requests - c0.requests;
-    sparse_sum.hits += c1.hits - c0.hits;
-    sparse_sum.lookups += c1.lookups - c0.lookups;
     sparse_sum.hot.hits += c1.hot.hits - c0.hot.hits;
     sparse_sum.hot.misses += c1.hot.misses - c0.hot.misses;
     sparse_sum.cold.hits += c1.cold.hits - c0.cold.hits;
@@ -232,7 +228,9 @@ Status Measure(const RowSpec& s, Engine& e, RowResult* r) {
   r->cpu_util = wall_s > 0 ? cpu_s / wall_s : 0.0;
   const double n = static_cast<double>(std::max<uint64_t>(1, tokens));
   if (e.rt) {
-    r->hit_rate = sparse_sum.lookups ? static_cast<double>(sparse_sum.hits) / sparse_sum.lookups : 0.0;
+    sparse::CacheCounters both = sparse_sum.hot;
+    both += sparse_sum.cold;
+    r->hit_rate = both.HitRate();
     r->hot_hit_rate = sparse_sum.hot.HitRate();
     r->cold_hit_rate = sparse_sum.cold.HitRate();
     r->mb_read_per_token = static_cast<double>(sparse_sum.bytes) / 1e6 / n;
