@@ -56,6 +56,13 @@ std::string ShellQuote(const std::string& s) {
   return out + "'";
 }
 
+// Single-quoted for a gnuplot script (a quote inside is doubled; no other character is special there).
+std::string GnuplotQuote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("''") : std::string(1, c);
+  return out + "'";
+}
+
 Status Plot(const ModelProfile& p, const std::string& plot_path) {
   const std::string ext = fs::path(plot_path).extension().string();
   std::string terminal;
@@ -87,8 +94,8 @@ Status Plot(const ModelProfile& p, const std::string& plot_path) {
       d << "\n\n";
     }
     std::ofstream g(script);
-    g << "set terminal " << terminal << "\nset output " << ShellQuote(tmp_out) << "\n"
-      << "set multiplot layout 1,2 title " << ShellQuote("nflash profile: " + p.model_name) << "\n"
+    g << "set terminal " << terminal << "\nset output " << GnuplotQuote(tmp_out) << "\n"
+      << "set multiplot layout 1,2 title " << GnuplotQuote("nflash profile: " + p.model_name) << "\n"
       << "set key outside right\nset grid\nset xrange [0:1]\nset yrange [0:1]\n"
       << "set xlabel 'share of neurons (most active first)'\nset ylabel 'share of activations'\n"
       << "set title 'Popularity'\n";
@@ -97,7 +104,7 @@ Status Plot(const ModelProfile& p, const std::string& plot_path) {
       for (size_t i = 0; i < p.ffns.size(); ++i) {
         const FfnProfile& f = p.ffns[i];
         std::string title = "L" + std::to_string(f.layer) + (f.expert >= 0 ? "E" + std::to_string(f.expert) : "");
-        g << (i ? ", " : "") << ShellQuote(data.string()) << " index " << i << " using 1:" << column
+        g << (i ? ", " : "") << GnuplotQuote(data.string()) << " index " << i << " using 1:" << column
           << " with linespoints title '" << title << "'";
       }
       g << "\n";

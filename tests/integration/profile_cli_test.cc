@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -221,6 +222,140 @@ TEST_F(ProfileCli, InspectPrintsSummaryAndPlots) {
     std::getline(svg, first);
     EXPECT_NE(first.find("<?xml"), std::string::npos) << first;
   }
+}
+
+// A profile whose figures are chosen by hand, so that every column of `nflash inspect`'s table has a value known in
+// advance (worked out in the comments): the histogram's quantiles are bin upper edges, the 10% and 20% columns
+// interpolate the 17-point curves, bs2 divides by groups and neurons.
+ModelProfile HandMadeProfile() {
+  ModelProfile p;
+  p.model_hash = "00";
+  p.model_name = "it's hand-made";  // a quote, for the plot's shell quoting
+  p.activation = "relu";
+  p.n_layers = 2;
+  p.n_ff = 8;
+  p.dim = 4;
+  p.tokens = 10;
+  p.text_path = "none.txt";
+  p.ctx = 16;
+  p.report_sparsities = {0.5f, 0.9f};
+  for (int layer = 0; layer < 2; ++layer) {
+    FfnProfile f;
+    f.layer = layer;
+    f.n_neurons = 8;
+    f.tokens = 10;
+    f.count_bs1.assign(8, 1);
+    f.count_bs2 = {5, 4, 3, 2, 1, 1, 0, 0};  // 16 of 5 groups x 8 neurons: bs2 = 0.4
+    f.groups2 = 5;
+    f.count_bs4.assign(8, 1);
+    f.groups4 = 3;
+    f.active_hist.assign(20, 0);
+    f.popularity.resize(kCurvePoints);
+    f.lru_hit_rate.resize(kCurvePoints);
+    for (int i = 0; i < kCurvePoints; ++i) {
+      f.popularity[i] = static_cast<float>(i * i) / 256.0f;  // (i/16)^2, exact in float
+      f.lru_hit_rate[i] = static_cast<float>(i) / 32.0f;
+    }
+    if (layer == 0) {
+      f.active_hist[1] = 3;  // tokens: 3, 7, 10 by bins 1, 4, 9
+      f.active_hist[4] = 4;
+      f.active_hist[9] = 3;
+      f.mean_active_fraction = 0.1875;
+      f.popularity_heldout.resize(kCurvePoints);
+      for (int i = 0; i < kCurvePoints; ++i) f.popularity_heldout[i] = static_cast<float>(i) / 16.0f;
+      f.up_given_gate = 0.875;
+      f.down_given_gate = 0.625;
+      f.report_thresholds = {0.125f, 0.5f};
+    } else {
+      f.active_hist[19] = 10;  // every token in the last bin
+      f.mean_active_fraction = 0.96875;
+      f.report_thresholds = {0.25f, 0.75f};
+      f.threshold = 0.03125f;
+    }
+    p.ffns.push_back(std::move(f));
+  }
+  p.lru_hit_rate_shared.resize(kSharedCurvePoints);
+  for (int i = 0; i < kSharedCurvePoints; ++i) p.lru_hit_rate_shared[i] = static_cast<float>(i) / 128.0f;
+  return p;
+}
+
+// The words of the first output line that starts with `prefix` (empty when none does).
+std::vector<std::string> WordsOfLine(const std::string& output, const std::string& prefix) {
+  std::istringstream lines(output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind(prefix, 0) != 0) continue;
+    std::istringstream in(line);
+    std::vector<std::string> words;
+    for (std::string w; in >> w;) words.push_back(w);
+    return words;
+  }
+  return {};
+}
+
+TEST(ProfileInspect, TableShowsTheFiguresOfAKnownProfile) {
+  TempDir dir;
+  ASSERT_TRUE(SaveProfile(HandMadeProfile(), dir.File("hand.prof"), false).ok());
+  const auto r = RunCommand(NflashBinary() + " inspect " + dir.File("hand.prof"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Layer 0: P50 at the bin where 5 of 10 tokens are reached (bin 4: upper edge 5/20), P90 at 9 of 10 (bin 9: 10/20);
+  // top10% at 1.6 of 16 steps: 0.4 x 1/256 + 0.6 x 4/256 = 0.0109; top20% at 3.2: 0.8 x 9/256 + 0.2 x 16/256 =
+  // 0.0406; top50% 64/256; ho50% 8/16; hit25% 4/32, hit50% 8/32; bs2 16 / (5 x 8).
+  EXPECT_EQ(WordsOfLine(r.output, "0 "),
+            (std::vector<std::string>{"0", "-1", "10", "0.00000", "0.1875", "0.250", "0.500", "0.011", "0.041",
+                                      "0.250", "0.500", "0.125", "0.250", "0.4000", "0.8750", "0.6250"}))
+      << r.output;
+  // Layer 1: every token in the last bin (P50 = P90 = 1), no held-out curve ("-"), gated ratios not measured (1).
+  EXPECT_EQ(WordsOfLine(r.output, "1 "),
+            (std::vector<std::string>{"1", "-1", "10", "0.03125", "0.9688", "1.000", "1.000", "0.011", "0.041",
+                                      "0.250", "-", "0.125", "0.250", "0.4000", "1.0000", "1.0000"}))
+      << r.output;
+  // The shared pool's curve at 10/25/50% of 64 steps: points 6, 16 and 32 of i/128.
+  EXPECT_NE(r.output.find("10/25/50% of all neurons: 0.047 / 0.125 / 0.250"), std::string::npos) << r.output;
+  // The threshold table: one row per FFN, a column per reported sparsity.
+  const std::vector<std::string> t0 = WordsOfLine(r.output, "thresholds on");
+  EXPECT_FALSE(t0.empty()) << r.output;
+  std::istringstream lines(r.output);
+  std::vector<std::vector<std::string>> rows;
+  bool in_table = false;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("thresholds on", 0) == 0) {
+      in_table = true;
+      continue;
+    }
+    if (!in_table) continue;
+    std::istringstream in(line);
+    std::vector<std::string> words;
+    for (std::string w; in >> w;) words.push_back(w);
+    rows.push_back(words);
+  }
+  EXPECT_EQ(rows, (std::vector<std::vector<std::string>>{{"layer", "expert", "0.50", "0.90"},
+                                                          {"0", "-1", "0.12500", "0.50000"},
+                                                          {"1", "-1", "0.25000", "0.75000"}}))
+      << r.output;
+}
+
+TEST(ProfileInspect, PlotWritesTheImageAtomicallyOrSaysWhy) {
+  TempDir dir;
+  ASSERT_TRUE(SaveProfile(HandMadeProfile(), dir.File("hand.prof"), false).ok());
+  const std::string inspect = NflashBinary() + " inspect " + dir.File("hand.prof") + " --plot ";
+  const auto bad = RunCommand(inspect + dir.File("curves.jpg"));
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("--plot " + dir.File("curves.jpg") + ": the extension must be .png or .svg"),
+            std::string::npos)
+      << bad.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.File("curves.jpg")));
+  if (std::system("command -v gnuplot > /dev/null") != 0) GTEST_SKIP() << "gnuplot is not installed";
+  // The model name and the output's name hold a quote: both are quoted for gnuplot's script.
+  const std::string out = dir.File("it's curves.svg");
+  const auto r = RunCommand(inspect + "\"" + out + "\"");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream svg(out);
+  const std::string text((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text.rfind("<?xml", 0), 0u) << text.substr(0, 200);
+  EXPECT_NE(text.find("hand-made"), std::string::npos) << "the title names the model";
+  EXPECT_NE(text.find("L0"), std::string::npos);
+  EXPECT_NE(text.find("L1"), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(out + ".tmp")) << "renamed, not copied";
 }
 
 TEST_F(ProfileCli, HashMismatchIsDetected) {

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -210,8 +211,14 @@ TEST(EventTraceTest, CapacityAndChromeFormat) {
   EXPECT_EQ(j["otherData"]["dropped_spans"].get<int>(), 1);
   const auto& ev = j["traceEvents"];
   ASSERT_EQ(ev.size(), 5u);  // 2 thread names + 3 spans
-  EXPECT_EQ(ev[0]["ph"], "M");
-  EXPECT_EQ(ev[1]["ph"], "M");
+  // The metadata events name each lane's thread id: the spans' tid 1 is compute, 2 the I/O thread.
+  std::map<int, std::string> lane_names;
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(ev[i]["ph"], "M");
+    EXPECT_EQ(ev[i]["name"], "thread_name");
+    lane_names[ev[i]["tid"].get<int>()] = ev[i]["args"]["name"].get<std::string>();
+  }
+  EXPECT_EQ(lane_names, (std::map<int, std::string>{{1, "compute"}, {2, "io"}}));
   double last = -1;
   for (size_t i = 2; i < ev.size(); ++i) {
     EXPECT_EQ(ev[i]["ph"], "X");

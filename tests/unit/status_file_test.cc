@@ -1,18 +1,26 @@
 // Tests of Status/Result and the File abstraction (pread, mmap, memory, fault injection, atomic writer).
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "runtime/core/block_device.h"
 #include "runtime/core/file.h"
+#include "runtime/core/proc_stats.h"
 #include "runtime/core/round.h"
 #include "runtime/core/status.h"
 #include "tests/test_util.h"
@@ -251,6 +259,7 @@ TEST(BlockDeviceTest, DescribesTheDiskOfAFile) {
 TEST(BlockDeviceTest, ParsesPerCpuCounts) {
   EXPECT_EQ(ParsePerCpuCounts("0,11521331\n"), (std::vector<uint64_t>{0, 11521331}));
   EXPECT_EQ(ParsePerCpuCounts("7"), std::vector<uint64_t>{7});
+  EXPECT_EQ(ParsePerCpuCounts("3,4 \n"), (std::vector<uint64_t>{3, 4})) << "trailing blanks are not a field";
   EXPECT_TRUE(ParsePerCpuCounts("").empty());
   EXPECT_TRUE(ParsePerCpuCounts("1,,2").empty());
   EXPECT_TRUE(ParsePerCpuCounts("1,x").empty());
@@ -341,6 +350,57 @@ TEST(FileTest, ReadsKernelTextFilesToTheirEnd) {
   EXPECT_EQ(ReadKernelWord(dir.File("no_such_file")), "");
   { std::ofstream(path) << " \n\t"; }
   EXPECT_EQ(ReadKernelWord(path), "");
+}
+
+// The process's figures against the kernel's other accounts of them: the peak RSS (VmHWM) equals getrusage's
+// ru_maxrss and stays at a 64 MiB block's pages after the block is unmapped (VmRSS falls back); the CPU time counts
+// the kernel's time too (against CLOCK_PROCESS_CPUTIME_ID over a loop of reads from /dev/zero, nearly all system
+// time); sleeping adds voluntary context switches.
+TEST(ProcStatsTest, PeakRssIsTheHighWaterMarkInBytes) {
+  const ProcessMemory before = ReadProcessMemory();
+  ASSERT_GT(before.rss_bytes, 0u);
+  constexpr size_t kBlock = size_t{64} << 20;
+  void* p = ::mmap(nullptr, kBlock, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  std::memset(p, 1, kBlock);
+  const ProcessMemory touched = ReadProcessMemory();
+  ASSERT_EQ(::munmap(p, kBlock), 0);
+  const ProcessMemory after = ReadProcessMemory();
+  EXPECT_GE(touched.rss_bytes + (size_t{1} << 20), before.rss_bytes + kBlock);
+  EXPECT_LE(after.rss_bytes + kBlock / 2, touched.rss_bytes) << "the block's pages left with it";
+  // The kernel's RSS counters are batched per CPU (a few hundred KiB apart at any moment): 1 MiB of slack.
+  EXPECT_GE(after.peak_rss_bytes + (size_t{1} << 20), touched.rss_bytes) << "the peak keeps them";
+  rusage ru{};
+  ASSERT_EQ(::getrusage(RUSAGE_SELF, &ru), 0);
+  // ru_maxrss (KiB) is the same high-water mark, read a moment later.
+  const uint64_t maxrss = static_cast<uint64_t>(ru.ru_maxrss) * 1024;
+  EXPECT_LE(after.peak_rss_bytes, maxrss);
+  EXPECT_LE(maxrss - after.peak_rss_bytes, uint64_t{512} << 10) << after.peak_rss_bytes << " vs " << maxrss;
+}
+
+TEST(ProcStatsTest, CpuTimeCountsKernelTimeAndSleepsAreVoluntarySwitches) {
+  auto process_clock = [] {
+    timespec ts{};
+    ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
+  };
+  const int fd = ::open("/dev/zero", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  std::vector<char> buf(size_t{1} << 20);
+  const double cpu0 = ProcessCpuSeconds(), clock0 = process_clock();
+  // The kernel clears the buffer on every read: ~0.1-0.3 s of system time, next to no user time.
+  while (process_clock() - clock0 < 0.2) {
+    for (int i = 0; i < 64; ++i) ASSERT_EQ(::read(fd, buf.data(), buf.size()), static_cast<ssize_t>(buf.size()));
+  }
+  const double cpu = ProcessCpuSeconds() - cpu0, clock = process_clock() - clock0;
+  ::close(fd);
+  // getrusage's split into user and system time is sampled, its sum is not: within 20 ms of the clock's.
+  EXPECT_NEAR(cpu, clock, 0.02 + 0.1 * clock);
+  const ContextSwitches s0 = ProcessContextSwitches();
+  for (int i = 0; i < 20; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const ContextSwitches s1 = ProcessContextSwitches();
+  EXPECT_GE(s1.voluntary - s0.voluntary, 20u);
+  EXPECT_LT(s1.involuntary - s0.involuntary, 20u);
 }
 
 }  // namespace

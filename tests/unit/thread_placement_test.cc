@@ -5,10 +5,12 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -70,7 +72,12 @@ TEST(ThreadPlacementTest, PlanFollowsTheRule) {
   EXPECT_FALSE(PlanThreadCpus(PinThreads::kOff, 2, two).has_value());
   EXPECT_EQ(*ParsePinThreads("auto"), PinThreads::kAuto);
   EXPECT_EQ(*ParsePinThreads("off"), PinThreads::kOff);
+  EXPECT_EQ(*ParsePinThreads("on"), PinThreads::kOn);
   EXPECT_FALSE(ParsePinThreads("yes").ok());
+  // The names the JSON reports are the ones the flag reads.
+  EXPECT_STREQ(PinThreadsName(PinThreads::kAuto), "auto");
+  EXPECT_STREQ(PinThreadsName(PinThreads::kOn), "on");
+  EXPECT_STREQ(PinThreadsName(PinThreads::kOff), "off");
 }
 
 TEST(ThreadPlacementTest, PlanPutsComputeOnTheFastestCpus) {
@@ -151,6 +158,9 @@ TEST(ThreadPlacementTest, CpuCapacitiesReadsSysfsFiles) {
   EXPECT_TRUE(CpuCapacities(std::vector<int>{0, 3}, dir.path()).empty());
   EXPECT_TRUE(CpuCapacities(std::vector<int>{0, 4}, dir.path()).empty());
   EXPECT_TRUE(CpuCapacities(std::vector<int>{0, 5}, dir.path()).empty());
+  // cpu6's value has more digits than a uint64_t holds: unreadable like garbage, not a crash.
+  put("cpu6/cpu_capacity", "123456789012345678901234\n");
+  EXPECT_TRUE(CpuCapacities(std::vector<int>{0, 6}, dir.path()).empty());
   EXPECT_TRUE(CpuCapacities(std::vector<int>{}, dir.path()).empty());
   EXPECT_TRUE(CpuCapacities(std::vector<int>{-1}, dir.path()).empty());
   // This machine: what the kernel says, read here with plain streams (or nothing, when a CPU lacks both files).
@@ -175,7 +185,12 @@ TEST(ThreadPlacementTest, SetThreadCpusRejectsBadListsAndPinsARealThread) {
   const pthread_t self = pthread_self();
   EXPECT_FALSE(SetThreadCpus(self, std::vector<int>{}).ok());
   EXPECT_FALSE(SetThreadCpus(self, std::vector<int>{-1}).ok());
-  EXPECT_FALSE(SetThreadCpus(self, std::vector<int>{CPU_SETSIZE}).ok());
+  const Status beyond = SetThreadCpus(self, std::vector<int>{CPU_SETSIZE});
+  EXPECT_FALSE(beyond.ok());
+  EXPECT_NE(beyond.message().find("CPU " + std::to_string(CPU_SETSIZE) + " outside [0, " + std::to_string(CPU_SETSIZE) +
+                                  ")"),
+            std::string::npos)
+      << beyond.message();
   const std::vector<int> allowed = ThreadCpus(self);
   ASSERT_FALSE(allowed.empty());
   const int last = allowed.back();
@@ -232,6 +247,41 @@ TEST(ThreadPlacementTest, BeginPinsEveryThreadAndEndRestoresThem) {
   EXPECT_EQ(ThreadCpus(io.ThreadHandle()), before_io);
   for (pthread_t w : workers) EXPECT_EQ(ThreadCpus(w), allowed) << "workers inherit the creator's list";
   placement.End();  // a second End is harmless
+  EXPECT_EQ(ThreadCpus(pthread_self()), allowed);
+}
+
+// A placement that cannot be applied (the I/O thread's CPU does not exist) fails naming the CPU and leaves nothing
+// pinned: the threads it had pinned before the failure get their lists back.
+TEST(ThreadPlacementTest, BeginThatFailsUnpinsWhatItPinned) {
+  const std::vector<int> allowed = ThreadCpus(pthread_self());
+  ASSERT_FALSE(allowed.empty());
+  MemoryFile file("mem", std::vector<uint8_t>(4096, 1));
+  sparse::IoWorker io(&file);
+  const std::vector<int> before_io = ThreadCpus(io.ThreadHandle());
+  ThreadCpuPlan plan;
+  plan.caller = allowed.front();
+  plan.io = CPU_SETSIZE - 1;  // beyond any CPU this machine has: the kernel refuses an empty set
+  ASSERT_FALSE(std::find(allowed.begin(), allowed.end(), plan.io) != allowed.end());
+  ThreadPlacement placement(plan, {}, io.ThreadHandle());
+  const Status st = placement.Begin();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("CPU " + std::to_string(CPU_SETSIZE - 1)), std::string::npos) << st.message();
+  EXPECT_EQ(ThreadCpus(pthread_self()), allowed) << "the caller was pinned before the failure: restored";
+  EXPECT_EQ(ThreadCpus(io.ThreadHandle()), before_io);
+}
+
+// Begin twice (a plan applied per evaluation, End forgotten once) still restores the lists from before the first:
+// the second Begin ends the first placement before saving.
+TEST(ThreadPlacementTest, BeginTwiceThenEndRestoresTheFirstLists) {
+  const std::vector<int> allowed = ThreadCpus(pthread_self());
+  ASSERT_FALSE(allowed.empty());
+  ThreadCpuPlan plan;
+  plan.caller = allowed.back();
+  ThreadPlacement placement(plan, {}, std::nullopt);
+  ASSERT_TRUE(placement.Begin().ok());
+  ASSERT_TRUE(placement.Begin().ok());
+  EXPECT_EQ(ThreadCpus(pthread_self()), std::vector<int>{plan.caller});
+  placement.End();
   EXPECT_EQ(ThreadCpus(pthread_self()), allowed);
 }
 

@@ -79,5 +79,16 @@ TEST(ThreadPoolTest, ThreadIndexIsNeverUsedConcurrentlyAcrossManyJobs) {
   }
 }
 
+// 0 (or less) threads means one per hardware thread, as std::thread counts them; the pool starts one fewer workers.
+TEST(ThreadPoolTest, NoThreadCountMeansEveryHardwareThread) {
+  const unsigned hw = std::thread::hardware_concurrency();
+  const int expected = hw == 0 ? 1 : static_cast<int>(hw);
+  for (int n : {0, -3}) {
+    ThreadPool pool(n);
+    EXPECT_EQ(pool.NumThreads(), expected) << n;
+    EXPECT_EQ(pool.WorkerHandles().size(), static_cast<size_t>(expected - 1)) << n;
+  }
+}
+
 }  // namespace
 }  // namespace nflash
