@@ -218,6 +218,12 @@ TEST(Cli, ExitCodesForMissingInputAndExistingOutput) {
   CommandResult again = Nflash("convert " + Stories() + " -o " + out);
   EXPECT_EQ(again.exit_code, 2) << again.output;
   EXPECT_NE(again.output.find("--force"), std::string::npos) << again.output;
+  // Refused before the input is opened (the GGUF writer would refuse too, after reading and quantizing it): a missing
+  // input is not what it reports.
+  CommandResult before_input = Nflash("convert " + missing + " -o " + out);
+  EXPECT_EQ(before_input.exit_code, 2) << before_input.output;
+  EXPECT_NE(before_input.output.find(out + " exists; pass --force to overwrite"), std::string::npos)
+      << before_input.output;
   CommandResult forced = Nflash("-q convert " + Stories() + " -o " + out + " --force --type f16");
   EXPECT_EQ(forced.exit_code, 0) << forced.output;
 
@@ -236,6 +242,13 @@ TEST(Cli, ExitCodesForMissingInputAndExistingOutput) {
   EXPECT_EQ(act.exit_code, 2) << act.output;
   EXPECT_NE(act.output.find("--activation gelu is not relu, drelu or silu"), std::string::npos) << act.output;
   EXPECT_FALSE(std::filesystem::exists(dir.File("s.gguf")));
+  // An existing output is refused before the model is made: nothing of the build (its SiLU warning) comes first.
+  CommandResult synth_exists = Nflash("synth --shape custom --dim 64 --ffn 64 --heads 4 --vocab 300 --activation silu -o " +
+                                      out);
+  EXPECT_EQ(synth_exists.exit_code, 2) << synth_exists.output;
+  EXPECT_NE(synth_exists.output.find(out + " exists; pass --force to overwrite"), std::string::npos)
+      << synth_exists.output;
+  EXPECT_EQ(synth_exists.output.find("SiLU is never exactly zero"), std::string::npos) << synth_exists.output;
 }
 
 TEST(Cli, ReluModelNeedsTokenizerAndActivation) {

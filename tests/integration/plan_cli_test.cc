@@ -249,6 +249,13 @@ TEST_F(PlanCliTest, CalibrateFitsAMeasuredRunAndIsReusable) {
                 "cal.json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("calibration: measured"), std::string::npos) << r.output;
+  // The same output again without --force: refused before the calibration runs the model (SavePlan would refuse
+  // too, after them).
+  auto again_no_force = Plan("--memory 3M --ctx 128 --calibrate", "cal.json");
+  EXPECT_EQ(again_no_force.exit_code, 2) << again_no_force.output;
+  EXPECT_NE(again_no_force.output.find(tmp_->File("cal.json") + " exists; pass --force to overwrite"), std::string::npos)
+      << again_no_force.output;
+  EXPECT_EQ(again_no_force.output.find("calibrat"), std::string::npos) << again_no_force.output;
   // The three runs as logged ("calibration run N: T ms/token, ..."): the fit must use the median one.
   std::vector<double> run_ms;
   for (size_t at = r.output.find("calibration run "); at != std::string::npos;

@@ -368,11 +368,16 @@ TEST_F(ProfileCli, HashMismatchIsDetected) {
   EXPECT_FALSE(CheckProfileForModel(*p, HashToHex(*silu_hash), "stories260K.bin").ok());
 }
 
+// Refused before the model runs: no traces file is left behind for a command that failed (the profile's writer
+// would refuse too, after the run and after the traces were written).
 TEST_F(ProfileCli, RefusesToOverwriteWithoutForce) {
   const auto r = RunCommand(ProfileCmd(SharedPath("text/tinystories_calib.txt"), dir_->File("relu.prof"),
-                                       "--tokens 10"));
+                                       "--tokens 10 --traces " + dir_->File("refused.trace.zst")));
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_NE(r.output.find("--force"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(dir_->File("relu.prof") + " exists; pass --force to overwrite"), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir_->File("refused.trace.zst")));
+  EXPECT_EQ(r.output.find("profiled"), std::string::npos) << r.output;
 }
 
 TEST(ProfileCliBadInput, EmptyNonUtf8AndUnwritable) {

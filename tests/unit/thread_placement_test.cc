@@ -158,8 +158,8 @@ TEST(ThreadPlacementTest, CpuCapacitiesReadsSysfsFiles) {
   EXPECT_TRUE(CpuCapacities(std::vector<int>{0, 3}, dir.path()).empty());
   EXPECT_TRUE(CpuCapacities(std::vector<int>{0, 4}, dir.path()).empty());
   EXPECT_TRUE(CpuCapacities(std::vector<int>{0, 5}, dir.path()).empty());
-  // cpu6's value has more digits than a uint64_t holds: unreadable like garbage, not a crash.
-  put("cpu6/cpu_capacity", "123456789012345678901234\n");
+  // cpu6's value is 20 digits, beyond what a uint64_t holds: unreadable like garbage, not a crash.
+  put("cpu6/cpu_capacity", "99999999999999999999\n");
   EXPECT_TRUE(CpuCapacities(std::vector<int>{0, 6}, dir.path()).empty());
   EXPECT_TRUE(CpuCapacities(std::vector<int>{}, dir.path()).empty());
   EXPECT_TRUE(CpuCapacities(std::vector<int>{-1}, dir.path()).empty());
