@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/cli/model_loader.h"
 #include "runtime/core/cpu_affinity.h"
 #include "runtime/core/file.h"
 #include "runtime/engine/context.h"
@@ -58,6 +60,44 @@ TEST(RunCliTest, GoldenTextFromLlama2cAndFromGguf) {
     EXPECT_EQ(r.exit_code, 0);
     EXPECT_EQ(r.output, golden) << model;
   }
+}
+
+// How a model is opened follows the flags: a GGUF refuses the llama2.c-only flags; with --no-mmap its file is read,
+// not mapped (/proc/self/maps lists mapped files by path); a llama2.c checkpoint's in-memory conversion leaves no
+// temporary file behind in TMPDIR.
+TEST(RunCliTest, ModelLoadingFollowsTheFlags) {
+  testing::TempDir dir;
+  const std::string gguf = dir.File("s.gguf");
+  ASSERT_EQ(testing::RunCommand(Nflash() + " -q convert " + Stories() + " -o " + gguf + " --type f32").exit_code, 0);
+  const std::string message = "--tokenizer and --activation apply to llama2.c checkpoints only; " + gguf +
+                              " is a GGUF file that carries both";
+  EXPECT_TRUE(testing::FailsAsUsageError(Nflash() + " run -m " + gguf + " -n 2 --activation relu", message));
+  EXPECT_TRUE(testing::FailsAsUsageError(
+      Nflash() + " run -m " + gguf + " -n 2 --tokenizer " + testing::SharedPath("models/stories260K/tok512.bin"),
+      message));
+
+  auto mapped = [&gguf] {
+    std::ifstream maps("/proc/self/maps");
+    for (std::string line; std::getline(maps, line);) {
+      if (line.size() >= gguf.size() && line.compare(line.size() - gguf.size(), gguf.size(), gguf) == 0) return true;
+    }
+    return false;
+  };
+  for (const bool use_mmap : {true, false}) {
+    cli::ModelSource source;
+    source.path = gguf;
+    source.use_mmap = use_mmap;
+    auto loaded = cli::LoadModelForInference(source);
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    EXPECT_EQ(mapped(), use_mmap) << loaded->description;
+  }
+  EXPECT_FALSE(mapped()) << "unmapped with the model";
+
+  const std::string tmp = dir.File("tmp");
+  std::filesystem::create_directories(tmp);
+  auto r = testing::RunCommand("TMPDIR=" + tmp + " " + Nflash() + " run -m " + Stories() + " -n 4 --temp 0");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(std::filesystem::is_empty(tmp)) << "the converted checkpoint's temporary file is unlinked";
 }
 
 TEST(RunCliTest, JsonSummaryAndSeededSampling) {

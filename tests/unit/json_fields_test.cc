@@ -143,5 +143,34 @@ TEST(JsonFieldsTest, NestedPathsInMessages) {
   EXPECT_TRUE(f.Array("empty").ok());
 }
 
+// A value shown in an error is cut at 80 characters of its JSON text ("..." after), so that a large array or object
+// does not flood the message; a short one is shown whole.
+TEST(JsonFieldsTest, LongValuesAreCutInMessages) {
+  json j = json::object();
+  j["rates"] = json::array();
+  for (int i = 0; i < 100; ++i) j["rates"].push_back(1000 + i);  // "[1000,1001,...]": 501 characters
+  j["short"] = json::array({1, 2});
+  JsonFields f = Root(j);
+  std::string text;
+  const std::string cut = j["rates"].dump().substr(0, 80) + "...";
+  EXPECT_EQ(Error(f.Get("rates", &text)), "plan.json: field 'rates' has the wrong type: expected a string, found " + cut);
+  EXPECT_EQ(Error(f.Get("short", &text)), "plan.json: field 'short' has the wrong type: expected a string, found [1,2]");
+}
+
+// JSON built in code can hold a signed positive integer (parsed text gives unsigned ones): the upper bound applies
+// to it as well.
+TEST(JsonFieldsTest, SignedValuesBuiltInCodeAreCheckedAgainstTheUpperBound) {
+  json j = json::object();
+  j["big"] = int64_t{5000000000};
+  ASSERT_TRUE(j["big"].is_number_integer() && !j["big"].is_number_unsigned());
+  JsonFields f = Root(j);
+  int small = 0;
+  EXPECT_EQ(Error(f.Get("big", &small)),
+            "plan.json: field 'big' is out of range: expected an integer in [-2147483648, 2147483647], found 5000000000");
+  int64_t wide = 0;
+  EXPECT_EQ(Error(f.Get("big", &wide)), "");
+  EXPECT_EQ(wide, 5000000000);
+}
+
 }  // namespace
 }  // namespace nflash
