@@ -56,10 +56,17 @@ std::string ShellQuote(const std::string& s) {
   return out + "'";
 }
 
-// Single-quoted for a gnuplot script (a quote inside is doubled; no other character is special there).
+// Single-quoted for a gnuplot script: a quote inside is doubled, and a control character (a line break would end the
+// command) becomes a space; nothing else is special there.
 std::string GnuplotQuote(const std::string& s) {
   std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("''") : std::string(1, c);
+  for (char c : s) {
+    if (c == '\'') {
+      out += "''";
+    } else {
+      out += static_cast<unsigned char>(c) < 0x20 ? ' ' : c;
+    }
+  }
   return out + "'";
 }
 

@@ -230,7 +230,7 @@ TEST_F(ProfileCli, InspectPrintsSummaryAndPlots) {
 ModelProfile HandMadeProfile() {
   ModelProfile p;
   p.model_hash = "00";
-  p.model_name = "it's hand-made";  // a quote, for the plot's shell quoting
+  p.model_name = "it's\thand-made\n";  // a quote and control characters, for the plot's quoting
   p.activation = "relu";
   p.n_layers = 2;
   p.n_ff = 8;
@@ -345,7 +345,7 @@ TEST(ProfileInspect, PlotWritesTheImageAtomicallyOrSaysWhy) {
       << bad.output;
   EXPECT_FALSE(std::filesystem::exists(dir.File("curves.jpg")));
   if (std::system("command -v gnuplot > /dev/null") != 0) GTEST_SKIP() << "gnuplot is not installed";
-  // The model name and the output's name hold a quote: both are quoted for gnuplot's script.
+  // The model name holds a quote, a tab and a line break, the output's name a quote: quoted for gnuplot's script.
   const std::string out = dir.File("it's curves.svg");
   const auto r = RunCommand(inspect + "\"" + out + "\"");
   ASSERT_EQ(r.exit_code, 0) << r.output;
