@@ -279,17 +279,23 @@ ModelProfile HandMadeProfile() {
   return p;
 }
 
-// The words of the first output line that starts with `prefix` (empty when none does).
-std::vector<std::string> WordsOfLine(const std::string& output, const std::string& prefix) {
+// The output's lines as words, from the first line whose first word is `first` to the end (empty when none is).
+std::vector<std::vector<std::string>> RowsFrom(const std::string& output, const std::string& first) {
   std::istringstream lines(output);
+  std::vector<std::vector<std::string>> rows;
   for (std::string line; std::getline(lines, line);) {
-    if (line.rfind(prefix, 0) != 0) continue;
     std::istringstream in(line);
     std::vector<std::string> words;
     for (std::string w; in >> w;) words.push_back(w);
-    return words;
+    if (!rows.empty() || (!words.empty() && words[0] == first)) rows.push_back(std::move(words));
   }
-  return {};
+  return rows;
+}
+
+// The words of the first output line whose first word is `first` (empty when none is).
+std::vector<std::string> WordsOfLine(const std::string& output, const std::string& first) {
+  std::vector<std::vector<std::string>> rows = RowsFrom(output, first);
+  return rows.empty() ? std::vector<std::string>{} : rows.front();
 }
 
 TEST(ProfileInspect, TableShowsTheFiguresOfAKnownProfile) {
@@ -300,34 +306,21 @@ TEST(ProfileInspect, TableShowsTheFiguresOfAKnownProfile) {
   // Layer 0: P50 at the bin where 5 of 10 tokens are reached (bin 4: upper edge 5/20), P90 at 9 of 10 (bin 9: 10/20);
   // top10% at 1.6 of 16 steps: 0.4 x 1/256 + 0.6 x 4/256 = 0.0109; top20% at 3.2: 0.8 x 9/256 + 0.2 x 16/256 =
   // 0.0406; top50% 64/256; ho50% 8/16; hit25% 4/32, hit50% 8/32; bs2 16 / (5 x 8).
-  EXPECT_EQ(WordsOfLine(r.output, "0 "),
+  EXPECT_EQ(WordsOfLine(r.output, "0"),
             (std::vector<std::string>{"0", "-1", "10", "0.00000", "0.1875", "0.250", "0.500", "0.011", "0.041",
                                       "0.250", "0.500", "0.125", "0.250", "0.4000", "0.8750", "0.6250"}))
       << r.output;
   // Layer 1: every token in the last bin (P50 = P90 = 1), no held-out curve ("-"), gated ratios not measured (1).
-  EXPECT_EQ(WordsOfLine(r.output, "1 "),
+  EXPECT_EQ(WordsOfLine(r.output, "1"),
             (std::vector<std::string>{"1", "-1", "10", "0.03125", "0.9688", "1.000", "1.000", "0.011", "0.041",
                                       "0.250", "-", "0.125", "0.250", "0.4000", "1.0000", "1.0000"}))
       << r.output;
   // The shared pool's curve at 10/25/50% of 64 steps: points 6, 16 and 32 of i/128.
   EXPECT_NE(r.output.find("10/25/50% of all neurons: 0.047 / 0.125 / 0.250"), std::string::npos) << r.output;
   // The threshold table: one row per FFN, a column per reported sparsity.
-  const std::vector<std::string> t0 = WordsOfLine(r.output, "thresholds on");
-  EXPECT_FALSE(t0.empty()) << r.output;
-  std::istringstream lines(r.output);
-  std::vector<std::vector<std::string>> rows;
-  bool in_table = false;
-  for (std::string line; std::getline(lines, line);) {
-    if (line.rfind("thresholds on", 0) == 0) {
-      in_table = true;
-      continue;
-    }
-    if (!in_table) continue;
-    std::istringstream in(line);
-    std::vector<std::string> words;
-    for (std::string w; in >> w;) words.push_back(w);
-    rows.push_back(words);
-  }
+  std::vector<std::vector<std::string>> rows = RowsFrom(r.output, "thresholds");
+  ASSERT_FALSE(rows.empty()) << r.output;
+  rows.erase(rows.begin());  // the heading
   EXPECT_EQ(rows, (std::vector<std::vector<std::string>>{{"layer", "expert", "0.50", "0.90"},
                                                           {"0", "-1", "0.12500", "0.50000"},
                                                           {"1", "-1", "0.25000", "0.75000"}}))
