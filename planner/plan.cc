@@ -24,7 +24,7 @@ std::string PlanToJson(const Plan& p) {
   j["settings"] = {{"fixed_bytes", p.fixed_bytes},         {"n_ctx", p.n_ctx}, {"kv_type", p.kv_type},
                    {"compute_threads", p.compute_threads}, {"io_threads", p.io_threads},
                    {"queue_depth", p.queue_depth},         {"cluster_neurons", p.cluster_neurons},
-                   {"shared_cold_pool", p.shared_cold_pool}};
+                   {"shared_cold_pool", p.shared_cold_pool}, {"lookahead", p.lookahead}};
   json regions = json::array();
   for (const RegionPlan& r : p.regions) {
     regions.push_back(
@@ -56,6 +56,10 @@ std::string PlanToJson(const Plan& p) {
                         {"tokens", c.tokens},
                         {"runs", c.runs},
                         {"memory_bytes", c.memory_bytes}};
+    if (c.lookahead_compared()) {
+      j["calibration"]["lookahead_on_token_s"] = c.lookahead_on_token_s;
+      j["calibration"]["lookahead_off_token_s"] = c.lookahead_off_token_s;
+    }
   }
   j["solve_seconds"] = p.solve_seconds;
   return j.dump(2) + "\n";
@@ -92,6 +96,11 @@ Result<Plan> ParsePlan(const std::string& text, const std::string& source) {
   NF_RETURN_IF_ERROR(set.Get("queue_depth", &p.queue_depth));
   NF_RETURN_IF_ERROR(set.Get("cluster_neurons", &p.cluster_neurons));
   if (set.Has("shared_cold_pool")) NF_RETURN_IF_ERROR(set.Get("shared_cold_pool", &p.shared_cold_pool));
+  if (set.Has("lookahead")) NF_RETURN_IF_ERROR(set.Get("lookahead", &p.lookahead));
+  if (p.lookahead < -1) {
+    return Status::Corruption(source + ": field 'settings.lookahead': expected -1 (the runtime's rule), 0 (off) or " +
+                              "a bundle count, found " + std::to_string(p.lookahead));
+  }
   if (p.compute_threads < 1 || p.io_threads < 0 || p.queue_depth < 1 || p.cluster_neurons < 1) {
     return Status::Corruption(source + ": 'settings' needs compute_threads >= 1, io_threads >= 0, queue_depth >= 1, " +
                               "cluster_neurons >= 1");
@@ -141,6 +150,14 @@ Result<Plan> ParsePlan(const std::string& text, const std::string& source) {
     NF_RETURN_IF_ERROR(c.Get("tokens", &k.tokens));
     NF_RETURN_IF_ERROR(c.Get("memory_bytes", &k.memory_bytes));
     if (c.Has("runs")) NF_RETURN_IF_ERROR(c.Get("runs", &k.runs));  // absent in plans made before it existed: 1
+    // Both or neither (absent: the lookahead was not compared).
+    if (c.Has("lookahead_on_token_s") || c.Has("lookahead_off_token_s")) {
+      NF_RETURN_IF_ERROR(c.Get("lookahead_on_token_s", &k.lookahead_on_token_s));
+      NF_RETURN_IF_ERROR(c.Get("lookahead_off_token_s", &k.lookahead_off_token_s));
+      if (!k.lookahead_compared()) {
+        return Status::Corruption(c.where().Describe() + ": lookahead_on_token_s and lookahead_off_token_s must be > 0");
+      }
+    }
     if (!(k.compute_scale > 0) || !(k.io_scale > 0) || k.tokens <= 0 || k.runs <= 0) {
       return Status::Corruption(c.where().Describe() +
                                 ": compute_scale and io_scale must be > 0, tokens and runs > 0");

@@ -40,7 +40,12 @@ struct Calibration {
   int tokens = 0;                  // measured tokens (after warm-up)
   int runs = 1;                    // runs made; the fit uses the one with the median time per token
   uint64_t memory_bytes = 0;       // the memory limit of the measured plan
+  // The lookahead, timed both ways (runs alternating, the same count each): the median time per token with the
+  // runtime's own lookahead rule and with none. 0: not compared (the run had no lookahead to turn off).
+  double lookahead_on_token_s = 0;
+  double lookahead_off_token_s = 0;
   bool present() const { return tokens > 0; }
+  bool lookahead_compared() const { return lookahead_on_token_s > 0 && lookahead_off_token_s > 0; }
 };
 
 struct Plan {
@@ -65,6 +70,11 @@ struct Plan {
   // --cold-pool shared) instead of a partition each; their split over the regions is then only indicative. Plans
   // without the field: false.
   bool shared_cold_pool = false;
+  // The cross-layer lookahead, as the runtime's --lookahead: -1 the runtime's own rule (AutoLookahead), 0 off, N up
+  // to N bundles read ahead per layer. `plan --calibrate` times the rule against none and keeps the faster (the
+  // lookahead's CPU and extra reads cost more than the wait it hides where reads are fast; docs/results.md). Plans
+  // without the field: -1.
+  int64_t lookahead = -1;
   std::vector<RegionPlan> regions;  // layer-major, experts in order (the manifest's order)
   PlanPrediction predicted;
   Calibration calibration;  // optional in plan.json ("calibration")

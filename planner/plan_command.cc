@@ -78,6 +78,9 @@ void FillSolution(const SolveResult& solved, const HardwareParams& hw, const Mod
 // process holds the profile and Z3) for warmup + tokens decode tokens, --calibrate-runs times, and fits the
 // calibration to the run with the median time per token (its own I/O wait with it: time and wait of one run belong
 // together). One short run on a shared machine can be far off (1.6x measured); the median of 3 is much steadier.
+// When the first run reads ahead (its JSON's lookahead_slots > 0), each run is followed by one with `--lookahead 0`,
+// the two kinds alternating so that a drift of the machine (the host's cache, other guests) falls on both alike; the
+// kind with the lower median is what the plan keeps (Plan::lookahead), and the fit uses that kind's median run.
 Result<Calibration> MeasureAndFit(const PlanFlags& f, const std::string& plan_path, const HardwareParams& hw,
                                   const ModelParams& model, const PlanSettings& settings) {
   NF_ASSIGN_OR_RETURN(const std::string self, SelfExecutable());
@@ -87,12 +90,10 @@ Result<Calibration> MeasureAndFit(const PlanFlags& f, const std::string& plan_pa
   struct Run {
     double token_ms = 0, wait_ms = 0;
     int measured = 0;
+    int64_t lookahead_slots = 0;
   };
-  std::vector<Run> runs;
-  for (int i = 0; i < f.calibrate_runs; ++i) {
-    NF_LOG(Info) << "calibrating: run " << i + 1 << " of " << f.calibrate_runs << ", " << f.calibrate_warmup << " + "
-                 << f.calibrate_tokens << " decode tokens with the uncalibrated plan";
-    NF_ASSIGN_OR_RETURN(const std::string out, RunCapture(argv));
+  auto measure = [&](const std::vector<std::string>& args, const std::string& name) -> Result<Run> {
+    NF_ASSIGN_OR_RETURN(const std::string out, RunCapture(args));
     const nlohmann::json j = nlohmann::json::parse(out, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded() || !j.is_object()) {
       return Status::Internal("calibration run: `nflash offload --json` printed no JSON object");
@@ -104,27 +105,68 @@ Result<Calibration> MeasureAndFit(const PlanFlags& f, const std::string& plan_pa
     NF_RETURN_IF_ERROR(r.Get("io_wait_ms_per_token", &run.wait_ms));
     NF_RETURN_IF_ERROR(r.Get("generated", &generated));
     NF_RETURN_IF_ERROR(r.Get("warmup_tokens", &warmup));
+    NF_RETURN_IF_ERROR(r.Get("lookahead_slots", &run.lookahead_slots));
     run.measured = static_cast<int>(generated - warmup);
     if (run.measured < 2) {
       return Status::InvalidArgument("calibration run measured " + std::to_string(run.measured) +
                                      " tokens (context too small, or the model stopped early): raise --ctx");
     }
-    NF_LOG(Info) << "calibration run " << i + 1 << ": " << std::to_string(run.token_ms) << " ms/token, "
+    NF_LOG(Info) << "calibration run " << name << ": " << std::to_string(run.token_ms) << " ms/token, "
                  << std::to_string(run.wait_ms) << " ms waiting for I/O";
-    runs.push_back(run);
+    return run;
+  };
+  std::vector<std::string> argv_off = argv;
+  argv_off.insert(argv_off.end(), {"--lookahead", "0"});
+  std::vector<Run> on, off;  // the plan's runs (the runtime's lookahead rule) and those without lookahead
+  bool compare = false;  // decided by the first run
+  for (int i = 0; i < f.calibrate_runs; ++i) {
+    NF_LOG(Info) << "calibrating: run " << i + 1 << " of " << f.calibrate_runs << ", " << f.calibrate_warmup << " + "
+                 << f.calibrate_tokens << " decode tokens with the uncalibrated plan"
+                 << (compare ? ", then the same without lookahead" : "");
+    NF_ASSIGN_OR_RETURN(const Run a, measure(argv, std::to_string(i + 1)));
+    on.push_back(a);
+    if (i == 0 && a.lookahead_slots > 0) {
+      compare = true;
+      NF_LOG(Info) << "the plan reads ahead (up to " << a.lookahead_slots << " bundles per layer): each run is "
+                   << "followed by one with --lookahead 0, and the faster kind (median) is kept";
+    }
+    if (compare) {
+      NF_ASSIGN_OR_RETURN(const Run b, measure(argv_off, std::to_string(i + 1) + " without lookahead"));
+      off.push_back(b);
+    }
   }
-  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.token_ms < b.token_ms; });
-  const Run& median = runs[(runs.size() - 1) / 2];  // the lower middle of an even count
-  NF_ASSIGN_OR_RETURN(Calibration c, FitCalibration(hw, model, settings, median.token_ms * 1e-3,
-                                                    median.wait_ms * 1e-3, median.measured));
-  c.runs = static_cast<int>(runs.size());
+  auto by_time = [](const Run& a, const Run& b) { return a.token_ms < b.token_ms; };
+  std::sort(on.begin(), on.end(), by_time);
+  std::sort(off.begin(), off.end(), by_time);
+  // The lower middle of an even count.
+  const Run& median_on = on[(on.size() - 1) / 2];
+  const Run* median = &median_on;
+  double off_ms = 0;
+  if (!off.empty()) {
+    const Run& median_off = off[(off.size() - 1) / 2];
+    off_ms = median_off.token_ms;
+    if (median_off.token_ms < median_on.token_ms) median = &median_off;
+  }
+  NF_ASSIGN_OR_RETURN(Calibration c, FitCalibration(hw, model, settings, median->token_ms * 1e-3,
+                                                    median->wait_ms * 1e-3, median->measured));
+  c.runs = static_cast<int>(on.size());
+  if (!off.empty()) {
+    c.lookahead_on_token_s = median_on.token_ms * 1e-3;
+    c.lookahead_off_token_s = off_ms * 1e-3;
+  }
   return c;
 }
 
+// The lookahead a calibration chose: off when the runs without it were faster (median), else the runtime's rule.
+int64_t ChosenLookahead(const Calibration& c) {
+  return c.lookahead_compared() && c.lookahead_off_token_s < c.lookahead_on_token_s ? 0 : -1;
+}
+
 void PrintExplain(const Plan& plan, const Prediction& p, const ModelParams& model) {
-  std::printf("plan for %s: %d compute thread(s) + %d I/O thread, queue depth %d, clusters of %d neurons%s\n",
+  std::printf("plan for %s: %d compute thread(s) + %d I/O thread, queue depth %d, clusters of %d neurons%s%s\n",
               plan.model_name.c_str(), plan.compute_threads, plan.io_threads, plan.queue_depth, plan.cluster_neurons,
-              plan.shared_cold_pool ? "; the cold slots are one pool shared by every region" : "");
+              plan.shared_cold_pool ? "; the cold slots are one pool shared by every region" : "",
+              plan.lookahead == 0 ? "; no lookahead (measured slower)" : "");
   std::printf("memory: %.1f MiB of %.1f MiB (fixed part %.1f MiB)\n", static_cast<double>(p.memory_bytes) / (1 << 20),
               static_cast<double>(plan.memory_limit_bytes) / (1 << 20),
               static_cast<double>(plan.fixed_bytes) / (1 << 20));
@@ -216,6 +258,7 @@ Status RunPlan(const PlanFlags& f) {
     }
     calibration = other.calibration;
   }
+  const int64_t lookahead = ChosenLookahead(calibration);  // -1 without a calibration
   HardwareParams hw = calibration.present() ? Calibrated(raw_hw, calibration) : raw_hw;
 
   NF_ASSIGN_OR_RETURN(SolveResult solved, SolvePlan(hw, model, limits));
@@ -244,6 +287,7 @@ Status RunPlan(const PlanFlags& f) {
   plan.kv_type = f.kv_type;
   FillSolution(solved, hw, model, &plan);
   plan.calibration = calibration;
+  plan.lookahead = lookahead;
   if (f.calibrate) {
     // Measure the plan just made, fit, and plan again with the calibrated figures.
     const std::string probe = f.output + ".calibrate.tmp";
@@ -266,6 +310,12 @@ Status RunPlan(const PlanFlags& f) {
     FillSolution(solved, hw, model, &plan);
     plan.solve_seconds += first_solve;
     plan.calibration = calibration;
+    plan.lookahead = ChosenLookahead(calibration);
+    if (calibration.lookahead_compared()) {
+      NF_LOG(Info) << "lookahead: " << calibration.lookahead_on_token_s * 1e3 << " ms/token with the runtime's rule, "
+                   << calibration.lookahead_off_token_s * 1e3 << " without (medians of " << calibration.runs
+                   << " runs each): the plan keeps it " << (plan.lookahead == 0 ? "off" : "to the runtime's rule");
+    }
   }
   NF_RETURN_IF_ERROR(SavePlan(plan, f.output, f.force));
   const Prediction& p = solved.prediction;

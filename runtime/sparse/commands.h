@@ -17,6 +17,9 @@ namespace nflash::sparse {
 // `nflash offload`: greedy generation from a deployment directory with the FFN on flash.
 void RegisterOffloadCommand(CLI::App& app, cli::CommandAction* action);
 
+// RuntimeFlags::lookahead when --lookahead is not given: the plan's choice (planner::Plan::lookahead), else -1.
+inline constexpr int64_t kLookaheadNotGiven = -2;
+
 // One command line's runtime flags. Thread-safety: a value type.
 struct RuntimeFlags {
   std::string deploy;  // -d: each command registers it (required or not)
@@ -39,7 +42,7 @@ struct RuntimeFlags {
   bool no_cold_overflow = false;
   double cold_protected = kDefaultColdProtectedFraction;
   std::string two_phase = "off";
-  int64_t lookahead = -1;
+  int64_t lookahead = kLookaheadNotGiven;
   double lookahead_keep = kDefaultLookaheadKeep;
   double warm_next_mib = -1.0;
   uint64_t warm_next_ab = 0;

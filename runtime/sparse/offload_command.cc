@@ -52,7 +52,8 @@ struct OffloadFlags : RuntimeFlags {
 // hot clusters (the plan's hot neurons of each region, in clusters; with the LRU hot policy only the packer's hot part
 // can be hot and hot neurons beyond it become cold slots) and cold slots per layer/expert. Refuses a plan made for
 // another deployment.
-Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, SparseRuntimeOptions* o, int* threads) {
+Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, SparseRuntimeOptions* o, int* threads,
+                 int64_t* lookahead) {
   NF_ASSIGN_OR_RETURN(planner::Plan plan, planner::LoadPlan(plan_path));
   NF_RETURN_IF_ERROR(planner::CheckPlanForDeployment(plan, deploy_dir));
   NF_ASSIGN_OR_RETURN(auto d, packer::Deployment::Open(deploy_dir));
@@ -93,9 +94,11 @@ Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, Sp
   o->io.queue_depth = static_cast<unsigned>(plan.queue_depth);
   o->chunk_requests = plan.cluster_neurons;
   *threads = plan.compute_threads;
+  *lookahead = plan.lookahead;
   NF_LOG(Info) << "plan " << plan_path << ": " << plan.compute_threads << " compute thread(s), queue depth "
                << plan.queue_depth << ", " << o->hot_slots << " hot clusters"
-               << (plan.shared_cold_pool ? ", one shared cold pool" : "") << ", predicted "
+               << (plan.shared_cold_pool ? ", one shared cold pool" : "")
+               << (plan.lookahead == 0 ? ", no lookahead (plan --calibrate measured it slower)" : "") << ", predicted "
                << plan.predicted.tokens_per_s << " tok/s";
   return Status::Ok();
 }
@@ -593,13 +596,15 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->shared_cold_pool = f.cold_pool == "shared";
   NF_ASSIGN_OR_RETURN(o->hot_policy, ParseHotPolicy(f.hot_policy));
   *threads = f.threads;
+  int64_t lookahead_flag = f.lookahead == kLookaheadNotGiven ? -1 : f.lookahead;
   if (!f.plan.empty()) {
     if (!f.memory.empty() || f.hot_slots > 0 || f.cold_slots > 0 || f.ctx > 0) {
       return Status::InvalidArgument("--plan sets the memory, cache sizes and context: drop --memory, --hot-slots, "
                                      "--cold-slots and --ctx");
     }
     const KvType asked = o->kv_type;
-    NF_RETURN_IF_ERROR(ApplyPlan(f.plan, f.deploy, o, threads));
+    int64_t plan_lookahead = -1;
+    NF_RETURN_IF_ERROR(ApplyPlan(f.plan, f.deploy, o, threads, &plan_lookahead));
     if (!f.kv_type.empty() && asked != o->kv_type) {  // the KV cache is part of the plan's memory
       return Status::InvalidArgument("--kv-type " + f.kv_type + ": the plan " + f.plan + " sized its KV cache as " +
                                      KvTypeName(o->kv_type) + " (re-plan with --kv-type " + f.kv_type + ")");
@@ -618,9 +623,14 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
       NF_LOG(Info) << "--chunk-requests " << f.chunk_requests << " replaces the plan's " << o->chunk_requests;
       o->chunk_requests = f.chunk_requests;
     }
+    if (f.lookahead == kLookaheadNotGiven) {
+      lookahead_flag = plan_lookahead;
+    } else if (f.lookahead != plan_lookahead) {
+      NF_LOG(Info) << "--lookahead " << f.lookahead << " replaces the plan's " << plan_lookahead;
+    }
   }
   const LookaheadChoice lookahead =
-      AutoLookahead(f.lookahead, *threads, ThreadsPinned(o->mode, o->pin_threads, *threads));
+      AutoLookahead(lookahead_flag, *threads, ThreadsPinned(o->mode, o->pin_threads, *threads));
   o->lookahead_slots = lookahead.slots;
   o->lookahead_adaptive = lookahead.adaptive;
   return Status::Ok();
@@ -694,8 +704,8 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_option("--lookahead", flags->lookahead,
                   "Bundles read ahead for the next layer while one runs (full mode, whole bundles; MoE: per guessed "
                   "expert): -1 auto (n_ff/8; from the start when a core is left beyond the compute threads, else "
-                  "adaptive: on once waiting for reads takes 15% of 8 tokens), 0 off")
-      ->capture_default_str();
+                  "adaptive: on once waiting for reads takes 15% of 8 tokens), 0 off; default: the plan's (0 where "
+                  "`plan --calibrate` measured the lookahead slower), else -1");
   cmd->add_option("--lookahead-source", flags->lookahead_source,
                   "Where a layer's guess comes from: next-layer (during the previous layer's FFN, from its input) or "
                   "same-layer (before the layer's attention, from its input)")

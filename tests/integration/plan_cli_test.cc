@@ -185,6 +185,28 @@ TEST_F(PlanCliTest, TheRuntimeFollowsThePlanAndRefusesOneForAnotherDeployment) {
   EXPECT_EQ(jf.value("queue_depth", -1), depth) << jf.dump();
   EXPECT_EQ(jf.value("chunk_requests", -1), 3) << jf.dump();
   EXPECT_EQ(jf.value("memory_budget", uint64_t{0}), p->memory_limit_bytes) << jf.dump();
+  // The lookahead: a plan without a calibration leaves it to the runtime's rule (n_ff / 8 = 172 / 8 bundles here);
+  // a plan's 0 (what `plan --calibrate` writes when the runs without it were faster) or count is followed, and
+  // --lookahead on the command line replaces it.
+  EXPECT_EQ(p->lookahead, -1);
+  EXPECT_EQ(j.value("lookahead_slots", int64_t{-1}), 172 / 8) << j.dump();
+  for (const int64_t planned : {int64_t{0}, int64_t{7}}) {
+    planner::Plan with = *p;
+    with.lookahead = planned;
+    const std::string with_path = tmp_->File("lookahead_plan_" + std::to_string(planned) + ".json");
+    ASSERT_TRUE(SavePlan(with, with_path, false).ok());
+    for (const int64_t given : {int64_t{-2}, int64_t{-1}, int64_t{5}}) {  // -2: no flag
+      SCOPED_TRACE("plan " + std::to_string(planned) + ", --lookahead " + std::to_string(given));
+      auto lrun = RunCommand(Nflash() + " offload -d " + tmp_->File("deploy") + " --plan " + with_path +
+                                 " -n 4 --json" + (given == -2 ? "" : " --lookahead " + std::to_string(given)),
+                             /*capture_stderr=*/false);
+      ASSERT_EQ(lrun.exit_code, 0) << lrun.output;
+      auto lj = nlohmann::json::parse(lrun.output.substr(lrun.output.find('{')), nullptr, false);
+      ASSERT_FALSE(lj.is_discarded()) << lrun.output;
+      const int64_t want = given == -2 ? planned : given == -1 ? 172 / 8 : given;
+      EXPECT_EQ(lj.value("lookahead_slots", int64_t{-100}), want) << lj.dump();
+    }
+  }
 
   // The same model packed in the other order (popularity; the default is co-activation chains) is another
   // deployment: refused, exit 2.
@@ -240,8 +262,8 @@ TEST_F(PlanCliTest, AHalfKvCachePlanCountsHalfTheCacheAndTheRuntimeFollows) {
   EXPECT_NE(parsed.status().message().find("settings.kv_type"), std::string::npos) << parsed.status().message();
 }
 
-// --calibrate runs the plan 3 times, fits the cost model to the median run and records the fit; --calibration reuses
-// it.
+// --calibrate runs the plan 3 times (and 3 times without lookahead, alternating), keeps the faster lookahead setting,
+// fits the cost model to that setting's median run and records the fit; --calibration reuses both.
 TEST_F(PlanCliTest, CalibrateFitsAMeasuredRunAndIsReusable) {
   auto raw = Plan("--memory 3M --ctx 128", "cal_raw.json");
   ASSERT_EQ(raw.exit_code, 0) << raw.output;
@@ -256,25 +278,41 @@ TEST_F(PlanCliTest, CalibrateFitsAMeasuredRunAndIsReusable) {
   EXPECT_NE(again_no_force.output.find(tmp_->File("cal.json") + " exists; pass --force to overwrite"), std::string::npos)
       << again_no_force.output;
   EXPECT_EQ(again_no_force.output.find("calibrat"), std::string::npos) << again_no_force.output;
-  // The three runs as logged ("calibration run N: T ms/token, ..."): the fit must use the median one.
-  std::vector<double> run_ms;
+  // The runs as logged ("calibration run N: T ms/token, ..." and, since the plan reads ahead (172 / 8 bundles per
+  // layer), "calibration run N without lookahead: T ms/token, ..." after each): the plan keeps the kind with the lower
+  // median and the fit uses that kind's median run.
+  std::vector<double> on_ms, off_ms;
   for (size_t at = r.output.find("calibration run "); at != std::string::npos;
        at = r.output.find("calibration run ", at + 1)) {
     const size_t colon = r.output.find(": ", at);
     ASSERT_NE(colon, std::string::npos);
-    run_ms.push_back(std::stod(r.output.substr(colon + 2)));
+    const bool off = r.output.compare(colon - 18, 18, " without lookahead") == 0;
+    (off ? off_ms : on_ms).push_back(std::stod(r.output.substr(colon + 2)));
   }
-  ASSERT_EQ(run_ms.size(), 3u) << r.output;
-  std::sort(run_ms.begin(), run_ms.end());
+  ASSERT_EQ(on_ms.size(), 3u) << r.output;
+  ASSERT_EQ(off_ms.size(), 3u) << r.output;
+  std::sort(on_ms.begin(), on_ms.end());
+  std::sort(off_ms.begin(), off_ms.end());
+  const bool off_faster = off_ms[1] < on_ms[1];
+  const double chosen_ms = off_faster ? off_ms[1] : on_ms[1];
   auto plain = LoadPlan(tmp_->File("cal_raw.json"));
   auto cal = LoadPlan(tmp_->File("cal.json"));
   ASSERT_TRUE(plain.ok() && cal.ok());
   EXPECT_FALSE(plain->calibration.present());
+  EXPECT_EQ(plain->lookahead, -1);
   const Calibration& c = cal->calibration;
   ASSERT_TRUE(c.present());
   EXPECT_EQ(c.tokens, 8);
   EXPECT_EQ(c.runs, 3);
-  EXPECT_NEAR(c.measured_token_s * 1e3, run_ms[1], 1e-5 + run_ms[1] * 1e-6) << "not the median run";
+  EXPECT_NEAR(c.measured_token_s * 1e3, chosen_ms, 1e-5 + chosen_ms * 1e-6) << "not the chosen kind's median run";
+  EXPECT_NEAR(c.lookahead_on_token_s * 1e3, on_ms[1], 1e-5 + on_ms[1] * 1e-6);
+  EXPECT_NEAR(c.lookahead_off_token_s * 1e3, off_ms[1], 1e-5 + off_ms[1] * 1e-6);
+  EXPECT_EQ(cal->lookahead, off_faster ? 0 : -1) << r.output;
+  EXPECT_NE(r.output.find(off_faster ? "the plan keeps it off" : "the plan keeps it to the runtime's rule"),
+            std::string::npos)
+      << r.output;
+  std::printf("calibration lookahead (stories260K-relu, this machine): median %.3f ms/token with, %.3f without\n",
+              on_ms[1], off_ms[1]);
   EXPECT_EQ(c.memory_bytes, 3u << 20);
   EXPECT_GT(c.compute_scale, 0);
   EXPECT_GT(c.io_scale, 0);
@@ -291,6 +329,7 @@ TEST_F(PlanCliTest, CalibrateFitsAMeasuredRunAndIsReusable) {
   ASSERT_TRUE(again.ok());
   EXPECT_DOUBLE_EQ(again->calibration.compute_scale, c.compute_scale);
   EXPECT_DOUBLE_EQ(again->calibration.io_scale, c.io_scale);
+  EXPECT_EQ(again->lookahead, cal->lookahead) << "the lookahead measured with the factors comes with them";
 
   // A calibration measured against another hardware profile (one byte differs, so its hash does) is refused.
   nflash::testing::WriteText(tmp_->File("hw2.json"), nflash::testing::FakeHwProfileJson() + "\n");

@@ -857,5 +857,60 @@ TEST(PlanFileTest, RoundTripsAndRejectsBadFilesAndOtherDeployments) {
   EXPECT_FALSE(older->shared_cold_pool);
 }
 
+// The lookahead `plan --calibrate` chose and the two medians it chose from: kept through the file; plans without them
+// leave the lookahead to the runtime (-1) and have compared nothing; out-of-range or half-present values are named.
+TEST(PlanFileTest, LookaheadChoiceRoundTripsAndOlderPlansLeaveItToTheRuntime) {
+  Plan p;
+  p.objective = "speed";
+  p.lookahead = 0;
+  p.calibration.tokens = 16;
+  p.calibration.lookahead_on_token_s = 0.0435;
+  p.calibration.lookahead_off_token_s = 0.0408;
+  const std::string text = PlanToJson(p);
+  auto q = ParsePlan(text, "x.json");
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ(q->lookahead, 0);
+  EXPECT_TRUE(q->calibration.lookahead_compared());
+  EXPECT_DOUBLE_EQ(q->calibration.lookahead_on_token_s, 0.0435);
+  EXPECT_DOUBLE_EQ(q->calibration.lookahead_off_token_s, 0.0408);
+  p.lookahead = 1376;  // a bundle count is a valid setting too
+  auto counted = ParsePlan(PlanToJson(p), "x.json");
+  ASSERT_TRUE(counted.ok()) << counted.status().ToString();
+  EXPECT_EQ(counted->lookahead, 1376);
+
+  // Without the fields (plans made before them).
+  auto erase = [](std::string t, const std::string& field) {
+    const size_t at = t.find(field);
+    EXPECT_NE(at, std::string::npos) << field << " in " << t;
+    return at == std::string::npos ? t : t.erase(at, field.size());
+  };
+  std::string older = erase(text, "\"lookahead\": 0,");
+  older = erase(older, "\"lookahead_off_token_s\": 0.0408,");
+  older = erase(older, "\"lookahead_on_token_s\": 0.0435,");
+  auto old = ParsePlan(older, "x.json");
+  ASSERT_TRUE(old.ok()) << old.status().ToString() << "\n" << older;
+  EXPECT_EQ(old->lookahead, -1);
+  EXPECT_FALSE(old->calibration.lookahead_compared());
+  EXPECT_EQ(PlanToJson(*old).find("lookahead_on_token_s"), std::string::npos) << "not compared: not written";
+
+  // Errors, each naming what is wrong.
+  auto below = ParsePlan(std::string(text).replace(text.find("\"lookahead\": 0"), 14, "\"lookahead\": -2"), "x.json");
+  ASSERT_FALSE(below.ok());
+  EXPECT_NE(below.status().message().find("x.json: field 'settings.lookahead': expected -1 (the runtime's rule), 0 "
+                                          "(off) or a bundle count, found -2"),
+            std::string::npos)
+      << below.status().message();
+  auto half = ParsePlan(erase(text, "\"lookahead_off_token_s\": 0.0408,"), "x.json");
+  ASSERT_FALSE(half.ok());
+  EXPECT_NE(half.status().message().find("lookahead_off_token_s"), std::string::npos) << half.status().message();
+  const size_t on_at = text.find("\"lookahead_on_token_s\": 0.0435");
+  ASSERT_NE(on_at, std::string::npos);
+  auto zero = ParsePlan(std::string(text).replace(on_at, 30, "\"lookahead_on_token_s\": 0.0"), "x.json");
+  ASSERT_FALSE(zero.ok());
+  EXPECT_NE(zero.status().message().find("lookahead_on_token_s and lookahead_off_token_s must be > 0"),
+            std::string::npos)
+      << zero.status().message();
+}
+
 }  // namespace
 }  // namespace nflash::planner
