@@ -73,4 +73,29 @@ Result<Calibration> FitCalibration(const HardwareParams& hw, const ModelParams& 
   return c;
 }
 
+Result<CalibrationChoice> ChooseCalibrationRun(std::vector<CalibrationRun> with, std::vector<CalibrationRun> without) {
+  if (with.empty()) return Status::InvalidArgument("calibration: no measured run");
+  auto median = [](std::vector<CalibrationRun>& runs) {
+    std::sort(runs.begin(), runs.end(),
+              [](const CalibrationRun& a, const CalibrationRun& b) { return a.token_s < b.token_s; });
+    return runs[(runs.size() - 1) / 2];
+  };
+  CalibrationChoice choice;
+  choice.fit = median(with);
+  choice.with_s = choice.fit.token_s;
+  if (!without.empty()) {
+    const CalibrationRun off = median(without);
+    choice.without_s = off.token_s;
+    if (off.token_s < choice.with_s) {
+      choice.fit = off;
+      choice.lookahead = 0;
+    }
+  }
+  return choice;
+}
+
+int64_t ChosenLookahead(const Calibration& c) {
+  return c.lookahead_compared() && c.lookahead_off_token_s < c.lookahead_on_token_s ? 0 : -1;
+}
+
 }  // namespace nflash::planner

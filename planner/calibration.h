@@ -11,7 +11,9 @@
 //                                 plan reads nothing).
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "planner/cost_model.h"
 #include "planner/plan.h"
@@ -28,5 +30,28 @@ HardwareParams Calibrated(const HardwareParams& hw, const Calibration& c);
 // InvalidArgument for a run that cannot be fitted (non-positive time, wait larger than the time).
 Result<Calibration> FitCalibration(const HardwareParams& hw, const ModelParams& model, const PlanSettings& settings,
                                    double token_s, double io_wait_s, int tokens);
+
+// One measured calibration run: mean time and I/O wait per decode token, and the tokens measured.
+struct CalibrationRun {
+  double token_s = 0;
+  double io_wait_s = 0;
+  int tokens = 0;
+};
+
+// What `plan --calibrate` fits to and keeps, from the runs of the plan as made (`with`: the runtime's own lookahead
+// rule) and, when the lookahead was compared, the runs with `--lookahead 0` (`without`; empty otherwise): each kind's
+// median run (the lower middle of an even count); the kind with the lower median is kept (a tie keeps the rule).
+struct CalibrationChoice {
+  CalibrationRun fit;      // the kept kind's median run
+  int64_t lookahead = -1;  // Plan::lookahead: 0 when the runs without it were faster, else -1
+  double with_s = 0;       // the medians of both kinds (without_s: 0 when not compared)
+  double without_s = 0;
+};
+// InvalidArgument when `with` is empty.
+Result<CalibrationChoice> ChooseCalibrationRun(std::vector<CalibrationRun> with, std::vector<CalibrationRun> without);
+
+// The lookahead a recorded calibration chose (Plan::lookahead): 0 when both medians were measured and the one without
+// was lower, else -1 (also for no calibration at all).
+int64_t ChosenLookahead(const Calibration& c);
 
 }  // namespace nflash::planner

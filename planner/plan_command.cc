@@ -88,8 +88,7 @@ Result<Calibration> MeasureAndFit(const PlanFlags& f, const std::string& plan_pa
                                          "-n", std::to_string(f.calibrate_warmup + f.calibrate_tokens),
                                          "--warmup", std::to_string(f.calibrate_warmup)};
   struct Run {
-    double token_ms = 0, wait_ms = 0;
-    int measured = 0;
+    CalibrationRun run;
     int64_t lookahead_slots = 0;
   };
   auto measure = [&](const std::vector<std::string>& args, const std::string& name) -> Result<Run> {
@@ -100,31 +99,32 @@ Result<Calibration> MeasureAndFit(const PlanFlags& f, const std::string& plan_pa
     }
     NF_ASSIGN_OR_RETURN(const JsonFields r, JsonFields::Of(j, JsonLocation("calibration run output")));
     Run run;
+    double token_ms = 0, wait_ms = 0;
     int64_t generated = 0, warmup = 0;
-    NF_RETURN_IF_ERROR(r.Get("token_ms_mean", &run.token_ms));
-    NF_RETURN_IF_ERROR(r.Get("io_wait_ms_per_token", &run.wait_ms));
+    NF_RETURN_IF_ERROR(r.Get("token_ms_mean", &token_ms));
+    NF_RETURN_IF_ERROR(r.Get("io_wait_ms_per_token", &wait_ms));
     NF_RETURN_IF_ERROR(r.Get("generated", &generated));
     NF_RETURN_IF_ERROR(r.Get("warmup_tokens", &warmup));
     NF_RETURN_IF_ERROR(r.Get("lookahead_slots", &run.lookahead_slots));
-    run.measured = static_cast<int>(generated - warmup);
-    if (run.measured < 2) {
-      return Status::InvalidArgument("calibration run measured " + std::to_string(run.measured) +
+    run.run = {token_ms * 1e-3, wait_ms * 1e-3, static_cast<int>(generated - warmup)};
+    if (run.run.tokens < 2) {
+      return Status::InvalidArgument("calibration run measured " + std::to_string(run.run.tokens) +
                                      " tokens (context too small, or the model stopped early): raise --ctx");
     }
-    NF_LOG(Info) << "calibration run " << name << ": " << std::to_string(run.token_ms) << " ms/token, "
-                 << std::to_string(run.wait_ms) << " ms waiting for I/O";
+    NF_LOG(Info) << "calibration run " << name << ": " << std::to_string(token_ms) << " ms/token, "
+                 << std::to_string(wait_ms) << " ms waiting for I/O";
     return run;
   };
   std::vector<std::string> argv_off = argv;
   argv_off.insert(argv_off.end(), {"--lookahead", "0"});
-  std::vector<Run> on, off;  // the plan's runs (the runtime's lookahead rule) and those without lookahead
+  std::vector<CalibrationRun> on, off;  // the plan's runs (the runtime's lookahead rule) and those without lookahead
   bool compare = false;  // decided by the first run
   for (int i = 0; i < f.calibrate_runs; ++i) {
     NF_LOG(Info) << "calibrating: run " << i + 1 << " of " << f.calibrate_runs << ", " << f.calibrate_warmup << " + "
                  << f.calibrate_tokens << " decode tokens with the uncalibrated plan"
                  << (compare ? ", then the same without lookahead" : "");
     NF_ASSIGN_OR_RETURN(const Run a, measure(argv, std::to_string(i + 1)));
-    on.push_back(a);
+    on.push_back(a.run);
     if (i == 0 && a.lookahead_slots > 0) {
       compare = true;
       NF_LOG(Info) << "the plan reads ahead (up to " << a.lookahead_slots << " bundles per layer): each run is "
@@ -132,34 +132,17 @@ Result<Calibration> MeasureAndFit(const PlanFlags& f, const std::string& plan_pa
     }
     if (compare) {
       NF_ASSIGN_OR_RETURN(const Run b, measure(argv_off, std::to_string(i + 1) + " without lookahead"));
-      off.push_back(b);
+      off.push_back(b.run);
     }
   }
-  auto by_time = [](const Run& a, const Run& b) { return a.token_ms < b.token_ms; };
-  std::sort(on.begin(), on.end(), by_time);
-  std::sort(off.begin(), off.end(), by_time);
-  // The lower middle of an even count.
-  const Run& median_on = on[(on.size() - 1) / 2];
-  const Run* median = &median_on;
-  double off_ms = 0;
-  if (!off.empty()) {
-    const Run& median_off = off[(off.size() - 1) / 2];
-    off_ms = median_off.token_ms;
-    if (median_off.token_ms < median_on.token_ms) median = &median_off;
-  }
-  NF_ASSIGN_OR_RETURN(Calibration c, FitCalibration(hw, model, settings, median->token_ms * 1e-3,
-                                                    median->wait_ms * 1e-3, median->measured));
-  c.runs = static_cast<int>(on.size());
-  if (!off.empty()) {
-    c.lookahead_on_token_s = median_on.token_ms * 1e-3;
-    c.lookahead_off_token_s = off_ms * 1e-3;
-  }
+  const size_t runs = on.size();
+  NF_ASSIGN_OR_RETURN(const CalibrationChoice choice, ChooseCalibrationRun(std::move(on), std::move(off)));
+  NF_ASSIGN_OR_RETURN(Calibration c, FitCalibration(hw, model, settings, choice.fit.token_s, choice.fit.io_wait_s,
+                                                    choice.fit.tokens));
+  c.runs = static_cast<int>(runs);
+  c.lookahead_on_token_s = choice.without_s > 0 ? choice.with_s : 0;
+  c.lookahead_off_token_s = choice.without_s;
   return c;
-}
-
-// The lookahead a calibration chose: off when the runs without it were faster (median), else the runtime's rule.
-int64_t ChosenLookahead(const Calibration& c) {
-  return c.lookahead_compared() && c.lookahead_off_token_s < c.lookahead_on_token_s ? 0 : -1;
 }
 
 void PrintExplain(const Plan& plan, const Prediction& p, const ModelParams& model) {

@@ -729,6 +729,62 @@ TEST(CalibrationTest, ScalesTheFiguresAndReproducesTheMeasuredRun) {
   EXPECT_FALSE(FitCalibration(hw, m, s, 1e3, 0, 8).ok());    // 1000 s per token: not this plan
 }
 
+// Which runs a calibration fits to: each kind's median run (the lower middle of an even count, the whole run: its wait
+// and token count with its time), the kind with the lower median kept, a tie keeping the runtime's rule.
+TEST(CalibrationTest, TheFasterKindsMedianRunIsKept) {
+  auto run = [](double t, double w, int n) { return CalibrationRun{t, w, n}; };
+  // Not compared: the median of the plan's runs (given out of order).
+  auto one = ChooseCalibrationRun({run(0.05, 0.01, 16), run(0.03, 0.003, 17), run(0.04, 0.004, 18)}, {});
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  EXPECT_DOUBLE_EQ(one->fit.token_s, 0.04);
+  EXPECT_DOUBLE_EQ(one->fit.io_wait_s, 0.004);
+  EXPECT_EQ(one->fit.tokens, 18);
+  EXPECT_EQ(one->lookahead, -1);
+  EXPECT_DOUBLE_EQ(one->with_s, 0.04);
+  EXPECT_DOUBLE_EQ(one->without_s, 0);
+  // Four runs: the lower middle (0.02, not 0.03 or their mean).
+  auto even = ChooseCalibrationRun({run(0.04, 0, 8), run(0.01, 0, 8), run(0.03, 0, 8), run(0.02, 0, 8)}, {});
+  ASSERT_TRUE(even.ok());
+  EXPECT_DOUBLE_EQ(even->fit.token_s, 0.02);
+  // Compared, the runs without lookahead faster by their median (0.039 < 0.04) although their fastest and slowest
+  // runs are not: that kind's median run is the fit.
+  auto off = ChooseCalibrationRun({run(0.05, 0.01, 16), run(0.03, 0.003, 16), run(0.04, 0.004, 16)},
+                                  {run(0.039, 0.007, 15), run(0.1, 0.02, 16), run(0.031, 0.001, 16)});
+  ASSERT_TRUE(off.ok());
+  EXPECT_EQ(off->lookahead, 0);
+  EXPECT_DOUBLE_EQ(off->fit.token_s, 0.039);
+  EXPECT_DOUBLE_EQ(off->fit.io_wait_s, 0.007);
+  EXPECT_EQ(off->fit.tokens, 15);
+  EXPECT_DOUBLE_EQ(off->with_s, 0.04);
+  EXPECT_DOUBLE_EQ(off->without_s, 0.039);
+  // Compared, the rule faster (and a tie): the plan's median run, the rule kept.
+  for (const double without : {0.041, 0.04}) {
+    auto on = ChooseCalibrationRun({run(0.05, 0.01, 16), run(0.03, 0.003, 16), run(0.04, 0.004, 16)},
+                                   {run(without, 0.002, 16)});
+    ASSERT_TRUE(on.ok());
+    EXPECT_EQ(on->lookahead, -1) << without;
+    EXPECT_DOUBLE_EQ(on->fit.token_s, 0.04) << without;
+    EXPECT_DOUBLE_EQ(on->fit.io_wait_s, 0.004) << without;
+    EXPECT_DOUBLE_EQ(on->without_s, without);
+  }
+  EXPECT_FALSE(ChooseCalibrationRun({}, {run(0.03, 0, 8)}).ok());
+
+  // The same choice read back from a recorded calibration (`--calibration other.json`).
+  Calibration c;
+  c.tokens = 16;
+  EXPECT_EQ(ChosenLookahead(c), -1) << "not compared";
+  c.lookahead_on_token_s = 0.04;
+  c.lookahead_off_token_s = 0.039;
+  EXPECT_EQ(ChosenLookahead(c), 0);
+  c.lookahead_off_token_s = 0.04;
+  EXPECT_EQ(ChosenLookahead(c), -1) << "a tie keeps the rule";
+  c.lookahead_off_token_s = 0.05;
+  EXPECT_EQ(ChosenLookahead(c), -1);
+  c.lookahead_on_token_s = 0;
+  c.lookahead_off_token_s = 0.01;
+  EXPECT_EQ(ChosenLookahead(c), -1) << "half a comparison is none";
+}
+
 // The fit's edges: the predictor's time is compute to be scaled, a wait as long as the token is refused by the first
 // check (not by the factor's bound it would lead to), a compute factor below 1e-3 is refused, and a run no disk factor
 // in [1e-3, 1e3] reproduces gets the nearest bound.
