@@ -112,7 +112,10 @@ Result<Calibration> MeasureAndFit(const PlanFlags& f, const std::string& plan_pa
                                      " tokens (context too small, or the model stopped early): raise --ctx");
     }
     NF_LOG(Info) << "calibration run " << name << ": " << std::to_string(token_ms) << " ms/token, "
-                 << std::to_string(wait_ms) << " ms waiting for I/O";
+                 << std::to_string(wait_ms) << " ms waiting for I/O, "
+                 << (run.lookahead_slots > 0 ? "reading ahead up to " + std::to_string(run.lookahead_slots) +
+                                                   " bundles per layer"
+                                             : std::string("no lookahead"));
     return run;
   };
   std::vector<std::string> argv_off = argv;

@@ -287,6 +287,10 @@ TEST_F(PlanCliTest, CalibrateFitsAMeasuredRunAndIsReusable) {
     const size_t colon = r.output.find(": ", at);
     ASSERT_NE(colon, std::string::npos);
     const bool off = r.output.compare(colon - 18, 18, " without lookahead") == 0;
+    // What the run itself reported (its JSON's lookahead_slots): none in the runs without, n_ff / 8 in the others.
+    const std::string line = r.output.substr(colon, r.output.find('\n', colon) - colon);
+    EXPECT_NE(line.find(off ? ", no lookahead" : ", reading ahead up to 21 bundles per layer"), std::string::npos)
+        << line;
     (off ? off_ms : on_ms).push_back(std::stod(r.output.substr(colon + 2)));
   }
   ASSERT_EQ(on_ms.size(), 3u) << r.output;

@@ -780,8 +780,8 @@ TEST(CalibrationTest, TheFasterKindsMedianRunIsKept) {
   EXPECT_EQ(ChosenLookahead(c), -1) << "a tie keeps the rule";
   c.lookahead_off_token_s = 0.05;
   EXPECT_EQ(ChosenLookahead(c), -1);
-  c.lookahead_on_token_s = 0;
-  c.lookahead_off_token_s = 0.01;
+  c.lookahead_on_token_s = 0.01;
+  c.lookahead_off_token_s = 0;
   EXPECT_EQ(ChosenLookahead(c), -1) << "half a comparison is none";
 }
 
