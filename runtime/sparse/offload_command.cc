@@ -50,8 +50,8 @@ struct OffloadFlags : RuntimeFlags {
 
 // plan.json (`nflash plan`) -> runtime options: the plan's memory limit, context, threads, queue depth, chunk size,
 // hot clusters (the plan's hot neurons of each region, in clusters; with the LRU hot policy only the packer's hot part
-// can be hot and hot neurons beyond it become cold slots) and cold slots per layer/expert. Refuses a plan made for
-// another deployment.
+// can be hot and hot neurons beyond it become cold slots) and cold slots per layer/expert; *lookahead gets the plan's
+// lookahead (as --lookahead: -1 the runtime's rule, 0 off). Refuses a plan made for another deployment.
 Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, SparseRuntimeOptions* o, int* threads,
                  int64_t* lookahead) {
   NF_ASSIGN_OR_RETURN(planner::Plan plan, planner::LoadPlan(plan_path));
