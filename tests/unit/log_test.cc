@@ -174,8 +174,8 @@ TEST(ProgressBarTest, AmountsUseTheUnitsPrefixes) {
   for (const std::string& l : lines) EXPECT_EQ(FilledCells(l), 30) << l;
 }
 
-// Quiet (--quiet: warnings and errors only): no bar at all; an empty total counts as done; an unfinished bar on a
-// file leaves no line of its own behind.
+// Above the info level (warnings only here; --quiet sets errors only): no bar at all; an empty total counts as done;
+// an unfinished bar on a file leaves no line of its own behind.
 TEST(ProgressBarTest, QuietEmptyAndUnfinishedBars) {
   CapturedStderr err;
   SetLogLevel(LogLevel::kWarning);
