@@ -8,6 +8,7 @@
 #include <map>
 #include <string>
 
+#include "runtime/core/status.h"
 #include "tests/test_util.h"
 
 namespace nflash {
@@ -42,6 +43,31 @@ TEST(Cli, HelpAndUsageErrors) {
   CommandResult bad_type = Nflash("convert " + Stories() + " -o " + dir.File("x.gguf") + " --type q5_k");
   EXPECT_EQ(bad_type.exit_code, 2) << bad_type.output;
   EXPECT_NE(bad_type.output.find("q5_k"), std::string::npos) << bad_type.output;
+}
+
+// -v prints debug messages, -q only errors (`nflash --help`: "Print debug messages", "Print only errors (no progress
+// bars)"); an error reaches stderr as "nflash: error: <code name>: <message>" whatever the level.
+TEST(Cli, VerboseAndQuietSetWhatIsPrinted) {
+  TempDir dir;
+  const std::string synth = "synth --shape custom --dim 64 --ffn 64 --heads 4 --vocab 300 --layers 1 --activation silu";
+  CommandResult normal = Nflash(synth + " -o " + dir.File("a.gguf"));
+  ASSERT_EQ(normal.exit_code, 0) << normal.output;
+  EXPECT_NE(normal.output.find("nflash: warning: --activation silu"), std::string::npos) << normal.output;
+  EXPECT_EQ(normal.output.find("nflash: debug: "), std::string::npos) << normal.output;
+  CommandResult verbose = Nflash("-v " + synth + " -o " + dir.File("b.gguf"));
+  ASSERT_EQ(verbose.exit_code, 0) << verbose.output;
+  EXPECT_NE(verbose.output.find("nflash: warning: --activation silu"), std::string::npos) << verbose.output;
+  EXPECT_NE(verbose.output.find("nflash: debug: wrote " + dir.File("b.gguf")), std::string::npos) << verbose.output;
+  CommandResult quiet = Nflash("-q " + synth + " -o " + dir.File("c.gguf"));
+  ASSERT_EQ(quiet.exit_code, 0) << quiet.output;
+  EXPECT_EQ(quiet.output.find("nflash: "), std::string::npos) << "no info, warning or debug line: " << quiet.output;
+  EXPECT_EQ(quiet.output.find("writing "), std::string::npos) << "no progress bar: " << quiet.output;
+  EXPECT_NE(normal.output.find("writing " + dir.File("a.gguf") + " ["), std::string::npos) << normal.output;
+  EXPECT_TRUE(std::filesystem::exists(dir.File("c.gguf")));
+  CommandResult error = Nflash("-q " + synth + " -o " + dir.File("c.gguf"));
+  EXPECT_EQ(error.exit_code, 2) << error.output;
+  EXPECT_EQ(error.output, "nflash: error: " + std::string(StatusCodeName(StatusCode::kInvalidArgument)) + ": " +
+                              dir.File("c.gguf") + " exists; pass --force to overwrite\n");
 }
 
 TEST(Cli, ConvertThenInspect) {

@@ -14,7 +14,9 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -48,6 +50,29 @@ TEST(StatusTest, CodesAndMessages) {
   EXPECT_EQ(s.WithContext("model.gguf").message(), "model.gguf: bad magic");
   EXPECT_TRUE(Status::Ok().WithContext("x").ok());
   EXPECT_NE(Status::FromErrno("open x", ENOENT).message().find("No such file"), std::string::npos);
+}
+
+// Every code reads differently in a message (the name before the colon is how a user tells a usage error from a
+// corrupt file from a disk error); OK alone has no colon; FromErrno is "<what>: <strerror>" as an I/O error (status.h).
+TEST(StatusTest, EachCodeHasItsOwnNameInMessages) {
+  const std::vector<Status> all = {Status::InvalidArgument("m"), Status::NotFound("m"),          Status::Corruption("m"),
+                                   Status::IOError("m"),         Status::Unsupported("m"),       Status::ResourceExhausted("m"),
+                                   Status::Internal("m")};
+  std::set<std::string> names = {StatusCodeName(StatusCode::kOk)};
+  for (const Status& st : all) {
+    const std::string name = StatusCodeName(st.code());
+    SCOPED_TRACE(name);
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(name, "Unknown");
+    EXPECT_FALSE(name.empty());
+    EXPECT_TRUE(names.insert(name).second) << "two codes named alike";
+    EXPECT_EQ(st.ToString(), name + ": m");
+  }
+  EXPECT_EQ(names.size(), all.size() + 1);
+  EXPECT_EQ(Status::Ok().ToString(), "OK");
+  const Status e = Status::FromErrno("open x", ENOENT);
+  EXPECT_EQ(e.code(), StatusCode::kIOError);
+  EXPECT_EQ(e.message(), std::string("open x: ") + std::strerror(ENOENT));
 }
 
 TEST(StatusTest, ResultAndMacros) {
