@@ -244,7 +244,6 @@ Status RunPlan(const PlanFlags& f) {
     }
     calibration = other.calibration;
   }
-  const int64_t lookahead = ChosenLookahead(calibration);  // -1 without a calibration
   HardwareParams hw = calibration.present() ? Calibrated(raw_hw, calibration) : raw_hw;
 
   NF_ASSIGN_OR_RETURN(SolveResult solved, SolvePlan(hw, model, limits));
@@ -273,7 +272,7 @@ Status RunPlan(const PlanFlags& f) {
   plan.kv_type = f.kv_type;
   FillSolution(solved, hw, model, &plan);
   plan.calibration = calibration;
-  plan.lookahead = lookahead;
+  plan.lookahead = ChosenLookahead(calibration);  // -1 without a calibration
   if (f.calibrate) {
     // Measure the plan just made, fit, and plan again with the calibrated figures.
     const std::string probe = f.output + ".calibrate.tmp";

@@ -150,6 +150,13 @@ std::string ReadText(const std::string& path) {
   return ss.str();
 }
 
+std::vector<std::string> Lines(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<std::string> lines;
+  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  return lines;
+}
+
 GgufKvEdit SetGgufKey(std::string key, std::optional<GgufValue> value) {
   return [key = std::move(key), value = std::move(value)](std::vector<std::pair<std::string, GgufValue>>* kv) {
     std::erase_if(*kv, [&](const auto& p) { return p.first == key; });

@@ -82,5 +82,7 @@ void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes);
 void WriteText(const std::string& path, const std::string& text);
 // The whole file at `path` ("" when it cannot be read).
 std::string ReadText(const std::string& path);
+// The lines of `text`, without their line breaks (an unterminated last line included).
+std::vector<std::string> Lines(const std::string& text);
 
 }  // namespace nflash::testing

@@ -6,7 +6,6 @@
 
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
 #include <unistd.h>
 
@@ -106,9 +105,7 @@ TEST_F(BenchCliTest, CsvAndMarkdown) {
                                    " --modes in-memory --tests pp8 -r 2 --output csv",
                                /*capture_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  std::istringstream in(r.output);
-  std::vector<std::string> lines;
-  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  const std::vector<std::string> lines = testing::Lines(r.output);
   ASSERT_EQ(lines.size(), 2u) << r.output;
   EXPECT_EQ(lines[0].rfind("model,mode,memory_budget_bytes,", 0), 0u);
   EXPECT_EQ(lines[1].rfind("s.gguf,in-memory,0,", 0), 0u) << lines[1];

@@ -108,13 +108,7 @@ RowResult SampleRow(BenchMode mode, bool decode) {
   return r;
 }
 
-// The lines of `text`, without their line breaks.
-std::vector<std::string> Lines(const std::string& text) {
-  std::istringstream in(text);
-  std::vector<std::string> lines;
-  for (std::string l; std::getline(in, l);) lines.push_back(l);
-  return lines;
-}
+using nflash::testing::Lines;
 
 TEST(BenchFormat, Markdown) {
   RowResult failed = SampleRow(BenchMode::kFull, false);

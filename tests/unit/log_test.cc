@@ -62,16 +62,7 @@ class CapturedStderr {
   std::unique_ptr<StderrTo> redirect_;
 };
 
-std::vector<std::string> Lines(const std::string& text) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  for (size_t nl = text.find('\n'); nl != std::string::npos; nl = text.find('\n', start)) {
-    out.push_back(text.substr(start, nl - start));
-    start = nl + 1;
-  }
-  if (start < text.size()) out.push_back(text.substr(start));  // an unterminated last line
-  return out;
-}
+using nflash::testing::Lines;
 
 // "label [<30 cells>] ": the number of '#' cells of a drawn bar.
 int FilledCells(const std::string& line) {
@@ -257,7 +248,9 @@ TEST(ProgressBarTest, OnATerminalRedrawsInPlaceAtMostTenTimesASecond) {
     for (uint64_t d = 0; d <= 90; d += 10) bar.Update(d);  // every tenth, within 100 ms of the start: not drawn
     const bool quick = within_100ms(before);
     const std::string early = pty.Drain();
-    if (quick) EXPECT_EQ(early, "");
+    if (quick) {
+      EXPECT_EQ(early, "");
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(150));
     const Clock::time_point redraw = Clock::now();
     bar.Update(95);
@@ -266,7 +259,9 @@ TEST(ProgressBarTest, OnATerminalRedrawsInPlaceAtMostTenTimesASecond) {
     const std::string drawn = pty.Drain();
     EXPECT_EQ(drawn.find('\n'), std::string::npos) << drawn;
     ASSERT_EQ(drawn.rfind("\rload [", 0), 0u) << drawn;
-    if (quick_again) EXPECT_EQ(drawn.find('\r', 1), std::string::npos) << "one redraw: " << drawn;
+    if (quick_again) {
+      EXPECT_EQ(drawn.find('\r', 1), std::string::npos) << "one redraw: " << drawn;
+    }
     EXPECT_NE(drawn.find("]  95% "), std::string::npos) << drawn;
     EXPECT_EQ(FilledCells(drawn), 28);  // 0.95 * 30, rounded down
     bar.Finish();
