@@ -111,6 +111,9 @@ Status CheckTensors(const SourceModel& m) {
   };
   NF_RETURN_IF_ERROR(expect("token_embd.weight", {dim, vocab}));
   NF_RETURN_IF_ERROR(expect("output_norm.weight", {dim}));
+  if (by_name.count("rope_freqs.weight")) {  // llama3 RoPE scaling: one factor per rotary pair
+    NF_RETURN_IF_ERROR(expect("rope_freqs.weight", {static_cast<uint64_t>(c.head_dim() / 2)}));
+  }
   if (c.tied_embeddings) {
     if (by_name.count("output.weight")) {
       return Status::InvalidArgument(where + ": tied_embeddings is set but output.weight exists");

@@ -253,6 +253,48 @@ std::function<Result<std::vector<float>>()> MakeLoader(std::vector<ShardTensor> 
 
 }  // namespace
 
+namespace {
+
+// The llama3 rope_scaling's factors (ModelConfig::rope_freq_factors) for `head_dim` / 2 rotary pairs.
+Result<std::vector<float>> Llama3RopeFactors(const json& rs, double theta, int64_t head_dim, const std::string& path) {
+  auto number = [&](const char* key, double* out) -> Status {
+    if (!rs.contains(key) || !rs[key].is_number() || !(rs[key].get<double>() > 0)) {
+      return Status::InvalidArgument(path + ": field \"rope_scaling\": \"" + key +
+                                     "\" must be a positive number for type \"llama3\"");
+    }
+    *out = rs[key].get<double>();
+    return Status::Ok();
+  };
+  double factor = 0, low = 0, high = 0, original = 0;
+  NF_RETURN_IF_ERROR(number("factor", &factor));
+  NF_RETURN_IF_ERROR(number("low_freq_factor", &low));
+  NF_RETURN_IF_ERROR(number("high_freq_factor", &high));
+  NF_RETURN_IF_ERROR(number("original_max_position_embeddings", &original));
+  if (!(high > low)) {
+    return Status::InvalidArgument(path + ": field \"rope_scaling\": high_freq_factor " + std::to_string(high) +
+                                   " must exceed low_freq_factor " + std::to_string(low));
+  }
+  // As Meta's reference and llama.cpp's converter: wavelengths shorter than original / high keep their frequency,
+  // those longer than original / low are slowed by `factor`, and the band between is interpolated smoothly.
+  const double low_wavelen = original / low, high_wavelen = original / high;
+  std::vector<float> factors(static_cast<size_t>(head_dim / 2));
+  for (size_t i = 0; i < factors.size(); ++i) {
+    const double freq = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+    const double wavelen = 2.0 * M_PI / freq;
+    double f = 1.0;
+    if (wavelen > low_wavelen) {
+      f = factor;
+    } else if (wavelen >= high_wavelen) {
+      const double smooth = (original / wavelen - low) / (high - low);
+      f = 1.0 / ((1.0 - smooth) / factor + smooth);
+    }
+    factors[i] = static_cast<float>(f);
+  }
+  return factors;
+}
+
+}  // namespace
+
 Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path) {
   json doc;
   try {
@@ -319,9 +361,11 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
           return f.BadValue("rope_scaling", "a positive \"factor\" for linear scaling");
         }
         c.rope_scale_linear = static_cast<float>(rs["factor"].get<double>());
+      } else if (type == "llama3") {
+        NF_ASSIGN_OR_RETURN(c.rope_freq_factors, Llama3RopeFactors(rs, c.rope_theta, c.head_dim(), path));
       } else if (type != "default") {
         return Status::Unsupported(path + ": field \"rope_scaling\": type \"" + type +
-                                   "\" is not supported (only \"linear\")");
+                                   "\" is not supported (only \"linear\" and \"llama3\")");
       }
     }
 
@@ -423,6 +467,14 @@ Result<SourceModel> ReadHfDirectory(const std::string& dir) {
     // Mixed dtypes across experts are read fine (everything goes through F32); the first one is reported.
     st.source_type = SafetensorsDtypeToGgml(*dtype);
     st.load_f32 = MakeLoader(std::move(sources), p.rope_heads);
+    model.tensors.push_back(std::move(st));
+  }
+  if (!c.rope_freq_factors.empty()) {
+    SourceTensor st;
+    st.name = "rope_freqs.weight";
+    st.dims = {static_cast<uint64_t>(c.rope_freq_factors.size())};
+    st.source_type = GgmlType::kF32;
+    st.load_f32 = [factors = c.rope_freq_factors]() -> Result<std::vector<float>> { return factors; };
     model.tensors.push_back(std::move(st));
   }
   if (!missing.empty()) {

@@ -35,6 +35,9 @@ struct ModelConfig {
   float norm_eps = 1e-5f;       // llama.attention.layer_norm_rms_epsilon
   // Linear RoPE scaling (HF rope_scaling {"type": "linear", "factor": f}); 1 = none.
   float rope_scale_linear = 1.0f;
+  // Llama 3 RoPE scaling (HF rope_scaling {"rope_type": "llama3", ...}): per rotary pair i, the factor its frequency
+  // theta^(-2i / head_dim) is divided by, written as the tensor rope_freqs.weight (llama.cpp's form). Empty: none.
+  std::vector<float> rope_freq_factors;
   int64_t n_experts = 0;       // llama.expert_count (0: dense FFN)
   int64_t n_experts_used = 0;  // llama.expert_used_count
   FfnActivation activation = FfnActivation::kSilu;

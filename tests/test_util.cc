@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -148,6 +149,29 @@ std::string ReadText(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+std::vector<float> ReadNpyF32(const std::string& path, size_t expected) {
+  std::string raw = ReadText(path);
+  EXPECT_EQ(raw.compare(0, 6, "\x93NUMPY"), 0);
+  const uint8_t major = static_cast<uint8_t>(raw[6]);
+  size_t header_len, data_start;
+  if (major == 1) {
+    header_len = static_cast<uint8_t>(raw[8]) | (static_cast<uint8_t>(raw[9]) << 8);
+    data_start = 10 + header_len;
+  } else {
+    uint32_t h;
+    std::memcpy(&h, raw.data() + 8, 4);
+    header_len = h;
+    data_start = 12 + header_len;
+  }
+  std::string header = raw.substr(0, data_start);
+  EXPECT_NE(header.find("'descr': '<f4'"), std::string::npos) << header;
+  EXPECT_NE(header.find("'fortran_order': False"), std::string::npos) << header;
+  std::vector<float> v(expected);
+  EXPECT_EQ(raw.size() - data_start, expected * 4);
+  std::memcpy(v.data(), raw.data() + data_start, std::min(raw.size() - data_start, expected * 4));
+  return v;
 }
 
 std::vector<std::string> Lines(const std::string& text) {

@@ -82,6 +82,9 @@ void WriteBytes(const std::string& path, const std::vector<uint8_t>& bytes);
 void WriteText(const std::string& path, const std::string& text);
 // The whole file at `path` ("" when it cannot be read).
 std::string ReadText(const std::string& path);
+// A float32 .npy file (the NumPy reference's --logits-out) of `expected` values: EXPECT failures when its header or
+// size is not that.
+std::vector<float> ReadNpyF32(const std::string& path, size_t expected);
 // The lines of `text`, without their line breaks (an unterminated last line included).
 std::vector<std::string> Lines(const std::string& text);
 

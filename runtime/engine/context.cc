@@ -235,14 +235,17 @@ InferenceContext::InferenceContext(const Model& model, ThreadPool* pool, int64_t
   attn_scratch_.assign(AttentionScratchFloats(hp_.head_dim, hp_.n_heads / hp_.n_kv_heads, kv_type_) *
                            static_cast<size_t>(pool_->NumThreads()),
                        0.0f);
-  // RoPE tables: pair i of a head rotates by (pos / scale) * theta^(-2i / head_dim) (llama2.c / GGUF convention).
+  // RoPE tables: pair i of a head rotates by (pos / scale) * theta^(-2i / head_dim) (llama2.c / GGUF convention),
+  // that frequency divided by rope_freqs[i] where the model has them (llama3 scaling).
   const int64_t half = hp_.head_dim / 2;
+  const float* freq_factors = model_.rope_freqs();
   rope_cos_.resize(static_cast<size_t>(n_ctx_ * half));
   rope_sin_.resize(rope_cos_.size());
   for (int64_t p = 0; p < n_ctx_; ++p) {
     for (int64_t i = 0; i < half; ++i) {
-      const double freq = std::pow(static_cast<double>(hp_.rope_theta), -2.0 * static_cast<double>(i) /
-                                                                           static_cast<double>(hp_.head_dim));
+      double freq = std::pow(static_cast<double>(hp_.rope_theta), -2.0 * static_cast<double>(i) /
+                                                                     static_cast<double>(hp_.head_dim));
+      if (freq_factors != nullptr) freq /= static_cast<double>(freq_factors[i]);
       const double angle = static_cast<double>(p) / hp_.rope_scale * freq;
       rope_cos_[p * half + i] = static_cast<float>(std::cos(angle));
       rope_sin_[p * half + i] = static_cast<float>(std::sin(angle));

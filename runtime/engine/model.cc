@@ -1,6 +1,7 @@
 // Model loading: hyper-parameters from GGUF metadata, weight views checked against the expected shapes.
 #include "runtime/engine/model.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "runtime/core/quant.h"
@@ -141,10 +142,19 @@ Status Model::Bind() {
     *out = owned_f32_.back().data();
     return Status::Ok();
   };
-  owned_f32_.reserve(static_cast<size_t>(2 * hp.n_layers + 1));  // pointers into it must stay valid
+  owned_f32_.reserve(static_cast<size_t>(2 * hp.n_layers + 2));  // pointers into it must stay valid
 
   NF_RETURN_IF_ERROR(matrix("token_embd.weight", hp.dim, hp.n_vocab, 0, &token_embd_, nullptr));
   NF_RETURN_IF_ERROR(vec("output_norm.weight", hp.dim, &output_norm_));
+  if (f.FindTensor("rope_freqs.weight")) {
+    NF_RETURN_IF_ERROR(vec("rope_freqs.weight", hp.head_dim / 2, &rope_freqs_));
+    for (int64_t i = 0; i < hp.head_dim / 2; ++i) {
+      if (!(std::isfinite(rope_freqs_[i]) && rope_freqs_[i] > 0)) {
+        return Status::Corruption(f.path() + ": rope_freqs.weight[" + std::to_string(i) + "] is " +
+                                  std::to_string(rope_freqs_[i]) + ", expected a finite factor > 0");
+      }
+    }
+  }
   if (f.FindTensor("output.weight")) {
     NF_RETURN_IF_ERROR(matrix("output.weight", hp.dim, hp.n_vocab, 0, &output_, nullptr));
   } else {

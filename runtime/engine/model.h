@@ -75,6 +75,9 @@ class Model {
   const GgufFile& gguf() const { return *file_; }
   const MatrixView& token_embd() const { return token_embd_; }  // (n_vocab, dim)
   const float* output_norm() const { return output_norm_; }     // (dim)
+  // rope_freqs.weight (llama3 RoPE scaling, llama.cpp's form): rotary pair i's frequency is divided by element i
+  // (head_dim / 2 of them, each finite and > 0); nullptr when the model has none.
+  const float* rope_freqs() const { return rope_freqs_; }
   const MatrixView& output() const { return output_; }          // (n_vocab, dim); token_embd when tied
   const std::vector<LayerWeights>& layers() const { return layers_; }
   // Bytes of all tensor data (what a dense run streams).
@@ -88,6 +91,7 @@ class Model {
   LlamaHparams hp_;
   MatrixView token_embd_;
   const float* output_norm_ = nullptr;
+  const float* rope_freqs_ = nullptr;
   MatrixView output_;
   std::vector<LayerWeights> layers_;
   uint64_t weight_bytes_ = 0;

@@ -5,6 +5,7 @@
 
 #include <sys/stat.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -18,6 +19,9 @@
 #include <nlohmann/json.hpp>
 
 #include "converter/readers.h"
+#include "runtime/core/thread_pool.h"
+#include "runtime/engine/context.h"
+#include "runtime/engine/model.h"
 #include "runtime/core/file.h"
 #include "runtime/core/gguf.h"
 #include "tests/test_util.h"
@@ -194,6 +198,7 @@ struct HfOptions {
   bool truncated_header = false;
   bool transposed_gate = false;
   bool drop_final_norm = false;
+  std::string rope_scaling = "null";  // config.json's rope_scaling, as JSON
 };
 
 void WriteStoriesHf(const std::string& dir, const HfOptions& o) {
@@ -221,13 +226,14 @@ void WriteStoriesHf(const std::string& dir, const HfOptions& o) {
   }
   if (!o.drop_final_norm) t.push_back({"model.norm.weight", {dim}, s.rms_final});
 
-  char config[1024];
+  char config[1536];
   std::snprintf(config, sizeof(config),
                 R"({"architectures": ["%s"], "model_type": "llama", "hidden_size": %d, "intermediate_size": %d,
   "num_hidden_layers": %d, "num_attention_heads": %d, "num_key_value_heads": %d, "max_position_embeddings": %d,
   "vocab_size": %d, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": true,
-  "rope_scaling": null, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2})",
-                o.architecture.c_str(), s.dim, s.hidden, s.n_layers, s.n_heads, s.n_kv_heads, s.seq_len, s.vocab);
+  "rope_scaling": %s, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2})",
+                o.architecture.c_str(), s.dim, s.hidden, s.n_layers, s.n_heads, s.n_kv_heads, s.seq_len, s.vocab,
+                o.rope_scaling.c_str());
   testing::WriteText(dir + "/config.json", config);
 
   if (o.sharded) {
@@ -372,6 +378,118 @@ TEST(HfConvert, Stories260KMatchesLlama2cConversion) {
   EXPECT_EQ(f->FindTensor("blk.0.attn_q.weight")->dims, (std::vector<uint64_t>{64, 64}));
   EXPECT_EQ(f->FindTensor("blk.0.attn_k.weight")->dims, (std::vector<uint64_t>{64, 32}));
   EXPECT_EQ(f->FindTensor("blk.0.ffn_down.weight")->dims, (std::vector<uint64_t>{172, 64}));
+}
+
+// Llama 3's RoPE scaling (rope_scaling type "llama3", as Llama 3.1 and 3.2 ship it): the converter writes one
+// factor per rotary pair into rope_freqs.weight (llama.cpp's form), and the engine's logits are the NumPy reference's,
+// which reads the factors from the file and applies them on its own; without them the logits are far from it.
+TEST(HfConvert, Llama3RopeScalingMatchesTheNumpyReference) {
+  testing::TempDir tmp;
+  const std::string scaled_dir = tmp.File("scaled"), plain_dir = tmp.File("plain");
+  ASSERT_EQ(::mkdir(scaled_dir.c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir(plain_dir.c_str(), 0755), 0);
+  // Stories: head_dim 8, so 4 rotary pairs with wavelengths 2 pi x 1, 10, 100, 1000 against 64 / 4 and 64 / 1: one
+  // pair kept, one interpolated, two slowed by the factor.
+  HfOptions o;
+  o.rope_scaling = R"({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64})";
+  WriteStoriesHf(scaled_dir, o);
+  WriteStoriesHf(plain_dir, {});
+  const std::string scaled = tmp.File("scaled.gguf"), plain = tmp.File("plain.gguf");
+  Status s = ConvertTo(ReadHfDirectory(scaled_dir), scaled);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  s = ConvertTo(ReadHfDirectory(plain_dir), plain);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+
+  // The factors against transformers' form of the rule (the scaled inverse frequency itself, not the factor).
+  auto f = GgufFile::OpenPath(scaled);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  const GgufTensorInfo* t = f->FindTensor("rope_freqs.weight");
+  ASSERT_NE(t, nullptr);
+  ASSERT_EQ(t->dims, (std::vector<uint64_t>{4}));
+  ASSERT_EQ(t->type, GgmlType::kF32);
+  std::vector<uint8_t> raw = TensorBytes(*f, "rope_freqs.weight");
+  std::vector<float> factors(4);
+  std::memcpy(factors.data(), raw.data(), 16);
+  for (int i = 0; i < 4; ++i) {
+    const double inv = std::pow(10000.0, -2.0 * i / 8.0), wavelen = 2 * M_PI / inv;
+    double scaled_inv = inv;
+    if (wavelen > 64.0) {
+      scaled_inv = inv / 8.0;
+    } else if (wavelen >= 16.0) {
+      const double smooth = (64.0 / wavelen - 1.0) / (4.0 - 1.0);
+      scaled_inv = (1 - smooth) * inv / 8.0 + smooth * inv;
+    }
+    EXPECT_NEAR(factors[i], inv / scaled_inv, 1e-5 * inv / scaled_inv) << "pair " << i;
+  }
+  EXPECT_EQ(factors[0], 1.0f);
+  EXPECT_GT(factors[1], 1.0f);
+  EXPECT_LT(factors[1], 8.0f);
+  EXPECT_EQ(factors[3], 8.0f);
+  auto pf = GgufFile::OpenPath(plain);
+  ASSERT_TRUE(pf.ok());
+  EXPECT_EQ(pf->FindTensor("rope_freqs.weight"), nullptr);
+
+  const std::vector<int32_t> ids = {1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426,
+                                    338, 401, 396, 267, 337, 335, 311, 267, 422, 419, 269, 344, 444, 427, 421, 414};
+  std::string list;
+  for (size_t i = 0; i < ids.size(); ++i) list += (i ? "," : "") + std::to_string(ids[i]);
+  const std::string npy = tmp.File("scaled.npy");
+  auto r = testing::RunCommand(std::string(NFLASH_PYTHON) + " " + NFLASH_SOURCE_DIR +
+                               "/tests/reference/llama_numpy.py --model " + scaled + " --tokens " + list +
+                               " --dtype f64 --logits-out " + npy);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ThreadPool pool(2);
+  double diff[2] = {0, 0};
+  std::vector<float> ref;
+  for (int k = 0; k < 2; ++k) {
+    auto model = Model::Load(k == 0 ? scaled : plain, {});
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    EXPECT_EQ((*model)->rope_freqs() != nullptr, k == 0);
+    const int64_t nv = (*model)->hparams().n_vocab;
+    if (ref.empty()) ref = testing::ReadNpyF32(npy, ids.size() * static_cast<size_t>(nv));
+    InferenceContext ctx(**model, &pool, 64);
+    ASSERT_TRUE(ctx.Eval(ids, true).ok());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      for (int64_t v = 0; v < nv; ++v) {
+        diff[k] = std::max(diff[k], std::fabs(double(ctx.logits(int64_t(i))[v]) - ref[i * nv + v]));
+      }
+    }
+  }
+  EXPECT_LE(diff[0], 1e-3) << "the engine with the factors against the reference (F32 against F64 rounding)";
+  EXPECT_GT(diff[1], 0.1) << "without the factors the logits differ: the comparison above can fail";
+
+  // A factor that is not a positive number is refused on load, naming the element.
+  const std::string bad = tmp.File("bad.gguf");
+  ASSERT_EQ(testing::RewriteGguf(scaled, bad, nullptr,
+                                 [](testing::GgufTensorCopy* c) {
+                                   if (c->name != "rope_freqs.weight") return;
+                                   const float zero = 0.0f;
+                                   std::memcpy(c->bytes.data() + 2 * sizeof(float), &zero, sizeof(float));
+                                 }),
+            "");
+  auto refused = Model::Load(bad, {});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kCorruption);
+  EXPECT_NE(refused.status().message().find("rope_freqs.weight[2] is 0"), std::string::npos)
+      << refused.status().ToString();
+
+  // One factor short (a GGUF source made elsewhere): the engine refuses the shape, and so does a conversion of it.
+  const std::string short_freqs = tmp.File("short.gguf");
+  ASSERT_EQ(testing::RewriteGguf(scaled, short_freqs, nullptr,
+                                 [](testing::GgufTensorCopy* c) {
+                                   if (c->name != "rope_freqs.weight") return;
+                                   c->dims = {3};
+                                   c->bytes.resize(3 * sizeof(float));
+                                 }),
+            "");
+  refused = Model::Load(short_freqs, {});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("rope_freqs.weight has shape [3], expected [4]"), std::string::npos)
+      << refused.status().ToString();
+  s = ConvertTo(ReadGgufModel(short_freqs), tmp.File("short-converted.gguf"));
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("rope_freqs.weight has dims [3], expected [4]"), std::string::npos) << s.ToString();
 }
 
 TEST(HfConvert, ShardedWeightsGiveTheSameFile) {

@@ -25,6 +25,7 @@
 namespace nflash {
 namespace {
 
+using testing::ReadNpyF32;
 using testing::ReadText;
 
 std::string Nflash() { return testing::NflashBinary(); }
@@ -235,30 +236,6 @@ TEST(RunCliTest, PerplexityMatchesPublishedValueAndQuantizationBounds) {
   EXPECT_NEAR(ppl[1], ppl[0], ppl[0] * 0.01);
   EXPECT_NEAR(ppl[2], ppl[0], ppl[0] * 0.06);
   std::printf("perplexity f32 %.4f q8_0 %.4f q4_0 %.4f\n", ppl[0], ppl[1], ppl[2]);
-}
-
-// Reads a float32 .npy file (the NumPy reference's --logits-out).
-std::vector<float> ReadNpyF32(const std::string& path, size_t expected) {
-  std::string raw = ReadText(path);
-  EXPECT_EQ(raw.compare(0, 6, "\x93NUMPY"), 0);
-  const uint8_t major = static_cast<uint8_t>(raw[6]);
-  size_t header_len, data_start;
-  if (major == 1) {
-    header_len = static_cast<uint8_t>(raw[8]) | (static_cast<uint8_t>(raw[9]) << 8);
-    data_start = 10 + header_len;
-  } else {
-    uint32_t h;
-    std::memcpy(&h, raw.data() + 8, 4);
-    header_len = h;
-    data_start = 12 + header_len;
-  }
-  std::string header = raw.substr(0, data_start);
-  EXPECT_NE(header.find("'descr': '<f4'"), std::string::npos) << header;
-  EXPECT_NE(header.find("'fortran_order': False"), std::string::npos) << header;
-  std::vector<float> v(expected);
-  EXPECT_EQ(raw.size() - data_start, expected * 4);
-  std::memcpy(v.data(), raw.data() + data_start, std::min(raw.size() - data_start, expected * 4));
-  return v;
 }
 
 TEST(RunCliTest, LogitsMatchNumpyReference) {

@@ -138,6 +138,8 @@ def config_from_gguf(reader):
     }
     if md.get(arch + ".rope.scaling.type") == "linear":
         cfg["rope_scale"] = float(g("rope.scaling.factor", 1.0))
+    if "rope_freqs.weight" in reader.tensors:  # llama3 scaling, llama.cpp's form: frequency i divided by element i
+        cfg["rope_freqs"] = reader.tensor("rope_freqs.weight", np.float64).reshape(-1)
     if cfg["activation"] not in ACTIVATIONS:
         raise ValueError("%s: nflash.ffn_activation %r not one of %s" % (reader.path, cfg["activation"], ACTIVATIONS))
     return cfg
@@ -201,6 +203,8 @@ def rope(x, positions, cfg):
     n_rot = cfg["n_rot"]
     i = np.arange(n_rot // 2, dtype=np.float64)
     inv_freq = cfg["rope_theta"] ** (-2.0 * i / n_rot)
+    if cfg.get("rope_freqs") is not None:
+        inv_freq = inv_freq / cfg["rope_freqs"]
     ang = (np.asarray(positions, dtype=np.float64) / cfg["rope_scale"])[:, None] * inv_freq[None, :]  # [n, n_rot/2]
     cos = np.cos(ang).astype(x.dtype)[:, None, :]
     sin = np.sin(ang).astype(x.dtype)[:, None, :]

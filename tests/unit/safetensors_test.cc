@@ -2,6 +2,7 @@
 // protobuf decoder, tokenizer.json parsing, and config.json parsing. Fixtures are written by hand here.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
@@ -575,6 +576,46 @@ TEST(HfConfig, ParsesFieldsAndDefaults) {
   EXPECT_EQ(r->n_experts_used, 2);
 }
 
+// Llama 3.2 1B's rope_scaling (head_dim 64, theta 500000): 32 factors, one per rotary pair, from 1 (wavelengths
+// under 8192 / 4 keep their frequency) to 32 (over 8192 / 1: slowed by the factor), rising in between; computed here
+// in transformers' form (the scaled inverse frequency) for comparison.
+TEST(HfConfig, Llama3RopeScalingGivesAFactorPerRotaryPair) {
+  auto r = ParseHfConfig(R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "intermediate_size": 8192,
+    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+    "vocab_size": 128256, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": true,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"}})",
+                         "config.json");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->rope_freq_factors.size(), 32u);
+  EXPECT_EQ(r->rope_scale_linear, 1.0f);
+  int kept = 0, slowed = 0;
+  for (size_t i = 0; i < 32; ++i) {
+    const double inv = std::pow(500000.0, -2.0 * static_cast<double>(i) / 64.0), wavelen = 2 * M_PI / inv;
+    double scaled = inv;
+    if (wavelen > 8192.0) {
+      scaled = inv / 32.0;
+      ++slowed;
+    } else if (wavelen < 2048.0) {
+      ++kept;
+    } else {
+      const double smooth = (8192.0 / wavelen - 1.0) / 3.0;
+      scaled = (1 - smooth) * inv / 32.0 + smooth * inv;
+    }
+    EXPECT_NEAR(r->rope_freq_factors[i], inv / scaled, 1e-5 * inv / scaled) << "pair " << i;
+    if (i > 0) {
+      EXPECT_GE(r->rope_freq_factors[i], r->rope_freq_factors[i - 1]) << "pair " << i;
+    }
+  }
+  EXPECT_GT(kept, 0);
+  EXPECT_GT(slowed, 0);
+  EXPECT_LT(kept + slowed, 32) << "some pairs are interpolated";
+  // No rope_scaling, or the default type: no factors.
+  auto plain = ParseHfConfig(std::string(kLlamaConfig) + R"(, "rope_scaling": {"rope_type": "default"}})", "c.json");
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_TRUE(plain->rope_freq_factors.empty());
+}
+
 TEST(HfConfig, RejectsBadConfigsNamingTheField) {
   struct Case {
     std::string json;
@@ -583,6 +624,16 @@ TEST(HfConfig, RejectsBadConfigsNamingTheField) {
   const std::vector<Case> cases = {
       {R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64})", "intermediate_size"},
       {std::string(kLlamaConfig) + R"(, "rope_scaling": {"type": "yarn", "factor": 2}})", "yarn"},
+      {std::string(kLlamaConfig) + R"(, "rope_scaling": {"type": "yarn", "factor": 2}})", "only \"linear\" and \"llama3\""},
+      {std::string(kLlamaConfig) + R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8, "high_freq_factor": 4,
+           "original_max_position_embeddings": 8192}})",
+       "\"low_freq_factor\" must be a positive number"},
+      {std::string(kLlamaConfig) + R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,
+           "high_freq_factor": 4, "original_max_position_embeddings": 8192}})",
+       "high_freq_factor 4.000000 must exceed low_freq_factor 4.000000"},
+      {std::string(kLlamaConfig) + R"(, "rope_scaling": {"rope_type": "llama3", "factor": 0, "low_freq_factor": 1,
+           "high_freq_factor": 4, "original_max_position_embeddings": 8192}})",
+       "\"factor\" must be a positive number"},
       {std::string(kLlamaConfig) + R"(, "hidden_act": "gelu"})", "gelu"},
       {std::string(kLlamaConfig) + R"(, "num_key_value_heads": 3})", "num_key_value_heads"},
       {std::string(kLlamaConfig) + R"(, "nflash_ffn_activation": "tanh"})", "nflash_ffn_activation"},
