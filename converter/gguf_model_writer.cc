@@ -3,6 +3,7 @@
 #include <cstring>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "converter/readers.h"
 #include "runtime/core/file.h"
@@ -128,6 +129,9 @@ Status CheckTensors(const SourceModel& m) {
     NF_RETURN_IF_ERROR(expect(p + "attn_k.weight", {dim, kv_dim}));
     NF_RETURN_IF_ERROR(expect(p + "attn_v.weight", {dim, kv_dim}));
     NF_RETURN_IF_ERROR(expect(p + "attn_output.weight", {dim, dim}));
+    for (const auto& [bias, n] : {std::pair{"attn_q.bias", dim}, {"attn_k.bias", kv_dim}, {"attn_v.bias", kv_dim}}) {
+      if (by_name.count(p + bias)) NF_RETURN_IF_ERROR(expect(p + bias, {n}));  // optional (Qwen2)
+    }
     NF_RETURN_IF_ERROR(expect(p + "ffn_norm.weight", {dim}));
     if (c.n_experts == 0) {  // MoE expert layouts vary (merged or per expert): left to the reader
       NF_RETURN_IF_ERROR(expect(p + "ffn_gate.weight", {dim, ff}));

@@ -202,6 +202,11 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
     plan.push_back({gg + "attn_k.weight", {dim, kv_dim}, {hf + "self_attn.k_proj.weight"}, c.n_kv_heads});
     plan.push_back({gg + "attn_v.weight", {dim, kv_dim}, {hf + "self_attn.v_proj.weight"}, 0});
     plan.push_back({gg + "attn_output.weight", {dim, dim}, {hf + "self_attn.o_proj.weight"}, 0});
+    if (c.attention_bias) {  // q and k biases are permuted like their rows
+      plan.push_back({gg + "attn_q.bias", {dim}, {hf + "self_attn.q_proj.bias"}, c.n_heads});
+      plan.push_back({gg + "attn_k.bias", {kv_dim}, {hf + "self_attn.k_proj.bias"}, c.n_kv_heads});
+      plan.push_back({gg + "attn_v.bias", {kv_dim}, {hf + "self_attn.v_proj.bias"}, 0});
+    }
     plan.push_back({gg + "ffn_norm.weight", {dim}, {hf + "post_attention_layernorm.weight"}, 0});
     // FFN order gate, down, up: the order the llama2.c reader uses, so the same model gives the same file layout.
     if (c.n_experts == 0) {
@@ -236,7 +241,7 @@ std::function<Result<std::vector<float>>()> MakeLoader(std::vector<ShardTensor> 
       NF_ASSIGN_OR_RETURN(std::vector<float> data, s.file->ReadF32(s.tensor));
       if (rope_heads > 0) {
         const auto rows = static_cast<int64_t>(s.tensor.shape[0]);
-        const auto cols = static_cast<int64_t>(s.tensor.shape[1]);
+        const auto cols = s.tensor.shape.size() > 1 ? static_cast<int64_t>(s.tensor.shape[1]) : 1;  // a bias: 1-D
         return UndoRopePermutation(data, rope_heads, rows, cols);
       }
       return data;
@@ -312,10 +317,18 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
     }
     const std::string arch = doc["architectures"][0].get<std::string>();
     const bool mixtral = arch == "MixtralForCausalLM" || arch == "TurboSparseMixtralForCausalLM";
-    if (!mixtral && arch != "LlamaForCausalLM" && arch != "MistralForCausalLM") {
+    const bool qwen2 = arch == "Qwen2ForCausalLM";
+    if (!mixtral && !qwen2 && arch != "LlamaForCausalLM" && arch != "MistralForCausalLM") {
       return Status::Unsupported(path + ": architectures[0] \"" + arch +
-                                 "\" is not supported (expected LlamaForCausalLM, MistralForCausalLM or "
-                                 "MixtralForCausalLM)");
+                                 "\" is not supported (expected LlamaForCausalLM, MistralForCausalLM, "
+                                 "MixtralForCausalLM or Qwen2ForCausalLM)");
+    }
+    // Qwen2 is Llama with biases on q, k and v (and its own tokenizer); its sliding window, when used, is not.
+    NF_ASSIGN_OR_RETURN(c.attention_bias, f.Bool("attention_bias", qwen2));
+    NF_ASSIGN_OR_RETURN(bool sliding, f.Bool("use_sliding_window", false));
+    if (sliding) {
+      return Status::Unsupported(path + ": field \"use_sliding_window\" is true: sliding-window attention is not "
+                                 "supported");
     }
     c.architecture = "llama";
     NF_ASSIGN_OR_RETURN(c.dim, f.PositiveInt("hidden_size"));

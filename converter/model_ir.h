@@ -42,6 +42,9 @@ struct ModelConfig {
   int64_t n_experts_used = 0;  // llama.expert_used_count
   FfnActivation activation = FfnActivation::kSilu;
   bool tied_embeddings = false;  // no output.weight: the head reuses token_embd.weight
+  // The q, k and v projections add a bias (Qwen2; HF "attention_bias"): blk.N.attn_{q,k,v}.bias, as llama.cpp's llama
+  // architecture reads them.
+  bool attention_bias = false;
   int64_t head_dim() const { return n_heads > 0 ? dim / n_heads : 0; }
 };
 

@@ -380,6 +380,15 @@ Status InferenceContext::EvalChunk(std::span<const int32_t> tokens, bool all_log
         const MatrixView ws[] = {L.wq, L.wk, L.wv};
         float* const ys[] = {q_.data(), k_.data(), v_.data()};
         GemmMany(ws, act_, ys, pool_);
+        const float* const bs[] = {L.bq, L.bk, L.bv};
+        const int64_t widths[] = {hp_.q_dim(), hp_.kv_dim(), hp_.kv_dim()};
+        for (int m = 0; m < 3; ++m) {
+          if (bs[m] == nullptr) continue;
+          for (int64_t t = 0; t < tn; ++t) {
+            float* y = ys[m] + t * widths[m];
+            for (int64_t i = 0; i < widths[m]; ++i) y[i] += bs[m][i];
+          }
+        }
       }
       Attention(l, tn, pos_ + t0);
       act_.Set(att_.data(), tn, hp_.q_dim());

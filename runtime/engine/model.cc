@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <tuple>
 
 #include "runtime/core/quant.h"
 
@@ -142,7 +143,7 @@ Status Model::Bind() {
     *out = owned_f32_.back().data();
     return Status::Ok();
   };
-  owned_f32_.reserve(static_cast<size_t>(2 * hp.n_layers + 2));  // pointers into it must stay valid
+  owned_f32_.reserve(static_cast<size_t>(5 * hp.n_layers + 2));  // pointers into it must stay valid
 
   NF_RETURN_IF_ERROR(matrix("token_embd.weight", hp.dim, hp.n_vocab, 0, &token_embd_, nullptr));
   NF_RETURN_IF_ERROR(vec("output_norm.weight", hp.dim, &output_norm_));
@@ -169,6 +170,11 @@ Status Model::Bind() {
     NF_RETURN_IF_ERROR(matrix(p + "attn_k.weight", hp.dim, hp.kv_dim(), 0, &L.wk, nullptr));
     NF_RETURN_IF_ERROR(matrix(p + "attn_v.weight", hp.dim, hp.kv_dim(), 0, &L.wv, nullptr));
     NF_RETURN_IF_ERROR(matrix(p + "attn_output.weight", hp.q_dim(), hp.dim, 0, &L.wo, nullptr));
+    // Optional biases (Qwen2), each bound when the file has it (as llama.cpp's llama architecture does).
+    for (const auto& [name, n, out] : {std::tuple{"attn_q.bias", hp.q_dim(), &L.bq},
+                                       {"attn_k.bias", hp.kv_dim(), &L.bk}, {"attn_v.bias", hp.kv_dim(), &L.bv}}) {
+      if (f.FindTensor(p + name)) NF_RETURN_IF_ERROR(vec(p + name, n, out));
+    }
     NF_RETURN_IF_ERROR(vec(p + "ffn_norm.weight", hp.dim, &L.ffn_norm));
     if (external_ffn_) {
       if (hp.n_experts > 0) {

@@ -43,6 +43,10 @@ struct LayerWeights {
   MatrixView wk;                     // (kv_dim, dim)
   MatrixView wv;                     // (kv_dim, dim)
   MatrixView wo;                     // (dim, n_heads*head_dim)
+  // Biases of the q, k and v projections (attn_{q,k,v}.bias: Qwen2), or nullptr.
+  const float* bq = nullptr;
+  const float* bk = nullptr;
+  const float* bv = nullptr;
   const float* ffn_norm = nullptr;   // (dim)
   // Dense FFN (n_experts == 0): gate/up (n_ff, dim), down (dim, n_ff).
   // MoE: router (n_experts, dim); gate/up/down hold expert 0 and `expert_stride_*` bytes step to the next expert.

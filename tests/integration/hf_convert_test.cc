@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "converter/hf_reader.h"
 #include "converter/readers.h"
 #include "runtime/core/thread_pool.h"
 #include "runtime/engine/context.h"
@@ -199,7 +200,16 @@ struct HfOptions {
   bool transposed_gate = false;
   bool drop_final_norm = false;
   std::string rope_scaling = "null";  // config.json's rope_scaling, as JSON
+  bool qkv_bias = false;               // q_proj, k_proj and v_proj biases (StoriesBias), as Qwen2 has
 };
+
+// Layer l's bias of q (m 0), k (1) or v (2), n values in GGUF's interleaved order: a fixed pattern large enough to
+// move the logits.
+Floats StoriesBias(int l, int m, uint64_t n) {
+  Floats b(n);
+  for (uint64_t i = 0; i < n; ++i) b[i] = 0.5f * std::sin(1.3f * static_cast<float>(i) + 0.7f * l + 2.1f * m);
+  return b;
+}
 
 void WriteStoriesHf(const std::string& dir, const HfOptions& o) {
   const Stories& s = GetStories();
@@ -213,6 +223,12 @@ void WriteStoriesHf(const std::string& dir, const HfOptions& o) {
     t.push_back({p + "self_attn.k_proj.weight", {kv_dim, dim}, ToHfRopeOrder(s.wk[l], s.n_kv_heads, kv_dim, dim)});
     t.push_back({p + "self_attn.v_proj.weight", {kv_dim, dim}, s.wv[l]});
     t.push_back({p + "self_attn.o_proj.weight", {dim, dim}, s.wo[l]});
+    if (o.qkv_bias) {  // HF keeps q and k biases in the rotate-half order of their rows
+      t.push_back({p + "self_attn.q_proj.bias", {dim}, ToHfRopeOrder(StoriesBias(l, 0, dim), s.n_heads, dim, 1)});
+      t.push_back({p + "self_attn.k_proj.bias", {kv_dim},
+                   ToHfRopeOrder(StoriesBias(l, 1, kv_dim), s.n_kv_heads, kv_dim, 1)});
+      t.push_back({p + "self_attn.v_proj.bias", {kv_dim}, StoriesBias(l, 2, kv_dim)});
+    }
     // Old HF checkpoints carry this buffer; the reader must skip it.
     t.push_back({p + "self_attn.rotary_emb.inv_freq", {4}, {1, 0.1f, 0.01f, 0.001f}});
     t.push_back({p + "post_attention_layernorm.weight", {dim}, s.rms_ffn[l]});
@@ -380,26 +396,91 @@ TEST(HfConvert, Stories260KMatchesLlama2cConversion) {
   EXPECT_EQ(f->FindTensor("blk.0.ffn_down.weight")->dims, (std::vector<uint64_t>{172, 64}));
 }
 
+// WriteStoriesHf(o) into tmp/name, converted (F32) to tmp/name.gguf, whose path it returns.
+std::string ConvertStoriesHf(const testing::TempDir& tmp, const std::string& name, const HfOptions& o) {
+  const std::string dir = tmp.File(name);
+  EXPECT_EQ(::mkdir(dir.c_str(), 0755), 0);
+  WriteStoriesHf(dir, o);
+  const std::string out = dir + ".gguf";
+  const Status s = ConvertTo(ReadHfDirectory(dir), out);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return out;
+}
+
+// The NumPy reference's logits (F64) for `ids` on `gguf`, which it reads on its own.
+std::vector<float> ReferenceLogits(const std::string& gguf, const std::vector<int32_t>& ids, int64_t n_vocab,
+                                   const std::string& npy) {
+  std::string list;
+  for (size_t i = 0; i < ids.size(); ++i) list += (i ? "," : "") + std::to_string(ids[i]);
+  auto r = testing::RunCommand(std::string(NFLASH_PYTHON) + " " + NFLASH_SOURCE_DIR +
+                               "/tests/reference/llama_numpy.py --model " + gguf + " --tokens " + list +
+                               " --dtype f64 --logits-out " + npy);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return testing::ReadNpyF32(npy, ids.size() * static_cast<size_t>(n_vocab));
+}
+
+// The largest difference between the engine's logits for `ids` on `gguf` and `ref`; -1 when the model does not load.
+double MaxLogitDiff(const std::string& gguf, const std::vector<int32_t>& ids, const std::vector<float>& ref) {
+  auto model = Model::Load(gguf, {});
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  if (!model.ok()) return -1;
+  const int64_t nv = (*model)->hparams().n_vocab;
+  ThreadPool pool(2);
+  InferenceContext ctx(**model, &pool, 64);
+  EXPECT_TRUE(ctx.Eval(ids, true).ok());
+  double diff = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    for (int64_t v = 0; v < nv; ++v) diff = std::max(diff, std::fabs(double(ctx.logits(int64_t(i))[v]) - ref[i * nv + v]));
+  }
+  return diff;
+}
+
+const std::vector<int32_t> kReferenceIds = {1,   403, 407, 261, 378, 432, 383, 286, 261, 376, 298,
+                                            315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 335,
+                                            311, 267, 422, 419, 269, 344, 444, 427, 421, 414};
+
+// The engine's logits on `model` are the NumPy reference's (F32 against F64 rounding), and those on `without` (the
+// same model without the feature, `what`) are far from them: the comparison can fail.
+void ExpectReferenceLogits(const std::string& model, const std::string& without, const std::string& what) {
+  auto loaded = Model::Load(model, {});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  const std::vector<float> ref = ReferenceLogits(model, kReferenceIds, (*loaded)->hparams().n_vocab, model + ".npy");
+  EXPECT_LE(MaxLogitDiff(model, kReferenceIds, ref), 1e-3) << "the engine with " << what << " against the reference";
+  EXPECT_GT(MaxLogitDiff(without, kReferenceIds, ref), 0.1) << "without " << what << " the logits differ";
+}
+
+// `tensor` of `model` one value short (a GGUF source made elsewhere): the engine refuses its shape, and so does a
+// conversion of it (the writer's check), each naming the tensor, `got` and `want` elements.
+void ExpectShortTensorRefused(const std::string& model, const std::string& tensor, uint64_t got, uint64_t want) {
+  const std::string bad = model + ".short.gguf";
+  ASSERT_EQ(testing::RewriteGguf(model, bad, nullptr,
+                                 [&](testing::GgufTensorCopy* c) {
+                                   if (c->name != tensor) return;
+                                   c->dims = {c->dims[0] - 1};
+                                   c->bytes.resize(c->bytes.size() - sizeof(float));
+                                 }),
+            "");
+  auto refused = Model::Load(bad, {});
+  ASSERT_FALSE(refused.ok());
+  const std::string shape = "[" + std::to_string(got) + "], expected [" + std::to_string(want) + "]";
+  EXPECT_NE(refused.status().message().find(tensor + " has shape " + shape), std::string::npos)
+      << refused.status().ToString();
+  const Status s = ConvertTo(ReadGgufModel(bad), bad + ".converted.gguf");
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find(tensor + " has dims " + shape), std::string::npos) << s.ToString();
+}
+
 // Llama 3's RoPE scaling (rope_scaling type "llama3", as Llama 3.1 and 3.2 ship it): the converter writes one
 // factor per rotary pair into rope_freqs.weight (llama.cpp's form), and the engine's logits are the NumPy reference's,
 // which reads the factors from the file and applies them on its own; without them the logits are far from it.
 TEST(HfConvert, Llama3RopeScalingMatchesTheNumpyReference) {
   testing::TempDir tmp;
-  const std::string scaled_dir = tmp.File("scaled"), plain_dir = tmp.File("plain");
-  ASSERT_EQ(::mkdir(scaled_dir.c_str(), 0755), 0);
-  ASSERT_EQ(::mkdir(plain_dir.c_str(), 0755), 0);
   // Stories: head_dim 8, so 4 rotary pairs with wavelengths 2 pi x 1, 10, 100, 1000 against 64 / 4 and 64 / 1: one
   // pair kept, one interpolated, two slowed by the factor.
   HfOptions o;
   o.rope_scaling = R"({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64})";
-  WriteStoriesHf(scaled_dir, o);
-  WriteStoriesHf(plain_dir, {});
-  const std::string scaled = tmp.File("scaled.gguf"), plain = tmp.File("plain.gguf");
-  Status s = ConvertTo(ReadHfDirectory(scaled_dir), scaled);
-  ASSERT_TRUE(s.ok()) << s.ToString();
-  s = ConvertTo(ReadHfDirectory(plain_dir), plain);
-  ASSERT_TRUE(s.ok()) << s.ToString();
+  const std::string scaled = ConvertStoriesHf(tmp, "scaled", o), plain = ConvertStoriesHf(tmp, "plain", {});
 
   // The factors against transformers' form of the rule (the scaled inverse frequency itself, not the factor).
   auto f = GgufFile::OpenPath(scaled);
@@ -430,34 +511,10 @@ TEST(HfConvert, Llama3RopeScalingMatchesTheNumpyReference) {
   ASSERT_TRUE(pf.ok());
   EXPECT_EQ(pf->FindTensor("rope_freqs.weight"), nullptr);
 
-  const std::vector<int32_t> ids = {1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426,
-                                    338, 401, 396, 267, 337, 335, 311, 267, 422, 419, 269, 344, 444, 427, 421, 414};
-  std::string list;
-  for (size_t i = 0; i < ids.size(); ++i) list += (i ? "," : "") + std::to_string(ids[i]);
-  const std::string npy = tmp.File("scaled.npy");
-  auto r = testing::RunCommand(std::string(NFLASH_PYTHON) + " " + NFLASH_SOURCE_DIR +
-                               "/tests/reference/llama_numpy.py --model " + scaled + " --tokens " + list +
-                               " --dtype f64 --logits-out " + npy);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  ThreadPool pool(2);
-  double diff[2] = {0, 0};
-  std::vector<float> ref;
-  for (int k = 0; k < 2; ++k) {
-    auto model = Model::Load(k == 0 ? scaled : plain, {});
-    ASSERT_TRUE(model.ok()) << model.status().ToString();
-    EXPECT_EQ((*model)->rope_freqs() != nullptr, k == 0);
-    const int64_t nv = (*model)->hparams().n_vocab;
-    if (ref.empty()) ref = testing::ReadNpyF32(npy, ids.size() * static_cast<size_t>(nv));
-    InferenceContext ctx(**model, &pool, 64);
-    ASSERT_TRUE(ctx.Eval(ids, true).ok());
-    for (size_t i = 0; i < ids.size(); ++i) {
-      for (int64_t v = 0; v < nv; ++v) {
-        diff[k] = std::max(diff[k], std::fabs(double(ctx.logits(int64_t(i))[v]) - ref[i * nv + v]));
-      }
-    }
-  }
-  EXPECT_LE(diff[0], 1e-3) << "the engine with the factors against the reference (F32 against F64 rounding)";
-  EXPECT_GT(diff[1], 0.1) << "without the factors the logits differ: the comparison above can fail";
+  auto loaded = Model::Load(scaled, {});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_NE((*loaded)->rope_freqs(), nullptr);
+  ExpectReferenceLogits(scaled, plain, "the factors");
 
   // A factor that is not a positive number is refused on load, naming the element.
   const std::string bad = tmp.File("bad.gguf");
@@ -473,23 +530,49 @@ TEST(HfConvert, Llama3RopeScalingMatchesTheNumpyReference) {
   EXPECT_EQ(refused.status().code(), StatusCode::kCorruption);
   EXPECT_NE(refused.status().message().find("rope_freqs.weight[2] is 0"), std::string::npos)
       << refused.status().ToString();
+  ExpectShortTensorRefused(scaled, "rope_freqs.weight", 3, 4);
+}
 
-  // One factor short (a GGUF source made elsewhere): the engine refuses the shape, and so does a conversion of it.
-  const std::string short_freqs = tmp.File("short.gguf");
-  ASSERT_EQ(testing::RewriteGguf(scaled, short_freqs, nullptr,
-                                 [](testing::GgufTensorCopy* c) {
-                                   if (c->name != "rope_freqs.weight") return;
-                                   c->dims = {3};
-                                   c->bytes.resize(3 * sizeof(float));
-                                 }),
-            "");
-  refused = Model::Load(short_freqs, {});
-  ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("rope_freqs.weight has shape [3], expected [4]"), std::string::npos)
-      << refused.status().ToString();
-  s = ConvertTo(ReadGgufModel(short_freqs), tmp.File("short-converted.gguf"));
-  ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.message().find("rope_freqs.weight has dims [3], expected [4]"), std::string::npos) << s.ToString();
+// Qwen2: Llama with biases on q, k and v. They land in blk.N.attn_{q,k,v}.bias in GGUF's interleaved order (q and k
+// permuted like their rows: compared with the pattern the directory was made from), and the engine's logits are the
+// NumPy reference's, which adds the biases on its own; without them the logits are far from it.
+TEST(HfConvert, Qwen2AttentionBiasesMatchTheNumpyReference) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.architecture = "Qwen2ForCausalLM";
+  o.qkv_bias = true;
+  const std::string qwen = ConvertStoriesHf(tmp, "qwen2", o), plain = ConvertStoriesHf(tmp, "plain", {});
+  auto f = GgufFile::OpenPath(qwen);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  const Stories& st = GetStories();
+  const uint64_t kv_dim = st.dim / st.n_heads * st.n_kv_heads;
+  for (int l = 0; l < st.n_layers; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    EXPECT_TRUE(TensorBytes(*f, p + "attn_q.bias") == FloatBytes(StoriesBias(l, 0, st.dim))) << l;
+    EXPECT_TRUE(TensorBytes(*f, p + "attn_k.bias") == FloatBytes(StoriesBias(l, 1, kv_dim))) << l;
+    EXPECT_TRUE(TensorBytes(*f, p + "attn_v.bias") == FloatBytes(StoriesBias(l, 2, kv_dim))) << l;
+  }
+  auto loaded = Model::Load(qwen, {});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_NE((*loaded)->layers()[0].bq, nullptr);
+  ExpectReferenceLogits(qwen, plain, "the biases");
+  ExpectShortTensorRefused(qwen, "blk.1.attn_k.bias", 31, 32);
+
+  // Qwen2 without its biases: the missing tensors are named. A sliding window: refused.
+  o.qkv_bias = false;
+  const std::string bare_dir = tmp.File("bare");
+  ASSERT_EQ(::mkdir(bare_dir.c_str(), 0755), 0);
+  WriteStoriesHf(bare_dir, o);
+  auto bare = ReadHfDirectory(bare_dir);
+  ASSERT_FALSE(bare.ok());
+  EXPECT_NE(bare.status().message().find("model.layers.0.self_attn.q_proj.bias"), std::string::npos)
+      << bare.status().ToString();
+  auto sliding = ParseHfConfig(R"({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
+    "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8, "max_position_embeddings": 512,
+    "vocab_size": 512, "rms_norm_eps": 1e-06, "use_sliding_window": true})",
+                               "config.json");
+  ASSERT_FALSE(sliding.ok());
+  EXPECT_NE(sliding.status().message().find("use_sliding_window"), std::string::npos) << sliding.status().ToString();
 }
 
 TEST(HfConvert, ShardedWeightsGiveTheSameFile) {

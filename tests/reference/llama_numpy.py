@@ -266,6 +266,9 @@ class Llama:
             q = w.linear(a, p + "attn_q.weight").reshape(n, H, hd)
             k = w.linear(a, p + "attn_k.weight").reshape(n, KVH, hd)
             v = w.linear(a, p + "attn_v.weight").reshape(n, KVH, hd)
+            for name, t in (("attn_q.bias", q), ("attn_k.bias", k), ("attn_v.bias", v)):  # optional (Qwen2)
+                if w.has(p + name):
+                    t += w.vector(p + name).reshape(t.shape[1], hd)
             q = rope(q, positions, c)
             k = rope(k, positions, c)
             K = self.k_cache[L] = np.concatenate([self.k_cache[L], k], axis=0)  # [T, KVH, hd]
