@@ -159,8 +159,9 @@ size_t Gpt2WordEnd(const CodePoints& t, size_t pos) {
   return n > 0 ? e : pos + 1;
 }
 
-// Returns the end of the word starting at `pos` under the Llama-3 pattern.
-size_t Llama3WordEnd(const CodePoints& t, size_t pos) {
+// Returns the end of the word starting at `pos` under the Llama-3 pattern, whose digit runs are cut every
+// `max_digits` (3; Qwen2's pattern: 1).
+size_t Llama3WordEnd(const CodePoints& t, size_t pos, size_t max_digits) {
   if (size_t n = ContractionAt(t, pos, true)) return pos + n;
   const uint32_t c = t.At(pos);
   const CharClass cls = t.ClassAt(pos);
@@ -170,10 +171,10 @@ size_t Llama3WordEnd(const CodePoints& t, size_t pos) {
     while (IsLetter(t.ClassAt(e))) ++e;
     return e;
   }
-  // \p{N}{1,3}
+  // \p{N}{1,3} (Qwen2: \p{N})
   if (IsNumber(cls)) {
     size_t e = pos;
-    while (e < pos + 3 && IsNumber(t.ClassAt(e))) ++e;
+    while (e < pos + max_digits && IsNumber(t.ClassAt(e))) ++e;
     return e;
   }
   // " ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -203,7 +204,8 @@ std::vector<std::string_view> PreTokenize(std::string_view text, PreTokenizer ki
   const CodePoints t(text);
   std::vector<std::string_view> words;
   for (size_t pos = 0; pos < t.size();) {
-    const size_t end = kind == PreTokenizer::kGpt2 ? Gpt2WordEnd(t, pos) : Llama3WordEnd(t, pos);
+    const size_t end = kind == PreTokenizer::kGpt2 ? Gpt2WordEnd(t, pos)
+                                                   : Llama3WordEnd(t, pos, kind == PreTokenizer::kQwen2 ? 1 : 3);
     words.push_back(text.substr(t.offset[pos], t.offset[end] - t.offset[pos]));
     pos = end;
   }

@@ -70,6 +70,7 @@ class BpeTokenizer final : public Tokenizer {
       : Tokenizer(std::move(vocab)), merge_rank_(std::move(merge_rank)) {
     const std::string& pre = vocab_.pre;
     llama3_ = pre == "llama-bpe" || pre == "llama3";
+    pre_kind_ = llama3_ ? PreTokenizer::kLlama3 : pre == "qwen2" ? PreTokenizer::kQwen2 : PreTokenizer::kGpt2;
     for (int b = 0; b < 256; ++b) byte_token_[b] = FindToken(ByteToUnicode(static_cast<uint8_t>(b)));
   }
 
@@ -81,12 +82,13 @@ class BpeTokenizer final : public Tokenizer {
   void EncodeWord(std::string_view word, std::vector<int32_t>* out) const;
 
   std::unordered_map<std::string, int32_t> merge_rank_;  // "left right" -> rank
-  bool llama3_ = false;
+  bool llama3_ = false;  // Llama 3's pre-tokenizer, and its whole-word tokens (llama.cpp's ignore_merges)
+  PreTokenizer pre_kind_ = PreTokenizer::kGpt2;
   std::array<int32_t, 256> byte_token_{};  // byte -> the token of its byte_to_unicode character
 };
 
 void BpeTokenizer::EncodeFragment(std::string_view text, bool /*after_special*/, std::vector<int32_t>* out) const {
-  for (std::string_view word : PreTokenize(text, llama3_ ? PreTokenizer::kLlama3 : PreTokenizer::kGpt2)) {
+  for (std::string_view word : PreTokenize(text, pre_kind_)) {
     EncodeWord(word, out);
   }
 }
@@ -188,9 +190,10 @@ Result<std::unique_ptr<Tokenizer>> MakeBpeTokenizer(VocabData vocab) {
   NF_RETURN_IF_ERROR(Tokenizer::ValidateVocab(vocab));
   const std::string& src = vocab.source;
   if (!vocab.pre.empty() && vocab.pre != "gpt2" && vocab.pre != "default" && vocab.pre != "llama-bpe" &&
-      vocab.pre != "llama3") {
+      vocab.pre != "llama3" && vocab.pre != "qwen2") {
     return Status::Unsupported(src + ": tokenizer.ggml.pre is \"" + vocab.pre +
-                               "\"; supported pre-tokenizers: \"gpt2\"/\"default\" and \"llama-bpe\"/\"llama3\"");
+                               "\"; supported pre-tokenizers: \"gpt2\"/\"default\", \"llama-bpe\"/\"llama3\" and "
+                               "\"qwen2\"");
   }
   // Every byte must have a token, or some text could not be encoded at all.
   std::unordered_map<std::string_view, int32_t> ids;

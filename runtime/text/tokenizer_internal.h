@@ -43,11 +43,12 @@ enum class CharClass : uint8_t { kNone = 0, kLetter, kNumber, kWhitespace, kOthe
 // South-East Asian words (e.g. U+093F) count as letters, so such words are not split at their marks.
 CharClass ClassifyCodePoint(uint32_t cp);
 
-enum class PreTokenizer : uint8_t { kGpt2, kLlama3 };
+enum class PreTokenizer : uint8_t { kGpt2, kLlama3, kQwen2 };
 // Splits `text` into pre-tokenizer words (views into `text`, covering it exactly, in order):
 //   kGpt2:   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 //   kLlama3: (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|
 //            \s+(?!\S)|\s+
+//   kQwen2:  kLlama3's with \p{N} for \p{N}{1,3} (every digit a word of its own)
 // Invalid UTF-8 bytes are single code points of class kOther.
 std::vector<std::string_view> PreTokenize(std::string_view text, PreTokenizer kind);
 

@@ -463,6 +463,16 @@ TEST(PreTokenizer, Llama3CaseDigitsAndLineBreaks) {
   EXPECT_EQ(PreTokenize("end.  ", PreTokenizer::kLlama3), (Words{"end", ".", "  "}));
 }
 
+// Qwen2's pattern is Llama 3's with single digits (\p{N} for \p{N}{1,3}): the same splits everywhere but in digit runs.
+TEST(PreTokenizer, Qwen2PatternSplitsEveryDigit) {
+  EXPECT_EQ(PreTokenize("12345", PreTokenizer::kQwen2), (Words{"1", "2", "3", "4", "5"}));
+  EXPECT_EQ(PreTokenize("a 2024.", PreTokenizer::kQwen2), (Words{"a", " ", "2", "0", "2", "4", "."}));
+  EXPECT_EQ(PreTokenize("3rd 2nd\n\nx", PreTokenizer::kQwen2), (Words{"3", "rd", " ", "2", "nd", "\n\n", "x"}));
+  for (const char* text : {"Hello world", "IT'S", "(hello", "a  \n b", "x ...\n\ny", "    Hello", "'Twas"}) {
+    EXPECT_EQ(PreTokenize(text, PreTokenizer::kQwen2), PreTokenize(text, PreTokenizer::kLlama3)) << text;
+  }
+}
+
 // A byte-level vocabulary built here: ids 0..255 are the bytes (in byte_to_unicode spelling), then one token per merge.
 VocabData HandBuiltBpe(const std::vector<std::pair<std::string, std::string>>& merges, std::string pre = "gpt2") {
   VocabData v;
@@ -592,18 +602,33 @@ TEST(BpeTokenizer, Llama3WholeWordTokenSkipsMerges) {
   auto llama3 = MakeTokenizer(v);
   ASSERT_TRUE(llama3.ok()) << llama3.status().ToString();
   EXPECT_EQ((*llama3)->Encode("hello hi", false), (std::vector<int32_t>{258, 32, 256}));
+  // Qwen2 splits like Llama 3 but merges every word (llama.cpp keeps ignore_merges to Llama 3).
+  v.pre = "qwen2";
+  auto qwen2 = MakeTokenizer(v);
+  ASSERT_TRUE(qwen2.ok()) << qwen2.status().ToString();
+  EXPECT_EQ((*qwen2)->Encode("hello hi", false), (std::vector<int32_t>{'h', 'e', 'l', 'l', 'o', 32, 256}));
+}
+
+// Digit runs: Llama 3 keeps up to three digits in a word, so the merge "1 2" applies inside "123"; Qwen2 makes each
+// digit a word of its own, so it never does.
+TEST(BpeTokenizer, Qwen2DigitsAreWordsOfTheirOwn) {
+  auto llama3 = MakeTokenizer(HandBuiltBpe({{"1", "2"}}, "llama-bpe"));
+  auto qwen2 = MakeTokenizer(HandBuiltBpe({{"1", "2"}}, "qwen2"));
+  ASSERT_TRUE(llama3.ok() && qwen2.ok());
+  EXPECT_EQ((*llama3)->Encode("123", false), (std::vector<int32_t>{256, '3'}));
+  EXPECT_EQ((*qwen2)->Encode("123", false), (std::vector<int32_t>{'1', '2', '3'}));
 }
 
 // tokenizer.ggml.pre names a split pattern; one this code does not implement must fail, not fall back to GPT-2's. A merge
 // is two non-empty pieces and exactly one space (byte-level pieces spell the space byte as U+0120, never as ' ').
 TEST(BpeTokenizer, RejectsUnknownPreAndMalformedMerges) {
-  for (const char* pre : {"", "gpt2", "default", "llama-bpe", "llama3"}) {
+  for (const char* pre : {"", "gpt2", "default", "llama-bpe", "llama3", "qwen2"}) {
     EXPECT_TRUE(MakeTokenizer(HandBuiltBpe({}, pre)).ok()) << pre;
   }
-  auto qwen = MakeTokenizer(HandBuiltBpe({}, "qwen2"));
-  ASSERT_FALSE(qwen.ok());
-  EXPECT_EQ(qwen.status().code(), StatusCode::kUnsupported);
-  EXPECT_NE(qwen.status().message().find("\"qwen2\""), std::string::npos) << qwen.status().message();
+  auto other = MakeTokenizer(HandBuiltBpe({}, "deepseek-llm"));
+  ASSERT_FALSE(other.ok());
+  EXPECT_EQ(other.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(other.status().message().find("\"deepseek-llm\""), std::string::npos) << other.status().message();
   for (const char* merge : {"ab", "a ", " a", "a b c"}) {
     VocabData v = HandBuiltBpe({});
     v.merges = {merge};
