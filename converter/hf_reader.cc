@@ -325,6 +325,8 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
     }
     // Qwen2 is Llama with biases on q, k and v (and its own tokenizer); its sliding window, when used, is not.
     NF_ASSIGN_OR_RETURN(c.attention_bias, f.Bool("attention_bias", qwen2));
+    NF_ASSIGN_OR_RETURN(bool mlp_bias, f.Bool("mlp_bias", false));
+    if (mlp_bias) return Status::Unsupported(path + ": field \"mlp_bias\" is true: FFN biases are not supported");
     NF_ASSIGN_OR_RETURN(bool sliding, f.Bool("use_sliding_window", false));
     if (sliding) {
       return Status::Unsupported(path + ": field \"use_sliding_window\" is true: sliding-window attention is not "

@@ -635,6 +635,7 @@ TEST(HfConfig, RejectsBadConfigsNamingTheField) {
            "high_freq_factor": 4, "original_max_position_embeddings": 8192}})",
        "\"factor\" must be a positive number"},
       {std::string(kLlamaConfig) + R"(, "hidden_act": "gelu"})", "gelu"},
+      {std::string(kLlamaConfig) + R"(, "mlp_bias": true})", "\"mlp_bias\" is true"},
       {std::string(kLlamaConfig) + R"(, "num_key_value_heads": 3})", "num_key_value_heads"},
       {std::string(kLlamaConfig) + R"(, "nflash_ffn_activation": "tanh"})", "nflash_ffn_activation"},
       {std::string(kLlamaConfig) + R"(, "head_dim": 16})", "head_dim"},
