@@ -256,10 +256,6 @@ std::function<Result<std::vector<float>>()> MakeLoader(std::vector<ShardTensor> 
   };
 }
 
-}  // namespace
-
-namespace {
-
 // The llama3 rope_scaling's factors (ModelConfig::rope_freq_factors) for `head_dim` / 2 rotary pairs.
 Result<std::vector<float>> Llama3RopeFactors(const json& rs, double theta, int64_t head_dim, const std::string& path) {
   auto number = [&](const char* key, double* out) -> Status {

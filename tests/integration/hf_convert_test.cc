@@ -201,6 +201,7 @@ struct HfOptions {
   bool drop_final_norm = false;
   std::string rope_scaling = "null";  // config.json's rope_scaling, as JSON
   bool qkv_bias = false;               // q_proj, k_proj and v_proj biases (StoriesBias), as Qwen2 has
+  std::string hidden_act = "silu";
 };
 
 // Layer l's bias of q (m 0), k (1) or v (2), n values in GGUF's interleaved order: a fixed pattern large enough to
@@ -246,10 +247,10 @@ void WriteStoriesHf(const std::string& dir, const HfOptions& o) {
   std::snprintf(config, sizeof(config),
                 R"({"architectures": ["%s"], "model_type": "llama", "hidden_size": %d, "intermediate_size": %d,
   "num_hidden_layers": %d, "num_attention_heads": %d, "num_key_value_heads": %d, "max_position_embeddings": %d,
-  "vocab_size": %d, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": true,
+  "vocab_size": %d, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "hidden_act": "%s", "tie_word_embeddings": true,
   "rope_scaling": %s, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2})",
                 o.architecture.c_str(), s.dim, s.hidden, s.n_layers, s.n_heads, s.n_kv_heads, s.seq_len, s.vocab,
-                o.rope_scaling.c_str());
+                o.hidden_act.c_str(), o.rope_scaling.c_str());
   testing::WriteText(dir + "/config.json", config);
 
   if (o.sharded) {
@@ -573,6 +574,48 @@ TEST(HfConvert, Qwen2AttentionBiasesMatchTheNumpyReference) {
                                "config.json");
   ASSERT_FALSE(sliding.ok());
   EXPECT_NE(sliding.status().message().find("use_sliding_window"), std::string::npos) << sliding.status().ToString();
+}
+
+// The offloaded runtime reads the new tensors from the deployment's resident part: a Qwen2 model with Llama 3 RoPE
+// scaling and a ReLU FFN, profiled and packed, decodes from flash (oracle active set) to the text of the in-memory
+// sparse engine on the GGUF itself, which the reference tests above tie to the NumPy reference; the same text
+// without the biases and factors differs.
+TEST(HfConvert, BiasesAndRopeFactorsReachTheOffloadedRuntime) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.architecture = "Qwen2ForCausalLM";
+  o.qkv_bias = true;
+  o.hidden_act = "relu";
+  o.rope_scaling = R"({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64})";
+  const std::string model = ConvertStoriesHf(tmp, "qwen2-llama3", o);
+  HfOptions plain_options;
+  plain_options.hidden_act = "relu";
+  const std::string plain = ConvertStoriesHf(tmp, "plain", plain_options);
+  const std::string nf = testing::NflashBinary();
+  auto text_of = [](const testing::CommandResult& r) {
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const size_t brace = r.output.find('{');
+    if (brace == std::string::npos) return std::string();
+    return nlohmann::json::parse(r.output.substr(brace)).value("text", std::string());
+  };
+  const std::string in_memory =
+      text_of(testing::RunCommand(nf + " -q run -m " + model + " --sparse oracle -p 'Once upon a time' -n 40 --temp 0 --json"));
+  const std::string without =
+      text_of(testing::RunCommand(nf + " -q run -m " + plain + " --sparse oracle -p 'Once upon a time' -n 40 --temp 0 --json"));
+  ASSERT_FALSE(in_memory.empty());
+  EXPECT_NE(in_memory, without) << "the biases and factors change the text";
+  auto p = testing::RunCommand(nf + " -q profile -m " + model + " -f " +
+                               testing::SharedPath("text/tinystories_calib.txt") + " --tokens 2000 -t 2 -o " +
+                               tmp.File("m.prof"));
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  auto k = testing::RunCommand(nf + " -q pack -m " + model + " -p " + tmp.File("m.prof") + " -o " + tmp.File("deploy"));
+  ASSERT_EQ(k.exit_code, 0) << k.output;
+  for (const char* args : {"--memory 3M", "--hot-slots 0 --cold-slots 0"}) {
+    const std::string offloaded = text_of(testing::RunCommand(nf + " -q offload -d " + tmp.File("deploy") +
+                                                              " --active-set oracle -p 'Once upon a time' -n 40 --json " + args));
+    EXPECT_EQ(offloaded, in_memory) << args;
+  }
 }
 
 TEST(HfConvert, ShardedWeightsGiveTheSameFile) {
