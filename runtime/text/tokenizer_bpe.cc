@@ -69,8 +69,9 @@ class BpeTokenizer final : public Tokenizer {
   BpeTokenizer(VocabData vocab, std::unordered_map<std::string, int32_t> merge_rank)
       : Tokenizer(std::move(vocab)), merge_rank_(std::move(merge_rank)) {
     const std::string& pre = vocab_.pre;
-    llama3_ = pre == "llama-bpe" || pre == "llama3";
-    pre_kind_ = llama3_ ? PreTokenizer::kLlama3 : pre == "qwen2" ? PreTokenizer::kQwen2 : PreTokenizer::kGpt2;
+    pre_kind_ = pre == "llama-bpe" || pre == "llama3" ? PreTokenizer::kLlama3
+                : pre == "qwen2"                        ? PreTokenizer::kQwen2
+                                                        : PreTokenizer::kGpt2;
     for (int b = 0; b < 256; ++b) byte_token_[b] = FindToken(ByteToUnicode(static_cast<uint8_t>(b)));
   }
 
@@ -82,7 +83,7 @@ class BpeTokenizer final : public Tokenizer {
   void EncodeWord(std::string_view word, std::vector<int32_t>* out) const;
 
   std::unordered_map<std::string, int32_t> merge_rank_;  // "left right" -> rank
-  bool llama3_ = false;  // Llama 3's pre-tokenizer, and its whole-word tokens (llama.cpp's ignore_merges)
+  // The split pattern; kLlama3 also emits a word that is a token whole (llama.cpp's ignore_merges, Llama 3 only).
   PreTokenizer pre_kind_ = PreTokenizer::kGpt2;
   std::array<int32_t, 256> byte_token_{};  // byte -> the token of its byte_to_unicode character
 };
@@ -110,7 +111,7 @@ void BpeTokenizer::EncodeWord(std::string_view word, std::vector<int32_t>* out) 
   if (sym.empty()) return;
   sym.back().next = -1;
   // Llama 3 (llama.cpp's ignore_merges): a word that is itself a token is emitted whole.
-  if (llama3_) {
+  if (pre_kind_ == PreTokenizer::kLlama3) {
     const int32_t id = FindToken(s);
     if (id >= 0) {
       out->push_back(id);
