@@ -25,6 +25,7 @@
 #include "runtime/engine/model.h"
 #include "runtime/core/file.h"
 #include "runtime/core/gguf.h"
+#include "tests/integration/numpy_reference.h"
 #include "tests/test_util.h"
 
 namespace nflash::converter {
@@ -408,46 +409,17 @@ std::string ConvertStoriesHf(const testing::TempDir& tmp, const std::string& nam
   return out;
 }
 
-// The NumPy reference's logits (F64) for `ids` on `gguf`, which it reads on its own.
-std::vector<float> ReferenceLogits(const std::string& gguf, const std::vector<int32_t>& ids, int64_t n_vocab,
-                                   const std::string& npy) {
-  std::string list;
-  for (size_t i = 0; i < ids.size(); ++i) list += (i ? "," : "") + std::to_string(ids[i]);
-  auto r = testing::RunCommand(std::string(NFLASH_PYTHON) + " " + NFLASH_SOURCE_DIR +
-                               "/tests/reference/llama_numpy.py --model " + gguf + " --tokens " + list +
-                               " --dtype f64 --logits-out " + npy);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  return testing::ReadNpyF32(npy, ids.size() * static_cast<size_t>(n_vocab));
-}
-
-// The largest difference between the engine's logits for `ids` on `gguf` and `ref`; -1 when the model does not load.
-double MaxLogitDiff(const std::string& gguf, const std::vector<int32_t>& ids, const std::vector<float>& ref) {
-  auto model = Model::Load(gguf, {});
-  EXPECT_TRUE(model.ok()) << model.status().ToString();
-  if (!model.ok()) return -1;
-  const int64_t nv = (*model)->hparams().n_vocab;
-  ThreadPool pool(2);
-  InferenceContext ctx(**model, &pool, 64);
-  EXPECT_TRUE(ctx.Eval(ids, true).ok());
-  double diff = 0;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    for (int64_t v = 0; v < nv; ++v) diff = std::max(diff, std::fabs(double(ctx.logits(int64_t(i))[v]) - ref[i * nv + v]));
-  }
-  return diff;
-}
-
-const std::vector<int32_t> kReferenceIds = {1,   403, 407, 261, 378, 432, 383, 286, 261, 376, 298,
-                                            315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 335,
-                                            311, 267, 422, 419, 269, 344, 444, 427, 421, 414};
-
 // The engine's logits on `model` are the NumPy reference's (F32 against F64 rounding), and those on `without` (the
 // same model without the feature, `what`) are far from them: the comparison can fail.
 void ExpectReferenceLogits(const std::string& model, const std::string& without, const std::string& what) {
   auto loaded = Model::Load(model, {});
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
-  const std::vector<float> ref = ReferenceLogits(model, kReferenceIds, (*loaded)->hparams().n_vocab, model + ".npy");
-  EXPECT_LE(MaxLogitDiff(model, kReferenceIds, ref), 1e-3) << "the engine with " << what << " against the reference";
-  EXPECT_GT(MaxLogitDiff(without, kReferenceIds, ref), 0.1) << "without " << what << " the logits differ";
+  const std::vector<float> ref =
+      testing::NumpyReferenceLogits(model, testing::kReferenceIds, (*loaded)->hparams().n_vocab, model + ".npy");
+  EXPECT_LE(testing::EngineLogitGap(model, testing::kReferenceIds, ref).max_diff, 1e-3)
+      << "the engine with " << what << " against the reference";
+  EXPECT_GT(testing::EngineLogitGap(without, testing::kReferenceIds, ref).max_diff, 0.1)
+      << "without " << what << " the logits differ";
 }
 
 // `tensor` of `model` one value short (a GGUF source made elsewhere): the engine refuses its shape, and so does a

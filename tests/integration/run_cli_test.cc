@@ -20,12 +20,12 @@
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
 #include "runtime/core/thread_placement.h"
+#include "tests/integration/numpy_reference.h"
 #include "tests/test_util.h"
 
 namespace nflash {
 namespace {
 
-using testing::ReadNpyF32;
 using testing::ReadText;
 
 std::string Nflash() { return testing::NflashBinary(); }
@@ -243,33 +243,16 @@ TEST(RunCliTest, LogitsMatchNumpyReference) {
   for (const char* type : {"f32", "q4_0"}) {
     std::string gguf = dir.File(std::string(type) + ".gguf");
     ASSERT_EQ(testing::RunCommand(Nflash() + " -q convert " + Stories() + " -o " + gguf + " --type " + type).exit_code, 0);
-    std::vector<int32_t> ids = {1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426,
-                                338, 401, 396, 267, 337, 335, 311, 267, 422, 419, 269, 344, 444, 427, 421, 414};
-    std::string list;
-    for (size_t i = 0; i < ids.size(); ++i) list += (i ? "," : "") + std::to_string(ids[i]);
-    std::string npy = dir.File(std::string(type) + ".npy");
-    auto r = testing::RunCommand(std::string(NFLASH_PYTHON) + " " + NFLASH_SOURCE_DIR +
-                                 "/tests/reference/llama_numpy.py --model " + gguf + " --tokens " + list +
-                                 " --dtype f64 --logits-out " + npy);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
     auto model = Model::Load(gguf, {});
     ASSERT_TRUE(model.ok()) << model.status().ToString();
-    const int64_t nv = (*model)->hparams().n_vocab;
-    std::vector<float> ref = ReadNpyF32(npy, ids.size() * static_cast<size_t>(nv));
-    ThreadPool pool(2);
-    InferenceContext ctx(**model, &pool, 64);
-    ASSERT_TRUE(ctx.Eval(ids, true).ok());
-    double max_diff = 0, max_abs = 0;
-    for (size_t t = 0; t < ids.size(); ++t) {
-      for (int64_t v = 0; v < nv; ++v) {
-        max_diff = std::max(max_diff, std::fabs(double(ctx.logits(int64_t(t))[v]) - ref[t * nv + v]));
-        max_abs = std::max(max_abs, std::fabs(double(ref[t * nv + v])));
-      }
-    }
+    const std::vector<float> ref = testing::NumpyReferenceLogits(gguf, testing::kReferenceIds,
+                                                                 (*model)->hparams().n_vocab,
+                                                                 dir.File(std::string(type) + ".npy"));
+    const testing::LogitGap gap = testing::EngineLogitGap(gguf, testing::kReferenceIds, ref);
     // F32: float vs double rounding only. Q4_0: nflash multiplies with the activation quantized to Q8_0 (as llama.cpp)
     // while the reference uses exact activations, so allow the Q8_0 activation error (~0.4% per dot product).
-    const double tol = std::string(type) == "f32" ? 1e-3 : 0.05 * max_abs;
-    EXPECT_LE(max_diff, tol) << type << ": max |logit| " << max_abs;
+    const double tol = std::string(type) == "f32" ? 1e-3 : 0.05 * gap.max_abs;
+    EXPECT_LE(gap.max_diff, tol) << type << ": max |logit| " << gap.max_abs;
   }
 }
 
