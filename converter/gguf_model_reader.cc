@@ -181,6 +181,11 @@ Result<SourceModel> ReadGgufModel(const std::string& path) {
       return Status::Unsupported(path + ": llama.rope.scaling.type \"" + type + "\" (only linear is supported)");
     }
   }
+  NF_ASSIGN_OR_RETURN(c.sliding_window, OptionalInt(*f, "llama.attention.sliding_window", 0));
+  if (c.sliding_window < 0 || c.sliding_window > UINT32_MAX) {
+    return Status::Corruption(path + ": llama.attention.sliding_window is " + std::to_string(c.sliding_window) +
+                              ", expected 0 (none) or a window of positions below 2^32");
+  }
   NF_ASSIGN_OR_RETURN(c.n_experts, OptionalInt(*f, "llama.expert_count", 0));
   NF_ASSIGN_OR_RETURN(c.n_experts_used, OptionalInt(*f, "llama.expert_used_count", 0));
   if (c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0 || c.dim % c.n_heads != 0) {

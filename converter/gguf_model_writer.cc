@@ -173,6 +173,7 @@ void SetMetadata(const SourceModel& m, uint32_t file_type, GgufWriter* w) {
   w->Set("llama.attention.layer_norm_rms_epsilon", c.norm_eps);
   w->Set("llama.rope.freq_base", c.rope_theta);
   w->Set("llama.vocab_size", u32(c.n_vocab));
+  if (c.sliding_window > 0) w->Set("llama.attention.sliding_window", u32(c.sliding_window));
   if (c.n_experts > 0) {
     w->Set("llama.expert_count", u32(c.n_experts));
     w->Set("llama.expert_used_count", u32(c.n_experts_used));

@@ -94,6 +94,10 @@ struct TensorPlan {
   std::vector<uint64_t> dims;         // GGUF dims
   std::vector<std::string> hf_names;  // one, or one per expert (stacked)
   int64_t rope_heads = 0;             // > 0: undo the HF q/k row permutation with this many heads
+  // Rows [row_begin, row_begin + rows) of a fused source with source_rows rows (Phi-3's qkv_proj, gate_up_proj);
+  // source_rows 0: the whole source.
+  uint64_t source_rows = 0, row_begin = 0;
+  float scale = 1.0f;                 // every value multiplied by this (LongRoPE's attention factor on q and k)
 };
 
 std::vector<uint64_t> Reversed(std::vector<uint64_t> v) { return {v.rbegin(), v.rend()}; }
@@ -192,23 +196,39 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
   const auto kv_dim = static_cast<uint64_t>(c.head_dim() * c.n_kv_heads);
   const auto n_ff = static_cast<uint64_t>(c.n_ff);
   const auto n_vocab = static_cast<uint64_t>(c.n_vocab);
+  const float qk = c.hf_qk_scale;
   std::vector<TensorPlan> plan;
   plan.push_back({"token_embd.weight", {dim, n_vocab}, {"model.embed_tokens.weight"}, 0});
   for (int64_t l = 0; l < c.n_layers; ++l) {
     const std::string hf = "model.layers." + std::to_string(l) + ".";
     const std::string gg = "blk." + std::to_string(l) + ".";
     plan.push_back({gg + "attn_norm.weight", {dim}, {hf + "input_layernorm.weight"}, 0});
-    plan.push_back({gg + "attn_q.weight", {dim, dim}, {hf + "self_attn.q_proj.weight"}, c.n_heads});
-    plan.push_back({gg + "attn_k.weight", {dim, kv_dim}, {hf + "self_attn.k_proj.weight"}, c.n_kv_heads});
-    plan.push_back({gg + "attn_v.weight", {dim, kv_dim}, {hf + "self_attn.v_proj.weight"}, 0});
+    if (c.hf_fused_projections) {  // Phi-3: rows q, then k, then v of one matrix
+      const std::string qkv = hf + "self_attn.qkv_proj.weight";
+      const uint64_t rows = dim + 2 * kv_dim;
+      plan.push_back({gg + "attn_q.weight", {dim, dim}, {qkv}, c.n_heads, rows, 0, qk});
+      plan.push_back({gg + "attn_k.weight", {dim, kv_dim}, {qkv}, c.n_kv_heads, rows, dim, qk});
+      plan.push_back({gg + "attn_v.weight", {dim, kv_dim}, {qkv}, 0, rows, dim + kv_dim});
+    } else {
+      plan.push_back({gg + "attn_q.weight", {dim, dim}, {hf + "self_attn.q_proj.weight"}, c.n_heads, 0, 0, qk});
+      plan.push_back({gg + "attn_k.weight", {dim, kv_dim}, {hf + "self_attn.k_proj.weight"}, c.n_kv_heads, 0, 0, qk});
+      plan.push_back({gg + "attn_v.weight", {dim, kv_dim}, {hf + "self_attn.v_proj.weight"}, 0});
+    }
     plan.push_back({gg + "attn_output.weight", {dim, dim}, {hf + "self_attn.o_proj.weight"}, 0});
-    if (c.attention_bias) {  // q and k biases are permuted like their rows
-      plan.push_back({gg + "attn_q.bias", {dim}, {hf + "self_attn.q_proj.bias"}, c.n_heads});
-      plan.push_back({gg + "attn_k.bias", {kv_dim}, {hf + "self_attn.k_proj.bias"}, c.n_kv_heads});
+    if (c.attention_bias) {  // q and k biases are permuted (and scaled) like their rows
+      plan.push_back({gg + "attn_q.bias", {dim}, {hf + "self_attn.q_proj.bias"}, c.n_heads, 0, 0, qk});
+      plan.push_back({gg + "attn_k.bias", {kv_dim}, {hf + "self_attn.k_proj.bias"}, c.n_kv_heads, 0, 0, qk});
       plan.push_back({gg + "attn_v.bias", {kv_dim}, {hf + "self_attn.v_proj.bias"}, 0});
     }
     plan.push_back({gg + "ffn_norm.weight", {dim}, {hf + "post_attention_layernorm.weight"}, 0});
     // FFN order gate, down, up: the order the llama2.c reader uses, so the same model gives the same file layout.
+    if (c.n_experts == 0 && c.hf_fused_projections) {  // Phi-3: rows gate, then up
+      const std::string gate_up = hf + "mlp.gate_up_proj.weight";
+      plan.push_back({gg + "ffn_gate.weight", {dim, n_ff}, {gate_up}, 0, 2 * n_ff, 0});
+      plan.push_back({gg + "ffn_down.weight", {n_ff, dim}, {hf + "mlp.down_proj.weight"}, 0});
+      plan.push_back({gg + "ffn_up.weight", {dim, n_ff}, {gate_up}, 0, 2 * n_ff, n_ff});
+      continue;
+    }
     if (c.n_experts == 0) {
       plan.push_back({gg + "ffn_gate.weight", {dim, n_ff}, {hf + "mlp.gate_proj.weight"}, 0});
       plan.push_back({gg + "ffn_down.weight", {n_ff, dim}, {hf + "mlp.down_proj.weight"}, 0});
@@ -233,16 +253,25 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
   return plan;
 }
 
-// The loader of one planned tensor: reads each source (in F32), undoes the RoPE permutation, stacks experts.
-std::function<Result<std::vector<float>>()> MakeLoader(std::vector<ShardTensor> sources, int64_t rope_heads) {
-  return [sources = std::move(sources), rope_heads]() -> Result<std::vector<float>> {
+// The loader of one planned tensor: reads each source (in F32), takes its rows of a fused source, scales, undoes the
+// RoPE permutation, stacks experts. `rows`: the planned tensor's rows (its last GGUF dim; 1-D: its length).
+std::function<Result<std::vector<float>>()> MakeLoader(std::vector<ShardTensor> sources, const TensorPlan& p) {
+  const uint64_t rows = p.dims.size() > 1 ? p.dims[1] : p.dims[0];
+  return [sources = std::move(sources), rope_heads = p.rope_heads, row_begin = p.row_begin, sliced = p.source_rows > 0,
+          rows, scale = p.scale]() -> Result<std::vector<float>> {
     if (sources.size() == 1) {
       const ShardTensor& s = sources[0];
       NF_ASSIGN_OR_RETURN(std::vector<float> data, s.file->ReadF32(s.tensor));
+      const uint64_t cols = s.tensor.shape.size() > 1 ? s.tensor.shape[1] : 1;  // a bias: 1-D
+      if (sliced) {
+        data.erase(data.begin() + static_cast<ptrdiff_t>((row_begin + rows) * cols), data.end());
+        data.erase(data.begin(), data.begin() + static_cast<ptrdiff_t>(row_begin * cols));
+      }
+      if (scale != 1.0f) {
+        for (float& v : data) v *= scale;
+      }
       if (rope_heads > 0) {
-        const auto rows = static_cast<int64_t>(s.tensor.shape[0]);
-        const auto cols = s.tensor.shape.size() > 1 ? static_cast<int64_t>(s.tensor.shape[1]) : 1;  // a bias: 1-D
-        return UndoRopePermutation(data, rope_heads, rows, cols);
+        return UndoRopePermutation(data, rope_heads, static_cast<int64_t>(rows), static_cast<int64_t>(cols));
       }
       return data;
     }
@@ -294,6 +323,69 @@ Result<std::vector<float>> Llama3RopeFactors(const json& rs, double theta, int64
   return factors;
 }
 
+// LongRoPE (Phi-3's rope_scaling type "longrope", once "su"), as transformers computes it: rotary pair i's frequency
+// divided by short_factor[i] while the sequence stays within original_max_position_embeddings (long_factor past it),
+// and cos, sin multiplied by an attention factor: rope_scaling's "attention_factor", or sqrt(1 + ln s / ln original)
+// with s = max_position_embeddings / original (1 when s <= 1). One GGUF holds one set of factors, so this writes the
+// short ones (rope_freqs.weight), folds the attention factor into the q and k weights, and caps the context length
+// at original_max_position_embeddings, where they hold.
+Status LongRopeScaling(const json& doc, ModelConfig* c, const std::string& path) {
+  const json& rs = doc["rope_scaling"];
+  const std::string field = path + ": field \"rope_scaling\": ";
+  double original = 0;
+  for (const json* where : {&doc, &rs}) {
+    if (where->contains("original_max_position_embeddings") && !(*where)["original_max_position_embeddings"].is_null()) {
+      const json& v = (*where)["original_max_position_embeddings"];
+      if (!v.is_number() || !(v.get<double>() >= 2)) {  // its logarithm divides
+        return Status::InvalidArgument(path + ": field \"original_max_position_embeddings\": expected a number of "
+                                       "positions >= 2, found " + v.dump());
+      }
+      original = v.get<double>();
+      break;
+    }
+  }
+  if (original == 0) {
+    return Status::InvalidArgument(path + ": missing required field \"original_max_position_embeddings\" (for "
+                                   "rope_scaling type \"longrope\")");
+  }
+  const size_t pairs = static_cast<size_t>(c->head_dim() / 2);
+  std::vector<float> factors[2];
+  const char* names[2] = {"short_factor", "long_factor"};
+  for (int k = 0; k < 2; ++k) {
+    if (!rs.contains(names[k]) || !rs[names[k]].is_array() || rs[names[k]].size() != pairs) {
+      return Status::InvalidArgument(field + "\"" + names[k] + "\" must be a list of head_dim / 2 = " +
+                                     std::to_string(pairs) + " numbers for type \"longrope\"" +
+                                     (rs.contains(names[k]) ? ", found " + rs[names[k]].dump() : ", found none"));
+    }
+    for (const json& v : rs[names[k]]) {
+      if (!v.is_number() || !(v.get<double>() > 0) || !std::isfinite(v.get<double>())) {
+        return Status::InvalidArgument(field + "\"" + names[k] + "\" holds " + v.dump() +
+                                       ", expected positive numbers");
+      }
+      factors[k].push_back(static_cast<float>(v.get<double>()));
+    }
+  }
+  double attention = 1.0;
+  if (rs.contains("attention_factor") && !rs["attention_factor"].is_null()) {
+    if (!rs["attention_factor"].is_number() || !(rs["attention_factor"].get<double>() > 0)) {
+      return Status::InvalidArgument(field + "\"attention_factor\" must be a positive number, found " +
+                                     rs["attention_factor"].dump());
+    }
+    attention = rs["attention_factor"].get<double>();
+  } else if (const double scale = static_cast<double>(c->context_length) / original; scale > 1) {
+    attention = std::sqrt(1.0 + std::log(scale) / std::log(original));
+  }
+  c->rope_freq_factors = std::move(factors[0]);
+  c->hf_qk_scale = static_cast<float>(attention);
+  if (c->context_length > static_cast<int64_t>(original)) {
+    NF_LOG(Info) << path << ": longrope: writing the short factors, valid up to original_max_position_embeddings "
+                 << static_cast<int64_t>(original) << "; the context length is capped there (from "
+                 << c->context_length << ")";
+    c->context_length = static_cast<int64_t>(original);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path) {
@@ -314,13 +406,40 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
     const std::string arch = doc["architectures"][0].get<std::string>();
     const bool mixtral = arch == "MixtralForCausalLM" || arch == "TurboSparseMixtralForCausalLM";
     const bool qwen2 = arch == "Qwen2ForCausalLM";
-    if (!mixtral && !qwen2 && arch != "LlamaForCausalLM" && arch != "MistralForCausalLM") {
+    const bool phi3 = arch == "Phi3ForCausalLM";
+    const bool mistral = arch == "MistralForCausalLM";
+    if (!mixtral && !qwen2 && !phi3 && !mistral && arch != "LlamaForCausalLM") {
       return Status::Unsupported(path + ": architectures[0] \"" + arch +
                                  "\" is not supported (expected LlamaForCausalLM, MistralForCausalLM, "
-                                 "MixtralForCausalLM or Qwen2ForCausalLM)");
+                                 "MixtralForCausalLM, Qwen2ForCausalLM or Phi3ForCausalLM)");
+    }
+    // Phi-3 is Llama with fused projections (split by the reader) and, in its long-context versions, LongRoPE.
+    c.hf_fused_projections = phi3;
+    if (f.Has("partial_rotary_factor")) {
+      NF_ASSIGN_OR_RETURN(double partial, f.Float("partial_rotary_factor"));
+      if (partial != 1.0) {
+        return Status::Unsupported(path + ": field \"partial_rotary_factor\" is " + doc["partial_rotary_factor"].dump() +
+                                   ": partial rotary embeddings are not supported (expected 1)");
+      }
+    }
+    // Mistral's and Phi-3's sliding window (Mixtral's configs carry one too); Qwen2 says whether it is used. null:
+    // none; absent: transformers' default (4096 for Mistral, none for the others).
+    if (mistral && !doc.contains("sliding_window")) c.sliding_window = 4096;
+    if ((mistral || phi3 || mixtral) && f.Has("sliding_window")) {
+      NF_ASSIGN_OR_RETURN(c.sliding_window, f.Int("sliding_window"));
+      if (c.sliding_window <= 0 || c.sliding_window > UINT32_MAX) {
+        return f.BadValue("sliding_window", "null or a positive number of positions below 2^32");
+      }
     }
     // Qwen2 is Llama with biases on q, k and v (and its own tokenizer); its sliding window, when used, is not.
-    NF_ASSIGN_OR_RETURN(c.attention_bias, f.Bool("attention_bias", qwen2));
+    // transformers gives Qwen2 those biases whatever attention_bias says, and Mistral, Mixtral and Phi-3 none; Llama's
+    // attention_bias would bias o_proj too, which the llama layout here has no tensor for.
+    c.attention_bias = qwen2;
+    NF_ASSIGN_OR_RETURN(bool llama_bias, f.Bool("attention_bias", false));
+    if (llama_bias && arch == "LlamaForCausalLM") {
+      return Status::Unsupported(path + ": field \"attention_bias\" is true: Llama's attention biases include "
+                                 "o_proj's, which are not supported");
+    }
     NF_ASSIGN_OR_RETURN(bool mlp_bias, f.Bool("mlp_bias", false));
     if (mlp_bias) return Status::Unsupported(path + ": field \"mlp_bias\" is true: FFN biases are not supported");
     NF_ASSIGN_OR_RETURN(bool sliding, f.Bool("use_sliding_window", false));
@@ -374,9 +493,11 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
         c.rope_scale_linear = static_cast<float>(rs["factor"].get<double>());
       } else if (type == "llama3") {
         NF_ASSIGN_OR_RETURN(c.rope_freq_factors, Llama3RopeFactors(rs, c.rope_theta, c.head_dim(), path));
+      } else if (type == "longrope" || type == "su") {
+        NF_RETURN_IF_ERROR(LongRopeScaling(doc, &c, path));
       } else if (type != "default") {
         return Status::Unsupported(path + ": field \"rope_scaling\": type \"" + type +
-                                   "\" is not supported (only \"linear\" and \"llama3\")");
+                                   "\" is not supported (only \"linear\", \"llama3\" and \"longrope\")");
       }
     }
 
@@ -453,6 +574,7 @@ Result<SourceModel> ReadHfDirectory(const std::string& dir) {
     // The shape each HF source must have: the reverse of the GGUF dims (per expert for stacked tensors).
     std::vector<uint64_t> gguf_part = p.dims;
     if (p.hf_names.size() > 1) gguf_part.pop_back();
+    if (p.source_rows > 0) gguf_part.back() = p.source_rows;  // the fused source holds this tensor's rows and others'
     const std::vector<uint64_t> want = Reversed(gguf_part);
     std::optional<SafetensorsDtype> dtype;
     for (const std::string& name : p.hf_names) {
@@ -471,13 +593,16 @@ Result<SourceModel> ReadHfDirectory(const std::string& dir) {
       if (!dtype) dtype = t.dtype;
       sources.push_back(it->second);
     }
-    if (sources.size() != p.hf_names.size()) continue;
+    if (sources.size() != p.hf_names.size()) {
+      if (p.source_rows > 0 && p.row_begin > 0) missing.pop_back();  // a fused source: named once, by its first part
+      continue;
+    }
     SourceTensor st;
     st.name = p.gguf_name;
     st.dims = p.dims;
     // Mixed dtypes across experts are read fine (everything goes through F32); the first one is reported.
     st.source_type = SafetensorsDtypeToGgml(*dtype);
-    st.load_f32 = MakeLoader(std::move(sources), p.rope_heads);
+    st.load_f32 = MakeLoader(std::move(sources), p);
     model.tensors.push_back(std::move(st));
   }
   if (!c.rope_freq_factors.empty()) {

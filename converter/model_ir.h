@@ -38,6 +38,9 @@ struct ModelConfig {
   // Llama 3 RoPE scaling (HF rope_scaling {"rope_type": "llama3", ...}): per rotary pair i, the factor its frequency
   // theta^(-2i / head_dim) is divided by, written as the tensor rope_freqs.weight (llama.cpp's form). Empty: none.
   std::vector<float> rope_freq_factors;
+  // llama.attention.sliding_window (HF "sliding_window": Mistral v0.1, Phi-3): the query at position p attends to keys
+  // (p - W, p] only. 0: every earlier key.
+  int64_t sliding_window = 0;
   int64_t n_experts = 0;       // llama.expert_count (0: dense FFN)
   int64_t n_experts_used = 0;  // llama.expert_used_count
   FfnActivation activation = FfnActivation::kSilu;
@@ -45,6 +48,12 @@ struct ModelConfig {
   // The q, k and v projections add a bias (Qwen2; HF "attention_bias"): blk.N.attn_{q,k,v}.bias, as llama.cpp's llama
   // architecture reads them.
   bool attention_bias = false;
+  // The Hugging Face source's layout (read by the HF reader only; the GGUF written is the same either way):
+  // Phi-3 fuses q, k, v into one qkv_proj and gate, up into one gate_up_proj, which the reader splits by rows.
+  bool hf_fused_projections = false;
+  // Phi-3's LongRoPE multiplies cos and sin by an attention factor, which scales rotated q and k alike; being linear,
+  // it is folded into the q and k weights (and biases). 1: none.
+  float hf_qk_scale = 1.0f;
   int64_t head_dim() const { return n_heads > 0 ? dim / n_heads : 0; }
 };
 

@@ -70,6 +70,7 @@ struct AttentionParams {
   int64_t n_ctx = 0;          // positions of the key cache
   int64_t group = 1;          // query heads per KV head
   float scale = 1.0f;         // 1 / sqrt(head_dim)
+  int64_t window = 0;         // > 0: the query at position p sees keys (p - window, p] only (sliding window)
 };
 
 // Floats of one thread's scratch: scores, output accumulators, running max and sum; with a half cache, one key block
@@ -116,7 +117,9 @@ template <typename T>
     std::fill(o + r * hd, o + (r + 1) * hd, 0.0f);
   }
   const int64_t keys = a.pos + t1;  // keys seen by the tile's last query
-  for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
+  // The block holding the first key the tile's first query sees (the window's start moves with the query).
+  const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, a.pos + t0 + 1 - a.window) : 0;
+  for (int64_t k0 = first_key / kKeyBlock * kKeyBlock; k0 < keys; k0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, keys - k0);
     const int64_t width = KeyBlockWidth(a.n_ctx, k0);
     const float* kt = nullptr;  // (head_dim, width): the block's keys
@@ -135,25 +138,26 @@ template <typename T>
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = t0 + r / a.group, h = kvh * a.group + r % a.group;
-      const int64_t len = a.pos + t + 1;  // causal: this query sees keys [0, len)
-      if (k0 >= len) continue;
-      const int64_t nv = std::min(nk, len - k0);
+      const int64_t len = a.pos + t + 1;  // causal: this query sees keys [lo, len)
+      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+      if (k0 >= len || k0 + nk <= lo) continue;
+      const int64_t j0 = std::max<int64_t>(0, lo - k0), nv = std::min(nk, len - k0);  // keys k0 + [j0, nv)
       const float* q = a.q + t * a.q_stride + h * hd;
       float* sr = s + r * kKeyBlock;
-      std::fill(sr, sr + nv, 0.0f);
+      std::fill(sr + j0, sr + nv, 0.0f);
       for (int64_t i = 0; i < hd; ++i) {
         const float qi = q[i];
         const float* kr = kt + i * width;
-        for (int64_t j = 0; j < nv; ++j) sr[j] += qi * kr[j];
+        for (int64_t j = j0; j < nv; ++j) sr[j] += qi * kr[j];
       }
       float mx = m[r];
-      for (int64_t j = 0; j < nv; ++j) {
+      for (int64_t j = j0; j < nv; ++j) {
         sr[j] *= a.scale;
         mx = std::max(mx, sr[j]);
       }
       const float alpha = std::exp(m[r] - mx);  // rescales what earlier blocks summed; 0 for the first block
       float sum = 0.0f;
-      for (int64_t j = 0; j < nv; ++j) {
+      for (int64_t j = j0; j < nv; ++j) {
         sr[j] = std::exp(sr[j] - mx);
         sum += sr[j];
       }
@@ -163,7 +167,7 @@ template <typename T>
       if (alpha != 1.0f) {
         for (int64_t i = 0; i < hd; ++i) orow[i] *= alpha;
       }
-      for (int64_t j = 0; j < nv; ++j) {
+      for (int64_t j = j0; j < nv; ++j) {
         const float p = sr[j];
         const float* v = vt + j * vstride;
         for (int64_t i = 0; i < hd; ++i) orow[i] += p * v[i];
@@ -476,6 +480,7 @@ void InferenceContext::Attention(int64_t layer, int64_t n, int64_t pos) {
   a.n_ctx = n_ctx_;
   a.group = group;
   a.scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  a.window = hp_.sliding_window;
   const int64_t tiles = (n + kQueryTile - 1) / kQueryTile;
   const int64_t items = tiles * hp_.n_kv_heads;
   const size_t per_thread = AttentionScratchFloats(hd, group, kv_type_);
@@ -491,8 +496,11 @@ void InferenceContext::Attention(int64_t layer, int64_t n, int64_t pos) {
       AttendTile<float>(a, q0, q1, kvh, scratch);
     }
   };
-  // Multiply-adds of the whole call: n queries x (pos + n/2) keys on average x 2 (QK and PV) x q_dim.
-  const double work = static_cast<double>(n) * static_cast<double>(pos + (n + 1) / 2) * 2.0 * q_dim;
+  // Multiply-adds of the whole call: n queries x (pos + n/2) keys on average (at most the window) x 2 (QK and PV) x
+  // q_dim.
+  int64_t mean_keys = pos + (n + 1) / 2;
+  if (a.window > 0) mean_keys = std::min(mean_keys, a.window);
+  const double work = static_cast<double>(n) * static_cast<double>(mean_keys) * 2.0 * q_dim;
   if (pool_->NumThreads() == 1 || items == 1 || work < kMinParallelAttentionWork) {
     for (int64_t i = 0; i < items; ++i) run_item(i, attn_scratch_.data());
     return;

@@ -54,6 +54,13 @@ Result<LlamaHparams> ReadLlamaHparams(const GgufFile& f) {
     if (!(factor > 0)) return Status::Corruption(path + ": llama.rope.scaling.factor must be > 0");
     hp.rope_scale = static_cast<float>(factor);
   }
+  if (f.Find("llama.attention.sliding_window")) {
+    NF_ASSIGN_OR_RETURN(uint64_t w, f.GetUint("llama.attention.sliding_window"));
+    if (w > (uint64_t{1} << 40)) {
+      return Status::Corruption(path + ": llama.attention.sliding_window = " + std::to_string(w) + " is out of range");
+    }
+    hp.sliding_window = static_cast<int64_t>(w);  // 0: none, as llama.cpp reads it
+  }
   if (f.Find("llama.expert_count")) {
     NF_ASSIGN_OR_RETURN(uint64_t ne, f.GetUint("llama.expert_count"));
     hp.n_experts = static_cast<int64_t>(ne);

@@ -27,6 +27,8 @@ struct LlamaHparams {
   float rope_theta = 10000.0f;
   float rope_scale = 1.0f;   // positions are divided by this (linear RoPE scaling)
   float norm_eps = 1e-5f;
+  // llama.attention.sliding_window (Mistral v0.1, Phi-3): the query at position p attends to keys (p - W, p]; 0: all.
+  int64_t sliding_window = 0;
   int64_t n_experts = 0;
   int64_t n_experts_used = 0;
   FfnActivation activation = FfnActivation::kSilu;

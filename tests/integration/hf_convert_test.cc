@@ -203,7 +203,16 @@ struct HfOptions {
   std::string rope_scaling = "null";  // config.json's rope_scaling, as JSON
   bool qkv_bias = false;               // q_proj, k_proj and v_proj biases (StoriesBias), as Qwen2 has
   std::string hidden_act = "silu";
+  bool fused = false;                  // Phi-3's layout: qkv_proj (rows q, k, v) and gate_up_proj (rows gate, up)
+  std::string extra_config;            // more config.json members, each followed by a comma
 };
+
+// Rows of `parts` stacked (each a row-major matrix with `cols` columns): a fused projection.
+Floats StackRows(const std::vector<const Floats*>& parts) {
+  Floats out;
+  for (const Floats* p : parts) out.insert(out.end(), p->begin(), p->end());
+  return out;
+}
 
 // Layer l's bias of q (m 0), k (1) or v (2), n values in GGUF's interleaved order: a fixed pattern large enough to
 // move the logits.
@@ -221,9 +230,14 @@ void WriteStoriesHf(const std::string& dir, const HfOptions& o) {
   for (int l = 0; l < s.n_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     t.push_back({p + "input_layernorm.weight", {dim}, s.rms_att[l]});
-    t.push_back({p + "self_attn.q_proj.weight", {dim, dim}, ToHfRopeOrder(s.wq[l], s.n_heads, dim, dim)});
-    t.push_back({p + "self_attn.k_proj.weight", {kv_dim, dim}, ToHfRopeOrder(s.wk[l], s.n_kv_heads, kv_dim, dim)});
-    t.push_back({p + "self_attn.v_proj.weight", {kv_dim, dim}, s.wv[l]});
+    const Floats q = ToHfRopeOrder(s.wq[l], s.n_heads, dim, dim), k = ToHfRopeOrder(s.wk[l], s.n_kv_heads, kv_dim, dim);
+    if (o.fused) {
+      t.push_back({p + "self_attn.qkv_proj.weight", {dim + 2 * kv_dim, dim}, StackRows({&q, &k, &s.wv[l]})});
+    } else {
+      t.push_back({p + "self_attn.q_proj.weight", {dim, dim}, q});
+      t.push_back({p + "self_attn.k_proj.weight", {kv_dim, dim}, k});
+      t.push_back({p + "self_attn.v_proj.weight", {kv_dim, dim}, s.wv[l]});
+    }
     t.push_back({p + "self_attn.o_proj.weight", {dim, dim}, s.wo[l]});
     if (o.qkv_bias) {  // HF keeps q and k biases in the rotate-half order of their rows
       t.push_back({p + "self_attn.q_proj.bias", {dim}, ToHfRopeOrder(StoriesBias(l, 0, dim), s.n_heads, dim, 1)});
@@ -234,23 +248,25 @@ void WriteStoriesHf(const std::string& dir, const HfOptions& o) {
     // Old HF checkpoints carry this buffer; the reader must skip it.
     t.push_back({p + "self_attn.rotary_emb.inv_freq", {4}, {1, 0.1f, 0.01f, 0.001f}});
     t.push_back({p + "post_attention_layernorm.weight", {dim}, s.rms_ffn[l]});
-    if (o.transposed_gate && l == 0) {
+    if (o.fused) {
+      t.push_back({p + "mlp.gate_up_proj.weight", {2 * hidden, dim}, StackRows({&s.w1[l], &s.w3[l]})});
+    } else if (o.transposed_gate && l == 0) {
       t.push_back({p + "mlp.gate_proj.weight", {dim, hidden}, s.w1[l]});
     } else {
       t.push_back({p + "mlp.gate_proj.weight", {hidden, dim}, s.w1[l]});
     }
     t.push_back({p + "mlp.down_proj.weight", {dim, hidden}, s.w2[l]});
-    t.push_back({p + "mlp.up_proj.weight", {hidden, dim}, s.w3[l]});
+    if (!o.fused) t.push_back({p + "mlp.up_proj.weight", {hidden, dim}, s.w3[l]});
   }
   if (!o.drop_final_norm) t.push_back({"model.norm.weight", {dim}, s.rms_final});
 
-  char config[1536];
+  char config[4096];
   std::snprintf(config, sizeof(config),
-                R"({"architectures": ["%s"], "model_type": "llama", "hidden_size": %d, "intermediate_size": %d,
+                R"({"architectures": ["%s"], "model_type": "llama", %s "hidden_size": %d, "intermediate_size": %d,
   "num_hidden_layers": %d, "num_attention_heads": %d, "num_key_value_heads": %d, "max_position_embeddings": %d,
   "vocab_size": %d, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "hidden_act": "%s", "tie_word_embeddings": true,
   "rope_scaling": %s, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2})",
-                o.architecture.c_str(), s.dim, s.hidden, s.n_layers, s.n_heads, s.n_kv_heads, s.seq_len, s.vocab,
+                o.architecture.c_str(), o.extra_config.c_str(), s.dim, s.hidden, s.n_layers, s.n_heads, s.n_kv_heads, s.seq_len, s.vocab,
                 o.hidden_act.c_str(), o.rope_scaling.c_str());
   testing::WriteText(dir + "/config.json", config);
 
@@ -411,15 +427,52 @@ std::string ConvertStoriesHf(const testing::TempDir& tmp, const std::string& nam
 
 // The engine's logits on `model` are the NumPy reference's (F32 against F64 rounding), and those on `without` (the
 // same model without the feature, `what`) are far from them: the comparison can fail.
-void ExpectReferenceLogits(const std::string& model, const std::string& without, const std::string& what) {
+void ExpectReferenceLogits(const std::string& model, const std::string& without, const std::string& what,
+                           const std::vector<int32_t>& ids = testing::kReferenceIds) {
   auto loaded = Model::Load(model, {});
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   const std::vector<float> ref =
-      testing::NumpyReferenceLogits(model, testing::kReferenceIds, (*loaded)->hparams().n_vocab, model + ".npy");
-  EXPECT_LE(testing::EngineLogitGap(model, testing::kReferenceIds, ref).max_diff, 1e-3)
+      testing::NumpyReferenceLogits(model, ids, (*loaded)->hparams().n_vocab, model + ".npy");
+  EXPECT_LE(testing::EngineLogitGap(model, ids, ref).max_diff, 1e-3)
       << "the engine with " << what << " against the reference";
+  EXPECT_GT(testing::EngineLogitGap(without, ids, ref).max_diff, 0.1) << "without " << what << " the logits differ";
+}
+
+// The engine's logits on `gguf`, converted from the HF directory `dir`, are those of the HF-directory reference
+// (transformers' definitions on the checkpoint as stored: rotate-half RoPE, fused projections, LongRoPE's factors
+// and attention factor), and those of `without` are far from them.
+void ExpectHfReferenceLogits(const std::string& dir, const std::string& gguf, const std::string& without,
+                             const std::string& what) {
+  auto loaded = Model::Load(gguf, {});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  const std::vector<float> ref =
+      testing::HfReferenceLogits(dir, testing::kReferenceIds, (*loaded)->hparams().n_vocab, gguf + ".hf.npy");
+  EXPECT_LE(testing::EngineLogitGap(gguf, testing::kReferenceIds, ref).max_diff, 1e-3)
+      << "the engine on " << gguf << " against the HF reference on " << dir;
   EXPECT_GT(testing::EngineLogitGap(without, testing::kReferenceIds, ref).max_diff, 0.1)
       << "without " << what << " the logits differ";
+}
+
+// The logits of every token of `ids` on `gguf`: in one batch, or fed one token at a time (F32 or F16 KV cache).
+std::vector<float> EngineLogits(const std::string& gguf, const std::vector<int32_t>& ids, bool one_by_one,
+                                KvType kv_type) {
+  auto model = Model::Load(gguf, {});
+  EXPECT_TRUE(model.ok()) << model.status().ToString();
+  if (!model.ok()) return {};
+  const auto nv = static_cast<size_t>((*model)->hparams().n_vocab);
+  ThreadPool pool(2);
+  InferenceContext ctx(**model, &pool, static_cast<int64_t>(ids.size()), kv_type);
+  std::vector<float> out(ids.size() * nv);
+  if (!one_by_one) {
+    EXPECT_TRUE(ctx.Eval(ids, true).ok());
+    for (size_t t = 0; t < ids.size(); ++t) std::copy_n(ctx.logits(static_cast<int64_t>(t)), nv, &out[t * nv]);
+    return out;
+  }
+  for (size_t t = 0; t < ids.size(); ++t) {
+    EXPECT_TRUE(ctx.Eval(std::span<const int32_t>(&ids[t], 1), false).ok());
+    std::copy_n(ctx.logits(), nv, &out[t * nv]);
+  }
+  return out;
 }
 
 // `tensor` of `model` one value short (a GGUF source made elsewhere): the engine refuses its shape, and so does a
@@ -546,6 +599,154 @@ TEST(HfConvert, Qwen2AttentionBiasesMatchTheNumpyReference) {
                                "config.json");
   ASSERT_FALSE(sliding.ok());
   EXPECT_NE(sliding.status().message().find("use_sliding_window"), std::string::npos) << sliding.status().ToString();
+}
+
+// Mistral v0.1's sliding window: config.json's sliding_window becomes llama.attention.sliding_window, and the
+// engine's logits are the NumPy reference's, which hides keys W or more positions back on its own; the same model
+// without the window is far from it. 160 tokens under a window of 70 cross the key cache's blocks of 64 positions,
+// the window starting inside one; fed one token at a time the engine gives the batch's logits bit for bit, with an
+// F32 and an F16 KV cache.
+TEST(HfConvert, SlidingWindowMatchesTheNumpyReference) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.architecture = "MistralForCausalLM";
+  o.extra_config = R"("sliding_window": 70,)";
+  const std::string windowed = ConvertStoriesHf(tmp, "mistral", o), plain = ConvertStoriesHf(tmp, "plain", {});
+  auto f = GgufFile::OpenPath(windowed);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  auto w = f->GetUint("llama.attention.sliding_window");
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_EQ(*w, 70u);
+  auto pf = GgufFile::OpenPath(plain);
+  ASSERT_TRUE(pf.ok());
+  EXPECT_EQ(pf->Find("llama.attention.sliding_window"), nullptr);
+  auto loaded = Model::Load(windowed, {});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ((*loaded)->hparams().sliding_window, 70);
+
+  std::vector<int32_t> ids;
+  for (int r = 0; r < 5; ++r) ids.insert(ids.end(), testing::kReferenceIds.begin(), testing::kReferenceIds.end());
+  ExpectReferenceLogits(windowed, plain, "the window", ids);
+  for (KvType kv : {KvType::kF32, KvType::kF16}) {
+    EXPECT_TRUE(EngineLogits(windowed, ids, true, kv) == EngineLogits(windowed, ids, false, kv))
+        << "token by token against one batch, " << (kv == KvType::kF16 ? "F16" : "F32") << " KV cache";
+  }
+  // A window of null, as Mistral v0.2 writes it: none.
+  o.extra_config = R"("sliding_window": null,)";
+  ExpectSameModel(ConvertStoriesHf(tmp, "v02", o), plain);
+  o.extra_config = R"("sliding_window": -4,)";
+  const std::string bad = tmp.File("bad");
+  ASSERT_EQ(::mkdir(bad.c_str(), 0755), 0);
+  WriteStoriesHf(bad, o);
+  auto refused = ReadHfDirectory(bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("field \"sliding_window\": expected null or a positive number"),
+            std::string::npos)
+      << refused.status().ToString();
+}
+
+// Phi-3: Llama with q, k, v fused into qkv_proj and gate, up into gate_up_proj. Split by rows they give the very
+// file of the Llama layout (every tensor's bytes and every llama.* key), and the engine's logits on it are those of
+// the HF reference on the fused directory.
+TEST(HfConvert, Phi3FusedProjectionsGiveTheLlamaFile) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.architecture = "Phi3ForCausalLM";
+  o.fused = true;
+  o.extra_config = R"("sliding_window": null, "original_max_position_embeddings": 512,)";
+  const std::string phi3 = ConvertStoriesHf(tmp, "phi3", o), llama = ConvertStoriesHf(tmp, "llama", {});
+  ExpectSameModel(phi3, llama);
+  HfOptions relu;
+  relu.hidden_act = "relu";
+  ExpectHfReferenceLogits(tmp.File("phi3"), phi3, ConvertStoriesHf(tmp, "relu", relu), "the FFN's gate");
+
+  // The unfused names under Phi3ForCausalLM: the fused tensors are reported missing, each once.
+  o.fused = false;
+  const std::string unfused = tmp.File("unfused");
+  ASSERT_EQ(::mkdir(unfused.c_str(), 0755), 0);
+  WriteStoriesHf(unfused, o);
+  auto missing = ReadHfDirectory(unfused);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("10 required tensor(s) missing: model.layers.0.self_attn.qkv_proj.weight, "
+                                            "model.layers.0.mlp.gate_up_proj.weight, model.layers.1"),
+            std::string::npos)
+      << missing.status().ToString();
+  // Phi-4-mini's partial rotary embedding: refused, naming the field.
+  auto partial = ParseHfConfig(R"({"architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
+    "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8, "max_position_embeddings": 512,
+    "vocab_size": 512, "rms_norm_eps": 1e-05, "partial_rotary_factor": 0.75})",
+                               "config.json");
+  ASSERT_FALSE(partial.ok());
+  EXPECT_NE(partial.status().message().find("\"partial_rotary_factor\" is 0.75"), std::string::npos)
+      << partial.status().ToString();
+}
+
+// Phi-3's LongRoPE (Phi-3-mini-128k, Phi-3.5-mini), within original_max_position_embeddings: the short factors are
+// written as rope_freqs.weight and the attention factor (here sqrt(1 + ln 8 / ln 64), from max_position_embeddings
+// 512 over 64) is folded into q and k; the engine's logits on the file are the HF reference's, which multiplies cos
+// and sin by the factor on the checkpoint as stored, with a sliding window of 20 on top; the context is capped at 64.
+// The model without LongRoPE is far from it, and so is the file converted with the factor left out.
+TEST(HfConvert, Phi3LongRopeMatchesTheHfReference) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.architecture = "Phi3ForCausalLM";
+  o.fused = true;
+  o.rope_scaling = R"({"type": "longrope", "short_factor": [1.0, 1.5, 3.0, 7.0], "long_factor": [1.0, 2.0, 4.0, 8.0]})";
+  o.extra_config = R"("sliding_window": 20, "original_max_position_embeddings": 64,)";
+  const std::string phi3 = ConvertStoriesHf(tmp, "phi3", o);
+  o.extra_config = R"("original_max_position_embeddings": 64,)";
+  const std::string no_window = ConvertStoriesHf(tmp, "no_window", o);
+  auto f = GgufFile::OpenPath(phi3);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  std::vector<uint8_t> raw = TensorBytes(*f, "rope_freqs.weight");
+  ASSERT_EQ(raw.size(), 16u);
+  Floats factors(4);
+  std::memcpy(factors.data(), raw.data(), 16);
+  EXPECT_EQ(factors, (Floats{1.0f, 1.5f, 3.0f, 7.0f}));
+  EXPECT_EQ(*f->GetUint("llama.context_length"), 64u);
+  EXPECT_EQ(*f->GetUint("llama.attention.sliding_window"), 20u);
+  // q (and k) scaled by the attention factor: element by element against the unscaled Llama conversion.
+  const std::string llama = ConvertStoriesHf(tmp, "llama", {});
+  auto lf = GgufFile::OpenPath(llama);
+  ASSERT_TRUE(lf.ok());
+  const double attention = std::sqrt(1.0 + std::log(8.0) / std::log(64.0));
+  for (const char* name : {"blk.2.attn_q.weight", "blk.2.attn_k.weight", "blk.2.attn_v.weight"}) {
+    std::vector<uint8_t> a = TensorBytes(*f, name), b = TensorBytes(*lf, name);
+    ASSERT_EQ(a.size(), b.size());
+    Floats x(a.size() / 4), y(b.size() / 4);
+    std::memcpy(x.data(), a.data(), a.size());
+    std::memcpy(y.data(), b.data(), b.size());
+    const double want = std::string(name).find("attn_v") == std::string::npos ? attention : 1.0;
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(x[i], y[i] * want, 1e-6 * std::fabs(y[i]) + 1e-9) << name << i;
+  }
+  ExpectHfReferenceLogits(tmp.File("phi3"), phi3, llama, "LongRoPE");
+  ExpectHfReferenceLogits(tmp.File("no_window"), no_window, phi3, "the window");
+
+  // An attention factor given in rope_scaling replaces the computed one; the HF reference agrees, and the file
+  // converted with the computed one is far from it.
+  o.rope_scaling = R"({"type": "longrope", "short_factor": [1.0, 1.5, 3.0, 7.0], "long_factor": [1.0, 2.0, 4.0, 8.0],
+                       "attention_factor": 1.7})";
+  const std::string given = ConvertStoriesHf(tmp, "given", o);
+  ExpectHfReferenceLogits(tmp.File("given"), given, no_window, "the given attention factor");
+
+  // Factors of the wrong length, or a missing original_max_position_embeddings: refused, naming the field.
+  auto short_list = ParseHfConfig(R"({"architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
+    "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8, "max_position_embeddings": 512,
+    "vocab_size": 512, "rms_norm_eps": 1e-05, "original_max_position_embeddings": 64,
+    "rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1], "long_factor": [1, 1, 1, 1]}})",
+                                  "config.json");
+  ASSERT_FALSE(short_list.ok());
+  EXPECT_NE(short_list.status().message().find("\"short_factor\" must be a list of head_dim / 2 = 4 numbers"),
+            std::string::npos)
+      << short_list.status().ToString();
+  auto no_original = ParseHfConfig(R"({"architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
+    "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8, "max_position_embeddings": 512,
+    "vocab_size": 512, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": [1, 1, 1, 1]}})",
+                                   "config.json");
+  ASSERT_FALSE(no_original.ok());
+  EXPECT_NE(no_original.status().message().find("original_max_position_embeddings"), std::string::npos)
+      << no_original.status().ToString();
 }
 
 // The offloaded runtime reads the new tensors from the deployment's resident part: a Qwen2 model with Llama 3 RoPE

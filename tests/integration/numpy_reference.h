@@ -35,7 +35,21 @@ inline std::vector<float> NumpyReferenceLogits(const std::string& gguf, const st
   return ReadNpyF32(npy, ids.size() * static_cast<size_t>(n_vocab));
 }
 
-// The engine's logits for `ids` on `gguf` (2 threads) against `ref`: the largest difference, and the largest |ref|.
+// The HF-directory reference's logits (tests/reference/hf_numpy.py: transformers' definitions on the safetensors
+// as stored, F64, written as F32 to `npy`) for `ids` on the model directory `dir`, n_vocab per token.
+inline std::vector<float> HfReferenceLogits(const std::string& dir, const std::vector<int32_t>& ids, int64_t n_vocab,
+                                            const std::string& npy) {
+  std::string list;
+  for (size_t i = 0; i < ids.size(); ++i) list += (i ? "," : "") + std::to_string(ids[i]);
+  const CommandResult r = RunCommand(std::string(NFLASH_PYTHON) + " " + NFLASH_SOURCE_DIR +
+                                     "/tests/reference/hf_numpy.py --dir " + dir + " --tokens " + list +
+                                     " --dtype f64 --logits-out " + npy);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return ReadNpyF32(npy, ids.size() * static_cast<size_t>(n_vocab));
+}
+
+// The engine's logits for `ids` on `gguf` (2 threads, one batch, a context of max(64, ids) positions) against `ref`:
+// the largest difference, and the largest |ref|.
 struct LogitGap {
   double max_diff = 0;
   double max_abs = 0;
@@ -47,7 +61,7 @@ inline LogitGap EngineLogitGap(const std::string& gguf, const std::vector<int32_
   if (!model.ok()) return gap;
   const int64_t nv = (*model)->hparams().n_vocab;
   ThreadPool pool(2);
-  InferenceContext ctx(**model, &pool, 64);
+  InferenceContext ctx(**model, &pool, std::max<int64_t>(64, static_cast<int64_t>(ids.size())));
   EXPECT_TRUE(ctx.Eval(ids, true).ok());
   for (size_t t = 0; t < ids.size(); ++t) {
     for (int64_t v = 0; v < nv; ++v) {

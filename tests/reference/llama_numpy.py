@@ -6,7 +6,8 @@ Written from the model definition (Llama / llama2.c / Mixtral), not from nflash'
   h = token_embd[id]
   per layer:  a = rmsnorm(h) * attn_norm;  q, k, v = Wq a, Wk a, Wv a
               RoPE on consecutive pairs (2i, 2i+1) of each head, angle = (pos / linear_factor) * theta^(-2i/n_rot)
-              grouped-query attention (head h reads kv head h // (n_heads / n_kv_heads)), softmax(q.k / sqrt(hd))
+              grouped-query attention (head h reads kv head h // (n_heads / n_kv_heads)), softmax(q.k / sqrt(hd));
+              with llama.attention.sliding_window W > 0, the query at position p sees keys p - W < j <= p only
               h += Wo attn
               f = rmsnorm(h) * ffn_norm
               dense: h += down(act(gate f, up f)); silu: silu(g)*u, relu: relu(g)*u, drelu: relu(g)*relu(u)
@@ -135,6 +136,7 @@ def config_from_gguf(reader):
         "n_experts": int(g("expert_count", 0)),
         "n_experts_used": int(g("expert_used_count", 0)),
         "activation": str(md.get("nflash.ffn_activation", "silu")),
+        "sliding_window": int(g("attention.sliding_window", 0)),  # 0: none
     }
     if md.get(arch + ".rope.scaling.type") == "linear":
         cfg["rope_scale"] = float(g("rope.scaling.factor", 1.0))
@@ -279,6 +281,8 @@ class Llama:
             Vh = V[:, kv_index, :].transpose(1, 0, 2)
             s = np.matmul(q.transpose(1, 0, 2), Kh.transpose(0, 2, 1)) * scale  # [H, n, T]
             mask = np.arange(T)[None, :] > positions[:, None]     # key after the query: hidden
+            if c.get("sliding_window", 0) > 0:                    # and keys W or more positions back
+                mask |= positions[:, None] - np.arange(T)[None, :] >= c["sliding_window"]
             s = np.where(mask[None], -np.inf, s)
             s = s - s.max(axis=-1, keepdims=True)
             e = np.exp(s)

@@ -1,5 +1,6 @@
 #!/bin/bash
-# Self-check of the NumPy reference (gguf_numpy.py, llama_numpy.py) against published outputs; non-zero on mismatch.
+# Self-check of the NumPy reference (gguf_numpy.py, llama_numpy.py, hf_numpy.py) against published outputs;
+# non-zero on mismatch.
 # Usage: tests/reference/test_reference.sh [--quick] [--full]
 #   --quick: skip the held-out perplexity / sparsity checks (about 1-2 minutes on a busy 2-core machine)
 #   --full:  also time a 7B-shaped 4-layer Q4_0 file (writes about 0.6 GB under $TMPDIR)
@@ -22,7 +23,7 @@ WORK="$(mktemp -d "${TMPDIR:-/tmp}/nflash-ref.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 
 exec "$PY" - "$HERE" "$SHARED" "$WORK" "$QUICK" "$FULL" <<'PYEOF'
-import json, os, re, struct, subprocess, sys, time
+import json, math, os, re, struct, subprocess, sys, time
 import numpy as np
 
 HERE, SHARED, WORK, QUICK, FULL = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5] == "1"
@@ -285,7 +286,297 @@ res, dt = cli("--model", ps, "--tokens", ",".join(str(i * 7 % 512) for i in rang
               os.path.join(WORK, "sp.npy"))
 check("speed_dim256_64_tokens", res.returncode == 0 and dt < 5.0, "(%.2fs wall, including Python start-up)" % dt)
 
-# ---------------------------------------------------------------- 10. held-out perplexity and ReLU sparsity
+# ---------------------------------------------------------------- 10. hf_numpy.py: HF directories from stories260K
+# Expected values come from llama_numpy.py (GGUF/llama2.c conventions: pair-wise RoPE), which shares nothing with
+# hf_numpy.py but numpy, and from formulas worked by hand. The HF directories are written here from the llama2.c file
+# (layout in models/stories260K/README.md), with q/k rows permuted from llama2.c's pair order into HF's half order.
+import hf_numpy as HF
+
+t_hf = time.time()
+raw = np.fromfile(SILU, np.uint8)
+dim, hid, nl, nh, nkv, voc, seq = struct.unpack_from("<7i", raw, 0)
+flt = raw[28:].view("<f4")
+at = [0]
+
+
+def take(*shape):
+    n_ = int(np.prod(shape))
+    a_ = flt[at[0]:at[0] + n_].reshape(shape).copy()
+    at[0] += n_
+    return a_
+
+
+hd = dim // nh
+kvd = nkv * hd
+voc = abs(voc)
+emb = take(voc, dim)
+rms_att, wq, wk, wv, wo = take(nl, dim), take(nl, dim, dim), take(nl, kvd, dim), take(nl, kvd, dim), take(nl, dim, dim)
+rms_ffn, w1, w2, w3, rms_fin = take(nl, dim), take(nl, hid, dim), take(nl, dim, hid), take(nl, hid, dim), take(dim)
+
+
+def to_hf(w_, heads):
+    """llama2.c rows -> HF rows, per head: HF row j*hd/2 + i = llama2.c row 2i + j (j in 0, 1)."""
+    return w_.reshape(heads, hd // 2, 2, -1).transpose(0, 2, 1, 3).reshape(heads * hd, -1)
+
+
+def hf_tensors(fused=False, biases=None, lm_head=None):
+    t_ = {"model.embed_tokens.weight": emb, "model.norm.weight": rms_fin}
+    if lm_head is not None:
+        t_["lm_head.weight"] = lm_head
+    for i in range(nl):
+        p = "model.layers.%d." % i
+        q_, k_ = to_hf(wq[i], nh), to_hf(wk[i], nkv)
+        t_.update({p + "input_layernorm.weight": rms_att[i], p + "post_attention_layernorm.weight": rms_ffn[i],
+                   p + "self_attn.o_proj.weight": wo[i], p + "mlp.down_proj.weight": w2[i]})
+        if fused:
+            t_[p + "self_attn.qkv_proj.weight"] = np.concatenate([q_, k_, wv[i]])
+            t_[p + "mlp.gate_up_proj.weight"] = np.concatenate([w1[i], w3[i]])
+        else:
+            t_.update({p + "self_attn.q_proj.weight": q_, p + "self_attn.k_proj.weight": k_,
+                       p + "self_attn.v_proj.weight": wv[i], p + "mlp.gate_proj.weight": w1[i],
+                       p + "mlp.up_proj.weight": w3[i]})
+        if biases is not None:
+            bq, bk, bv = biases[i]
+            t_.update({p + "self_attn.q_proj.bias": to_hf(bq[:, None], nh)[:, 0],
+                       p + "self_attn.k_proj.bias": to_hf(bk[:, None], nkv)[:, 0], p + "self_attn.v_proj.bias": bv})
+    return t_
+
+
+def st_encode(a_, dt):
+    a_ = np.ascontiguousarray(a_, np.float32)
+    if dt == "F32":
+        return a_.astype("<f4").tobytes()
+    if dt == "F16":
+        return a_.astype("<f2").tobytes()
+    return (a_.view("<u4") >> 16).astype("<u2").tobytes()  # BF16: the top 16 bits (truncation)
+
+
+def st_write(path, items):
+    """Minimal safetensors writer; items: (name, dtype, shape, bytes). u64 LE header length, JSON header, data."""
+    header, off = {"__metadata__": {"format": "pt"}}, 0
+    for name, dt, shape, b in items:
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + len(b)]}
+        off += len(b)
+    hj = json.dumps(header).encode()
+    hj += b" " * (-len(hj) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(hj)) + hj + b"".join(b for _, _, _, b in items))
+
+
+MODEL_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+              "Phi3ForCausalLM": "phi3"}
+
+
+def hf_dir(name, arch="LlamaForCausalLM", extra=None, tensors=None, dtypes=None, shards=1):
+    d_ = os.path.join(WORK, "hf_" + name)
+    os.makedirs(d_)
+    conf = {"architectures": [arch], "model_type": MODEL_TYPE.get(arch, "x"), "hidden_size": dim,
+            "intermediate_size": hid, "num_hidden_layers": nl, "num_attention_heads": nh, "num_key_value_heads": nkv,
+            "vocab_size": voc, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32"}
+    conf.update(extra or {})
+    with open(os.path.join(d_, "config.json"), "w") as fh:
+        json.dump(conf, fh, indent=1)
+    items = [(n_, (dtypes or {}).get(n_, "F32"), a_.shape, st_encode(a_, (dtypes or {}).get(n_, "F32")))
+             for n_, a_ in sorted((tensors if tensors is not None else hf_tensors()).items())]
+    if shards == 1:
+        st_write(os.path.join(d_, "model.safetensors"), items)
+        return d_
+    wmap = {}
+    for s_ in range(shards):
+        fn = "model-%05d-of-%05d.safetensors" % (s_ + 1, shards)
+        st_write(os.path.join(d_, fn), items[s_::shards])
+        wmap.update({it[0]: fn for it in items[s_::shards]})
+    with open(os.path.join(d_, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {"total_size": sum(len(it[3]) for it in items)}, "weight_map": wmap}, fh)
+    return d_
+
+
+def hf_logits(d_):
+    """f64 logits of hf_numpy.Model; a refusal prints its message and gives NaN (every comparison then fails)."""
+    try:
+        return HF.Model(d_, np.float64).forward(hf_ids)
+    except HF.HFError as e:
+        print("     hf_numpy refused %s: %s" % (os.path.basename(d_), e))
+        return np.full((len(hf_ids), voc), np.nan)
+
+
+def ref_logits(arrays=None, **cfg_changes):
+    """llama_numpy.py on the llama2.c weights (GGUF names), f64, with config / array changes."""
+    return L.Llama(dict(cfg64, **cfg_changes), L.Weights(np.float64, arrays=dict(w64.arrays, **(arrays or {}))),
+                   np.float64).forward(hf_ids)
+
+
+def mx(a_, b_):
+    return float(np.abs(a_ - b_).max())
+
+
+def hf_cli(*args):
+    return subprocess.run([sys.executable, os.path.join(HERE, "hf_numpy.py")] + list(args), capture_output=True,
+                          text=True)
+
+
+hf_ids = [1] + gen[:31]  # 32 ids of the golden story
+base = ref_logits()
+d_llama = hf_dir("llama")
+lg_llama = hf_logits(d_llama)
+check("hf_llama_vs_llama_numpy", mx(lg_llama, base) < 1e-6 and np.abs(base).max() > 1,
+      "(32 tokens, f64, max diff %.2e)" % mx(lg_llama, base))
+# the same directory with q/k left in llama2.c order must not pass (the permutation is what makes HF RoPE agree)
+t_raw = hf_tensors()
+for i in range(nl):
+    t_raw["model.layers.%d.self_attn.q_proj.weight" % i] = wq[i]
+    t_raw["model.layers.%d.self_attn.k_proj.weight" % i] = wk[i]
+check("hf_llama_unpermuted_qk_differs", mx(hf_logits(hf_dir("llama_unpermuted", tensors=t_raw)), base) > 0.1)
+
+# CLI: f64 run, float32 .npy, one-line JSON summary
+res = hf_cli("--dir", d_llama, "--tokens", ",".join(map(str, hf_ids)), "--dtype", "f64", "--logits-out",
+             os.path.join(WORK, "hf.npy"))
+js = json.loads(res.stdout) if res.returncode == 0 else {}
+lg = np.load(os.path.join(WORK, "hf.npy")) if res.returncode == 0 else np.zeros(1)
+check("hf_cli_f64", js == {"n_tokens": 32, "vocab": 512, "argmax_last": int(np.argmax(base[-1]))} and
+      lg.dtype == np.float32 and lg.shape == (32, 512) and np.array_equal(lg, lg_llama.astype(np.float32)),
+      "(%s)" % js)
+with open(os.path.join(WORK, "ids.txt"), "w") as fh:
+    fh.write(json.dumps(hf_ids))
+res = hf_cli("--dir", d_llama, "--prompt-ids-file", os.path.join(WORK, "ids.txt"), "--logits-out",
+             os.path.join(WORK, "hf32.npy"))
+lg = np.load(os.path.join(WORK, "hf32.npy")) if res.returncode == 0 else np.zeros((1, 1))
+check("hf_cli_f32", res.returncode == 0 and lg.shape == (32, 512) and mx(lg, base) < 1e-3 and
+      float(np.mean(lg.argmax(-1) == base.argmax(-1))) == 1.0, "(max diff to f64 %.2e)" % mx(lg, base))
+
+# safetensors reading: hand-encoded bit patterns (BF16 0x3F80 = 1, 0xC0A0 = -5, 0x7F80 = +inf; F16 0x3C00 = 1,
+# 0xC000 = -2), then sharded files with BF16 / F16 tensors against the same values rounded here
+p_st = os.path.join(WORK, "bits.safetensors")
+st_write(p_st, [("b", "BF16", (3,), np.array([0x3F80, 0xC0A0, 0x7F80], "<u2").tobytes()),
+                ("h", "F16", (2, 1), np.array([0x3C00, 0xC000], "<u2").tobytes()),
+                ("f", "F32", (1,), np.array([0.25], "<f4").tobytes())])
+sf = HF.SafetensorsFile(p_st)
+check("hf_safetensors_bits", np.array_equal(HF.to_float(sf.raw("b"), "BF16", np.float64), [1.0, -5.0, np.inf]) and
+      np.array_equal(HF.to_float(sf.raw("h"), "F16", np.float32), [[1.0], [-2.0]]) and
+      HF.to_float(sf.raw("f"), "F32", np.float64).tolist() == [0.25] and sf.metadata == {"format": "pt"})
+bf_emb = (emb.view("<u4") & np.uint32(0xFFFF0000)).view(np.float32)
+f16_norm = rms_att[0].astype(np.float16).astype(np.float32)
+d_bf = hf_dir("bf16_sharded", dtypes={"model.embed_tokens.weight": "BF16", "model.layers.0.input_layernorm.weight":
+                                      "F16"}, shards=3)
+want = ref_logits({"token_embd.weight": bf_emb, "blk.0.attn_norm.weight": f16_norm})
+got = hf_logits(d_bf)
+check("hf_sharded_bf16_f16", len(os.listdir(d_bf)) == 5 and mx(got, want) < 1e-6 and mx(want, base) > 1e-3,
+      "(max diff %.2e; BF16 embedding moves the logits by %.3f)" % (mx(got, want), mx(want, base)))
+
+# 2. Phi-3: fused qkv_proj / gate_up_proj, same logits
+for sw in (None, 32, 2047):
+    d_ = hf_dir("phi3_%s" % sw, "Phi3ForCausalLM", {"rope_scaling": None, "sliding_window": sw},
+                tensors=hf_tensors(fused=True))
+    check("hf_phi3_fused_window_%s" % sw, mx(hf_logits(d_), lg_llama) < 1e-9)
+
+# 3. Mistral sliding window: key j visible to query i iff j <= i and i - j < W
+lg_w32 = hf_logits(hf_dir("mistral_w32", "MistralForCausalLM", {"sliding_window": 32}))
+check("hf_mistral_window_32_equals_full", mx(lg_w32, lg_llama) < 1e-9)
+lg_w4 = hf_logits(hf_dir("mistral_w4", "MistralForCausalLM", {"sliding_window": 4}))
+row_diff = np.abs(lg_w4 - lg_llama).max(axis=1)
+check("hf_mistral_window_4", row_diff[:4].max() < 1e-9 and row_diff[4:].min() > 0.1,
+      "(rows 0-3 max diff %.1e, rows 4+ min diff %.3f)" % (row_diff[:4].max(), row_diff[4:].min()))
+
+# 4. LongRoPE (Phi-3): factor 1 and short factors 1 = plain RoPE; attention_factor a scales cos and sin; past
+# original_max_position_embeddings the long factors are used
+lr = {"type": "longrope", "short_factor": [1.0] * (hd // 2), "long_factor": [4.0] * (hd // 2)}
+ph = dict(tensors=hf_tensors(fused=True))
+lg_lr = hf_logits(hf_dir("lr_plain", "Phi3ForCausalLM", {"rope_scaling": lr, "original_max_position_embeddings": 512},
+                         **ph))
+check("hf_longrope_factor_1_equals_plain", mx(lg_lr, lg_llama) < 1e-9)
+lg_su = hf_logits(hf_dir("lr_su", "Phi3ForCausalLM", {"rope_scaling": dict(lr, type="su"),
+                                                      "original_max_position_embeddings": 512}, **ph))
+check("hf_longrope_su_alias", mx(lg_su, lg_llama) < 1e-9)
+lg_af = hf_logits(hf_dir("lr_af", "Phi3ForCausalLM", {"rope_scaling": dict(lr, attention_factor=1.2),
+                                                      "original_max_position_embeddings": 512}, **ph))
+# cos and sin times a multiply the rotated q and k by a, so every score by a^2: llama_numpy with Wq * a^2
+want = ref_logits({"blk.%d.attn_q.weight" % i: wq[i].astype(np.float64) * 1.2 ** 2 for i in range(nl)})
+check("hf_longrope_attention_factor_1_2", mx(lg_af, want) < 1e-6 and mx(lg_af, lg_llama) > 0.1,
+      "(%.2e to llama_numpy with Wq * 1.44; %.3f to plain)" % (mx(lg_af, want), mx(lg_af, lg_llama)))
+lg_long = hf_logits(hf_dir("lr_long", "Phi3ForCausalLM", {
+    "rope_scaling": {"rope_type": "longrope", "short_factor": [3.0] * (hd // 2), "long_factor": [1.0] * (hd // 2),
+                     "attention_factor": 1.0}, "original_max_position_embeddings": 16}, **ph))
+check("hf_longrope_long_factor_past_original", mx(lg_long, lg_llama) < 1e-9, "(32 tokens > original 16)")
+# factor 131072 / 4096 = 32: sqrt(1 + ln 32 / ln 4096) = sqrt(1 + 5/12) = sqrt(17/12)
+lcfg = {"head_dim": 8, "rope_theta": 10000.0, "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "rope_scaling": {"type": "longrope", "short_factor": [1, 2, 3, 4], "long_factor": [5, 6, 7, 8]}}
+inv_s, af_s = HF.rope_parameters(lcfg, 4096)
+inv_l, af_l = HF.rope_parameters(lcfg, 4097)
+base_inv = np.array([1.0, 0.1, 0.01, 0.001])
+check("hf_longrope_attention_factor_hand", abs(HF.longrope_attention_factor(32, 4096) - math.sqrt(17 / 12)) < 1e-15
+      and abs(af_s - math.sqrt(17 / 12)) < 1e-15 and af_l == af_s and
+      np.allclose(inv_s, base_inv / [1, 2, 3, 4], rtol=1e-12) and
+      np.allclose(inv_l, base_inv / [5, 6, 7, 8], rtol=1e-12),
+      "(%.12f)" % af_s)
+
+# linear and llama3 RoPE scaling against llama_numpy's linear rope_scale and per-frequency divisors (rope_freqs).
+# llama3 by hand for head_dim 8 (inv_freq 1, 0.1, 0.01, 0.001; wavelengths 2 pi / inv_freq), factor 8, low 1, high 4,
+# original 64: wavelength 6.3 < 64/4 kept; 62.8 in [16, 64]: smooth s = (64 / 62.83 - 1) / 3, new = ((1 - s)/8 + s) *
+# old; 628 and 6283 > 64: divided by 8.
+lg_lin = hf_logits(hf_dir("linear", extra={"rope_scaling": {"type": "linear", "factor": 2.0}}))
+want = ref_logits(rope_scale=2.0)
+check("hf_rope_linear_vs_llama_numpy", mx(lg_lin, want) < 1e-6 and mx(want, base) > 0.01, "(%.2e)" % mx(lg_lin, want))
+s_ = (64 / (2 * math.pi / 0.1) - 1) / 3
+lg_l3 = hf_logits(hf_dir("llama3", extra={"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                           "high_freq_factor": 4.0,
+                                                           "original_max_position_embeddings": 64}}))
+want = ref_logits(rope_freqs=np.array([1.0, 1 / ((1 - s_) / 8 + s_), 8.0, 8.0]))
+check("hf_rope_llama3_vs_llama_numpy", mx(lg_l3, want) < 1e-6 and mx(want, base) > 0.01 and 0 < s_ < 1,
+      "(%.2e)" % mx(lg_l3, want))
+
+# activations, untied head, Qwen2 biases (default attention_bias true) against llama_numpy
+for act_key, act in (("hidden_act", "relu"), ("nflash_ffn_activation", "drelu")):
+    got = hf_logits(hf_dir("act_" + act, extra={act_key: act}))
+    want = ref_logits(activation=act)
+    check("hf_%s_%s_vs_llama_numpy" % (act_key, act), mx(got, want) < 1e-6 and mx(want, base) > 0.1,
+          "(%.2e)" % mx(got, want))
+g_ = np.random.default_rng(5)
+head_w = (g_.standard_normal((voc, dim)) * 0.2).astype(np.float32)
+got = hf_logits(hf_dir("untied", extra={"tie_word_embeddings": False}, tensors=hf_tensors(lm_head=head_w)))
+check("hf_untied_lm_head_vs_llama_numpy", mx(got, ref_logits({"output.weight": head_w})) < 1e-6)
+bias = [tuple((g_.standard_normal(n_) * 0.3).astype(np.float32) for n_ in (dim, kvd, kvd)) for _ in range(nl)]
+got = hf_logits(hf_dir("qwen2_bias", "Qwen2ForCausalLM", tensors=hf_tensors(biases=bias)))
+b_arrays = {}
+for i in range(nl):
+    for nm, b_ in zip(("attn_q", "attn_k", "attn_v"), bias[i]):
+        b_arrays["blk.%d.%s.bias" % (i, nm)] = b_
+want = ref_logits(b_arrays)
+check("hf_qwen2_biases_vs_llama_numpy", mx(got, want) < 1e-6 and mx(want, base) > 0.1, "(%.2e)" % mx(got, want))
+
+# 5. refused configurations and directories: exit 1 / HFError naming the field
+res = hf_cli("--dir", hf_dir("gpt2", "GPT2LMHeadModel"), "--tokens", "1,2")
+check("hf_error_architecture", res.returncode == 1 and "GPT2LMHeadModel" in res.stderr and
+      "architectures" in res.stderr and res.stdout == "", "(%s)" % res.stderr.strip())
+res = hf_cli("--dir", hf_dir("qwen2_swa", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 4},
+                             tensors=hf_tensors(biases=bias)), "--tokens", "1,2")
+check("hf_error_qwen2_use_sliding_window", res.returncode == 1 and "use_sliding_window" in res.stderr,
+      "(%s)" % res.stderr.strip())
+
+
+def refused(name, arch, extra, tensors, words):
+    try:
+        HF.Model(hf_dir(name, arch, extra, tensors=tensors), np.float64).forward(hf_ids)
+        msg = ""
+    except HF.HFError as e:
+        msg = str(e)
+    check("hf_error_" + name, msg != "" and all(w_ in msg for w_ in words), "(%s)" % msg)
+
+
+refused("longrope_list_length", "Phi3ForCausalLM", {"rope_scaling": dict(lr, short_factor=[1.0] * 3)},
+        hf_tensors(fused=True), ("short_factor", "4"))
+refused("rope_type_yarn", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, None,
+        ("rope_scaling", "yarn"))
+t_ = hf_tensors()
+del t_["model.layers.2.mlp.up_proj.weight"]
+refused("missing_tensor", "LlamaForCausalLM", None, t_, ("model.layers.2.mlp.up_proj.weight",))
+refused("unused_tensor", "MistralForCausalLM", {"sliding_window": None}, hf_tensors(biases=bias),
+        ("not used", "self_attn.q_proj.bias"))
+refused("shape", "LlamaForCausalLM", {"intermediate_size": hid + 1}, None, ("gate_proj", str(hid + 1)))
+print("     (hf_numpy checks: %.1fs)" % (time.time() - t_hf))
+
+# ---------------------------------------------------------------- 11. held-out perplexity and ReLU sparsity
 if not QUICK:
     text = readme(os.path.join(M, "stories260K", "README.md"))
     for path, act, want in ((SILU, "silu", 6.3035), (REL, "relu", 5.7738)):
@@ -305,7 +596,7 @@ if not QUICK:
     check("relu_sparsity_per_layer", np.allclose(zeros, [0.926, 0.889, 0.881, 0.833, 0.791], atol=0.005),
           "(%s)" % ", ".join("%.3f" % z for z in zeros))
 
-# ---------------------------------------------------------------- 11. 7B-shaped 4-layer Q4_0 file
+# ---------------------------------------------------------------- 12. 7B-shaped 4-layer Q4_0 file
 if FULL:
     dim, n_ff, nl, vocab = 4096, 11008, 4, 32000
     g = np.random.default_rng(11)

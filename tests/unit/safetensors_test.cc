@@ -616,6 +616,36 @@ TEST(HfConfig, Llama3RopeScalingGivesAFactorPerRotaryPair) {
   EXPECT_TRUE(plain->rope_freq_factors.empty());
 }
 
+// The sliding window as transformers' config classes read it: MistralConfig defaults to 4096 when the field is
+// absent, null means none; Phi-3 and Mixtral default to none; Llama has no window, whatever the file says.
+TEST(HfConfig, SlidingWindowFollowsTransformersDefaults) {
+  auto with_arch = [](const std::string& arch, const std::string& extra) {
+    std::string json = std::string(kLlamaConfig) + extra + "}";
+    json.replace(json.find("LlamaForCausalLM"), std::string("LlamaForCausalLM").size(), arch);
+    return ParseHfConfig(json, "c.json");
+  };
+  const struct {
+    std::string arch, extra;
+    int64_t want;
+  } cases[] = {
+      {"MistralForCausalLM", "", 4096},
+      {"MistralForCausalLM", R"(, "sliding_window": null)", 0},
+      {"MistralForCausalLM", R"(, "sliding_window": 100)", 100},
+      {"Phi3ForCausalLM", "", 0},
+      {"Phi3ForCausalLM", R"(, "sliding_window": 2047)", 2047},
+      {"LlamaForCausalLM", R"(, "sliding_window": 100)", 0},
+      {"Qwen2ForCausalLM", R"(, "sliding_window": 100, "use_sliding_window": false)", 0},
+  };
+  for (const auto& c : cases) {
+    auto r = with_arch(c.arch, c.extra);
+    ASSERT_TRUE(r.ok()) << c.arch << c.extra << ": " << r.status().ToString();
+    EXPECT_EQ(r->sliding_window, c.want) << c.arch << c.extra;
+  }
+  auto zero = with_arch("MistralForCausalLM", R"(, "sliding_window": 0)");
+  ASSERT_FALSE(zero.ok());
+  EXPECT_CONTAINS(zero.status().message(), "field \"sliding_window\": expected null or a positive number");
+}
+
 TEST(HfConfig, RejectsBadConfigsNamingTheField) {
   struct Case {
     std::string json;
@@ -624,7 +654,8 @@ TEST(HfConfig, RejectsBadConfigsNamingTheField) {
   const std::vector<Case> cases = {
       {R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64})", "intermediate_size"},
       {std::string(kLlamaConfig) + R"(, "rope_scaling": {"type": "yarn", "factor": 2}})", "yarn"},
-      {std::string(kLlamaConfig) + R"(, "rope_scaling": {"type": "yarn", "factor": 2}})", "only \"linear\" and \"llama3\""},
+      {std::string(kLlamaConfig) + R"(, "rope_scaling": {"type": "yarn", "factor": 2}})",
+       "only \"linear\", \"llama3\" and \"longrope\""},
       {std::string(kLlamaConfig) + R"(, "rope_scaling": {"rope_type": "llama3", "factor": 8, "high_freq_factor": 4,
            "original_max_position_embeddings": 8192}})",
        "\"low_freq_factor\" must be a positive number"},
@@ -636,6 +667,8 @@ TEST(HfConfig, RejectsBadConfigsNamingTheField) {
        "\"factor\" must be a positive number"},
       {std::string(kLlamaConfig) + R"(, "hidden_act": "gelu"})", "gelu"},
       {std::string(kLlamaConfig) + R"(, "mlp_bias": true})", "\"mlp_bias\" is true"},
+      {std::string(kLlamaConfig) + R"(, "attention_bias": true})", "\"attention_bias\" is true: Llama's"},
+      {std::string(kLlamaConfig) + R"(, "partial_rotary_factor": 0.5})", "\"partial_rotary_factor\" is 0.5"},
       {std::string(kLlamaConfig) + R"(, "num_key_value_heads": 3})", "num_key_value_heads"},
       {std::string(kLlamaConfig) + R"(, "nflash_ffn_activation": "tanh"})", "nflash_ffn_activation"},
       {std::string(kLlamaConfig) + R"(, "head_dim": 16})", "head_dim"},
