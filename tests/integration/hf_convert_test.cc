@@ -442,15 +442,13 @@ void ExpectReferenceLogits(const std::string& model, const std::string& without,
 // (transformers' definitions on the checkpoint as stored: rotate-half RoPE, fused projections, LongRoPE's factors
 // and attention factor), and those of `without` are far from them.
 void ExpectHfReferenceLogits(const std::string& dir, const std::string& gguf, const std::string& without,
-                             const std::string& what) {
+                             const std::string& what, const std::vector<int32_t>& ids = testing::kReferenceIds) {
   auto loaded = Model::Load(gguf, {});
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
-  const std::vector<float> ref =
-      testing::HfReferenceLogits(dir, testing::kReferenceIds, (*loaded)->hparams().n_vocab, gguf + ".hf.npy");
-  EXPECT_LE(testing::EngineLogitGap(gguf, testing::kReferenceIds, ref).max_diff, 1e-3)
+  const std::vector<float> ref = testing::HfReferenceLogits(dir, ids, (*loaded)->hparams().n_vocab, gguf + ".hf.npy");
+  EXPECT_LE(testing::EngineLogitGap(gguf, ids, ref).max_diff, 1e-3)
       << "the engine on " << gguf << " against the HF reference on " << dir;
-  EXPECT_GT(testing::EngineLogitGap(without, testing::kReferenceIds, ref).max_diff, 0.1)
-      << "without " << what << " the logits differ";
+  EXPECT_GT(testing::EngineLogitGap(without, ids, ref).max_diff, 0.1) << "without " << what << " the logits differ";
 }
 
 // The logits of every token of `ids` on `gguf`: in one batch, or fed one token at a time (F32 or F16 KV cache).
@@ -541,6 +539,7 @@ TEST(HfConvert, Llama3RopeScalingMatchesTheNumpyReference) {
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   EXPECT_NE((*loaded)->rope_freqs(), nullptr);
   ExpectReferenceLogits(scaled, plain, "the factors");
+  ExpectHfReferenceLogits(tmp.File("scaled"), scaled, plain, "the factors");  // transformers' form, on the HF weights
 
   // A factor that is not a positive number is refused on load, naming the element.
   const std::string bad = tmp.File("bad.gguf");
@@ -582,6 +581,7 @@ TEST(HfConvert, Qwen2AttentionBiasesMatchTheNumpyReference) {
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   EXPECT_NE((*loaded)->layers()[0].bq, nullptr);
   ExpectReferenceLogits(qwen, plain, "the biases");
+  ExpectHfReferenceLogits(tmp.File("qwen2"), qwen, plain, "the biases");
   ExpectShortTensorRefused(qwen, "blk.1.attn_k.bias", 31, 32);
 
   // Qwen2 without its biases: the missing tensors are named. A sliding window: refused.
@@ -627,10 +627,30 @@ TEST(HfConvert, SlidingWindowMatchesTheNumpyReference) {
   std::vector<int32_t> ids;
   for (int r = 0; r < 5; ++r) ids.insert(ids.end(), testing::kReferenceIds.begin(), testing::kReferenceIds.end());
   ExpectReferenceLogits(windowed, plain, "the window", ids);
+  ExpectHfReferenceLogits(tmp.File("mistral"), windowed, plain, "the window", ids);
   for (KvType kv : {KvType::kF32, KvType::kF16}) {
     EXPECT_TRUE(EngineLogits(windowed, ids, true, kv) == EngineLogits(windowed, ids, false, kv))
         << "token by token against one batch, " << (kv == KvType::kF16 ? "F16" : "F32") << " KV cache";
   }
+  // Converting the GGUF again keeps the window. A negative one (an int32 key) is refused by the converter and the
+  // engine, each naming the key.
+  const std::string again = tmp.File("again.gguf");
+  const Status converted = ConvertTo(ReadGgufModel(windowed), again);
+  ASSERT_TRUE(converted.ok()) << converted.ToString();
+  ExpectSameModel(windowed, again);
+  const std::string negative = tmp.File("negative.gguf");
+  ASSERT_EQ(testing::RewriteGguf(windowed, negative,
+                                 testing::SetGgufKey("llama.attention.sliding_window", GgufValue(int32_t{-1})), nullptr),
+            "");
+  auto refused_gguf = ReadGgufModel(negative);
+  ASSERT_FALSE(refused_gguf.ok());
+  EXPECT_NE(refused_gguf.status().message().find("llama.attention.sliding_window is -1"), std::string::npos)
+      << refused_gguf.status().ToString();
+  auto refused_model = Model::Load(negative, {});
+  ASSERT_FALSE(refused_model.ok());
+  EXPECT_NE(refused_model.status().message().find("llama.attention.sliding_window"), std::string::npos)
+      << refused_model.status().ToString();
+
   // A window of null, as Mistral v0.2 writes it: none.
   o.extra_config = R"("sliding_window": null,)";
   ExpectSameModel(ConvertStoriesHf(tmp, "v02", o), plain);
