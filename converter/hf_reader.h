@@ -1,14 +1,18 @@
 // Hugging Face model directories (config.json + safetensors + tokenizer) to the converter's SourceModel.
 //
 // config.json fields read (HF names; "required" fields missing are an error naming config.json and the field):
-//   architectures[0]           LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, or
-//                              TurboSparseMixtralForCausalLM (Mixtral layout, dReLU FFN; see below)
+//   architectures[0]           LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM,
+//                              TurboSparseMixtralForCausalLM (Mixtral layout, dReLU FFN; see below),
+//                              Qwen2ForCausalLM (q, k, v biases), Phi3ForCausalLM (fused projections, see below)
 //   hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, max_position_embeddings, vocab_size,
 //   rms_norm_eps               required
 //   num_key_value_heads        default num_attention_heads
 //   head_dim                   optional; must equal hidden_size / num_attention_heads (the GGUF llama layout)
 //   rope_theta                 default 10000
-//   rope_scaling               null, or {"type" or "rope_type": "linear" | "default", "factor": f}; others Unsupported
+//   rope_scaling               null, or {"type" or "rope_type": "default" | "linear" | "llama3" | "longrope"};
+//                              llama3 and longrope give rope_freqs.weight (docs/formats.md); others Unsupported
+//   sliding_window             Mistral (default 4096), Phi-3, Mixtral: llama.attention.sliding_window; null: none
+//   attention_bias, mlp_bias, partial_rotary_factor, use_sliding_window: refused where they would change the model
 //   tie_word_embeddings        default false
 //   hidden_act                 "silu" (default) -> silu, "relu" -> relu; others Unsupported
 //   num_local_experts, num_experts_per_tok   required for the Mixtral architectures
@@ -26,6 +30,8 @@
 //   model.layers.N.self_attn.o_proj.weight              -> blk.N.attn_output.weight {dim, dim}
 //   model.layers.N.post_attention_layernorm.weight      -> blk.N.ffn_norm.weight    {dim}
 //   model.layers.N.mlp.gate_proj/up_proj/down_proj      -> blk.N.ffn_gate/ffn_up {dim, n_ff}, ffn_down {n_ff, dim}
+//   Phi-3: model.layers.N.self_attn.qkv_proj.weight (rows q, k, v) and mlp.gate_up_proj.weight (rows gate, up), split
+//   by rows into the tensors above; LongRoPE's attention factor is folded into attn_q and attn_k
 //   model.layers.N.block_sparse_moe.gate.weight         -> blk.N.ffn_gate_inp.weight {dim, n_expert}
 //   model.layers.N.block_sparse_moe.experts.E.w1/w3/w2  -> blk.N.ffn_gate_exps / ffn_up_exps {dim, n_ff, n_expert},
 //                                                          ffn_down_exps {n_ff, dim, n_expert} (experts stacked in
