@@ -460,8 +460,8 @@ Result<uint64_t> OffloadBudget(const RowSpec& model_spec, double fraction, int64
     (is_ffn ? ffn : other) += t.n_bytes;
   }
   const uint64_t kept = static_cast<uint64_t>((1.0 - fraction) * static_cast<double>(ffn));
-  return other + kept + sparse::KvCacheBytes(hp.n_layers, std::min<int64_t>(n_ctx, hp.context_length), hp.kv_dim(),
-                                            KvElementBytes(kv_type)) +
+  const int64_t kv_positions = InferenceContext::KvPositions(hp, std::min<int64_t>(n_ctx, hp.context_length));
+  return other + kept + sparse::KvCacheBytes(hp.n_layers, kv_positions, hp.kv_dim(), KvElementBytes(kv_type)) +
          kOffloadOverheadBytes;
 }
 

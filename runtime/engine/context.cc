@@ -67,7 +67,7 @@ struct AttentionParams {
   int64_t head_dim = 0;
   int64_t q_stride = 0;
   int64_t kv_stride = 0;      // of the value cache
-  int64_t n_ctx = 0;          // positions of the key cache
+  int64_t slots = 0;          // positions the caches hold: position p at p % slots (InferenceContext::KvPositions)
   int64_t group = 1;          // query heads per KV head
   float scale = 1.0f;         // 1 / sqrt(head_dim)
   int64_t window = 0;         // > 0: the query at position p sees keys (p - window, p] only (sliding window)
@@ -121,17 +121,18 @@ template <typename T>
   const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, a.pos + t0 + 1 - a.window) : 0;
   for (int64_t k0 = first_key / kKeyBlock * kKeyBlock; k0 < keys; k0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, keys - k0);
-    const int64_t width = KeyBlockWidth(a.n_ctx, k0);
+    const int64_t at = k0 % a.slots;  // the block's place in the caches (a ring holds whole blocks)
+    const int64_t width = KeyBlockWidth(a.slots, at);
     const float* kt = nullptr;  // (head_dim, width): the block's keys
     const float* vt = nullptr;  // value row of key k0 + j at vt + j * vstride
     int64_t vstride = 0;
     if constexpr (std::is_same_v<T, float>) {
-      kt = kc + KeyCacheIndex(a.n_ctx, hd, kvh, k0, 0);
-      vt = vc + k0 * a.kv_stride + kvh * hd;
+      kt = kc + KeyCacheIndex(a.slots, hd, kvh, at, 0);
+      vt = vc + at * a.kv_stride + kvh * hd;
       vstride = a.kv_stride;
     } else {
-      widen(kc + KeyCacheIndex(a.n_ctx, hd, kvh, k0, 0), hd * width, kw);
-      for (int64_t j = 0; j < nk; ++j) widen(vc + (k0 + j) * a.kv_stride + kvh * hd, hd, vw + j * hd);
+      widen(kc + KeyCacheIndex(a.slots, hd, kvh, at, 0), hd * width, kw);
+      for (int64_t j = 0; j < nk; ++j) widen(vc + (at + j) * a.kv_stride + kvh * hd, hd, vw + j * hd);
       kt = kw;
       vt = vw;
       vstride = hd;
@@ -222,13 +223,20 @@ Result<KvType> ParseKvType(const std::string& name) {
   return Status::InvalidArgument("KV cache type \"" + name + "\": expected f32 or f16");
 }
 
+int64_t InferenceContext::KvPositions(const LlamaHparams& hp, int64_t n_ctx) {
+  if (hp.sliding_window <= 0) return n_ctx;
+  const int64_t ring = (hp.sliding_window + kAttentionTile + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  return std::min(n_ctx, ring);
+}
+
 InferenceContext::InferenceContext(const Model& model, ThreadPool* pool, int64_t n_ctx, KvType kv_type)
     : model_(model),
       hp_(model.hparams()),
       pool_(pool),
       n_ctx_(n_ctx > 0 ? n_ctx : model.hparams().context_length),
+      kv_positions_(KvPositions(hp_, n_ctx_)),
       kv_type_(kv_type) {
-  const size_t kv = static_cast<size_t>(hp_.n_layers * n_ctx_ * hp_.kv_dim());
+  const size_t kv = static_cast<size_t>(hp_.n_layers * kv_positions_ * hp_.kv_dim());
   if (kv_type_ == KvType::kF16) {
     k_half_.assign(kv, 0);
     v_half_.assign(kv, 0);
@@ -428,7 +436,7 @@ void InferenceContext::Attention(int64_t layer, int64_t n, int64_t pos) {
   const int64_t hd = hp_.head_dim, half = hd / 2, kv_dim = hp_.kv_dim(), q_dim = hp_.q_dim();
   const int64_t group = hp_.n_heads / hp_.n_kv_heads;
   const bool f16 = kv_type_ == KvType::kF16;
-  const int64_t layer_base = layer * n_ctx_ * kv_dim;
+  const int64_t layer_base = layer * kv_positions_ * kv_dim;
   float* kc = f16 ? nullptr : k_cache_.data() + layer_base;
   float* vc = f16 ? nullptr : v_cache_.data() + layer_base;
   uint16_t* kh = f16 ? k_half_.data() + layer_base : nullptr;
@@ -450,15 +458,16 @@ void InferenceContext::Attention(int64_t layer, int64_t n, int64_t pos) {
     rotate(q_.data() + t * q_dim, hp_.n_heads);
     rotate(k_.data() + t * kv_dim, hp_.n_kv_heads);
     const float* kt = k_.data() + t * kv_dim;
-    const int64_t width = KeyBlockWidth(n_ctx_, (pos + t) / kKeyBlock * kKeyBlock);  // element i is i rows down
+    const int64_t at = (pos + t) % kv_positions_;  // its place in the caches
+    const int64_t width = KeyBlockWidth(kv_positions_, at / kKeyBlock * kKeyBlock);  // element i is i rows down
     const float* vt = v_.data() + t * kv_dim;
     // The key into its block (transposed), the value as a row, each element converted to the cache's type.
     auto append = [&](auto* keys, auto* values, auto convert) {
       for (int64_t h = 0; h < hp_.n_kv_heads; ++h) {
-        auto* dst = keys + KeyCacheIndex(n_ctx_, hd, h, pos + t, 0);
+        auto* dst = keys + KeyCacheIndex(kv_positions_, hd, h, at, 0);
         for (int64_t i = 0; i < hd; ++i) dst[i * width] = convert(kt[h * hd + i]);
       }
-      auto* vdst = values + (pos + t) * kv_dim;
+      auto* vdst = values + at * kv_dim;
       for (int64_t i = 0; i < kv_dim; ++i) vdst[i] = convert(vt[i]);
     };
     if (f16) {
@@ -477,7 +486,7 @@ void InferenceContext::Attention(int64_t layer, int64_t n, int64_t pos) {
   a.head_dim = hd;
   a.q_stride = q_dim;
   a.kv_stride = kv_dim;
-  a.n_ctx = n_ctx_;
+  a.slots = kv_positions_;
   a.group = group;
   a.scale = 1.0f / std::sqrt(static_cast<float>(hd));
   a.window = hp_.sliding_window;

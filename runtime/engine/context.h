@@ -118,6 +118,11 @@ class InferenceContext {
   const float* logits(int64_t i = -1) const;
   int64_t pos() const { return pos_; }
   int64_t n_ctx() const { return n_ctx_; }
+  // Positions the KV cache holds: n_ctx, or with a sliding window W that many fewer: a ring of the last
+  // W + kAttentionTile positions (rounded up to whole key blocks), which a tile's new keys never overwrite while its
+  // queries still see them.
+  static int64_t KvPositions(const LlamaHparams& hp, int64_t n_ctx);
+  int64_t kv_positions() const { return kv_positions_; }
   KvType kv_type() const { return kv_type_; }
   int64_t n_vocab() const { return hp_.n_vocab; }
   void Reset() { pos_ = 0; }
@@ -149,13 +154,15 @@ class InferenceContext {
   const LlamaHparams& hp_;
   ThreadPool* pool_;
   int64_t n_ctx_;
+  int64_t kv_positions_;  // KvPositions(hp_, n_ctx_)
   int64_t pos_ = 0;
   FfnObserver observer_;
   FfnBackend* ffn_backend_ = nullptr;
   EmbeddingSource embedding_source_;
   std::vector<uint8_t> embedding_row_;
   KvType kv_type_;
-  // Per layer: keys in blocks of 64 positions, transposed (KeyCacheIndex in context.cc); values (n_ctx, kv_dim).
+  // Per layer: keys in blocks of 64 positions, transposed (KeyCacheIndex in context.cc); values (kv_positions, kv_dim).
+  // Position p is kept at p % kv_positions_ (p itself unless a sliding window makes the cache a ring).
   // kF32 uses k_cache_ / v_cache_, kF16 k_half_ / v_half_ (IEEE half bits).
   std::vector<float> k_cache_, v_cache_;
   std::vector<uint16_t> k_half_, v_half_;

@@ -79,7 +79,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   // The fixed part and the cache split.
   FixedMemory& f = rt->fixed_;
   f.resident_weights = d.resident_memory_bytes();
-  f.kv_cache = KvCacheBytes(hp.n_layers, rt->ctx_->n_ctx(), hp.kv_dim(), KvElementBytes(options.kv_type));
+  f.kv_cache = KvCacheBytes(hp.n_layers, rt->ctx_->kv_positions(), hp.kv_dim(), KvElementBytes(options.kv_type));
   const uint64_t ctx_state = rt->ctx_->state_bytes();
   f.scratch = (ctx_state > f.kv_cache ? ctx_state - f.kv_cache : 0) + OffloadFfn::EstimateScratchBytes(d, dio_alignment) +
               (rt->embedding_ ? rt->embedding_->memory_bytes() : 0);

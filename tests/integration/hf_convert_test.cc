@@ -603,9 +603,9 @@ TEST(HfConvert, Qwen2AttentionBiasesMatchTheNumpyReference) {
 
 // Mistral v0.1's sliding window: config.json's sliding_window becomes llama.attention.sliding_window, and the
 // engine's logits are the NumPy reference's, which hides keys W or more positions back on its own; the same model
-// without the window is far from it. 160 tokens under a window of 70 cross the key cache's blocks of 64 positions,
-// the window starting inside one; fed one token at a time the engine gives the batch's logits bit for bit, with an
-// F32 and an F16 KV cache.
+// without the window is far from it. 320 tokens under a window of 70 cross the key cache's blocks of 64 positions,
+// the window starting inside one, and wrap its ring of 192 positions; fed one token at a time the engine gives the
+// batch's logits bit for bit, with an F32 and an F16 KV cache.
 TEST(HfConvert, SlidingWindowMatchesTheNumpyReference) {
   testing::TempDir tmp;
   HfOptions o;
@@ -624,8 +624,17 @@ TEST(HfConvert, SlidingWindowMatchesTheNumpyReference) {
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   EXPECT_EQ((*loaded)->hparams().sliding_window, 70);
 
+  // 320 tokens: the KV cache becomes a ring of 70 + 64 positions rounded up to whole blocks of 64, which wraps.
   std::vector<int32_t> ids;
-  for (int r = 0; r < 5; ++r) ids.insert(ids.end(), testing::kReferenceIds.begin(), testing::kReferenceIds.end());
+  for (int r = 0; r < 10; ++r) ids.insert(ids.end(), testing::kReferenceIds.begin(), testing::kReferenceIds.end());
+  ThreadPool pool(1);
+  InferenceContext ring(**loaded, &pool, static_cast<int64_t>(ids.size()));
+  EXPECT_EQ(ring.kv_positions(), 192);
+  auto plain_model = Model::Load(plain, {});
+  ASSERT_TRUE(plain_model.ok());
+  InferenceContext full(**plain_model, &pool, static_cast<int64_t>(ids.size()));
+  EXPECT_EQ(full.kv_positions(), 320);
+  EXPECT_LT(ring.state_bytes(), full.state_bytes());
   ExpectReferenceLogits(windowed, plain, "the window", ids);
   ExpectHfReferenceLogits(tmp.File("mistral"), windowed, plain, "the window", ids);
   for (KvType kv : {KvType::kF32, KvType::kF16}) {
@@ -809,6 +818,47 @@ TEST(HfConvert, BiasesAndRopeFactorsReachTheOffloadedRuntime) {
                                                               " --active-set oracle -p 'Once upon a time' -n 40 --json " + args));
     EXPECT_EQ(offloaded, in_memory) << args;
   }
+}
+
+// The sliding window through a deployment: a ReLU Phi-3 with a window of 40, profiled and packed, decodes 300 tokens
+// from flash (oracle active set, past its KV ring of 128 positions) to the text of the in-memory sparse engine on the
+// GGUF, which the reference tests above tie to both NumPy references; the memory it accounts for the KV cache is the
+// ring's, and the same model without the window writes other text.
+TEST(HfConvert, SlidingWindowReachesTheOffloadedRuntime) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.architecture = "Phi3ForCausalLM";
+  o.fused = true;
+  o.hidden_act = "relu";
+  o.extra_config = R"("sliding_window": 40,)";
+  const std::string model = ConvertStoriesHf(tmp, "phi3", o);
+  o.extra_config = R"("sliding_window": null,)";
+  const std::string plain = ConvertStoriesHf(tmp, "plain", o);
+  const std::string nf = testing::NflashBinary();
+  auto json_of = [](const testing::CommandResult& r) {
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const size_t brace = r.output.find('{');
+    return brace == std::string::npos ? nlohmann::json::object() : nlohmann::json::parse(r.output.substr(brace));
+  };
+  const std::string run = " --sparse oracle -p 'Once upon a time' -n 300 --temp 0 --json";
+  const std::string in_memory = json_of(testing::RunCommand(nf + " -q run -m " + model + run)).value("text", "");
+  const std::string without = json_of(testing::RunCommand(nf + " -q run -m " + plain + run)).value("text", "");
+  ASSERT_FALSE(in_memory.empty());
+  EXPECT_NE(in_memory, without) << "the window changes the text";
+  auto p = testing::RunCommand(nf + " -q profile -m " + model + " -f " +
+                               testing::SharedPath("text/tinystories_calib.txt") + " --tokens 2000 -t 2 -o " +
+                               tmp.File("m.prof"));
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  auto k = testing::RunCommand(nf + " -q pack -m " + model + " -p " + tmp.File("m.prof") + " -o " + tmp.File("deploy"));
+  ASSERT_EQ(k.exit_code, 0) << k.output;
+  const nlohmann::json offloaded = json_of(testing::RunCommand(
+      nf + " -q offload -d " + tmp.File("deploy") + " --active-set oracle -p 'Once upon a time' -n 300 --json " +
+      "--memory 3M"));
+  EXPECT_EQ(offloaded.value("text", ""), in_memory);
+  EXPECT_EQ(offloaded.value("generated", 0), 300) << "positions past the ring's 128";
+  const Stories& st = GetStories();
+  const uint64_t kv_dim = st.dim / st.n_heads * st.n_kv_heads;
+  EXPECT_EQ(offloaded.value("kv_cache_bytes", uint64_t{0}), uint64_t(st.n_layers) * 128 * kv_dim * 2 * sizeof(float));
 }
 
 TEST(HfConvert, ShardedWeightsGiveTheSameFile) {
