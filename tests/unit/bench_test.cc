@@ -17,7 +17,9 @@
 #include <utility>
 #include <vector>
 
+#include "converter/readers.h"
 #include "runtime/bench/bench_report.h"
+#include "runtime/bench/bench_runner.h"
 #include "runtime/bench/cgroup.h"
 #include "tests/test_util.h"
 
@@ -488,6 +490,35 @@ TEST(BenchCgroup, DropFileCache) {
   testing::WriteText(dir.File("f"), std::string(8192, 'x'));
   EXPECT_TRUE(DropFileCache(dir.File("f")).ok());
   EXPECT_FALSE(DropFileCache(dir.File("missing")).ok());
+}
+
+// bench's --offload budget counts the KV cache as the engine holds it: under a sliding window of 70, a ring of 192
+// positions (70 + 64 rounded up to blocks of 64) instead of the 320 asked for.
+TEST(BenchBudget, SlidingWindowCountsTheKvRing) {
+  testing::TempDir tmp;
+  const std::string plain = tmp.File("plain.gguf"), windowed = tmp.File("windowed.gguf");
+  auto source = converter::ReadLlama2c(testing::SharedPath("models/stories260K/stories260K.bin"),
+                                       testing::SharedPath("models/stories260K/tok512.bin"),
+                                       converter::FfnActivation::kSilu);
+  ASSERT_TRUE(source.ok()) << source.status().ToString();
+  converter::WriteOptions options;
+  options.path = plain;
+  options.type = GgmlType::kF32;
+  options.progress = false;
+  ASSERT_TRUE(converter::WriteModelGguf(*source, options).ok());
+  ASSERT_EQ(testing::RewriteGguf(plain, windowed,
+                                 testing::SetGgufKey("llama.attention.sliding_window", GgufValue(uint32_t{70})),
+                                 nullptr),
+            "");
+  RowSpec spec;
+  spec.model = plain;
+  auto full = OffloadBudget(spec, 0.5, 320);
+  spec.model = windowed;
+  auto ring = OffloadBudget(spec, 0.5, 320);
+  ASSERT_TRUE(full.ok()) << full.status().ToString();
+  ASSERT_TRUE(ring.ok()) << ring.status().ToString();
+  // 5 layers x (320 - 192) positions x kv_dim 32 x (k and v) x 4 bytes (stories260K: 8 heads of 8, 4 KV heads).
+  EXPECT_EQ(*full - *ring, uint64_t{5} * 128 * 32 * 2 * 4);
 }
 
 }  // namespace
