@@ -133,7 +133,8 @@ Status InspectGguf(const InspectFlags& flags) {
                                  "attention.head_count",   "attention.head_count_kv",
                                  "rope.dimension_count",   "rope.freq_base",
                                  "attention.layer_norm_rms_epsilon", "vocab_size",
-                                 "expert_count",           "expert_used_count"};
+                                 "expert_count",           "expert_used_count",
+                                 "attention.sliding_window"};
 
   if (flags.json) {
     Json j;

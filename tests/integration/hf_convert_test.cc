@@ -623,6 +623,10 @@ TEST(HfConvert, SlidingWindowMatchesTheNumpyReference) {
   auto loaded = Model::Load(windowed, {});
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   EXPECT_EQ((*loaded)->hparams().sliding_window, 70);
+  const testing::CommandResult inspected = testing::RunCommand(testing::NflashBinary() + " inspect " + windowed + " --json");
+  ASSERT_EQ(inspected.exit_code, 0) << inspected.output;
+  EXPECT_EQ(nlohmann::json::parse(inspected.output)["hyper_parameters"].value("attention.sliding_window", 0), 70)
+      << inspected.output;
 
   // 320 tokens: the KV cache becomes a ring of 70 + 64 positions rounded up to whole blocks of 64, which wraps.
   std::vector<int32_t> ids;
