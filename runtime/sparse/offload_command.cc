@@ -225,7 +225,7 @@ Status RunOffload(const OffloadFlags& f) {
     const int32_t next = static_cast<int32_t>(std::max_element(lg, lg + hp.n_vocab) - lg);
     out.push_back(next);
     text += detok.Push(next);
-    if (next == tok->eos_id()) break;
+    if (tok->IsEndOfGeneration(next)) break;
     // --warm-next-ab / --pin-threads-ab: on or off at random per token (SplitMix64 of the seed and the step), so that
     // the two groups share the machine's state and the tokens' mix of reads.
     const bool ab_on = ab_seed == 0 || (SplitMix64(ab_seed * 0x100000001B3ull + static_cast<uint64_t>(i)) & 1);

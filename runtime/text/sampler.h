@@ -92,6 +92,7 @@ const char* StopReasonName(StopReason reason);
 
 struct StopConfig {
   int32_t eos_id = -1;      // -1: not checked
+  std::vector<int32_t> end_ids;  // more tokens that end generation as EOS does (Tokenizer::end_of_generation_ids)
   int32_t bos_id = -1;      // -1: not checked
   int64_t max_tokens = -1;  // generated tokens; < 0: unlimited
   std::vector<std::string> stop_strings;

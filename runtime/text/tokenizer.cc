@@ -153,6 +153,25 @@ Tokenizer::Tokenizer(VocabData vocab) : vocab_(std::move(vocab)) {
       return vocab_.tokens[a].size() > vocab_.tokens[b].size();
     });
   }
+  // The end-of-turn markers of instruct vocabularies (as llama.cpp's vocabulary loader lists them), when they are
+  // special tokens: a normal token that happens to be spelled so is text.
+  static constexpr std::string_view kEndOfTurn[] = {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>",
+                                                    "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>"};
+  for (int32_t id : {vocab_.eos_id, vocab_.eot_id, vocab_.eom_id}) {
+    if (id >= 0 && id < n) end_of_generation_.push_back(id);
+  }
+  for (std::string_view text : kEndOfTurn) {
+    const auto it = piece_to_id_.find(text);
+    if (it == piece_to_id_.end()) continue;
+    const TokenType type = vocab_.types[it->second];
+    if (type == TokenType::kControl || type == TokenType::kUserDefined) end_of_generation_.push_back(it->second);
+  }
+  std::sort(end_of_generation_.begin(), end_of_generation_.end());
+  end_of_generation_.erase(std::unique(end_of_generation_.begin(), end_of_generation_.end()), end_of_generation_.end());
+}
+
+bool Tokenizer::IsEndOfGeneration(int32_t id) const {
+  return std::binary_search(end_of_generation_.begin(), end_of_generation_.end(), id);
 }
 
 namespace {
@@ -207,7 +226,8 @@ Status Tokenizer::ValidateVocab(const VocabData& v) {
     int32_t id;
   };
   for (const IdKey& k : {IdKey{"tokenizer.ggml.bos_token_id", v.bos_id}, IdKey{"tokenizer.ggml.eos_token_id", v.eos_id},
-                         IdKey{"tokenizer.ggml.unknown_token_id", v.unk_id}}) {
+                         IdKey{"tokenizer.ggml.unknown_token_id", v.unk_id},
+                         IdKey{"tokenizer.ggml.eot_token_id", v.eot_id}, IdKey{"tokenizer.ggml.eom_token_id", v.eom_id}}) {
     if (k.id < -1 || k.id >= static_cast<int64_t>(n)) {
       return Status::Corruption(src + ": " + k.key + " is " + std::to_string(k.id) + ", expected an id below " +
                                 std::to_string(n) + " (the vocabulary size)");
@@ -374,7 +394,8 @@ Result<VocabData> ReadGgufVocab(const GgufFile& f) {
     int32_t* id;
   };
   for (const IdKey& k : {IdKey{"tokenizer.ggml.bos_token_id", &v.bos_id}, IdKey{"tokenizer.ggml.eos_token_id", &v.eos_id},
-                         IdKey{"tokenizer.ggml.unknown_token_id", &v.unk_id}}) {
+                         IdKey{"tokenizer.ggml.unknown_token_id", &v.unk_id},
+                         IdKey{"tokenizer.ggml.eot_token_id", &v.eot_id}, IdKey{"tokenizer.ggml.eom_token_id", &v.eom_id}}) {
     if (!f.Find(k.key)) continue;
     NF_ASSIGN_OR_RETURN(int64_t id, f.GetInt(k.key));
     if (id < -1 || id > INT32_MAX) {

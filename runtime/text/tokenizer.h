@@ -45,6 +45,8 @@ struct VocabData {
   std::vector<TokenType> types;       // empty: every token kNormal
   std::vector<std::string> merges;    // gpt2: "left right", rank = index
   int32_t bos_id = -1, eos_id = -1, unk_id = -1;  // -1: none
+  // End of a turn and end of a message (tokenizer.ggml.eot_token_id / eom_token_id, llama.cpp's keys); -1: none.
+  int32_t eot_id = -1, eom_id = -1;
   bool add_bos = true;                // what Encode callers should default to
   bool add_space_prefix = true;       // llama: prepend a space to the text (and strip it again when decoding)
   std::string source;                 // file name for error messages
@@ -113,6 +115,11 @@ class Tokenizer {
   int32_t bos_id() const { return vocab_.bos_id; }
   int32_t eos_id() const { return vocab_.eos_id; }
   int32_t unk_id() const { return vocab_.unk_id; }
+  // Tokens that end generation as EOS does: EOS, the eot/eom ids, and the control or user-defined tokens spelled as
+  // an instruct model's end-of-turn marker (Phi-3's "<|end|>", Llama 3's "<|eot_id|>", ChatML's "<|im_end|>", ...,
+  // the texts llama.cpp also recognises), so a chat turn ends where the model says it does. Sorted, unique.
+  const std::vector<int32_t>& end_of_generation_ids() const { return end_of_generation_; }
+  bool IsEndOfGeneration(int32_t id) const;
   bool add_bos() const { return vocab_.add_bos; }
   bool add_space_prefix() const { return vocab_.add_space_prefix; }
   // The stored piece (U+2581 / byte_to_unicode spelling); "" for ids out of range.
@@ -139,6 +146,7 @@ class Tokenizer {
 
   VocabData vocab_;
   std::unordered_map<std::string_view, int32_t> piece_to_id_;  // views into vocab_.tokens (first id wins)
+  std::vector<int32_t> end_of_generation_;
   // Per first byte: control and user-defined tokens with non-empty text starting with it, longest text first.
   std::vector<std::vector<int32_t>> special_by_byte_;
   std::vector<int16_t> byte_value_;   // per id: byte of a <0xXX> byte token, else -1

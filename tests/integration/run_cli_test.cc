@@ -19,6 +19,7 @@
 #include "runtime/core/file.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
+#include "runtime/text/tokenizer.h"
 #include "runtime/core/thread_placement.h"
 #include "tests/integration/numpy_reference.h"
 #include "tests/test_util.h"
@@ -61,6 +62,62 @@ TEST(RunCliTest, GoldenTextFromLlama2cAndFromGguf) {
     EXPECT_EQ(r.exit_code, 0);
     EXPECT_EQ(r.output, golden) << model;
   }
+}
+
+// An instruct model's end-of-turn marker ends generation as EOS does: stories260K with the token greedy decoding
+// emits fifth respelled "<|end|>" and typed control (as Phi-3's vocabulary has it) stops at that token's first
+// occurrence; the file as converted runs on to the token budget.
+TEST(RunCliTest, EndOfTurnMarkerEndsGeneration) {
+  testing::TempDir dir;
+  const std::string gguf = dir.File("s.gguf"), marked = dir.File("marked.gguf");
+  auto conv = testing::RunCommand(Nflash() + " -q convert " + Stories() + " -o " + gguf + " --type f32");
+  ASSERT_EQ(conv.exit_code, 0) << conv.output;
+  auto model = Model::Load(gguf, {});
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  auto tok = LoadTokenizer((*model)->gguf());
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  std::vector<int32_t> ids = (*tok)->Encode("Once upon a time", true);
+  ThreadPool pool(1);
+  InferenceContext ctx(**model, &pool, 64);
+  ASSERT_TRUE(ctx.Eval(ids, false).ok());
+  std::vector<int32_t> greedy;
+  for (int i = 0; i < 5; ++i) {
+    const float* lg = ctx.logits();
+    const auto next = static_cast<int32_t>(std::max_element(lg, lg + ctx.n_vocab()) - lg);
+    greedy.push_back(next);
+    ASSERT_TRUE(ctx.Eval(std::vector<int32_t>{next}, false).ok());
+  }
+  const int32_t marker = greedy[4];
+  const auto first = std::find(greedy.begin(), greedy.end(), marker) - greedy.begin();
+  ASSERT_GT(marker, 2) << "a normal token";
+  ASSERT_EQ(testing::RewriteGguf(gguf, marked,
+                                 testing::EditGgufKey("tokenizer.ggml.tokens",
+                                                      [&](GgufValue& v) {
+                                                        std::get<GgufArray>(v.v).items[marker] = GgufValue(
+                                                            std::string("<|end|>"));
+                                                      }),
+                                 nullptr),
+            "");
+  const std::string typed = dir.File("typed.gguf");
+  ASSERT_EQ(testing::RewriteGguf(marked, typed,
+                                 testing::EditGgufKey("tokenizer.ggml.token_type",
+                                                      [&](GgufValue& v) {
+                                                        std::get<GgufArray>(v.v).items[marker] = GgufValue(int32_t{3});
+                                                      }),
+                                 nullptr),
+            "");
+  auto run = [&](const std::string& m) {
+    auto r = testing::RunCommand(Nflash() + " -q run -m " + m + " -p 'Once upon a time' -n 20 --temp 0 --json");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return nlohmann::json::parse(r.output.substr(r.output.find('{')));
+  };
+  const nlohmann::json stopped = run(typed), plain = run(gguf), normal = run(marked);
+  EXPECT_EQ(stopped.value("stop_reason", ""), "eos") << stopped.dump();
+  EXPECT_EQ(stopped.value("generated_tokens", -1), first + 1) << stopped.dump();
+  EXPECT_EQ(plain.value("stop_reason", ""), "max_tokens");
+  EXPECT_EQ(plain.value("generated_tokens", -1), 20);
+  // Spelled so but a normal token: text, not a marker.
+  EXPECT_EQ(normal.value("stop_reason", ""), "max_tokens") << normal.dump();
 }
 
 // How a model is opened follows the flags: a GGUF refuses the llama2.c-only flags; with --no-mmap its file is read,

@@ -257,6 +257,13 @@ TEST(StopChecker, SpecialTokensAndBudget) {
   EXPECT_EQ(eos.Push(10, "a", &emit), StopReason::kNone);
   EXPECT_EQ(emit, "a");
   EXPECT_EQ(eos.Push(2, "", &emit), StopReason::kEos);
+  StopConfig turns = c;  // end-of-turn markers end it as EOS does
+  turns.end_ids = {2, 7, 9};
+  StopChecker marker(turns);
+  EXPECT_EQ(marker.Push(10, "a", &emit), StopReason::kNone);
+  EXPECT_EQ(marker.Push(9, "", &emit), StopReason::kEos);
+  StopChecker not_marker(turns);
+  EXPECT_EQ(not_marker.Push(8, "x", &emit), StopReason::kNone);
   StopChecker bos(c);
   EXPECT_EQ(bos.Push(1, "", &emit), StopReason::kBos);
   StopChecker budget(c);

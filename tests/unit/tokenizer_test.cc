@@ -165,6 +165,9 @@ TEST(TokenizerVocab, EachInconsistentFieldIsNamed) {
        "tokenizer.ggml.tokens[3] is \"a\" but tokenizer.ggml.token_type marks it a byte token"},
       {"bos past the vocabulary", [](VocabData& v) { v.bos_id = 5; },
        "tokenizer.ggml.bos_token_id is 5, expected an id below 5"},
+      {"eot past the vocabulary", [](VocabData& v) { v.eot_id = 7; },
+       "tokenizer.ggml.eot_token_id is 7, expected an id below 5"},
+      {"eom below -1", [](VocabData& v) { v.eom_id = -2; }, "tokenizer.ggml.eom_token_id is -2"},
   };
   for (const Case& c : cases) {
     VocabData v = base();
@@ -174,6 +177,48 @@ TEST(TokenizerVocab, EachInconsistentFieldIsNamed) {
     EXPECT_EQ(tok.status().code(), StatusCode::kCorruption) << c.what;
     EXPECT_NE(tok.status().message().find(c.message), std::string::npos) << c.what << ": " << tok.status().message();
   }
+}
+
+// The tokens that end generation: EOS, the eot and eom ids, and instruct vocabularies' end-of-turn markers when they
+// are special (control or user-defined) tokens; a normal token spelled like one is text, and so is a marker with
+// another spelling.
+TEST(TokenizerVocab, EndOfTurnMarkersEndGeneration) {
+  VocabData v;
+  v.model = "llama";
+  v.source = "v.gguf";
+  v.tokens = {"<unk>", "<s>", "</s>", "a", "<|end|>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|END|>", "b"};
+  v.scores.assign(v.tokens.size(), 0.0f);
+  v.types = {TokenType::kUnknown, TokenType::kControl,     TokenType::kControl, TokenType::kNormal,
+             TokenType::kControl, TokenType::kNormal,      TokenType::kUserDefined, TokenType::kControl,
+             TokenType::kControl, TokenType::kNormal};
+  v.unk_id = 0;
+  v.bos_id = 1;
+  v.eos_id = 2;
+  v.eom_id = 9;
+  auto tok = MakeTokenizer(v);
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  EXPECT_EQ((*tok)->end_of_generation_ids(), (std::vector<int32_t>{2, 4, 6, 7, 9}));
+  for (int32_t id = 0; id < 10; ++id) {
+    const bool ends = id == 2 || id == 4 || id == 6 || id == 7 || id == 9;
+    EXPECT_EQ((*tok)->IsEndOfGeneration(id), ends) << v.tokens[id];
+  }
+  // No markers and no eot: EOS alone (a llama2.c vocabulary).
+  auto stories = LoadLlama2cTokenizer(testing::SharedPath("models/stories260K/tok512.bin"));
+  ASSERT_TRUE(stories.ok()) << stories.status().ToString();
+  EXPECT_EQ((*stories)->end_of_generation_ids(), (std::vector<int32_t>{2}));
+  // The eot id from its GGUF key (llama.cpp's), on the shared llama vocabulary.
+  testing::TempDir tmp;
+  const std::string path = tmp.File("eot.gguf");
+  ASSERT_EQ(testing::RewriteGguf(testing::SharedPath("models/vocab/ggml-vocab-llama-spm.gguf"), path,
+                                 testing::SetGgufKey("tokenizer.ggml.eot_token_id", GgufValue(uint32_t{13})), nullptr),
+            "");
+  auto file = GgufFile::OpenPath(path);
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  auto eot = LoadTokenizer(*file);
+  ASSERT_TRUE(eot.ok()) << eot.status().ToString();
+  EXPECT_TRUE((*eot)->IsEndOfGeneration(13));
+  EXPECT_TRUE((*eot)->IsEndOfGeneration((*eot)->eos_id()));
+  EXPECT_FALSE((*eot)->IsEndOfGeneration(14));
 }
 
 // The GGUF reader's own checks, on the shared llama vocabulary with one key changed (testing::RewriteGguf).
