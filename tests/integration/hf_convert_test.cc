@@ -414,6 +414,15 @@ TEST(HfConvert, Stories260KMatchesLlama2cConversion) {
   EXPECT_EQ(f->FindTensor("blk.0.ffn_down.weight")->dims, (std::vector<uint64_t>{172, 64}));
 }
 
+// Builds a damaged directory and expects ReadHfDirectory to fail naming every one of `parts`.
+void ExpectBadDirectory(const HfOptions& o, const std::vector<std::string>& parts) {
+  testing::TempDir tmp;
+  WriteStoriesHf(tmp.path(), o);
+  auto r = ReadHfDirectory(tmp.path());
+  ASSERT_FALSE(r.ok());
+  for (const std::string& p : parts) EXPECT_CONTAINS(r.status().message(), p);
+}
+
 // WriteStoriesHf(o) into tmp/name, converted (F32) to tmp/name.gguf, whose path it returns.
 std::string ConvertStoriesHf(const testing::TempDir& tmp, const std::string& name, const HfOptions& o) {
   const std::string dir = tmp.File(name);
@@ -586,13 +595,7 @@ TEST(HfConvert, Qwen2AttentionBiasesMatchTheNumpyReference) {
 
   // Qwen2 without its biases: the missing tensors are named. A sliding window: refused.
   o.qkv_bias = false;
-  const std::string bare_dir = tmp.File("bare");
-  ASSERT_EQ(::mkdir(bare_dir.c_str(), 0755), 0);
-  WriteStoriesHf(bare_dir, o);
-  auto bare = ReadHfDirectory(bare_dir);
-  ASSERT_FALSE(bare.ok());
-  EXPECT_NE(bare.status().message().find("model.layers.0.self_attn.q_proj.bias"), std::string::npos)
-      << bare.status().ToString();
+  ExpectBadDirectory(o, {"model.layers.0.self_attn.q_proj.bias"});
   auto sliding = ParseHfConfig(R"({"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
     "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8, "max_position_embeddings": 512,
     "vocab_size": 512, "rms_norm_eps": 1e-06, "use_sliding_window": true})",
@@ -678,6 +681,43 @@ TEST(HfConvert, SlidingWindowMatchesTheNumpyReference) {
       << refused.status().ToString();
 }
 
+// A Phi3ForCausalLM config.json of stories260K's shape with the members `extra`: refused, the message holding `want`.
+void ExpectPhi3ConfigRefused(const std::string& extra, const std::string& want) {
+  auto r = ParseHfConfig(R"({"architectures": ["Phi3ForCausalLM"], "hidden_size": 64, "intermediate_size": 172,
+    "num_hidden_layers": 5, "num_attention_heads": 8, "max_position_embeddings": 512, "vocab_size": 512,
+    "rms_norm_eps": 1e-05, )" + extra + "}",
+                         "config.json");
+  ASSERT_FALSE(r.ok()) << extra;
+  EXPECT_NE(r.status().message().find(want), std::string::npos) << r.status().ToString();
+}
+
+// The JSON object a `nflash ... --json` command printed (EXPECT failure when it failed).
+nlohmann::json CliJson(const testing::CommandResult& r) {
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const size_t brace = r.output.find('{');
+  return brace == std::string::npos ? nlohmann::json::object() : nlohmann::json::parse(r.output.substr(brace));
+}
+
+// The in-memory sparse engine's greedy text (oracle active set) of `n` tokens after "Once upon a time" on `model`.
+std::string InMemoryText(const std::string& model, int n) {
+  return CliJson(testing::RunCommand(testing::NflashBinary() + " -q run -m " + model +
+                                     " --sparse oracle -p 'Once upon a time' -n " + std::to_string(n) +
+                                     " --temp 0 --json"))
+      .value("text", "");
+}
+
+// `model` profiled on the calibration text and packed into tmp/deploy, whose path it returns.
+std::string ProfileAndPack(const testing::TempDir& tmp, const std::string& model) {
+  const std::string nf = testing::NflashBinary();
+  auto p = testing::RunCommand(nf + " -q profile -m " + model + " -f " +
+                               testing::SharedPath("text/tinystories_calib.txt") + " --tokens 2000 -t 2 -o " +
+                               tmp.File("m.prof"));
+  EXPECT_EQ(p.exit_code, 0) << p.output;
+  auto k = testing::RunCommand(nf + " -q pack -m " + model + " -p " + tmp.File("m.prof") + " -o " + tmp.File("deploy"));
+  EXPECT_EQ(k.exit_code, 0) << k.output;
+  return tmp.File("deploy");
+}
+
 // Phi-3: Llama with q, k, v fused into qkv_proj and gate, up into gate_up_proj. Split by rows they give the very
 // file of the Llama layout (every tensor's bytes and every llama.* key), and the engine's logits on it are those of
 // the HF reference on the fused directory.
@@ -695,23 +735,10 @@ TEST(HfConvert, Phi3FusedProjectionsGiveTheLlamaFile) {
 
   // The unfused names under Phi3ForCausalLM: the fused tensors are reported missing, each once.
   o.fused = false;
-  const std::string unfused = tmp.File("unfused");
-  ASSERT_EQ(::mkdir(unfused.c_str(), 0755), 0);
-  WriteStoriesHf(unfused, o);
-  auto missing = ReadHfDirectory(unfused);
-  ASSERT_FALSE(missing.ok());
-  EXPECT_NE(missing.status().message().find("10 required tensor(s) missing: model.layers.0.self_attn.qkv_proj.weight, "
-                                            "model.layers.0.mlp.gate_up_proj.weight, model.layers.1"),
-            std::string::npos)
-      << missing.status().ToString();
+  ExpectBadDirectory(o, {"10 required tensor(s) missing: model.layers.0.self_attn.qkv_proj.weight, "
+                         "model.layers.0.mlp.gate_up_proj.weight, model.layers.1"});
   // Phi-4-mini's partial rotary embedding: refused, naming the field.
-  auto partial = ParseHfConfig(R"({"architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
-    "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8, "max_position_embeddings": 512,
-    "vocab_size": 512, "rms_norm_eps": 1e-05, "partial_rotary_factor": 0.75})",
-                               "config.json");
-  ASSERT_FALSE(partial.ok());
-  EXPECT_NE(partial.status().message().find("\"partial_rotary_factor\" is 0.75"), std::string::npos)
-      << partial.status().ToString();
+  ExpectPhi3ConfigRefused(R"("partial_rotary_factor": 0.75)", "\"partial_rotary_factor\" is 0.75");
 }
 
 // Phi-3's LongRoPE (Phi-3-mini-128k, Phi-3.5-mini), within original_max_position_embeddings: the short factors are
@@ -763,23 +790,11 @@ TEST(HfConvert, Phi3LongRopeMatchesTheHfReference) {
   ExpectHfReferenceLogits(tmp.File("given"), given, no_window, "the given attention factor");
 
   // Factors of the wrong length, or a missing original_max_position_embeddings: refused, naming the field.
-  auto short_list = ParseHfConfig(R"({"architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
-    "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8, "max_position_embeddings": 512,
-    "vocab_size": 512, "rms_norm_eps": 1e-05, "original_max_position_embeddings": 64,
-    "rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1], "long_factor": [1, 1, 1, 1]}})",
-                                  "config.json");
-  ASSERT_FALSE(short_list.ok());
-  EXPECT_NE(short_list.status().message().find("\"short_factor\" must be a list of head_dim / 2 = 4 numbers"),
-            std::string::npos)
-      << short_list.status().ToString();
-  auto no_original = ParseHfConfig(R"({"architectures": ["Phi3ForCausalLM"], "hidden_size": 64,
-    "intermediate_size": 172, "num_hidden_layers": 5, "num_attention_heads": 8, "max_position_embeddings": 512,
-    "vocab_size": 512, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": [1, 1, 1, 1]}})",
-                                   "config.json");
-  ASSERT_FALSE(no_original.ok());
-  EXPECT_NE(no_original.status().message().find("original_max_position_embeddings"), std::string::npos)
-      << no_original.status().ToString();
+  ExpectPhi3ConfigRefused(R"("original_max_position_embeddings": 64,
+    "rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1], "long_factor": [1, 1, 1, 1]})",
+                          "\"short_factor\" must be a list of head_dim / 2 = 4 numbers");
+  ExpectPhi3ConfigRefused(R"("rope_scaling": {"type": "longrope", "short_factor": [1, 1, 1, 1], "long_factor": [1, 1, 1, 1]})",
+                          "missing required field \"original_max_position_embeddings\"");
 }
 
 // The offloaded runtime reads the new tensors from the deployment's resident part: a Qwen2 model with Llama 3 RoPE
@@ -799,27 +814,14 @@ TEST(HfConvert, BiasesAndRopeFactorsReachTheOffloadedRuntime) {
   plain_options.hidden_act = "relu";
   const std::string plain = ConvertStoriesHf(tmp, "plain", plain_options);
   const std::string nf = testing::NflashBinary();
-  auto text_of = [](const testing::CommandResult& r) {
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    const size_t brace = r.output.find('{');
-    if (brace == std::string::npos) return std::string();
-    return nlohmann::json::parse(r.output.substr(brace)).value("text", std::string());
-  };
-  const std::string in_memory =
-      text_of(testing::RunCommand(nf + " -q run -m " + model + " --sparse oracle -p 'Once upon a time' -n 40 --temp 0 --json"));
-  const std::string without =
-      text_of(testing::RunCommand(nf + " -q run -m " + plain + " --sparse oracle -p 'Once upon a time' -n 40 --temp 0 --json"));
+  const std::string in_memory = InMemoryText(model, 40);
   ASSERT_FALSE(in_memory.empty());
-  EXPECT_NE(in_memory, without) << "the biases and factors change the text";
-  auto p = testing::RunCommand(nf + " -q profile -m " + model + " -f " +
-                               testing::SharedPath("text/tinystories_calib.txt") + " --tokens 2000 -t 2 -o " +
-                               tmp.File("m.prof"));
-  ASSERT_EQ(p.exit_code, 0) << p.output;
-  auto k = testing::RunCommand(nf + " -q pack -m " + model + " -p " + tmp.File("m.prof") + " -o " + tmp.File("deploy"));
-  ASSERT_EQ(k.exit_code, 0) << k.output;
+  EXPECT_NE(in_memory, InMemoryText(plain, 40)) << "the biases and factors change the text";
+  const std::string deploy = ProfileAndPack(tmp, model);
   for (const char* args : {"--memory 3M", "--hot-slots 0 --cold-slots 0"}) {
-    const std::string offloaded = text_of(testing::RunCommand(nf + " -q offload -d " + tmp.File("deploy") +
-                                                              " --active-set oracle -p 'Once upon a time' -n 40 --json " + args));
+    const std::string offloaded = CliJson(testing::RunCommand(nf + " -q offload -d " + deploy +
+                                                              " --active-set oracle -p 'Once upon a time' -n 40 --json " +
+                                                              args)).value("text", "");
     EXPECT_EQ(offloaded, in_memory) << args;
   }
 }
@@ -839,25 +841,12 @@ TEST(HfConvert, SlidingWindowReachesTheOffloadedRuntime) {
   o.extra_config = R"("sliding_window": null,)";
   const std::string plain = ConvertStoriesHf(tmp, "plain", o);
   const std::string nf = testing::NflashBinary();
-  auto json_of = [](const testing::CommandResult& r) {
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    const size_t brace = r.output.find('{');
-    return brace == std::string::npos ? nlohmann::json::object() : nlohmann::json::parse(r.output.substr(brace));
-  };
-  const std::string run = " --sparse oracle -p 'Once upon a time' -n 300 --temp 0 --json";
-  const std::string in_memory = json_of(testing::RunCommand(nf + " -q run -m " + model + run)).value("text", "");
-  const std::string without = json_of(testing::RunCommand(nf + " -q run -m " + plain + run)).value("text", "");
+  const std::string in_memory = InMemoryText(model, 300);
   ASSERT_FALSE(in_memory.empty());
-  EXPECT_NE(in_memory, without) << "the window changes the text";
-  auto p = testing::RunCommand(nf + " -q profile -m " + model + " -f " +
-                               testing::SharedPath("text/tinystories_calib.txt") + " --tokens 2000 -t 2 -o " +
-                               tmp.File("m.prof"));
-  ASSERT_EQ(p.exit_code, 0) << p.output;
-  auto k = testing::RunCommand(nf + " -q pack -m " + model + " -p " + tmp.File("m.prof") + " -o " + tmp.File("deploy"));
-  ASSERT_EQ(k.exit_code, 0) << k.output;
-  const nlohmann::json offloaded = json_of(testing::RunCommand(
-      nf + " -q offload -d " + tmp.File("deploy") + " --active-set oracle -p 'Once upon a time' -n 300 --json " +
-      "--memory 3M"));
+  EXPECT_NE(in_memory, InMemoryText(plain, 300)) << "the window changes the text";
+  const std::string deploy = ProfileAndPack(tmp, model);
+  const nlohmann::json offloaded = CliJson(testing::RunCommand(
+      nf + " -q offload -d " + deploy + " --active-set oracle -p 'Once upon a time' -n 300 --json --memory 3M"));
   EXPECT_EQ(offloaded.value("text", ""), in_memory);
   EXPECT_EQ(offloaded.value("generated", 0), 300) << "positions past the ring's 128";
   const Stories& st = GetStories();
@@ -880,15 +869,6 @@ TEST(HfConvert, ShardedWeightsGiveTheSameFile) {
   s = ConvertTo(ReadHfDirectory(sharded), tmp.File("sharded.gguf"));
   ASSERT_TRUE(s.ok()) << s.ToString();
   ExpectSameModel(tmp.File("single.gguf"), tmp.File("sharded.gguf"));
-}
-
-// Builds a damaged directory and expects ReadHfDirectory to fail naming every one of `parts`.
-void ExpectBadDirectory(const HfOptions& o, const std::vector<std::string>& parts) {
-  testing::TempDir tmp;
-  WriteStoriesHf(tmp.path(), o);
-  auto r = ReadHfDirectory(tmp.path());
-  ASSERT_FALSE(r.ok());
-  for (const std::string& p : parts) EXPECT_CONTAINS(r.status().message(), p);
 }
 
 TEST(HfConvertErrors, TruncatedSafetensorsHeader) {

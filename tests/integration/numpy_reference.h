@@ -22,30 +22,30 @@ inline const std::vector<int32_t> kReferenceIds = {1,   403, 407, 261, 378, 432,
                                                    315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 335,
                                                    311, 267, 422, 419, 269, 344, 444, 427, 421, 414};
 
-// The reference's logits (an F64 forward pass, written as F32 to `npy`) for `ids` on `gguf`, n_vocab per token.
-// EXPECT failures when the reference fails or its output is not that size.
-inline std::vector<float> NumpyReferenceLogits(const std::string& gguf, const std::vector<int32_t>& ids,
-                                               int64_t n_vocab, const std::string& npy) {
+// The logits of a reference script (tests/reference/`script` `source`: an F64 forward pass, written as F32 to `npy`)
+// for `ids`, n_vocab per token. EXPECT failures when the reference fails or its output is not that size.
+inline std::vector<float> ReferenceScriptLogits(const std::string& script, const std::string& source,
+                                                const std::vector<int32_t>& ids, int64_t n_vocab,
+                                                const std::string& npy) {
   std::string list;
   for (size_t i = 0; i < ids.size(); ++i) list += (i ? "," : "") + std::to_string(ids[i]);
-  const CommandResult r = RunCommand(std::string(NFLASH_PYTHON) + " " + NFLASH_SOURCE_DIR +
-                                     "/tests/reference/llama_numpy.py --model " + gguf + " --tokens " + list +
-                                     " --dtype f64 --logits-out " + npy);
+  const CommandResult r = RunCommand(std::string(NFLASH_PYTHON) + " " + NFLASH_SOURCE_DIR + "/tests/reference/" +
+                                     script + " " + source + " --tokens " + list + " --dtype f64 --logits-out " + npy);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   return ReadNpyF32(npy, ids.size() * static_cast<size_t>(n_vocab));
 }
 
-// The HF-directory reference's logits (tests/reference/hf_numpy.py: transformers' definitions on the safetensors
-// as stored, F64, written as F32 to `npy`) for `ids` on the model directory `dir`, n_vocab per token.
+// The GGUF reference's logits (llama_numpy.py) on `gguf`.
+inline std::vector<float> NumpyReferenceLogits(const std::string& gguf, const std::vector<int32_t>& ids,
+                                               int64_t n_vocab, const std::string& npy) {
+  return ReferenceScriptLogits("llama_numpy.py", "--model " + gguf, ids, n_vocab, npy);
+}
+
+// The HF-directory reference's logits (hf_numpy.py: transformers' definitions on the safetensors as stored) on the
+// model directory `dir`.
 inline std::vector<float> HfReferenceLogits(const std::string& dir, const std::vector<int32_t>& ids, int64_t n_vocab,
                                             const std::string& npy) {
-  std::string list;
-  for (size_t i = 0; i < ids.size(); ++i) list += (i ? "," : "") + std::to_string(ids[i]);
-  const CommandResult r = RunCommand(std::string(NFLASH_PYTHON) + " " + NFLASH_SOURCE_DIR +
-                                     "/tests/reference/hf_numpy.py --dir " + dir + " --tokens " + list +
-                                     " --dtype f64 --logits-out " + npy);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  return ReadNpyF32(npy, ids.size() * static_cast<size_t>(n_vocab));
+  return ReferenceScriptLogits("hf_numpy.py", "--dir " + dir, ids, n_vocab, npy);
 }
 
 // The engine's logits for `ids` on `gguf` (2 threads, one batch, a context of max(64, ids) positions) against `ref`:
