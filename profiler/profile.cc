@@ -347,7 +347,8 @@ Result<ModelProfile> LoadProfile(const std::string& path) {
       }
       NF_ASSIGN_OR_RETURN(std::span<const uint8_t> bytes, g.TensorData(*t, &scratch));
       if (bytes.size() != v.bytes) return Status::Corruption(where + ": tensor " + name + " has the wrong size");
-      std::memcpy(const_cast<void*>(v.data), bytes.data(), v.bytes);
+      // An empty field (no report sparsities, say) has no storage: memcpy's pointers must not be null even for 0.
+      if (v.bytes > 0) std::memcpy(const_cast<void*>(v.data), bytes.data(), v.bytes);
       data_hash = Xxh64(bytes.data(), bytes.size(), data_hash);
     }
   }
