@@ -253,25 +253,33 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
   return plan;
 }
 
-// The loader of one planned tensor: reads each source (in F32), takes its rows of a fused source, scales, undoes the
-// RoPE permutation, stacks experts. `rows`: the planned tensor's rows (its last GGUF dim; 1-D: its length).
-std::function<Result<std::vector<float>>()> MakeLoader(std::vector<ShardTensor> sources, const TensorPlan& p) {
-  const uint64_t rows = p.dims.size() > 1 ? p.dims[1] : p.dims[0];
-  return [sources = std::move(sources), rope_heads = p.rope_heads, row_begin = p.row_begin, sliced = p.source_rows > 0,
-          rows, scale = p.scale]() -> Result<std::vector<float>> {
+// Rows [begin, begin + count) of the row-major tensor `t`: the same bytes of the file, a narrower window of them, so
+// that each part of a fused source reads only its own rows.
+SafetensorsTensor RowWindow(const SafetensorsTensor& t, uint64_t begin, uint64_t count) {
+  SafetensorsTensor w = t;
+  const uint64_t row_elements = t.n_elements / t.shape[0];
+  const uint64_t row_bytes = row_elements * SafetensorsDtypeSize(t.dtype);
+  w.shape[0] = count;
+  w.offset += begin * row_bytes;
+  w.n_elements = count * row_elements;
+  w.n_bytes = count * row_bytes;
+  return w;
+}
+
+// The loader of one planned tensor: reads each source (in F32), scales, undoes the RoPE permutation, stacks experts.
+std::function<Result<std::vector<float>>()> MakeLoader(std::vector<ShardTensor> sources, int64_t rope_heads,
+                                                       float scale) {
+  return [sources = std::move(sources), rope_heads, scale]() -> Result<std::vector<float>> {
     if (sources.size() == 1) {
       const ShardTensor& s = sources[0];
       NF_ASSIGN_OR_RETURN(std::vector<float> data, s.file->ReadF32(s.tensor));
-      const uint64_t cols = s.tensor.shape.size() > 1 ? s.tensor.shape[1] : 1;  // a bias: 1-D
-      if (sliced) {
-        data.erase(data.begin() + static_cast<ptrdiff_t>((row_begin + rows) * cols), data.end());
-        data.erase(data.begin(), data.begin() + static_cast<ptrdiff_t>(row_begin * cols));
-      }
       if (scale != 1.0f) {
         for (float& v : data) v *= scale;
       }
       if (rope_heads > 0) {
-        return UndoRopePermutation(data, rope_heads, static_cast<int64_t>(rows), static_cast<int64_t>(cols));
+        const auto rows = static_cast<int64_t>(s.tensor.shape[0]);
+        const auto cols = s.tensor.shape.size() > 1 ? static_cast<int64_t>(s.tensor.shape[1]) : 1;  // a bias: 1-D
+        return UndoRopePermutation(data, rope_heads, rows, cols);
       }
       return data;
     }
@@ -597,12 +605,13 @@ Result<SourceModel> ReadHfDirectory(const std::string& dir) {
       if (p.source_rows > 0 && p.row_begin > 0) missing.pop_back();  // a fused source: named once, by its first part
       continue;
     }
+    if (p.source_rows > 0) sources[0].tensor = RowWindow(sources[0].tensor, p.row_begin, p.dims.back());
     SourceTensor st;
     st.name = p.gguf_name;
     st.dims = p.dims;
     // Mixed dtypes across experts are read fine (everything goes through F32); the first one is reported.
     st.source_type = SafetensorsDtypeToGgml(*dtype);
-    st.load_f32 = MakeLoader(std::move(sources), p);
+    st.load_f32 = MakeLoader(std::move(sources), p.rope_heads, p.scale);
     model.tensors.push_back(std::move(st));
   }
   if (!c.rope_freq_factors.empty()) {
