@@ -28,8 +28,7 @@ Result<GenerateResult> Generate(InferenceContext& ctx, const Tokenizer& tokenize
   NF_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(options.sampler));
   for (int32_t t : prompt) sampler.Accept(t);
   StopConfig stop_config;
-  stop_config.eos_id = options.ignore_eos ? -1 : tokenizer.eos_id();
-  if (!options.ignore_eos) stop_config.end_ids = tokenizer.end_of_generation_ids();
+  if (!options.ignore_eos) stop_config.end_ids = tokenizer.end_of_generation_ids();  // EOS among them
   stop_config.bos_id = options.ignore_eos ? -1 : tokenizer.bos_id();
   stop_config.max_tokens = std::min(options.max_tokens, room);
   stop_config.stop_strings = options.stop_strings;

@@ -164,8 +164,7 @@ StopChecker::StopChecker(StopConfig config) : config_(std::move(config)) {
 StopReason StopChecker::Push(int32_t token, std::string_view piece, std::string* emit) {
   emit->clear();
   ++n_tokens_;
-  if ((config_.eos_id >= 0 && token == config_.eos_id) ||
-      std::find(config_.end_ids.begin(), config_.end_ids.end(), token) != config_.end_ids.end()) {
+  if (std::find(config_.end_ids.begin(), config_.end_ids.end(), token) != config_.end_ids.end()) {
     *emit = Flush();
     return StopReason::kEos;
   }

@@ -83,7 +83,7 @@ class Sampler {
 
 enum class StopReason : uint8_t {
   kNone = 0,
-  kEos,         // the end-of-sequence token was generated
+  kEos,         // the end-of-sequence token, or an end-of-turn marker, was generated
   kBos,         // BOS was generated (llama2.c models end a story this way)
   kMaxTokens,   // the token budget is used up
   kStopString,  // the text produced contains a stop string
@@ -91,8 +91,8 @@ enum class StopReason : uint8_t {
 const char* StopReasonName(StopReason reason);
 
 struct StopConfig {
-  int32_t eos_id = -1;      // -1: not checked
-  std::vector<int32_t> end_ids;  // more tokens that end generation as EOS does (Tokenizer::end_of_generation_ids)
+  // Tokens that end generation (StopReason::kEos): EOS and the end-of-turn markers, Tokenizer::end_of_generation_ids.
+  std::vector<int32_t> end_ids;
   int32_t bos_id = -1;      // -1: not checked
   int64_t max_tokens = -1;  // generated tokens; < 0: unlimited
   std::vector<std::string> stop_strings;

@@ -18,6 +18,7 @@
 #include "runtime/core/cpu_affinity.h"
 #include "runtime/core/file.h"
 #include "runtime/engine/context.h"
+#include "runtime/engine/generate.h"
 #include "runtime/engine/model.h"
 #include "runtime/text/tokenizer.h"
 #include "runtime/core/thread_placement.h"
@@ -118,6 +119,20 @@ TEST(RunCliTest, EndOfTurnMarkerEndsGeneration) {
   EXPECT_EQ(plain.value("generated_tokens", -1), 20);
   // Spelled so but a normal token: text, not a marker.
   EXPECT_EQ(normal.value("stop_reason", ""), "max_tokens") << normal.dump();
+  // ignore_eos (the server's option) generates through the marker as through EOS.
+  auto typed_model = Model::Load(typed, {});
+  ASSERT_TRUE(typed_model.ok()) << typed_model.status().ToString();
+  auto typed_tok = LoadTokenizer((*typed_model)->gguf());
+  ASSERT_TRUE(typed_tok.ok()) << typed_tok.status().ToString();
+  InferenceContext through(**typed_model, &pool, 64);
+  GenerateOptions o;
+  o.sampler.temperature = 0;
+  o.max_tokens = 20;
+  o.ignore_eos = true;
+  auto g = Generate(through, **typed_tok, ids, o, [](std::string_view) { return true; });
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  EXPECT_EQ(g->generated_tokens, 20);
+  EXPECT_EQ(g->reason, StopReason::kMaxTokens);
 }
 
 // How a model is opened follows the flags: a GGUF refuses the llama2.c-only flags; with --no-mmap its file is read,

@@ -249,7 +249,7 @@ TEST(Sampler, RejectsBadConfig) {
 
 TEST(StopChecker, SpecialTokensAndBudget) {
   StopConfig c;
-  c.eos_id = 2;
+  c.end_ids = {2};
   c.bos_id = 1;
   c.max_tokens = 3;
   std::string emit;
