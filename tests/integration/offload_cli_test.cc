@@ -18,10 +18,7 @@
 #include "runtime/core/file.h"
 #include "runtime/core/kernels.h"
 #include "runtime/core/thread_placement.h"
-#include "runtime/core/thread_pool.h"
-#include "runtime/engine/context.h"
-#include "runtime/engine/model.h"
-#include "runtime/text/tokenizer.h"
+#include "tests/integration/end_of_turn_marker.h"
 #include "tests/test_util.h"
 
 namespace nflash {
@@ -82,35 +79,10 @@ TEST_F(OffloadCliTest, GoldenTextInBothModesAndBudgets) {
 // that token's first occurrence, where the deployment as packed runs on.
 TEST_F(OffloadCliTest, EndOfTurnMarkerEndsTheDecode) {
   const std::string gguf = dir_->File("m.gguf");
-  auto model = Model::Load(gguf, {});
-  ASSERT_TRUE(model.ok()) << model.status().ToString();
-  auto tok = LoadTokenizer((*model)->gguf());
-  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
-  ThreadPool pool(1);
-  InferenceContext ctx(**model, &pool, 64);
-  ASSERT_TRUE(ctx.Eval((*tok)->Encode("Once upon a time", true), false).ok());
-  std::vector<int32_t> greedy;
-  for (int i = 0; i < 5; ++i) {
-    const float* lg = ctx.logits();
-    greedy.push_back(static_cast<int32_t>(std::max_element(lg, lg + ctx.n_vocab()) - lg));
-    ASSERT_TRUE(ctx.Eval(std::vector<int32_t>{greedy.back()}, false).ok());
-  }
-  const int32_t marker = greedy[4];
-  ASSERT_GT(marker, 2) << "a normal token";
-  const auto first = std::find(greedy.begin(), greedy.end(), marker) - greedy.begin();
+  const testing::MarkedToken marker = testing::FifthGreedyToken(gguf);
+  ASSERT_GT(marker.id, 2) << "a normal token";
   const std::string marked = dir_->File("marked.gguf"), deploy = dir_->File("marked-deploy");
-  ASSERT_EQ(testing::RewriteGguf(gguf, marked,
-                                 [&](std::vector<std::pair<std::string, GgufValue>>* kv) {
-                                   for (auto& [key, value] : *kv) {
-                                     if (key == "tokenizer.ggml.tokens") {
-                                       std::get<GgufArray>(value.v).items[marker] = GgufValue(std::string("<|end|>"));
-                                     } else if (key == "tokenizer.ggml.token_type") {
-                                       std::get<GgufArray>(value.v).items[marker] = GgufValue(int32_t{3});
-                                     }
-                                   }
-                                 },
-                                 nullptr),
-            "");
+  ASSERT_EQ(testing::RespellAsEndMarker(gguf, marked, marker.id, 3), "");
   auto profile = testing::RunCommand(Nflash() + " -q profile -m " + marked + " -f " +
                                      testing::SharedPath("text/tinystories_calib.txt") + " --tokens 1000 -o " +
                                      dir_->File("marked.prof"));
@@ -118,7 +90,7 @@ TEST_F(OffloadCliTest, EndOfTurnMarkerEndsTheDecode) {
   auto pack = testing::RunCommand(Nflash() + " -q pack -m " + marked + " -p " + dir_->File("marked.prof") + " -o " +
                                   deploy);
   ASSERT_EQ(pack.exit_code, 0) << pack.output;
-  for (const auto& [d, generated] : {std::pair{deploy, first + 1}, std::pair{Deploy(), std::ptrdiff_t{20}}}) {
+  for (const auto& [d, generated] : {std::pair{deploy, marker.first + 1}, std::pair{Deploy(), int64_t{20}}}) {
     auto r = testing::RunCommand(Nflash() + " -q offload -d " + d + " --active-set oracle -p 'Once upon a time' -n 20 " +
                                  "--memory 3M --json");
     ASSERT_EQ(r.exit_code, 0) << r.output;

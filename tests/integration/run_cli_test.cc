@@ -22,6 +22,7 @@
 #include "runtime/engine/model.h"
 #include "runtime/text/tokenizer.h"
 #include "runtime/core/thread_placement.h"
+#include "tests/integration/end_of_turn_marker.h"
 #include "tests/integration/numpy_reference.h"
 #include "tests/test_util.h"
 
@@ -70,43 +71,13 @@ TEST(RunCliTest, GoldenTextFromLlama2cAndFromGguf) {
 // occurrence; the file as converted runs on to the token budget.
 TEST(RunCliTest, EndOfTurnMarkerEndsGeneration) {
   testing::TempDir dir;
-  const std::string gguf = dir.File("s.gguf"), marked = dir.File("marked.gguf");
+  const std::string gguf = dir.File("s.gguf"), marked = dir.File("marked.gguf"), typed = dir.File("typed.gguf");
   auto conv = testing::RunCommand(Nflash() + " -q convert " + Stories() + " -o " + gguf + " --type f32");
   ASSERT_EQ(conv.exit_code, 0) << conv.output;
-  auto model = Model::Load(gguf, {});
-  ASSERT_TRUE(model.ok()) << model.status().ToString();
-  auto tok = LoadTokenizer((*model)->gguf());
-  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
-  std::vector<int32_t> ids = (*tok)->Encode("Once upon a time", true);
-  ThreadPool pool(1);
-  InferenceContext ctx(**model, &pool, 64);
-  ASSERT_TRUE(ctx.Eval(ids, false).ok());
-  std::vector<int32_t> greedy;
-  for (int i = 0; i < 5; ++i) {
-    const float* lg = ctx.logits();
-    const auto next = static_cast<int32_t>(std::max_element(lg, lg + ctx.n_vocab()) - lg);
-    greedy.push_back(next);
-    ASSERT_TRUE(ctx.Eval(std::vector<int32_t>{next}, false).ok());
-  }
-  const int32_t marker = greedy[4];
-  const auto first = std::find(greedy.begin(), greedy.end(), marker) - greedy.begin();
-  ASSERT_GT(marker, 2) << "a normal token";
-  ASSERT_EQ(testing::RewriteGguf(gguf, marked,
-                                 testing::EditGgufKey("tokenizer.ggml.tokens",
-                                                      [&](GgufValue& v) {
-                                                        std::get<GgufArray>(v.v).items[marker] = GgufValue(
-                                                            std::string("<|end|>"));
-                                                      }),
-                                 nullptr),
-            "");
-  const std::string typed = dir.File("typed.gguf");
-  ASSERT_EQ(testing::RewriteGguf(marked, typed,
-                                 testing::EditGgufKey("tokenizer.ggml.token_type",
-                                                      [&](GgufValue& v) {
-                                                        std::get<GgufArray>(v.v).items[marker] = GgufValue(int32_t{3});
-                                                      }),
-                                 nullptr),
-            "");
+  const testing::MarkedToken marker = testing::FifthGreedyToken(gguf);
+  ASSERT_GT(marker.id, 2) << "a normal token";
+  ASSERT_EQ(testing::RespellAsEndMarker(gguf, marked, marker.id, 1), "");
+  ASSERT_EQ(testing::RespellAsEndMarker(gguf, typed, marker.id, 3), "");
   auto run = [&](const std::string& m) {
     auto r = testing::RunCommand(Nflash() + " -q run -m " + m + " -p 'Once upon a time' -n 20 --temp 0 --json");
     EXPECT_EQ(r.exit_code, 0) << r.output;
@@ -114,7 +85,7 @@ TEST(RunCliTest, EndOfTurnMarkerEndsGeneration) {
   };
   const nlohmann::json stopped = run(typed), plain = run(gguf), normal = run(marked);
   EXPECT_EQ(stopped.value("stop_reason", ""), "eos") << stopped.dump();
-  EXPECT_EQ(stopped.value("generated_tokens", -1), first + 1) << stopped.dump();
+  EXPECT_EQ(stopped.value("generated_tokens", -1), marker.first + 1) << stopped.dump();
   EXPECT_EQ(plain.value("stop_reason", ""), "max_tokens");
   EXPECT_EQ(plain.value("generated_tokens", -1), 20);
   // Spelled so but a normal token: text, not a marker.
@@ -124,12 +95,14 @@ TEST(RunCliTest, EndOfTurnMarkerEndsGeneration) {
   ASSERT_TRUE(typed_model.ok()) << typed_model.status().ToString();
   auto typed_tok = LoadTokenizer((*typed_model)->gguf());
   ASSERT_TRUE(typed_tok.ok()) << typed_tok.status().ToString();
+  ThreadPool pool(1);
   InferenceContext through(**typed_model, &pool, 64);
   GenerateOptions o;
   o.sampler.temperature = 0;
   o.max_tokens = 20;
   o.ignore_eos = true;
-  auto g = Generate(through, **typed_tok, ids, o, [](std::string_view) { return true; });
+  auto g = Generate(through, **typed_tok, (*typed_tok)->Encode(testing::kMarkerPrompt, true), o,
+                    [](std::string_view) { return true; });
   ASSERT_TRUE(g.ok()) << g.status().ToString();
   EXPECT_EQ(g->generated_tokens, 20);
   EXPECT_EQ(g->reason, StopReason::kMaxTokens);
