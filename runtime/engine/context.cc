@@ -229,6 +229,23 @@ int64_t InferenceContext::KvPositions(const LlamaHparams& hp, int64_t n_ctx) {
   return std::min(n_ctx, ring);
 }
 
+bool InferenceContext::CanRewind(int64_t pos) const {
+  if (pos < 0 || pos > pos_) return false;
+  if (kv_positions_ >= n_ctx_) return true;  // no ring: nothing is ever overwritten
+  // The ring holds positions [pos_ - kv_positions_, pos_); queries at pos.. see keys from pos - window + 1 on.
+  return std::max<int64_t>(0, pos - hp_.sliding_window + 1) >= pos_ - kv_positions_;
+}
+
+Status InferenceContext::Rewind(int64_t pos) {
+  if (!CanRewind(pos)) {
+    return Status::Internal("cannot rewind the context from position " + std::to_string(pos_) + " to " +
+                            std::to_string(pos) + " (KV ring of " + std::to_string(kv_positions_) +
+                            " positions, sliding window " + std::to_string(hp_.sliding_window) + ")");
+  }
+  pos_ = pos;
+  return Status::Ok();
+}
+
 InferenceContext::InferenceContext(const Model& model, ThreadPool* pool, int64_t n_ctx, KvType kv_type)
     : model_(model),
       hp_(model.hparams()),

@@ -126,6 +126,14 @@ class InferenceContext {
   KvType kv_type() const { return kv_type_; }
   int64_t n_vocab() const { return hp_.n_vocab; }
   void Reset() { pos_ = 0; }
+  // Whether the context can go back to position `pos` (0 <= pos <= pos()) and continue from there as if the tokens
+  // after it had never been evaluated: always, unless the KV cache is a ring whose later positions have overwritten a
+  // key that the queries from `pos` on still see (one older than pos - sliding window + 1 is never seen again).
+  bool CanRewind(int64_t pos) const;
+  // Goes back to `pos` (CanRewind(pos) must hold, else Internal): positions pos.. are rewritten by the next Eval,
+  // whose results equal those of a context that evaluated only the tokens before `pos` (each row's arithmetic is the
+  // same in any batch; EngineTest.RewoundContextEqualsAFreshOne). The logits of the last Eval are no longer valid.
+  Status Rewind(int64_t pos);
   void SetFfnObserver(FfnObserver observer) { observer_ = std::move(observer); }
   // nullptr: the dense FFN. The backend must outlive its use; the observer sees only FFNs the dense path ran.
   void SetFfnBackend(FfnBackend* backend) { ffn_backend_ = backend; }

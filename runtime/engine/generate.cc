@@ -11,14 +11,14 @@ using Clock = std::chrono::steady_clock;
 
 double Ms(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); }
 
-}  // namespace
-
-Result<GenerateResult> Generate(InferenceContext& ctx, const Tokenizer& tokenizer, std::span<const int32_t> prompt,
-                                const GenerateOptions& options, const TextSink& on_text) {
+// The decode loop from a context that holds prompt[0 .. ctx.pos()) (ctx.pos() < prompt.size(), prompt not empty); the
+// ids sampled are appended to `sampled` when it is given.
+Result<GenerateResult> GenerateFrom(InferenceContext& ctx, const Tokenizer& tokenizer, std::span<const int32_t> prompt,
+                                    const GenerateOptions& options, const TextSink& on_text,
+                                    std::vector<int32_t>* sampled) {
   GenerateResult r;
   r.prompt_tokens = static_cast<int64_t>(prompt.size());
-  if (prompt.empty()) return Status::InvalidArgument("the prompt is empty and the model adds no BOS token");
-  if (ctx.pos() != 0) return Status::Internal("Generate: the context is at position " + std::to_string(ctx.pos()));
+  r.cached_tokens = ctx.pos();
   const int64_t room = ctx.n_ctx() - r.prompt_tokens;
   if (room <= 0) {
     return Status::InvalidArgument("the prompt has " + std::to_string(prompt.size()) +
@@ -45,7 +45,7 @@ Result<GenerateResult> Generate(InferenceContext& ctx, const Tokenizer& tokenize
   }
 
   const auto t0 = Clock::now();
-  NF_RETURN_IF_ERROR(ctx.Eval(prompt, false));
+  NF_RETURN_IF_ERROR(ctx.Eval(prompt.subspan(static_cast<size_t>(r.cached_tokens)), false));
   const auto t1 = Clock::now();
   r.prefill_ms = Ms(t0, t1);
   // The StopChecker counts a token before it checks the budget, so a budget of 0 never reaches it.
@@ -55,6 +55,7 @@ Result<GenerateResult> Generate(InferenceContext& ctx, const Tokenizer& tokenize
     const float* lg = ctx.logits();
     const int32_t next = sampler.Sample({lg, static_cast<size_t>(ctx.n_vocab())});
     sampler.Accept(next);
+    if (sampled != nullptr) sampled->push_back(next);
     std::string piece;
     r.reason = stop.Push(next, detok.Push(next), &piece);
     emit(piece);
@@ -72,6 +73,50 @@ Result<GenerateResult> Generate(InferenceContext& ctx, const Tokenizer& tokenize
   r.generated_tokens = stop.n_tokens();
   r.stop_string = stop.matched();
   r.decode_ms = Ms(t1, Clock::now());
+  return r;
+}
+
+}  // namespace
+
+Result<GenerateResult> Generate(InferenceContext& ctx, const Tokenizer& tokenizer, std::span<const int32_t> prompt,
+                                const GenerateOptions& options, const TextSink& on_text) {
+  if (prompt.empty()) return Status::InvalidArgument("the prompt is empty and the model adds no BOS token");
+  if (ctx.pos() != 0) return Status::Internal("Generate: the context is at position " + std::to_string(ctx.pos()));
+  return GenerateFrom(ctx, tokenizer, prompt, options, on_text, nullptr);
+}
+
+Result<GenerateResult> GenerateCached(InferenceContext& ctx, HeldTokens* held, bool reuse, const Tokenizer& tokenizer,
+                                      std::span<const int32_t> prompt, const GenerateOptions& options,
+                                      const TextSink& on_text) {
+  if (prompt.empty()) return Status::InvalidArgument("the prompt is empty and the model adds no BOS token");
+  std::vector<int32_t>& ids = held->ids;
+  if (static_cast<int64_t>(ids.size()) != ctx.pos()) {
+    return Status::Internal("GenerateCached: " + std::to_string(ids.size()) + " held tokens for a context at " +
+                            "position " + std::to_string(ctx.pos()));
+  }
+  const size_t limit = std::min(ids.size(), prompt.size() - 1);
+  size_t keep = 0;
+  if (reuse) {
+    while (keep < limit && ids[keep] == prompt[keep]) ++keep;
+    if (!ctx.CanRewind(static_cast<int64_t>(keep))) keep = 0;
+  }
+  if (keep > 0) {
+    NF_RETURN_IF_ERROR(ctx.Rewind(static_cast<int64_t>(keep)));
+  } else {
+    ctx.Reset();
+  }
+  ids.resize(keep);
+  std::vector<int32_t> sampled;
+  auto r = GenerateFrom(ctx, tokenizer, prompt, options, on_text, &sampled);
+  if (!r.ok()) {
+    ctx.Reset();
+    ids.clear();
+    return r;
+  }
+  // The context holds the prompt, then every sampled token but the last (sampled, never evaluated).
+  ids.assign(prompt.begin(), prompt.end());
+  ids.insert(ids.end(), sampled.begin(), sampled.end());
+  ids.resize(static_cast<size_t>(ctx.pos()));
   return r;
 }
 

@@ -30,11 +30,12 @@ struct GenerateOptions {
 
 struct GenerateResult {
   int64_t prompt_tokens = 0;
+  int64_t cached_tokens = 0;              // of the prompt, kept from the context (GenerateCached), not evaluated
   int64_t generated_tokens = 0;
   StopReason reason = StopReason::kNone;  // kNone when cancelled
   bool cancelled = false;                 // `on_text` returned false
   std::string stop_string;                // the stop string that ended it (reason kStopString)
-  double prefill_ms = 0;
+  double prefill_ms = 0;                  // evaluating the prompt's tokens after the cached ones
   double decode_ms = 0;                   // from the end of the prefill to the last token
   std::vector<double> step_ms;            // each decode step's forward pass
 };
@@ -47,5 +48,24 @@ using TextSink = std::function<bool(std::string_view piece)>;
 // the forward pass's errors as they are. Temperature 0 is greedy.
 Result<GenerateResult> Generate(InferenceContext& ctx, const Tokenizer& tokenizer, std::span<const int32_t> prompt,
                                 const GenerateOptions& options, const TextSink& on_text);
+
+// The tokens whose keys and values a context holds, at positions 0 .. pos()-1, so that a prompt that starts with the
+// same tokens evaluates only the rest (a prompt cache, as llama.cpp's server keeps one per slot: a chat's next turn
+// repeats the conversation so far). Thread-safety: a value type, used with its context under the same lock.
+struct HeldTokens {
+  std::vector<int32_t> ids;
+};
+
+// Generate, continuing from what `ctx` holds: `held` must list the tokens at its positions 0 .. ctx.pos()-1 (empty at
+// position 0), else Internal. The longest prefix `held` shares with `prompt`, less the prompt's last token (whose
+// logits the first sample needs), is kept when `reuse` and the context can go back to it (InferenceContext::
+// CanRewind); the context starts over otherwise. Afterwards `held` lists what the context then holds (prompt and
+// generated tokens; the last sampled token is not evaluated), and is cleared with the context reset when generation
+// fails. result.cached_tokens counts the prompt tokens kept. With the dense engine the results equal Generate's from
+// position 0 bit for bit; an FFN backend with a batch rule (the sparse runtimes' batched prefill of >= 64 tokens)
+// may run a shorter rest of the prompt through another path (runtime/engine/sparse_ffn.h).
+Result<GenerateResult> GenerateCached(InferenceContext& ctx, HeldTokens* held, bool reuse, const Tokenizer& tokenizer,
+                                      std::span<const int32_t> prompt, const GenerateOptions& options,
+                                      const TextSink& on_text);
 
 }  // namespace nflash

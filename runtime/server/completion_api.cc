@@ -130,6 +130,7 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
   NF_RETURN_IF_ERROR(OptionalSeed(fields, random_seed, &s.seed));
   NF_RETURN_IF_ERROR(Optional(fields, "stream", &r.stream));
   NF_RETURN_IF_ERROR(Optional(fields, "ignore_eos", &r.options.ignore_eos));
+  NF_RETURN_IF_ERROR(Optional(fields, "cache_prompt", &r.cache_prompt));
   NF_RETURN_IF_ERROR(OptionalStop(fields, &r.options.stop_strings));
 
   r.prompt_ids = tokenizer.Encode(prompt, tokenizer.add_bos());
@@ -164,6 +165,8 @@ const char* StopReasonField(StopReason reason) {
 }
 
 nlohmann::json LlamaCppSummary(const CompletionRequest& request, const GenerateResult& result, const std::string& model) {
+  // The prompt tokens this request ran through the model (llama.cpp's prompt_n); cache_n were kept from the last one.
+  const int64_t evaluated = result.prompt_tokens - result.cached_tokens;
   nlohmann::json j = {
       {"model", model},
       {"stop", true},
@@ -172,9 +175,10 @@ nlohmann::json LlamaCppSummary(const CompletionRequest& request, const GenerateR
       {"stop_reason", StopReasonField(result.reason)},
       {"seed", request.options.sampler.seed},
       {"timings",
-       {{"prompt_n", result.prompt_tokens},
+       {{"cache_n", result.cached_tokens},
+        {"prompt_n", evaluated},
         {"prompt_ms", result.prefill_ms},
-        {"prompt_per_second", PerSecond(result.prompt_tokens, result.prefill_ms)},
+        {"prompt_per_second", PerSecond(evaluated, result.prefill_ms)},
         {"predicted_n", result.generated_tokens},
         {"predicted_ms", result.decode_ms},
         {"predicted_per_second", PerSecond(result.generated_tokens, result.decode_ms)}}},
@@ -192,7 +196,8 @@ nlohmann::json OpenAiCompletion(const std::string& id, int64_t created, const st
     choice["finish_reason"] = std::string(StopReasonField(result->reason)) == "length" ? "length" : "stop";
     j["usage"] = {{"prompt_tokens", result->prompt_tokens},
                   {"completion_tokens", result->generated_tokens},
-                  {"total_tokens", result->prompt_tokens + result->generated_tokens}};
+                  {"total_tokens", result->prompt_tokens + result->generated_tokens},
+                  {"prompt_tokens_details", {{"cached_tokens", result->cached_tokens}}}};
   }
   j["choices"] = nlohmann::json::array({choice});
   return j;

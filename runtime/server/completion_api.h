@@ -34,6 +34,9 @@ struct CompletionRequest {
   std::vector<int32_t> prompt_ids;  // BOS included when the model wants it
   GenerateOptions options;          // sampler (seed resolved), max_tokens, stop strings
   bool stream = false;
+  // Keep the longest prefix of the prompt the context still holds from the previous request (llama.cpp's field;
+  // GenerateCached): false evaluates the whole prompt.
+  bool cache_prompt = true;
 };
 
 // Parses `body` for `style` against a model whose tokenizer is `tokenizer` and whose context holds `n_ctx` tokens.

@@ -43,7 +43,8 @@ int64_t UnixSeconds() {
 }
 
 void LogDone(const std::string& what, const GenerateResult& g) {
-  NF_LOG(Info) << what << ": " << g.prompt_tokens << " prompt tokens in " << g.prefill_ms << " ms, "
+  NF_LOG(Info) << what << ": " << g.prompt_tokens << " prompt tokens (" << g.cached_tokens << " kept from the last "
+               << "request) in " << g.prefill_ms << " ms, "
                << g.generated_tokens << " generated (" << StopReasonField(g.reason) << ") in " << g.decode_ms << " ms";
 }
 
@@ -63,6 +64,7 @@ struct CompletionServer::Impl {
   httplib::Server http;
   // Held for a whole generation: the context holds one sequence.
   std::mutex generate_mu;
+  HeldTokens held;  // what the context holds (the prompt cache); under generate_mu
   // Set by Stop: generations end at their next token and waiting requests are refused.
   std::atomic<bool> stopping{false};
   // Serve's hand-over with Stop (see Serve).
@@ -146,12 +148,11 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
     std::string text;
     std::unique_lock<std::mutex> lock(generate_mu);
     if (stopping) return SendError(res, 503, "the server is shutting down");
-    model.context->Reset();
-    auto g = Generate(*model.context, *model.tokenizer, request->prompt_ids, request->options,
-                      [&](std::string_view piece) {
-                        text += piece;
-                        return !stopping;
-                      });
+    auto g = GenerateCached(*model.context, &held, request->cache_prompt, *model.tokenizer, request->prompt_ids,
+                            request->options, [&](std::string_view piece) {
+                              text += piece;
+                              return !stopping;
+                            });
     lock.unlock();
     if (!g.ok()) {
       NF_LOG(Error) << what << ": " << g.status().ToString();
@@ -185,16 +186,15 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
           sink.done();
           return true;
         }
-        model.context->Reset();
-        auto g = Generate(*model.context, *model.tokenizer, request->prompt_ids, request->options,
-                          [&](std::string_view piece) {
-                            if (stopping) return false;
-                            const nlohmann::json event =
-                                style == ApiStyle::kLlamaCpp
-                                    ? nlohmann::json{{"content", std::string(piece)}, {"stop", false}}
-                                    : OpenAiCompletion(id, created, model.name, std::string(piece), nullptr);
-                            return send(Dump(event));
-                          });
+        auto g = GenerateCached(*model.context, &held, request->cache_prompt, *model.tokenizer, request->prompt_ids,
+                                request->options, [&](std::string_view piece) {
+                                  if (stopping) return false;
+                                  const nlohmann::json event =
+                                      style == ApiStyle::kLlamaCpp
+                                          ? nlohmann::json{{"content", std::string(piece)}, {"stop", false}}
+                                          : OpenAiCompletion(id, created, model.name, std::string(piece), nullptr);
+                                  return send(Dump(event));
+                                });
         // How the generation ended is logged before the next completion may start, so that the line precedes
         // anything the next request logs.
         if (g.ok() && g->cancelled) {

@@ -22,9 +22,10 @@ struct ServedModel {
 
 // Concurrency: httplib accepts connections on its own worker threads (8 at least), so /health and /v1/models answer
 // at once, and bad requests are rejected at once, while a completion runs. There is one inference context, so
-// completions run one at a time under a mutex, each from an empty KV cache: a second concurrent completion waits for
-// the first to finish (no error, no queue limit beyond httplib's). A streaming client that disconnects stops its
-// generation at the next token (its write fails); a non-streaming one is noticed only when the response is written.
+// completions run one at a time under a mutex, each keeping what the KV cache holds of its prompt from the one before
+// (GenerateCached; `cache_prompt`): a second concurrent completion waits for the first to finish (no error, no queue
+// limit beyond httplib's). A streaming client that disconnects stops its generation at the next token (its write
+// fails); a non-streaming one is noticed only when the response is written.
 // Thread-safety: Bind and Serve from one thread, in that order; Stop from any thread, at any time (also before Serve
 // or while requests run: running generations end at their next token, waiting ones are refused with 503).
 class CompletionServer {

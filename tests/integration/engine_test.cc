@@ -29,11 +29,14 @@ namespace {
 using testing::ReadText;
 
 // Converts a llama2.c checkpoint from ../shared to a GGUF of `type` in `dir`.
-std::string ConvertShared(const testing::TempDir& dir, const std::string& model, FfnActivation act, GgmlType type) {
+// `sliding_window` > 0 gives the model that attention window (llama.attention.sliding_window).
+std::string ConvertShared(const testing::TempDir& dir, const std::string& model, FfnActivation act, GgmlType type,
+                          int64_t sliding_window = 0) {
   auto src = converter::ReadLlama2c(testing::SharedPath(model), testing::SharedPath("models/stories260K/tok512.bin"), act);
   EXPECT_TRUE(src.ok()) << src.status().ToString();
+  src->config.sliding_window = sliding_window;
   converter::WriteOptions opt;
-  opt.path = dir.File("model-" + std::string(GgmlTypeName(type)) + ".gguf");
+  opt.path = dir.File("model-" + std::string(GgmlTypeName(type)) + "-w" + std::to_string(sliding_window) + ".gguf");
   opt.type = type;
   opt.progress = false;
   Status s = converter::WriteModelGguf(*src, opt);
@@ -464,6 +467,158 @@ TEST(EngineTest, GenerateRefusesWhatItCannotRun) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInternal);
   EXPECT_NE(r.status().message().find("the context is at position 7"), std::string::npos) << r.status().ToString();
+}
+
+// Whether `a` and `b` hold the same n floats, bit for bit.
+bool SameFloats(const float* a, const float* b, int64_t n) {
+  return std::memcmp(a, b, sizeof(float) * static_cast<size_t>(n)) == 0;
+}
+
+// A context sent back to an earlier position (InferenceContext::Rewind: the server's prompt cache) continues as a
+// fresh context that evaluated only the tokens before that position, bit for bit: a batch after the rewind (every
+// position's logits) and a single token after that, with F32 and Q4_0 weights and F32 and F16 caches. With a sliding
+// window of 40 the KV cache is a ring of 128 positions (40 + a 64-token tile, rounded up to a key block); after 150
+// tokens position p sits where p + 128 has overwritten it for p < 22, so a rewind to 60 (whose query sees keys 21..60)
+// is refused and one to 61 (keys 22..61) is not.
+TEST(EngineTest, RewoundContextEqualsAFreshOne) {
+  testing::TempDir dir;
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int32_t> id(3, 511);
+  std::vector<int32_t> first(150), rest(40);
+  for (int32_t& t : first) t = id(rng);
+  for (int32_t& t : rest) t = id(rng);
+  first[0] = 1;
+  ThreadPool pool(2);
+  struct Case {
+    GgmlType type;
+    KvType kv;
+    int64_t window;
+    std::vector<int64_t> rewinds;
+  };
+  for (const Case& c : {Case{GgmlType::kF32, KvType::kF32, 0, {1, 77, 149, 150}},
+                        Case{GgmlType::kQ4_0, KvType::kF16, 0, {100}},
+                        Case{GgmlType::kF32, KvType::kF32, 40, {61, 149}}}) {
+    auto model = Model::Load(ConvertShared(dir, "models/stories260K/stories260K.bin", FfnActivation::kSilu, c.type,
+                                           c.window),
+                             LoadOptions());
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    const int64_t nv = (*model)->hparams().n_vocab;
+    for (int64_t k : c.rewinds) {
+      const std::string what = std::string(GgmlTypeName(c.type)) + " " + KvTypeName(c.kv) + " window " +
+                               std::to_string(c.window) + ", rewind to " + std::to_string(k);
+      InferenceContext used(**model, &pool, 0, c.kv), fresh(**model, &pool, 0, c.kv);
+      ASSERT_TRUE(used.Eval(first, false).ok()) << what;
+      ASSERT_TRUE(used.CanRewind(k)) << what;
+      ASSERT_TRUE(used.Rewind(k).ok()) << what;
+      EXPECT_EQ(used.pos(), k);
+      std::vector<int32_t> expected(first.begin(), first.begin() + k);
+      expected.insert(expected.end(), rest.begin(), rest.end());
+      ASSERT_TRUE(used.Eval(rest, true).ok()) << what;
+      ASSERT_TRUE(fresh.Eval(expected, true).ok()) << what;
+      for (int64_t t = 0; t < static_cast<int64_t>(rest.size()); ++t) {
+        ASSERT_TRUE(SameFloats(used.logits(t), fresh.logits(k + t), nv)) << what << ", token " << t << " of the rest";
+      }
+      const int32_t next = 300;
+      ASSERT_TRUE(used.Eval({&next, 1}, false).ok());
+      ASSERT_TRUE(fresh.Eval({&next, 1}, false).ok());
+      EXPECT_TRUE(SameFloats(used.logits(), fresh.logits(), nv)) << what << ", the token after";
+    }
+    InferenceContext ctx(**model, &pool, 0, c.kv);
+    ASSERT_TRUE(ctx.Eval(first, false).ok());
+    EXPECT_FALSE(ctx.CanRewind(-1));
+    EXPECT_FALSE(ctx.CanRewind(151));
+    EXPECT_EQ(ctx.CanRewind(60), c.window == 0);
+    EXPECT_EQ(ctx.CanRewind(0), c.window == 0);
+    if (c.window > 0) {
+      EXPECT_EQ(ctx.kv_positions(), 128);
+      const Status s = ctx.Rewind(60);
+      EXPECT_EQ(s.code(), StatusCode::kInternal);
+      EXPECT_NE(s.message().find("cannot rewind the context from position 150 to 60 (KV ring of 128 positions, "
+                                 "sliding window 40)"),
+                std::string::npos)
+          << s.ToString();
+      EXPECT_EQ(ctx.pos(), 150);
+    }
+  }
+}
+
+// GenerateCached keeps the longest prefix the context holds of a new prompt (never the prompt's last token) and gives
+// the text Generate gives from position 0, bit-identical logits making it the same greedy and seeded text; `held`
+// follows what the context holds. Not reused: with reuse off, a ring that has overwritten the prefix's keys, or a held
+// list that does not match the context (Internal).
+TEST(EngineTest, GenerateCachedContinuesFromTheHeldPrefix) {
+  testing::TempDir dir;
+  ThreadPool pool(2);
+  for (int64_t window : {0, 16}) {
+    auto model = Model::Load(ConvertShared(dir, "models/stories260K/stories260K.bin", FfnActivation::kSilu,
+                                           GgmlType::kQ8_0, window),
+                             LoadOptions());
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    auto tok = LoadTokenizer((*model)->gguf());
+    ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+    GenerateOptions o;
+    o.sampler.seed = 11;
+    o.max_tokens = 30;
+    o.ignore_eos = true;
+    auto text_of = [&](InferenceContext& ctx, HeldTokens* held, bool reuse, const std::vector<int32_t>& prompt,
+                       GenerateResult* result) {
+      std::string text;
+      auto r = held ? GenerateCached(ctx, held, reuse, **tok, prompt, o, [&](std::string_view p) {
+        text += p;
+        return true;
+      })
+                    : Generate(ctx, **tok, prompt, o, [&](std::string_view p) {
+                        text += p;
+                        return true;
+                      });
+      EXPECT_TRUE(r.ok()) << r.status().ToString();
+      if (r.ok()) *result = *r;
+      return text;
+    };
+    const std::vector<int32_t> one = (*tok)->Encode("Once upon a time, there was a little dog", true);
+    std::vector<int32_t> two = one;
+    for (int32_t t : (*tok)->Encode(" who liked to play in the park", false)) two.push_back(t);
+    InferenceContext ctx(**model, &pool, 256);
+    HeldTokens held;
+    GenerateResult first, again, reference;
+    for (float temperature : {0.0f, 0.8f}) {
+      o.sampler.temperature = temperature;
+      const std::string what = "window " + std::to_string(window) + ", temperature " + std::to_string(temperature);
+      const std::string text_one = text_of(ctx, &held, true, one, &first);
+      EXPECT_EQ(static_cast<int64_t>(held.ids.size()), ctx.pos()) << what;
+      EXPECT_EQ(ctx.pos(), static_cast<int64_t>(one.size()) + first.generated_tokens - 1) << what;
+      EXPECT_TRUE(std::equal(one.begin(), one.end(), held.ids.begin())) << what;
+      const std::string text_two = text_of(ctx, &held, true, two, &again);
+      InferenceContext fresh(**model, &pool, 256);
+      EXPECT_EQ(text_two, text_of(fresh, nullptr, false, two, &reference)) << what;
+      EXPECT_GT(reference.generated_tokens, 10) << what;
+      // The held sequence (one, then its 29 evaluated tokens) shares `one` with `two`. With a window of 16 the ring
+      // (16 + 64 rounded up: 128 positions) still holds every key `two`'s queries see: 11 + 29 < 128.
+      EXPECT_EQ(again.cached_tokens, static_cast<int64_t>(one.size())) << what;
+      EXPECT_EQ(again.prompt_tokens, static_cast<int64_t>(two.size())) << what;
+      // The same prompt again: all of it kept but its last token.
+      EXPECT_EQ(text_of(ctx, &held, true, two, &again), text_two) << what;
+      EXPECT_EQ(again.cached_tokens, static_cast<int64_t>(two.size()) - 1) << what;
+      EXPECT_EQ(text_of(ctx, &held, false, two, &again), text_two) << what;
+      EXPECT_EQ(again.cached_tokens, 0) << what;
+    }
+    // A long generation wraps the window's ring: the prefix's keys are gone and the prompt is evaluated anew.
+    o.max_tokens = 200;
+    o.sampler.temperature = 0;
+    text_of(ctx, &held, true, one, &first);
+    ASSERT_EQ(ctx.pos(), static_cast<int64_t>(one.size()) + 199);
+    const std::string text_two = text_of(ctx, &held, true, two, &again);
+    EXPECT_EQ(again.cached_tokens, window == 0 ? static_cast<int64_t>(one.size()) : 0) << window;
+    InferenceContext fresh(**model, &pool, 256);
+    EXPECT_EQ(text_two, text_of(fresh, nullptr, false, two, &reference)) << window;
+    // A held list that is not the context's.
+    held.ids.pop_back();
+    auto r = GenerateCached(ctx, &held, true, **tok, two, o, [](std::string_view) { return true; });
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInternal);
+    EXPECT_NE(r.status().message().find("held tokens for a context at position"), std::string::npos)
+        << r.status().ToString();
+  }
 }
 
 TEST(EngineTest, RejectsBadInput) {

@@ -138,8 +138,9 @@ std::vector<std::string> SseEvents(const std::string& body) {
 }
 
 // What `nflash run` prints (stdout only): the prompt echoed, the continuation, a newline.
-std::string RunText(const std::string& model, const std::string& sampling) {
-  auto r = testing::RunCommand(Nflash() + " run -m " + model + " -p '" + kPrompt + "' " + sampling + " 2>/dev/null", false);
+std::string RunText(const std::string& model, const std::string& sampling, std::string prompt = kPrompt) {
+  for (size_t at = 0; (at = prompt.find('\'', at)) != std::string::npos; at += 4) prompt.replace(at, 1, "'\\''");
+  auto r = testing::RunCommand(Nflash() + " run -m " + model + " -p '" + prompt + "' " + sampling + " 2>/dev/null", false);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   return r.output;
 }
@@ -251,7 +252,11 @@ TEST_F(ServeDenseTest, OpenAiCompletionsAgree) {
   ASSERT_EQ(j["choices"].size(), 1u);
   EXPECT_EQ(j["choices"][0]["text"], plain["content"]);
   EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
-  EXPECT_EQ(j["usage"], Json({{"prompt_tokens", 5}, {"completion_tokens", 40}, {"total_tokens", 45}}));
+  // The same prompt as the request before: all of it but its last token kept in the KV cache.
+  EXPECT_EQ(j["usage"], Json({{"prompt_tokens", 5},
+                              {"completion_tokens", 40},
+                              {"total_tokens", 45},
+                              {"prompt_tokens_details", {{"cached_tokens", 4}}}}));
 
   Json stream_req = req;
   stream_req["stream"] = true;
@@ -380,6 +385,7 @@ TEST_F(ServeDenseTest, BadRequestsGet400NamingTheField) {
       {"/completion", "{" + p + ", \"top_p\": 0}", {"'top_p'", "(0, 1]"}},
       {"/completion", "{" + p + ", \"repeat_last_n\": -2}", {"'repeat_last_n'", "0 or more", "-2"}},
       {"/completion", "{" + p + ", \"stream\": \"yes\"}", {"'stream'", "true or false"}},
+      {"/completion", "{" + p + ", \"cache_prompt\": 1}", {"'cache_prompt'", "true or false", "found 1"}},
       {"/completion", "{" + p + ", \"stop\": [\"ok\", 3]}", {"'stop[1]'", "found 3"}},
       {"/completion", "{" + p + ", \"seed\": 1.5}", {"'seed'", "integer"}},
       {"/v1/completions", "{" + p + ", \"max_tokens\": 1e3}", {"'max_tokens'", "integer"}},
@@ -410,6 +416,50 @@ TEST_F(ServeDenseTest, BadRequestsGet400NamingTheField) {
             std::string::npos);
   // Still serving after all that.
   EXPECT_EQ(Greedy(5)["tokens_predicted"], 5);
+}
+
+// The prompt cache: a request whose prompt starts with what the last request left in the KV cache (its prompt and
+// completion: a chat's next turn) evaluates only the rest, and its text is still what `nflash run` prints for the whole
+// prompt; with "cache_prompt": false every token is evaluated again, to the same text.
+TEST_F(ServeDenseTest, PromptCacheEvaluatesOnlyTheNewTokens) {
+  auto c = ClientFor(*server_);
+  const Json one = Greedy(30);
+  const std::string turn = kPrompt + one["content"].get<std::string>() + " Then";
+  for (const char* path : {"/completion", "/v1/completions"}) {
+    const bool openai = std::string(path) == "/v1/completions";
+    Greedy(30);  // the context holds kPrompt and its completion again
+    const Json req = {{"prompt", turn}, {openai ? "max_tokens" : "n_predict", 40}, {"temperature", 0}};
+    auto [status, cached] = Post(*c, path, req);
+    ASSERT_EQ(status, 200) << cached.dump();
+    Json plain_req = req;
+    plain_req["cache_prompt"] = false;
+    auto [plain_status, plain] = Post(*c, path, plain_req);
+    ASSERT_EQ(plain_status, 200) << plain.dump();
+    std::string text, plain_text;
+    int64_t prompt_tokens = 0, cache_n = 0, plain_cache_n = 0;
+    if (openai) {
+      text = cached["choices"][0]["text"].get<std::string>();
+      plain_text = plain["choices"][0]["text"].get<std::string>();
+      prompt_tokens = cached["usage"]["prompt_tokens"].get<int64_t>();
+      cache_n = cached["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
+      plain_cache_n = plain["usage"]["prompt_tokens_details"]["cached_tokens"].get<int64_t>();
+    } else {
+      text = cached["content"].get<std::string>();
+      plain_text = plain["content"].get<std::string>();
+      prompt_tokens = cached["tokens_evaluated"].get<int64_t>();
+      cache_n = cached["timings"]["cache_n"].get<int64_t>();
+      plain_cache_n = plain["timings"]["cache_n"].get<int64_t>();
+      EXPECT_EQ(cached["timings"]["prompt_n"].get<int64_t>(), prompt_tokens - cache_n) << cached.dump();
+      EXPECT_EQ(plain["timings"]["prompt_n"].get<int64_t>(), prompt_tokens) << plain.dump();
+    }
+    // The held completion's 29 evaluated tokens are (up to a token where the text was cut) the turn's too.
+    EXPECT_GT(cache_n, 20) << path << " " << cached.dump();
+    EXPECT_LT(cache_n, prompt_tokens) << path;
+    EXPECT_EQ(plain_cache_n, 0) << path << " " << plain.dump();
+    EXPECT_EQ(text, plain_text) << path;
+    EXPECT_EQ(turn + text + "\n", RunText(Model(), "-n 40 --temp 0", turn)) << path;
+  }
+  EXPECT_NE(server_->Log().find("prompt tokens ("), std::string::npos) << server_->Log();
 }
 
 TEST_F(ServeDenseTest, ConcurrentRequestsWaitTheirTurn) {
@@ -522,7 +572,8 @@ TEST(ServeOffloadTest, OracleDeploymentMatchesDenseServer) {
     EXPECT_GT(dj["tokens_predicted"].get<int>(), 20);
     EXPECT_EQ(oj["content"], dj["content"]) << prompt;
     EXPECT_EQ(oj["tokens_predicted"], dj["tokens_predicted"]);
-    // Streamed from the deployment: the same text again (the second request also starts from an empty KV cache).
+    // Streamed from the deployment: the same text again (the second request keeps the prompt's KV but its last
+    // token's).
     Json sreq = req;
     sreq["stream"] = true;
     auto res = oc->Post("/completion", sreq.dump(), "application/json");
@@ -530,6 +581,16 @@ TEST(ServeOffloadTest, OracleDeploymentMatchesDenseServer) {
     std::string text;
     for (const std::string& e : SseEvents(res->body)) text += Json::parse(e)["content"].get<std::string>();
     EXPECT_EQ(text, dj["content"].get<std::string>());
+    // A next turn keeps the first one's keys and values on both servers, and still agrees.
+    const Json turn = {{"prompt", prompt + dj["content"].get<std::string>() + " Then"}, {"n_predict", 60},
+                       {"temperature", 0}};
+    auto [dts, dtj] = Post(*dc, "/completion", turn);
+    auto [ots, otj] = Post(*oc, "/completion", turn);
+    ASSERT_EQ(dts, 200) << dtj.dump();
+    ASSERT_EQ(ots, 200) << otj.dump();
+    EXPECT_GT(otj["timings"]["cache_n"].get<int>(), 50) << otj.dump();
+    EXPECT_EQ(otj["timings"]["cache_n"], dtj["timings"]["cache_n"]);
+    EXPECT_EQ(otj["content"], dtj["content"]) << prompt;
   }
   EXPECT_EQ(offloaded.StopWith(SIGTERM), 0) << offloaded.Log();
   EXPECT_EQ(dense.StopWith(SIGTERM), 0) << dense.Log();
