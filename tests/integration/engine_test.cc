@@ -611,6 +611,25 @@ TEST(EngineTest, GenerateCachedContinuesFromTheHeldPrefix) {
     EXPECT_EQ(again.cached_tokens, window == 0 ? static_cast<int64_t>(one.size()) : 0) << window;
     InferenceContext fresh(**model, &pool, 256);
     EXPECT_EQ(text_two, text_of(fresh, nullptr, false, two, &reference)) << window;
+    // A forward pass that fails mid-generation (as a flash read error would) leaves nothing held: the next request
+    // starts over.
+    struct FailingFfn : FfnBackend {
+      int64_t calls_left = 0;
+      Result<bool> Forward(int64_t, int64_t, const Activation&, float*) override {
+        if (--calls_left < 0) return Status::IOError("injected FFN failure");
+        return false;  // the dense path
+      }
+    } failing;
+    failing.calls_left = 3 * (*model)->hparams().n_layers;  // the rest of the prompt and two tokens, then a failure
+    ctx.SetFfnBackend(&failing);
+    auto failed = GenerateCached(ctx, &held, true, **tok, two, o, [](std::string_view) { return true; });
+    ctx.SetFfnBackend(nullptr);
+    ASSERT_FALSE(failed.ok());
+    EXPECT_NE(failed.status().message().find("injected FFN failure"), std::string::npos) << failed.status().ToString();
+    EXPECT_TRUE(held.ids.empty());
+    EXPECT_EQ(ctx.pos(), 0);
+    EXPECT_EQ(text_of(ctx, &held, true, two, &again), text_two) << window;
+    EXPECT_EQ(again.cached_tokens, 0) << window;
     // A held list that is not the context's.
     held.ids.pop_back();
     auto r = GenerateCached(ctx, &held, true, **tok, two, o, [](std::string_view) { return true; });
