@@ -122,6 +122,9 @@ Status ReadTokenizer(const GgufFile& f, TokenizerData* tok) {
     NF_ASSIGN_OR_RETURN(bool b, f.GetBool("tokenizer.ggml.add_eos_token"));
     tok->add_eos = b;
   }
+  if (f.Find("tokenizer.chat_template") != nullptr) {
+    NF_ASSIGN_OR_RETURN(tok->chat_template, f.GetString("tokenizer.chat_template"));
+  }
   return Status::Ok();
 }
 

@@ -206,6 +206,7 @@ void SetMetadata(const SourceModel& m, uint32_t file_type, GgufWriter* w) {
     if (t.pad_id >= 0) w->Set("tokenizer.ggml.padding_token_id", u32(t.pad_id));
     if (t.add_bos) w->Set("tokenizer.ggml.add_bos_token", *t.add_bos);
     if (t.add_eos) w->Set("tokenizer.ggml.add_eos_token", *t.add_eos);
+    if (!t.chat_template.empty()) w->Set("tokenizer.chat_template", t.chat_template);
   }
   w->Set("nflash.ffn_activation", FfnActivationName(c.activation));
   for (const auto& [key, value] : m.extra_metadata) w->Set(key, value);

@@ -354,6 +354,29 @@ Result<TokenizerData> ParseTokenizerJson(std::string_view text, const std::strin
   }
 }
 
+namespace {
+
+// "chat_template": the Jinja source, or (tokenizers with several) a list of {"name", "template"} of which the one named
+// "default" is the chat template, as transformers chooses it.
+Result<std::string> ChatTemplateField(const json& v, const std::string& path) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_array()) {
+    for (const json& item : v) {
+      if (item.is_object() && item.contains("name") && item["name"] == "default" && item.contains("template") &&
+          item["template"].is_string()) {
+        return item["template"].get<std::string>();
+      }
+    }
+    return Status::Corruption(path + ": chat_template: a list without a template named \"default\"");
+  }
+  std::string found = v.dump();
+  if (found.size() > 80) found = found.substr(0, 80) + "...";
+  return Status::Corruption(path + ": chat_template: expected a string or a list of {\"name\", \"template\"}, found " +
+                            found);
+}
+
+}  // namespace
+
 Status ApplyTokenizerConfig(std::string_view tokenizer_config_text, std::string_view config_text,
                             const std::string& dir, TokenizerData* tok) {
   try {
@@ -414,6 +437,9 @@ Status ApplyTokenizerConfig(std::string_view tokenizer_config_text, std::string_
     }
     if (tc.contains("add_bos_token") && tc["add_bos_token"].is_boolean()) tok->add_bos = tc["add_bos_token"].get<bool>();
     if (tc.contains("add_eos_token") && tc["add_eos_token"].is_boolean()) tok->add_eos = tc["add_eos_token"].get<bool>();
+    if (tc.contains("chat_template") && !tc["chat_template"].is_null()) {
+      NF_ASSIGN_OR_RETURN(tok->chat_template, ChatTemplateField(tc["chat_template"], path));
+    }
     return Status::Ok();
   } catch (const json::exception& e) {
     return Status::Corruption(dir + ": tokenizer configuration: unexpected JSON structure: " + e.what());
@@ -457,6 +483,22 @@ Result<TokenizerData> ReadHfTokenizer(const std::string& dir) {
   NF_ASSIGN_OR_RETURN(std::string tc_text, ReadOptionalText(dir + "/tokenizer_config.json"));
   NF_ASSIGN_OR_RETURN(std::string config_text, ReadOptionalText(dir + "/config.json"));
   NF_RETURN_IF_ERROR(ApplyTokenizerConfig(tc_text, config_text, dir, &tok));
+  // Newer transformers save the template beside the tokenizer config: chat_template.jinja (the source) or
+  // chat_template.json ({"chat_template": ...}).
+  if (tok.chat_template.empty()) {
+    NF_ASSIGN_OR_RETURN(tok.chat_template, ReadOptionalText(dir + "/chat_template.jinja"));
+  }
+  if (tok.chat_template.empty()) {
+    const std::string path = dir + "/chat_template.json";
+    NF_ASSIGN_OR_RETURN(std::string text, ReadOptionalText(path));
+    if (!text.empty()) {
+      NF_ASSIGN_OR_RETURN(json doc, ParseJson(text, path));
+      if (!doc.is_object() || !doc.contains("chat_template")) {
+        return Status::Corruption(path + ": expected an object with a \"chat_template\" member");
+      }
+      NF_ASSIGN_OR_RETURN(tok.chat_template, ChatTemplateField(doc["chat_template"], path));
+    }
+  }
   return tok;
 }
 

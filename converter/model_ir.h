@@ -66,6 +66,7 @@ struct TokenizerData {
   std::vector<std::string> merges;    // gpt2 only: "a b"
   int32_t bos_id = -1, eos_id = -1, unk_id = -1, pad_id = -1;
   std::optional<bool> add_bos, add_eos;
+  std::string chat_template;  // tokenizer.chat_template (Jinja, from HF tokenizer_config.json); "" when none
 };
 
 // One tensor of the source, named and shaped in GGUF's convention (llama.cpp names; dims[0] is the row length) and

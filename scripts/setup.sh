@@ -10,5 +10,5 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   build-essential cmake ninja-build ccache pkg-config \
   libz3-dev libzstd-dev libcli11-dev nlohmann-json3-dev liburing-dev \
   libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev libcpp-httplib-dev \
-  python3 python3-numpy gnuplot-nox >/dev/null
+  python3 python3-numpy python3-jinja2 gnuplot-nox >/dev/null
 echo "setup: dependencies installed"

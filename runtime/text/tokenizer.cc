@@ -413,6 +413,9 @@ Result<VocabData> ReadGgufVocab(const GgufFile& f) {
   if (f.Find("tokenizer.ggml.add_space_prefix")) {
     NF_ASSIGN_OR_RETURN(v.add_space_prefix, f.GetBool("tokenizer.ggml.add_space_prefix"));
   }
+  if (f.Find("tokenizer.chat_template")) {
+    NF_ASSIGN_OR_RETURN(v.chat_template, f.GetString("tokenizer.chat_template"));
+  }
   return v;
 }
 

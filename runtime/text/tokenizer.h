@@ -49,6 +49,7 @@ struct VocabData {
   int32_t eot_id = -1, eom_id = -1;
   bool add_bos = true;                // what Encode callers should default to
   bool add_space_prefix = true;       // llama: prepend a space to the text (and strip it again when decoding)
+  std::string chat_template;          // tokenizer.chat_template: the model's Jinja chat template; "" when none
   std::string source;                 // file name for error messages
 };
 
@@ -122,6 +123,9 @@ class Tokenizer {
   bool IsEndOfGeneration(int32_t id) const;
   bool add_bos() const { return vocab_.add_bos; }
   bool add_space_prefix() const { return vocab_.add_space_prefix; }
+  // The model's Jinja chat template (GGUF tokenizer.chat_template); "" when it has none (runtime/text/chat_template.h
+  // recognises its format).
+  const std::string& chat_template() const { return vocab_.chat_template; }
   // The stored piece (U+2581 / byte_to_unicode spelling); "" for ids out of range.
   const std::string& TokenText(int32_t id) const;
   TokenType token_type(int32_t id) const;

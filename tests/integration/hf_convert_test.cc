@@ -26,6 +26,8 @@
 #include "runtime/core/file.h"
 #include "runtime/core/gguf.h"
 #include "tests/integration/numpy_reference.h"
+#include "runtime/text/chat_template.h"
+#include "runtime/text/tokenizer.h"
 #include "tests/test_util.h"
 
 namespace nflash::converter {
@@ -412,6 +414,70 @@ TEST(HfConvert, Stories260KMatchesLlama2cConversion) {
   EXPECT_EQ(f->FindTensor("blk.0.attn_q.weight")->dims, (std::vector<uint64_t>{64, 64}));
   EXPECT_EQ(f->FindTensor("blk.0.attn_k.weight")->dims, (std::vector<uint64_t>{64, 32}));
   EXPECT_EQ(f->FindTensor("blk.0.ffn_down.weight")->dims, (std::vector<uint64_t>{172, 64}));
+}
+
+// The model's chat template travels with its tokenizer: from tokenizer_config.json (a string, or transformers' list of
+// named templates, "default" chosen), or chat_template.jinja / chat_template.json beside it, into the GGUF's
+// tokenizer.chat_template, through a GGUF re-conversion, to the runtime's tokenizer, whose format nflash recognises.
+// A malformed one is refused, naming the file and field.
+TEST(HfConvert, ChatTemplateTravelsWithTheTokenizer) {
+  const std::string chatml = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+                             "message['content'] + '<|im_end|>\\n'}}{% endfor %}";
+  const std::string llama3 = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}";
+  const nlohmann::json listed = nlohmann::json::array(
+      {{{"name", "tool_use"}, {"template", llama3}}, {{"name", "default"}, {"template", chatml}}});
+  struct Case {
+    std::string file, text, expected;
+  };
+  const std::vector<Case> cases = {
+      {"tokenizer_config.json", nlohmann::json({{"chat_template", chatml}}).dump(), chatml},
+      {"tokenizer_config.json", nlohmann::json({{"chat_template", listed}}).dump(), chatml},
+      {"chat_template.jinja", llama3, llama3},
+      {"chat_template.json", nlohmann::json({{"chat_template", llama3}}).dump(), llama3},
+  };
+  for (const Case& c : cases) {
+    testing::TempDir tmp;
+    WriteStoriesHf(tmp.path(), {});
+    testing::WriteText(tmp.File(c.file), c.text);
+    auto hf = ReadHfDirectory(tmp.path());
+    ASSERT_TRUE(hf.ok()) << hf.status().ToString();
+    EXPECT_EQ(hf->tokenizer.chat_template, c.expected) << c.file;
+    ASSERT_TRUE(ConvertTo(std::move(hf), tmp.File("a.gguf")).ok());
+    ASSERT_TRUE(ConvertTo(ReadGgufModel(tmp.File("a.gguf")), tmp.File("b.gguf")).ok());
+    auto f = GgufFile::OpenPath(tmp.File("b.gguf"));
+    ASSERT_TRUE(f.ok()) << f.status().ToString();
+    auto stored = f->GetString("tokenizer.chat_template");
+    ASSERT_TRUE(stored.ok()) << stored.status().ToString();
+    EXPECT_EQ(*stored, c.expected) << c.file;
+    auto tok = LoadTokenizer(*f);
+    ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+    EXPECT_EQ((*tok)->chat_template(), c.expected) << c.file;
+    const auto detected = DetectChatTemplate((*tok)->chat_template());
+    ASSERT_TRUE(detected.has_value()) << c.file;
+    EXPECT_EQ(ChatFormatName(detected->format), std::string(c.expected == chatml ? "chatml" : "llama3"));
+  }
+  // Without one, the GGUF has no such key.
+  testing::TempDir tmp;
+  WriteStoriesHf(tmp.path(), {});
+  ASSERT_TRUE(ConvertTo(ReadHfDirectory(tmp.path()), tmp.File("none.gguf")).ok());
+  auto f = GgufFile::OpenPath(tmp.File("none.gguf"));
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->Find("tokenizer.chat_template"), nullptr);
+  const std::vector<Case> bad = {
+      {"tokenizer_config.json", R"({"chat_template": 7})",
+       "tokenizer_config.json: chat_template: expected a string or a list of {\"name\", \"template\"}, found 7"},
+      {"tokenizer_config.json", R"({"chat_template": [{"name": "rag", "template": "x"}]})",
+       "tokenizer_config.json: chat_template: a list without a template named \"default\""},
+      {"chat_template.json", R"({"template": "x"})", "chat_template.json: expected an object with a \"chat_template\""},
+  };
+  for (const Case& c : bad) {
+    testing::TempDir t;
+    WriteStoriesHf(t.path(), {});
+    testing::WriteText(t.File(c.file), c.text);
+    auto r = ReadHfDirectory(t.path());
+    ASSERT_FALSE(r.ok()) << c.text;
+    EXPECT_CONTAINS(r.status().message(), c.expected);
+  }
 }
 
 // Builds a damaged directory and expects ReadHfDirectory to fail naming every one of `parts`.

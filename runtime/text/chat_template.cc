@@ -1,0 +1,165 @@
+// Chat formats (see chat_template.h).
+#include "runtime/text/chat_template.h"
+
+#include <array>
+#include <vector>
+
+namespace nflash {
+namespace {
+
+struct FormatName {
+  ChatFormat format;
+  const char* name;
+};
+constexpr std::array<FormatName, 6> kFormats = {{{ChatFormat::kChatMl, "chatml"},
+                                                 {ChatFormat::kLlama2, "llama2"},
+                                                 {ChatFormat::kLlama3, "llama3"},
+                                                 {ChatFormat::kMistral, "mistral"},
+                                                 {ChatFormat::kPhi3, "phi3"},
+                                                 {ChatFormat::kZephyr, "zephyr"}}};
+
+bool Has(std::string_view s, std::string_view part) { return s.find(part) != std::string_view::npos; }
+
+// Python's str.strip() and Jinja's trim over ASCII whitespace.
+std::string Strip(std::string_view s) {
+  constexpr std::string_view kSpace = " \t\n\r\f\v";
+  const size_t first = s.find_first_not_of(kSpace);
+  if (first == std::string_view::npos) return "";
+  return std::string(s.substr(first, s.find_last_not_of(kSpace) - first + 1));
+}
+
+Status BadMessage(size_t i, const std::string& what) {
+  return Status::InvalidArgument("messages[" + std::to_string(i) + "]: " + what);
+}
+
+}  // namespace
+
+const char* ChatFormatName(ChatFormat format) {
+  for (const FormatName& f : kFormats) {
+    if (f.format == format) return f.name;
+  }
+  return "?";
+}
+
+std::string ChatFormatNames() {
+  std::string names;
+  for (const FormatName& f : kFormats) names += std::string(names.empty() ? "" : ", ") + f.name;
+  return names;
+}
+
+Result<ChatFormat> ParseChatFormat(std::string_view name) {
+  for (const FormatName& f : kFormats) {
+    if (name == f.name) return f.format;
+  }
+  return Status::InvalidArgument("chat template \"" + std::string(name) + "\": expected one of " + ChatFormatNames());
+}
+
+std::optional<ChatTemplate> DetectChatTemplate(std::string_view jinja) {
+  ChatTemplate t;
+  if (Has(jinja, "<|im_start|>")) {
+    t.format = ChatFormat::kChatMl;
+    // A literal system turn (the template's default): its newline written as a newline or as Jinja's "\n" escape.
+    for (std::string_view head : {"<|im_start|>system\n", "<|im_start|>system\\n"}) {
+      const size_t at = jinja.find(head);
+      if (at == std::string_view::npos) continue;
+      const std::string_view rest = jinja.substr(at + head.size());
+      const size_t end = rest.find("<|im_end|>");
+      const std::string_view text = rest.substr(0, end);
+      if (end != std::string_view::npos && text.find_first_of("'\"{}+\\") == std::string_view::npos) {
+        t.default_system = std::string(text);
+      }
+      break;
+    }
+  } else if (Has(jinja, "<|start_header_id|>")) {
+    t.format = ChatFormat::kLlama3;
+  } else if (Has(jinja, "<|assistant|>")) {
+    t.format = Has(jinja, "<|end|>") ? ChatFormat::kPhi3 : ChatFormat::kZephyr;
+  } else if (Has(jinja, "[INST]")) {
+    t.format = Has(jinja, "<<SYS>>") ? ChatFormat::kLlama2 : ChatFormat::kMistral;
+  } else {
+    return std::nullopt;
+  }
+  return t;
+}
+
+Result<std::string> FormatChat(const ChatTemplate& chat, std::span<const ChatMessage> given, std::string_view bos,
+                               std::string_view eos) {
+  const ChatFormat format = chat.format;
+  if (given.empty()) return Status::InvalidArgument("messages: expected at least one message, found none");
+  for (size_t i = 0; i < given.size(); ++i) {
+    const std::string& role = given[i].role;
+    if (role != "system" && role != "user" && role != "assistant") {
+      return BadMessage(i, "role \"" + role + "\": expected system, user or assistant");
+    }
+    if (role == "system" && i > 0) return BadMessage(i, "a system message must be the first message");
+  }
+  std::vector<ChatMessage> with_default;
+  std::span<const ChatMessage> messages = given;
+  if (!chat.default_system.empty() && given.front().role != "system") {
+    with_default.push_back({"system", chat.default_system});
+    with_default.insert(with_default.end(), given.begin(), given.end());
+    messages = with_default;
+  }
+  const bool has_system = messages.front().role == "system";
+  const std::string system = has_system ? messages.front().content : "";
+  const std::span<const ChatMessage> turns = messages.subspan(has_system ? 1 : 0);
+  if (format == ChatFormat::kLlama2 || format == ChatFormat::kMistral) {
+    if (turns.empty()) {
+      return Status::InvalidArgument(std::string("messages: the ") + ChatFormatName(format) + " chat format needs a " +
+                                     "user message after the system message");
+    }
+    for (size_t i = 0; i < turns.size(); ++i) {
+      if ((turns[i].role == "user") != (i % 2 == 0)) {
+        return BadMessage(i + (has_system ? 1 : 0), std::string("the ") + ChatFormatName(format) +
+                                                         " chat format needs user and assistant messages to " +
+                                                         "alternate, starting with user; found " + turns[i].role);
+      }
+    }
+  }
+  std::string out;
+  switch (format) {
+    case ChatFormat::kChatMl:
+      for (const ChatMessage& m : messages) out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+      out += "<|im_start|>assistant\n";
+      break;
+    case ChatFormat::kLlama3:
+      for (const ChatMessage& m : messages) {
+        out += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n" + Strip(m.content) + "<|eot_id|>";
+      }
+      out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
+      break;
+    case ChatFormat::kPhi3:
+      for (const ChatMessage& m : messages) out += "<|" + m.role + "|>\n" + m.content + "<|end|>\n";
+      out += "<|assistant|>\n";
+      break;
+    case ChatFormat::kZephyr:
+      for (const ChatMessage& m : messages) out += "<|" + m.role + "|>\n" + m.content + std::string(eos) + "\n";
+      out += "<|assistant|>\n";
+      break;
+    case ChatFormat::kLlama2:
+      // Every user turn begins with BOS, the first one's from the tokenizer; the system prompt opens the first.
+      for (size_t i = 0; i < turns.size(); ++i) {
+        if (turns[i].role == "assistant") {
+          out += " " + Strip(turns[i].content) + " " + std::string(eos);
+          continue;
+        }
+        const std::string content =
+            i == 0 && has_system ? "<<SYS>>\n" + system + "\n<</SYS>>\n\n" + turns[i].content : turns[i].content;
+        out += (i == 0 ? std::string() : std::string(bos)) + "[INST] " + Strip(content) + " [/INST]";
+      }
+      break;
+    case ChatFormat::kMistral:
+      for (size_t i = 0; i < turns.size(); ++i) {
+        if (turns[i].role == "assistant") {
+          out += turns[i].content + std::string(eos);
+          continue;
+        }
+        const std::string content = i == 0 && has_system ? system + "\n\n" + turns[i].content : turns[i].content;
+        out += "[INST] " + content + " [/INST]";
+      }
+      break;
+  }
+  return out;
+}
+
+}  // namespace nflash

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Independent reference for nflash's chat formats (runtime/text/chat_template.h): renders the chat templates the
+model families nflash runs publish in their tokenizer_config.json, with jinja2 set up as transformers sets it up
+(apply_chat_template: trim_blocks, lstrip_blocks, the loopcontrols extension, raise_exception), for a few
+conversations, and prints JSON: {"cases": [{"format", "template", "bos", "eos", "messages", "rendered" | "error"}]}.
+tests/unit/chat_template_test.cc detects each template's format with nflash and compares nflash's text with
+"rendered" (less a leading BOS, which nflash's tokenizer adds).
+
+The templates are as published on the Hugging Face Hub for the model named beside each (tokenizer_config.json,
+"chat_template"), reduced to the parts these conversations reach where a template also handles tools.
+Usage: python3 tests/reference/chat_templates.py   (needs python3-jinja2)
+"""
+import json
+import sys
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+TEMPLATES = [
+    # OpenHermes-2.5-Mistral-7B and other ChatML models.
+    ("chatml", "<s>", "<|im_end|>",
+     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+    # Qwen2-7B-Instruct: ChatML, with a default system message when the conversation has none.
+    ("chatml", "", "<|im_end|>",
+     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+     "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+    # Meta-Llama-3-8B-Instruct.
+    ("llama3", "<|begin_of_text|>", "<|eot_id|>",
+     "{% set loop_messages = messages %}{% for message in loop_messages %}"
+     "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim"
+     " + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"),
+    # Llama-2-7b-chat-hf.
+    ("llama2", "<s>", "</s>",
+     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+     "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+     "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
+     "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+     "{% if loop.index0 == 0 and system_message != false %}"
+     "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+     "{% else %}{% set content = message['content'] %}{% endif %}{% if message['role'] == 'user' %}"
+     "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+     "{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"),
+    # Mistral-7B-Instruct-v0.1 (and Mixtral-8x7B-Instruct-v0.1).
+    ("mistral", "<s>", "</s>",
+     "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+     "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+     "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+     "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"),
+    # Phi-3-mini-4k-instruct (the revision with a system role).
+    ("phi3", "<s>", "<|endoftext|>",
+     "{% for message in messages %}{% if message['role'] == 'system' %}"
+     "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'user' %}"
+     "{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif message['role'] == 'assistant' %}"
+     "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"),
+    # zephyr-7b-beta and TinyLlama-1.1B-Chat-v1.0 (written over several lines: trim_blocks matters).
+    ("zephyr", "<s>", "</s>",
+     "{% for message in messages %}\n{% if message['role'] == 'user' %}\n"
+     "{{ '<|user|>\n' + message['content'] + eos_token }}\n{% elif message['role'] == 'system' %}\n"
+     "{{ '<|system|>\n' + message['content'] + eos_token }}\n{% elif message['role'] == 'assistant' %}\n"
+     "{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n{% endif %}\n"
+     "{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}"),
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Tell me a story."}],
+    [{"role": "system", "content": "You write short stories for children."},
+     {"role": "user", "content": "  Tell me a story about a dog.\n"},
+     {"role": "assistant", "content": " Once upon a time, there was a dog named Max. "},
+     {"role": "user", "content": "What did Max like?"}],
+    [{"role": "user", "content": "Hi!"},
+     {"role": "assistant", "content": "Hello. How can I help?"},
+     {"role": "user", "content": "Say \"yes\" in French: {{ not jinja }}"}],
+]
+
+
+def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def main():
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    cases = []
+    for fmt, bos, eos, source in TEMPLATES:
+        template = env.from_string(source)
+        for messages in CONVERSATIONS:
+            case = {"format": fmt, "template": source, "bos": bos, "eos": eos, "messages": messages}
+            try:
+                case["rendered"] = template.render(messages=messages, bos_token=bos, eos_token=eos,
+                                                   add_generation_prompt=True)
+            except jinja2.exceptions.TemplateError as e:
+                case["error"] = str(e)
+            cases.append(case)
+    json.dump({"cases": cases}, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()

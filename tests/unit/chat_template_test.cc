@@ -1,0 +1,107 @@
+// Chat formats (runtime/text/chat_template.h) against the published Jinja templates as transformers renders them
+// (tests/reference/chat_templates.py, jinja2): each template's format is recognised, and nflash's text for every
+// conversation equals the template's, less the leading BOS the tokenizer adds. Then what the templates do not show:
+// the refusals, mistral's system message, a template nflash does not know, and the names.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+#include "runtime/text/chat_template.h"
+#include "tests/test_util.h"
+
+namespace nflash {
+namespace {
+
+std::vector<ChatMessage> Messages(const nlohmann::json& list) {
+  std::vector<ChatMessage> out;
+  for (const auto& m : list) out.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+  return out;
+}
+
+TEST(ChatTemplate, PublishedTemplatesRenderAsTransformersRendersThem) {
+  const testing::CommandResult r = testing::RunCommand(
+      std::string(NFLASH_PYTHON) + " " + NFLASH_SOURCE_DIR + "/tests/reference/chat_templates.py", false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json doc = nlohmann::json::parse(r.output, nullptr, false);
+  ASSERT_FALSE(doc.is_discarded()) << r.output;
+  const nlohmann::json& cases = doc["cases"];
+  ASSERT_EQ(cases.size(), 21u);  // 7 templates x 3 conversations
+  int compared = 0, defaults = 0;
+  for (const auto& c : cases) {
+    const std::string format = c["format"].get<std::string>();
+    const std::optional<ChatTemplate> t = DetectChatTemplate(c["template"].get<std::string>());
+    ASSERT_TRUE(t.has_value()) << format;
+    EXPECT_EQ(ChatFormatName(t->format), format);
+    if (!t->default_system.empty()) {
+      EXPECT_EQ(t->default_system, "You are a helpful assistant.");
+      ++defaults;
+    }
+    if (!c.contains("rendered")) continue;  // the template refuses the conversation (mistral: a system message)
+    std::string expected = c["rendered"].get<std::string>();
+    const std::string bos = c["bos"].get<std::string>();
+    if (!bos.empty() && expected.rfind(bos, 0) == 0) expected.erase(0, bos.size());
+    auto text = FormatChat(*t, Messages(c["messages"]), bos, c["eos"].get<std::string>());
+    ASSERT_TRUE(text.ok()) << text.status().ToString();
+    EXPECT_EQ(*text, expected) << format << " " << c["messages"].dump();
+    ++compared;
+  }
+  EXPECT_EQ(compared, 20);
+  EXPECT_EQ(defaults, 3);  // Qwen2's ChatML template, in each of its three cases
+}
+
+TEST(ChatTemplate, WhatTheTemplatesDoNotShow) {
+  const ChatTemplate mistral{ChatFormat::kMistral, ""}, llama2{ChatFormat::kLlama2, ""}, chatml{ChatFormat::kChatMl, ""};
+  // Mistral's template refuses a system message; nflash puts it before the first user message.
+  const std::vector<ChatMessage> with_system = {{"system", "Be brief."}, {"user", "Hi"}};
+  auto text = FormatChat(mistral, with_system, "<s>", "</s>");
+  ASSERT_TRUE(text.ok()) << text.status().ToString();
+  EXPECT_EQ(*text, "[INST] Be brief.\n\nHi [/INST]");
+  // Refusals name the message.
+  struct Refused {
+    ChatTemplate chat;
+    std::vector<ChatMessage> messages;
+    std::string expected;
+  };
+  const std::vector<Refused> refused = {
+      {chatml, {}, "messages: expected at least one message, found none"},
+      {chatml, {{"user", "a"}, {"tool", "b"}}, "messages[1]: role \"tool\": expected system, user or assistant"},
+      {chatml, {{"user", "a"}, {"system", "b"}}, "messages[1]: a system message must be the first message"},
+      {llama2, {{"system", "a"}}, "the llama2 chat format needs a user message after the system message"},
+      {mistral, {{"user", "a"}, {"user", "b"}}, "messages[1]: the mistral chat format needs user and assistant "
+                                                "messages to alternate, starting with user; found user"},
+      {llama2, {{"system", "s"}, {"assistant", "a"}}, "messages[1]: the llama2 chat format needs user and assistant"},
+  };
+  for (const Refused& c : refused) {
+    auto r = FormatChat(c.chat, c.messages, "<s>", "</s>");
+    ASSERT_FALSE(r.ok()) << c.expected;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(c.expected), std::string::npos) << r.status().ToString();
+  }
+  // ChatML keeps a conversation as given: no alternation needed, a system message only when given.
+  text = FormatChat(chatml, {{{"user", "a"}, {"user", "b"}}}, "<s>", "</s>");
+  ASSERT_TRUE(text.ok());
+  EXPECT_EQ(*text, "<|im_start|>user\na<|im_end|>\n<|im_start|>user\nb<|im_end|>\n<|im_start|>assistant\n");
+  // A template of no known format; a default system message that is not a literal is not taken.
+  EXPECT_FALSE(DetectChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}").has_value());
+  auto t = DetectChatTemplate("{{ '<|im_start|>system\\n' + system_message + '<|im_end|>\\n' }}");
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(t->default_system, "");
+  // Names round-trip; an unknown one lists them.
+  for (ChatFormat f : {ChatFormat::kChatMl, ChatFormat::kLlama2, ChatFormat::kLlama3, ChatFormat::kMistral,
+                       ChatFormat::kPhi3, ChatFormat::kZephyr}) {
+    auto parsed = ParseChatFormat(ChatFormatName(f));
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, f);
+  }
+  auto bad = ParseChatFormat("gemma");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("chat template \"gemma\": expected one of chatml, llama2, llama3, mistral, "
+                                        "phi3, zephyr"),
+            std::string::npos)
+      << bad.status().ToString();
+}
+
+}  // namespace
+}  // namespace nflash
