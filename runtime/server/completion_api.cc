@@ -48,6 +48,18 @@ Status OptionalNumber(const JsonFields& fields, std::string_view key, double lo,
   return Status::Ok();
 }
 
+// A value as an error message shows it (at most 80 characters, as JsonFields shows a found value).
+std::string Shown(const nlohmann::json& v) {
+  std::string shown = v.dump();
+  if (shown.size() > 80) shown = shown.substr(0, 80) + "...";
+  return shown;
+}
+
+Status WrongType(const std::string& path, const std::string& expected, const nlohmann::json& found) {
+  return Status::InvalidArgument(std::string(kSource) + ": field '" + path + "' has the wrong type: expected " +
+                                 expected + ", found " + Shown(found));
+}
+
 // "stop": one string or an array of strings (OpenAI allows both; llama.cpp sends an array).
 Status OptionalStop(const JsonFields& fields, std::vector<std::string>* out) {
   if (!fields.Has("stop")) return Status::Ok();
@@ -56,11 +68,8 @@ Status OptionalStop(const JsonFields& fields, std::vector<std::string>* out) {
     out->push_back(v.get<std::string>());
     return Status::Ok();
   }
-  const auto wrong = [&](const std::string& path, const nlohmann::json& found) {
-    std::string shown = found.dump();
-    if (shown.size() > 80) shown = shown.substr(0, 80) + "...";  // as JsonFields shows a found value
-    return Status::InvalidArgument(std::string(kSource) + ": field '" + path +
-                                   "' has the wrong type: expected a string or an array of strings, found " + shown);
+  const auto wrong = [](const std::string& path, const nlohmann::json& found) {
+    return WrongType(path, "a string or an array of strings", found);
   };
   if (!v.is_array()) return wrong("stop", v);
   for (size_t i = 0; i < v.size(); ++i) {
@@ -81,10 +90,50 @@ Status OptionalSeed(const JsonFields& fields, uint64_t random_seed, uint64_t* ou
 
 double PerSecond(int64_t n, double ms) { return ms > 0 ? static_cast<double>(n) * 1000.0 / ms : 0.0; }
 
+// "messages": [{"role": ..., "content": ...}, ...], content a string, null (an assistant turn without text) or an
+// array of parts of which only {"type": "text", "text": ...} are accepted (joined with newlines).
+Result<std::vector<ChatMessage>> ParseMessages(const JsonFields& fields) {
+  if (!fields.Has("messages")) {
+    return Status::InvalidArgument(std::string(kSource) + ": missing field 'messages' (the conversation)");
+  }
+  const nlohmann::json& list = fields.value()["messages"];
+  if (!list.is_array()) return WrongType("messages", "an array of messages", list);
+  std::vector<ChatMessage> out;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const std::string at = "messages[" + std::to_string(i) + "]";
+    const nlohmann::json& m = list[i];
+    if (!m.is_object()) return WrongType(at, "an object with 'role' and 'content'", m);
+    if (!m.contains("role")) return Status::InvalidArgument(std::string(kSource) + ": missing field '" + at + ".role'");
+    if (!m["role"].is_string()) return WrongType(at + ".role", "a string", m["role"]);
+    ChatMessage msg{m["role"].get<std::string>(), ""};
+    const nlohmann::json content = m.contains("content") ? m["content"] : nlohmann::json();
+    if (content.is_string()) {
+      msg.content = content.get<std::string>();
+    } else if (content.is_array()) {
+      for (size_t k = 0; k < content.size(); ++k) {
+        const nlohmann::json& part = content[k];
+        const std::string part_at = at + ".content[" + std::to_string(k) + "]";
+        const bool text_part = part.is_object() && part.value("type", "") == "text" && part.contains("text") &&
+                               part["text"].is_string();
+        if (!text_part) {
+          return WrongType(part_at, "a text part {\"type\": \"text\", \"text\": ...} (nflash reads text only)", part);
+        }
+        msg.content += (k ? "\n" : "") + part["text"].get<std::string>();
+      }
+    } else if (!content.is_null()) {
+      return WrongType(at + ".content", "a string or an array of text parts", content);
+    }
+    out.push_back(std::move(msg));
+  }
+  return out;
+}
+
 }  // namespace
 
-Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle style, const Tokenizer& tokenizer,
-                                                 int64_t n_ctx, uint64_t random_seed) {
+Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle style, const RequestLimits& limits,
+                                                 uint64_t random_seed) {
+  const Tokenizer& tokenizer = *limits.tokenizer;
+  const int64_t n_ctx = limits.n_ctx;
   nlohmann::json doc;
   try {
     doc = nlohmann::json::parse(body);
@@ -97,10 +146,19 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
 
   CompletionRequest r;
   r.style = style;
-  const bool openai = style == ApiStyle::kOpenAi;
-  const char* const count_key = openai ? "max_tokens" : "n_predict";
+  const bool chat = style == ApiStyle::kOpenAiChat;
+  const bool openai = style == ApiStyle::kOpenAi || chat;
+  // Chat: max_completion_tokens, OpenAI's newer name, when given.
+  const char* const count_key = !openai                                  ? "n_predict"
+                                : chat && fields.Has("max_completion_tokens") ? "max_completion_tokens"
+                                                                         : "max_tokens";
   std::string prompt;
-  NF_RETURN_IF_ERROR(BadRequest(fields.Get("prompt", &prompt)));
+  std::vector<ChatMessage> messages;
+  if (chat) {
+    NF_ASSIGN_OR_RETURN(messages, ParseMessages(fields));
+  } else {
+    NF_RETURN_IF_ERROR(BadRequest(fields.Get("prompt", &prompt)));
+  }
   if (openai && fields.Has("model")) {
     std::string model;  // any name is accepted: the server has one model
     NF_RETURN_IF_ERROR(BadRequest(fields.Get("model", &model)));
@@ -133,13 +191,21 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
   NF_RETURN_IF_ERROR(Optional(fields, "cache_prompt", &r.cache_prompt));
   NF_RETURN_IF_ERROR(OptionalStop(fields, &r.options.stop_strings));
 
-  r.prompt_ids = tokenizer.Encode(prompt, tokenizer.add_bos());
+  if (chat) {
+    if (limits.chat == nullptr) return Status::InvalidArgument(std::string(kSource) + ": " + limits.no_chat);
+    auto text = FormatChat(*limits.chat, messages, tokenizer.TokenText(tokenizer.bos_id()),
+                           tokenizer.TokenText(tokenizer.eos_id()));
+    if (!text.ok()) return Status::InvalidArgument(std::string(kSource) + ": " + text.status().message());
+    prompt = *std::move(text);
+  }
+  r.prompt_ids = tokenizer.Encode(prompt, tokenizer.add_bos(), /*parse_special=*/chat);
   const int64_t n_prompt = static_cast<int64_t>(r.prompt_ids.size());
   if (n_prompt == 0) {
     return Status::InvalidArgument(std::string(kSource) + ": field 'prompt' is empty and the model adds no BOS token");
   }
   if (n_prompt >= n_ctx) {
-    return Status::InvalidArgument(std::string(kSource) + ": field 'prompt' is too long: expected at most " +
+    return Status::InvalidArgument(std::string(kSource) + ": field '" + (chat ? "messages" : "prompt") +
+                                   "' is too long: expected at most " +
                                    std::to_string(n_ctx - 1) + " tokens (the context holds " + std::to_string(n_ctx) +
                                    "), found " + std::to_string(n_prompt));
   }
@@ -150,7 +216,7 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
                                    std::to_string(n_prompt) + " of " + std::to_string(n_ctx) + " tokens), found " +
                                    std::to_string(max_tokens));
   }
-  const int64_t fallback = openai ? kDefaultMaxTokensOpenAi : kDefaultPredictLlamaCpp;
+  const int64_t fallback = chat ? room : openai ? kDefaultMaxTokensOpenAi : kDefaultPredictLlamaCpp;
   r.options.max_tokens = max_tokens >= 0 ? max_tokens : std::min(fallback, room);
   return r;
 }
@@ -187,6 +253,17 @@ nlohmann::json LlamaCppSummary(const CompletionRequest& request, const GenerateR
   return j;
 }
 
+namespace {
+
+nlohmann::json OpenAiUsage(const GenerateResult& result) {
+  return {{"prompt_tokens", result.prompt_tokens},
+          {"completion_tokens", result.generated_tokens},
+          {"total_tokens", result.prompt_tokens + result.generated_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", result.cached_tokens}}}};
+}
+
+}  // namespace
+
 nlohmann::json OpenAiCompletion(const std::string& id, int64_t created, const std::string& model,
                                 const std::string& text, const GenerateResult* result) {
   nlohmann::json choice = {{"text", text}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
@@ -194,10 +271,29 @@ nlohmann::json OpenAiCompletion(const std::string& id, int64_t created, const st
   if (result) {
     // OpenAI has no "eos": the model ending the text and a stop string are both "stop".
     choice["finish_reason"] = std::string(StopReasonField(result->reason)) == "length" ? "length" : "stop";
-    j["usage"] = {{"prompt_tokens", result->prompt_tokens},
-                  {"completion_tokens", result->generated_tokens},
-                  {"total_tokens", result->prompt_tokens + result->generated_tokens},
-                  {"prompt_tokens_details", {{"cached_tokens", result->cached_tokens}}}};
+    j["usage"] = OpenAiUsage(*result);
+  }
+  j["choices"] = nlohmann::json::array({choice});
+  return j;
+}
+
+nlohmann::json OpenAiChatCompletion(const std::string& id, int64_t created, const std::string& model,
+                                    const std::string& text, const GenerateResult* result, bool stream, bool first) {
+  nlohmann::json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+  nlohmann::json j = {{"id", id},
+                      {"object", stream ? "chat.completion.chunk" : "chat.completion"},
+                      {"created", created},
+                      {"model", model}};
+  if (!stream) {
+    choice["message"] = {{"role", "assistant"}, {"content", text}};
+  } else {
+    choice["delta"] = nlohmann::json::object();
+    if (first) choice["delta"]["role"] = "assistant";
+    if (result == nullptr) choice["delta"]["content"] = text;
+  }
+  if (result) {
+    choice["finish_reason"] = std::string(StopReasonField(result->reason)) == "length" ? "length" : "stop";
+    j["usage"] = OpenAiUsage(*result);
   }
   j["choices"] = nlohmann::json::array({choice});
   return j;

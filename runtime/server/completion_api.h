@@ -13,13 +13,15 @@
 
 #include "runtime/core/status.h"
 #include "runtime/engine/generate.h"
+#include "runtime/text/chat_template.h"
 #include "runtime/text/tokenizer.h"
 
 namespace nflash::server {
 
 enum class ApiStyle {
-  kLlamaCpp,  // POST /completion: n_predict, content, tokens_predicted, stop_reason, timings
-  kOpenAi,    // POST /v1/completions: max_tokens, choices[0].text, finish_reason, usage
+  kLlamaCpp,    // POST /completion: n_predict, content, tokens_predicted, stop_reason, timings
+  kOpenAi,      // POST /v1/completions: max_tokens, choices[0].text, finish_reason, usage
+  kOpenAiChat,  // POST /v1/chat/completions: messages, max_tokens, choices[0].message / delta, finish_reason, usage
 };
 
 // Defaults where a request leaves a field out. /completion follows llama.cpp's server (the Sampler's defaults, as many
@@ -39,12 +41,22 @@ struct CompletionRequest {
   bool cache_prompt = true;
 };
 
-// Parses `body` for `style` against a model whose tokenizer is `tokenizer` and whose context holds `n_ctx` tokens.
-// `random_seed` is used when the request gives no seed (or -1). InvalidArgument with a message naming the field: body
-// not JSON or not an object, a field of the wrong type or out of range, n_predict/max_tokens larger than the room the
-// prompt leaves in the context, a prompt that does not fit.
-Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle style, const Tokenizer& tokenizer,
-                                                 int64_t n_ctx, uint64_t random_seed);
+// The served model as requests are checked against it.
+struct RequestLimits {
+  const Tokenizer* tokenizer = nullptr;
+  int64_t n_ctx = 0;                 // tokens the context holds
+  const ChatTemplate* chat = nullptr;  // the format chat messages are written in; nullptr: no chat
+  std::string no_chat;                 // why there is no chat format (the error a chat request gets)
+};
+
+// Parses `body` for `style` against `limits`. `random_seed` is used when the request gives no seed (or -1).
+// InvalidArgument with a message naming the field: body not JSON or not an object, a field of the wrong type or out
+// of range, n_predict/max_tokens larger than the room the prompt leaves in the context, a prompt that does not fit,
+// a chat message that is malformed or that the chat format refuses (or a chat request when the model has no format).
+// A chat's messages are written in limits.chat's format and encoded with their special tokens parsed; its
+// max_tokens (or max_completion_tokens) defaults to the room left in the context: the model ends its turn itself.
+Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle style, const RequestLimits& limits,
+                                                 uint64_t random_seed);
 
 // The API's name of why generation stopped: "eos" (end of sequence; a llama2.c model's BOS too), "stop" (a stop
 // string), "length" (the token budget or the context is used up).
@@ -58,6 +70,12 @@ nlohmann::json LlamaCppSummary(const CompletionRequest& request, const GenerateR
 // usage for a streamed chunk before the last (`result` == nullptr).
 nlohmann::json OpenAiCompletion(const std::string& id, int64_t created, const std::string& model,
                                 const std::string& text, const GenerateResult* result);
+
+// OpenAI chat style: the response object ("chat.completion", choices[0].message) with `text`, or with `result` ==
+// nullptr a streamed chunk ("chat.completion.chunk") whose delta carries `text` (and the role when `first`); the last
+// chunk (`result` given, `stream`) has an empty delta, the finish_reason and the usage.
+nlohmann::json OpenAiChatCompletion(const std::string& id, int64_t created, const std::string& model,
+                                    const std::string& text, const GenerateResult* result, bool stream, bool first);
 
 // {"error": {"message": ..., "type": ..., "code": status}}: the body of every error response (OpenAI's shape, which
 // llama.cpp's server uses too).

@@ -92,6 +92,9 @@ void CompletionServer::Impl::Routes() {
   http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
     Completion(req, res, ApiStyle::kOpenAi);
   });
+  http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    Completion(req, res, ApiStyle::kOpenAiChat);
+  });
   // httplib's default sets SO_REUSEPORT, which lets a second server bind the same port and the kernel split the
   // connections between the two. SO_REUSEADDR alone still allows a restart while old connections are in TIME_WAIT,
   // and a taken port fails Bind with EADDRINUSE.
@@ -107,7 +110,8 @@ void CompletionServer::Impl::Routes() {
         std::string message;
         if (res.status == 404) {
           message = "unknown endpoint " + req.method + " " + req.path +
-                    " (endpoints: GET /health, GET /v1/models, POST /completion, POST /v1/completions)";
+                    " (endpoints: GET /health, GET /v1/models, POST /completion, POST /v1/completions, " +
+                    "POST /v1/chat/completions)";
         } else if (res.status == 413) {
           message = "the request body is larger than " + std::to_string(kMaxBodyBytes) + " bytes";
         } else {
@@ -133,14 +137,19 @@ void CompletionServer::Impl::Routes() {
 }
 
 void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Response& res, ApiStyle style) {
-  auto parsed = ParseCompletionRequest(req.body, style, *model.tokenizer, model.context->n_ctx(), RandomSeed());
+  RequestLimits limits;
+  limits.tokenizer = model.tokenizer;
+  limits.n_ctx = model.context->n_ctx();
+  limits.chat = model.chat ? &*model.chat : nullptr;
+  limits.no_chat = model.no_chat;
+  auto parsed = ParseCompletionRequest(req.body, style, limits, RandomSeed());
   if (!parsed.ok()) {
     NF_LOG(Info) << "POST " << req.path << ": 400: " << parsed.status().message();
     SendError(res, 400, parsed.status().message());
     return;
   }
   auto request = std::make_shared<const CompletionRequest>(std::move(parsed).value());
-  const std::string id = "cmpl-" + std::to_string(++next_id);
+  const std::string id = (style == ApiStyle::kOpenAiChat ? "chatcmpl-" : "cmpl-") + std::to_string(++next_id);
   const int64_t created = UnixSeconds();
   const std::string what = "POST " + req.path + (request->stream ? " (stream)" : "");
 
@@ -164,6 +173,8 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
     if (style == ApiStyle::kLlamaCpp) {
       body = LlamaCppSummary(*request, *g, model.name);
       body["content"] = text;
+    } else if (style == ApiStyle::kOpenAiChat) {
+      body = OpenAiChatCompletion(id, created, model.name, text, &*g, /*stream=*/false, /*first=*/false);
     } else {
       body = OpenAiCompletion(id, created, model.name, text, &*g);
     }
@@ -186,13 +197,20 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
           sink.done();
           return true;
         }
+        // A chat stream opens with the assistant's role, as OpenAI's does.
+        if (style == ApiStyle::kOpenAiChat &&
+            !send(Dump(OpenAiChatCompletion(id, created, model.name, "", nullptr, /*stream=*/true, /*first=*/true)))) {
+          return false;
+        }
         auto g = GenerateCached(*model.context, &held, request->cache_prompt, *model.tokenizer, request->prompt_ids,
                                 request->options, [&](std::string_view piece) {
                                   if (stopping) return false;
+                                  const std::string text(piece);
                                   const nlohmann::json event =
-                                      style == ApiStyle::kLlamaCpp
-                                          ? nlohmann::json{{"content", std::string(piece)}, {"stop", false}}
-                                          : OpenAiCompletion(id, created, model.name, std::string(piece), nullptr);
+                                      style == ApiStyle::kLlamaCpp ? nlohmann::json{{"content", text}, {"stop", false}}
+                                      : style == ApiStyle::kOpenAi
+                                          ? OpenAiCompletion(id, created, model.name, text, nullptr)
+                                          : OpenAiChatCompletion(id, created, model.name, text, nullptr, true, false);
                                   return send(Dump(event));
                                 });
         // How the generation ended is logged before the next completion may start, so that the line precedes
@@ -215,7 +233,9 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
           last["content"] = "";
           send(Dump(last));
         } else {
-          send(Dump(OpenAiCompletion(id, created, model.name, "", &*g)));
+          send(Dump(style == ApiStyle::kOpenAi
+                        ? OpenAiCompletion(id, created, model.name, "", &*g)
+                        : OpenAiChatCompletion(id, created, model.name, "", &*g, /*stream=*/true, /*first=*/false)));
           send("[DONE]");
         }
         sink.done();

@@ -1,14 +1,17 @@
 // The HTTP front end of `nflash serve` (docs/server.md): GET /health, GET /v1/models, POST /completion (llama.cpp's
-// server style) and POST /v1/completions (OpenAI's), with Server-Sent Events when a request asks to stream, over
+// server style), POST /v1/completions and POST /v1/chat/completions (OpenAI's), with Server-Sent Events when a
+// request asks to stream, over
 // cpp-httplib. It generates with whatever inference context it is given: the dense engine or the flash-offloaded
 // sparse runtime (serve_command.cc builds either).
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "runtime/core/status.h"
 #include "runtime/engine/context.h"
+#include "runtime/text/chat_template.h"
 #include "runtime/text/tokenizer.h"
 
 namespace nflash::server {
@@ -18,6 +21,10 @@ struct ServedModel {
   std::string name;                    // the id GET /v1/models lists and every response carries
   InferenceContext* context = nullptr;  // the one sequence all requests share, one at a time
   const Tokenizer* tokenizer = nullptr;
+  // The format POST /v1/chat/completions writes messages in (the model's template recognised, or --chat-template);
+  // without one, chat requests are refused with `no_chat`.
+  std::optional<ChatTemplate> chat;
+  std::string no_chat;
 };
 
 // Concurrency: httplib accepts connections on its own worker threads (8 at least), so /health and /v1/models answer

@@ -31,7 +31,39 @@ struct ServeFlags {
   std::vector<std::string> runtime_only;  // the names of the flags that apply to -d only
   std::string host = "127.0.0.1";
   int port = 8080;
+  std::string chat_template;  // --chat-template: a format name; "" the model's template, recognised
 };
+
+// The chat format of POST /v1/chat/completions: --chat-template's, else the one the model's Jinja template writes; when
+// there is none, `served.no_chat` says why and how to give one. InvalidArgument for an unknown --chat-template name.
+Status ResolveChat(const std::string& flag, ServedModel* served) {
+  const std::string names = ChatFormatNames();
+  if (!flag.empty()) {
+    NF_ASSIGN_OR_RETURN(const ChatFormat format, ParseChatFormat(flag));
+    served->chat = ChatTemplate{format, ""};
+    NF_LOG(Info) << "chat messages in the " << flag << " format (--chat-template)";
+    return Status::Ok();
+  }
+  const std::string& jinja = served->tokenizer->chat_template();
+  if (jinja.empty()) {
+    served->no_chat = "the model has no chat template (tokenizer.chat_template): start nflash serve with "
+                      "--chat-template NAME (" + names + ")";
+    NF_LOG(Info) << "no chat template in the model: POST /v1/chat/completions needs --chat-template";
+    return Status::Ok();
+  }
+  served->chat = DetectChatTemplate(jinja);
+  if (!served->chat) {
+    served->no_chat = "the model's chat template (tokenizer.chat_template) writes none of the formats nflash knows (" +
+                      names + "): start nflash serve with --chat-template NAME";
+    NF_LOG(Warning) << "the model's chat template is none of " << names << ": POST /v1/chat/completions needs "
+                    << "--chat-template";
+    return Status::Ok();
+  }
+  NF_LOG(Info) << "chat messages in the " << ChatFormatName(served->chat->format) << " format, recognised from the "
+               << "model's chat template" << (served->chat->default_system.empty() ? "" : ", with its default system "
+                                                                                          "message");
+  return Status::Ok();
+}
 
 // The engine behind the server: the model and its context (dense), or the deployment's runtime (offloaded), with the
 // thread pool they compute on. Members are destroyed in reverse order: contexts before models, all before the pool.
@@ -140,6 +172,7 @@ Status RunServe(const ServeFlags& f) {
   std::filesystem::path path(deployed ? f.runtime.deploy : f.source.path);
   if (path.filename().empty()) path = path.parent_path();
   engine->served.name = path.filename().string();
+  NF_RETURN_IF_ERROR(ResolveChat(f.chat_template, &engine->served));
   const int64_t n_ctx = engine->served.context->n_ctx();
 
   CompletionServer server(engine->served);
@@ -161,7 +194,9 @@ Status RunServe(const ServeFlags& f) {
 void RegisterServeCommand(CLI::App& app, cli::CommandAction* action) {
   auto f = std::make_shared<ServeFlags>();
   CLI::App* cmd = app.add_subcommand(
-      "serve", "HTTP server: llama.cpp-style POST /completion and OpenAI-style POST /v1/completions (docs/server.md)");
+      "serve",
+      "HTTP server: llama.cpp-style POST /completion, OpenAI-style POST /v1/completions and /v1/chat/completions "
+      "(docs/server.md)");
   cli::AddModelOptions(cmd, &f->source, &f->runtime.threads, &f->no_mmap, /*model_required=*/false);
   cmd->add_option("-d,--deploy", f->runtime.deploy, "Instead of -m: a deployment directory (nflash pack), served "
                                                     "through the offloaded sparse runtime (FFN on flash)")
@@ -169,6 +204,9 @@ void RegisterServeCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("-c,--ctx", f->runtime.ctx, "Context size shared by a request's prompt and completion (0: the model's)");
   cmd->add_option("--host", f->host, "Address to listen on");
   cmd->add_option("--port", f->port, "Port (0: any free port; the one bound is printed)")->check(CLI::Range(0, 65535));
+  cmd->add_option("--chat-template", f->chat_template,
+                  "Format of POST /v1/chat/completions' messages: " + ChatFormatNames() +
+                      " (default: the one the model's chat template writes, recognised)");
   const size_t first_runtime = cmd->get_options().size();
   sparse::AddRuntimeOptions(cmd, &f->runtime);
   cmd->callback([f, action, cmd, first_runtime] {

@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <future>
@@ -23,6 +24,12 @@
 #include <sstream>
 #include <thread>
 
+#include "runtime/core/gguf.h"
+#include "runtime/core/thread_pool.h"
+#include "runtime/engine/context.h"
+#include "runtime/engine/generate.h"
+#include "runtime/engine/model.h"
+#include "runtime/text/tokenizer.h"
 #include "tests/test_util.h"
 
 namespace nflash {
@@ -546,6 +553,181 @@ TEST(ServeCliTest, UsageErrors) {
   r = testing::RunCommand(Nflash() + " serve -m " + Stories() + " --ctx -1");
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("--ctx -1: expected 0 or more"), std::string::npos) << r.output;
+  r = testing::RunCommand(Nflash() + " serve -m " + Stories() + " --chat-template gemma");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("chat template \"gemma\": expected one of chatml, llama2, llama3, mistral, phi3, zephyr"),
+            std::string::npos)
+      << r.output;
+}
+
+// Chat without a format: the model has no template and none was given, so a chat request says how to give one.
+TEST_F(ServeDenseTest, ChatNeedsAFormat) {
+  auto c = ClientFor(*server_);
+  auto [status, j] = Post(*c, "/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}});
+  EXPECT_EQ(status, 400) << j.dump();
+  EXPECT_NE(j["error"]["message"].get<std::string>().find("the model has no chat template (tokenizer.chat_template): "
+                                                          "start nflash serve with --chat-template NAME"),
+            std::string::npos)
+      << j.dump();
+  EXPECT_NE(server_->Log().find("no chat template in the model"), std::string::npos) << server_->Log();
+}
+
+// POST /v1/chat/completions on a model that carries a Phi-3 chat template and spells token 500 "<|end|>" (a control
+// token): the server recognises the format, writes the messages as Phi-3's template does (the text here by hand), with
+// "<|end|>" parsed as the control token, and generates what the engine generates from those ids in-process; streamed
+// deltas add up to the same text; the next turn keeps the first one's tokens in the KV cache; malformed messages get
+// 400 naming the field. --chat-template overrides the model's.
+TEST(ServeChatTest, MessagesInTheModelsFormat) {
+  testing::TempDir dir;
+  const std::string plain = dir.File("s.gguf"), model = dir.File("chat.gguf");
+  auto conv = testing::RunCommand(Nflash() + " -q convert " + Stories() + " -o " + plain + " --type f32");
+  ASSERT_EQ(conv.exit_code, 0) << conv.output;
+  const std::string phi3 =
+      "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+      "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif "
+      "message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor "
+      "%}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}";
+  constexpr int32_t kMarker = 500;
+  const std::string failed = testing::RewriteGguf(
+      plain, model,
+      [&](std::vector<std::pair<std::string, GgufValue>>* kv) {
+        for (auto& [key, value] : *kv) {
+          if (key == "tokenizer.ggml.tokens") {
+            std::get<GgufArray>(value.v).items[kMarker] = GgufValue(std::string("<|end|>"));
+          } else if (key == "tokenizer.ggml.token_type") {
+            std::get<GgufArray>(value.v).items[kMarker] = GgufValue(int32_t{3});
+          }
+        }
+        kv->emplace_back("tokenizer.chat_template", GgufValue(phi3));
+      },
+      nullptr);
+  ASSERT_EQ(failed, "") << failed;
+
+  const Json messages = {{{"role", "system"}, {"content", "You tell stories."}},
+                         {{"role", "user"}, {"content", "Once upon a time"}}};
+  const std::string prompt = "<|system|>\nYou tell stories.<|end|>\n<|user|>\nOnce upon a time<|end|>\n<|assistant|>\n";
+  // What the engine generates from that text, in-process.
+  auto m = Model::Load(model, {});
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  auto tok = LoadTokenizer((*m)->gguf());
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  const std::vector<int32_t> ids = (*tok)->Encode(prompt, true, /*parse_special=*/true);
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), kMarker), 2);
+  ThreadPool pool(1);
+  InferenceContext ctx(**m, &pool, 512);
+  GenerateOptions o;
+  o.sampler.temperature = 0;
+  o.max_tokens = 40;
+  std::string expected;
+  auto g = Generate(ctx, **tok, ids, o, [&](std::string_view p) {
+    expected += p;
+    return true;
+  });
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  ASSERT_FALSE(expected.empty());
+
+  ServerProcess server("-m " + model + " -t 2", dir.File("serve.log"));
+  ASSERT_TRUE(server.WaitHealthy()) << server.Log();
+  EXPECT_NE(server.Log().find("chat messages in the phi3 format, recognised from the model's chat template"),
+            std::string::npos)
+      << server.Log();
+  auto c = ClientFor(server);
+  const Json req = {{"messages", messages}, {"max_tokens", 40}, {"temperature", 0}};
+  auto [status, j] = Post(*c, "/v1/chat/completions", req);
+  ASSERT_EQ(status, 200) << j.dump();
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["id"].get<std::string>().rfind("chatcmpl-", 0), 0u) << j.dump();
+  ASSERT_EQ(j["choices"].size(), 1u);
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["choices"][0]["message"]["content"], expected);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], g->reason == StopReason::kMaxTokens ? "length" : "stop");
+  EXPECT_EQ(j["usage"]["prompt_tokens"], ids.size());
+  EXPECT_EQ(j["usage"]["completion_tokens"], g->generated_tokens);
+
+  // Streamed: the role first, then the text in deltas, then the finish reason and usage, then [DONE].
+  Json sreq = req;
+  sreq["stream"] = true;
+  auto res = c->Post("/v1/chat/completions", sreq.dump(), "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->get_header_value("Content-Type"), "text/event-stream");
+  const auto events = SseEvents(res->body);
+  ASSERT_GE(events.size(), 4u) << res->body;
+  EXPECT_EQ(events.back(), "[DONE]");
+  const Json opening = Json::parse(events.front());
+  EXPECT_EQ(opening["object"], "chat.completion.chunk");
+  EXPECT_EQ(opening["choices"][0]["delta"], Json({{"role", "assistant"}, {"content", ""}}));
+  std::string streamed;
+  for (size_t i = 1; i + 2 < events.size(); ++i) {
+    const Json e = Json::parse(events[i]);
+    EXPECT_TRUE(e["choices"][0]["finish_reason"].is_null());
+    streamed += e["choices"][0]["delta"]["content"].get<std::string>();
+  }
+  EXPECT_EQ(streamed, expected);
+  const Json closing = Json::parse(events[events.size() - 2]);
+  EXPECT_EQ(closing["choices"][0]["delta"], Json::object());
+  EXPECT_EQ(closing["choices"][0]["finish_reason"], j["choices"][0]["finish_reason"]);
+  EXPECT_EQ(closing["usage"]["completion_tokens"], g->generated_tokens);
+
+  // The next turn: the conversation so far is in the KV cache.
+  Json next = messages;
+  next.push_back({{"role", "assistant"}, {"content", expected}});
+  next.push_back({{"role", "user"}, {"content", "What happened next?"}});
+  auto [next_status, nj] =
+      Post(*c, "/v1/chat/completions", {{"messages", next}, {"max_tokens", 8}, {"temperature", 0}});
+  ASSERT_EQ(next_status, 200) << nj.dump();
+  EXPECT_GE(nj["usage"]["prompt_tokens_details"]["cached_tokens"].get<size_t>(), ids.size() - 1) << nj.dump();
+
+  struct Bad {
+    Json body;
+    std::vector<std::string> expected;
+  };
+  const Json user = {{"role", "user"}, {"content", "Hi"}};
+  const std::vector<Bad> bad = {
+      {{{"max_tokens", 4}}, {"missing field 'messages'"}},
+      {{{"messages", "Hi"}}, {"'messages'", "an array of messages", "\"Hi\""}},
+      {{{"messages", Json::array()}}, {"messages: expected at least one message, found none"}},
+      {{{"messages", {7}}}, {"'messages[0]'", "an object with 'role' and 'content'", "found 7"}},
+      {{{"messages", {{{"content", "Hi"}}}}}, {"missing field 'messages[0].role'"}},
+      {{{"messages", {user, {{"role", "tool"}, {"content", "x"}}}}}, {"messages[1]: role \"tool\""}},
+      {{{"messages", {user, {{"role", "system"}, {"content", "x"}}}}},
+       {"messages[1]: a system message must be the first"}},
+      {{{"messages", {{{"role", "user"}, {"content", 5}}}}},
+       {"'messages[0].content'", "a string or an array of text parts"}},
+      {{{"messages", {{{"role", "user"}, {"content", {{{"type", "image_url"}, {"image_url", "x"}}}}}}}},
+       {"'messages[0].content[0]'", "nflash reads text only"}},
+      {{{"messages", {user}}, {"max_completion_tokens", 100000}},
+       {"'max_completion_tokens'", "too large for the context"}},
+  };
+  for (const Bad& b : bad) {
+    auto [bs, bj] = Post(*c, "/v1/chat/completions", b.body);
+    EXPECT_EQ(bs, 400) << b.body.dump() << " -> " << bj.dump();
+    const std::string msg = bj["error"]["message"].get<std::string>();
+    for (const std::string& e : b.expected) EXPECT_NE(msg.find(e), std::string::npos) << "'" << e << "' in: " << msg;
+  }
+  // Text parts are joined with newlines; max_completion_tokens is a token budget as max_tokens is.
+  const Json text_parts = {{{"type", "text"}, {"text", "You tell"}}, {{"type", "text"}, {"text", "stories."}}};
+  const Json parts = {{{"role", "system"}, {"content", text_parts}},
+                      {{"role", "user"}, {"content", "Once upon a time"}}};
+  auto [ps, pj] =
+      Post(*c, "/v1/chat/completions", {{"messages", parts}, {"max_completion_tokens", 3}, {"temperature", 0}});
+  ASSERT_EQ(ps, 200) << pj.dump();
+  EXPECT_EQ(pj["usage"]["completion_tokens"], 3);
+  EXPECT_EQ(pj["usage"]["prompt_tokens"], (*tok)->Encode("<|system|>\nYou tell\nstories.<|end|>\n<|user|>\nOnce upon a "
+                                                         "time<|end|>\n<|assistant|>\n", true, true).size());
+  EXPECT_EQ(server.StopWith(SIGTERM), 0) << server.Log();
+
+  // --chat-template over the model's: ChatML, whose markers this vocabulary spells out as text.
+  ServerProcess chatml("-m " + model + " -t 2 --chat-template chatml", dir.File("chatml.log"));
+  ASSERT_TRUE(chatml.WaitHealthy()) << chatml.Log();
+  auto cc = ClientFor(chatml);
+  auto [cs, cj] = Post(*cc, "/v1/chat/completions", {{"messages", messages}, {"max_tokens", 1}, {"temperature", 0}});
+  ASSERT_EQ(cs, 200) << cj.dump();
+  EXPECT_EQ(cj["usage"]["prompt_tokens"], (*tok)->Encode("<|im_start|>system\nYou tell stories.<|im_end|>\n<|im_start|>"
+                                                         "user\nOnce upon a time<|im_end|>\n<|im_start|>assistant\n",
+                                                         true, true).size());
+  EXPECT_NE(chatml.Log().find("chat messages in the chatml format (--chat-template)"), std::string::npos)
+      << chatml.Log();
+  EXPECT_EQ(chatml.StopWith(SIGTERM), 0) << chatml.Log();
 }
 
 // The offloaded runtime behind the same API: with the oracle active set a ReLU model's FFN is exact, so greedy text
