@@ -668,6 +668,21 @@ TEST(ServeChatTest, MessagesInTheModelsFormat) {
   EXPECT_EQ(closing["choices"][0]["finish_reason"], j["choices"][0]["finish_reason"]);
   EXPECT_EQ(closing["usage"]["completion_tokens"], g->generated_tokens);
 
+  // Without max_tokens the reply may fill the context (OpenAI's chat has no default limit): the model ends its turn.
+  o.max_tokens = 512 - static_cast<int64_t>(ids.size());
+  std::string unbounded;
+  ctx.Reset();
+  auto whole = Generate(ctx, **tok, ids, o, [&](std::string_view p) {
+    unbounded += p;
+    return true;
+  });
+  ASSERT_TRUE(whole.ok()) << whole.status().ToString();
+  EXPECT_GT(whole->generated_tokens, 16);  // more than /v1/completions' default budget
+  auto [unbounded_status, uj] = Post(*c, "/v1/chat/completions", {{"messages", messages}, {"temperature", 0}});
+  ASSERT_EQ(unbounded_status, 200) << uj.dump();
+  EXPECT_EQ(uj["usage"]["completion_tokens"], whole->generated_tokens);
+  EXPECT_EQ(uj["choices"][0]["message"]["content"], unbounded);
+
   // The next turn: the conversation so far is in the KV cache.
   Json next = messages;
   next.push_back({{"role", "assistant"}, {"content", expected}});
