@@ -12,6 +12,7 @@
 #include "runtime/cli/command.h"
 #include "runtime/cli/run_command.h"
 #include "runtime/core/log.h"
+#include "runtime/server/chat_command.h"
 #include "runtime/server/serve_command.h"
 #include "runtime/sparse/commands.h"
 
@@ -41,6 +42,7 @@ int main(int argc, char** argv) {
   sparse::RegisterOffloadCommand(app, &action);
   bench::RegisterBenchCommand(app, &action);
   server::RegisterServeCommand(app, &action);
+  server::RegisterChatCommand(app, &action);
 
   try {
     app.parse(argc, argv);

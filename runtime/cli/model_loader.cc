@@ -90,6 +90,16 @@ CLI::Option* AddBatchOption(CLI::App* sub, int64_t* max_batch, const std::string
       ->capture_default_str();
 }
 
+void AddSamplerOptions(CLI::App* sub, SamplerConfig* sampler) {
+  sub->add_option("--temp", sampler->temperature, "Temperature (0: greedy)")->check(cli::kNonNegative);
+  sub->add_option("--top-k", sampler->top_k, "Top-k (0: off)");
+  sub->add_option("--top-p", sampler->top_p, "Top-p (1: off)");
+  sub->add_option("--min-p", sampler->min_p, "Min-p (0: off)");
+  sub->add_option("--repeat-penalty", sampler->repeat_penalty, "Repetition penalty (1: off)");
+  sub->add_option("--repeat-last-n", sampler->repeat_last_n, "Tokens the repetition penalty looks back at");
+  sub->add_option("-s,--seed", sampler->seed, "Random seed");
+}
+
 void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mmap, bool model_required) {
   sub->add_option("-m,--model", src->path, "Model: GGUF, or llama2.c checkpoint (converted in memory)")
       ->required(model_required)

@@ -7,6 +7,7 @@
 
 #include "runtime/core/ffn_activation.h"
 #include "runtime/engine/model.h"
+#include "runtime/text/sampler.h"
 #include "runtime/text/tokenizer.h"
 
 namespace CLI {
@@ -41,5 +42,8 @@ CLI::Option* AddKvTypeOption(CLI::App* sub, std::string* kv_type, const std::str
 
 // --batch (InferenceContext::SetMaxBatch, default kDefaultMaxBatch) with `what` after the shared explanation.
 CLI::Option* AddBatchOption(CLI::App* sub, int64_t* max_batch, const std::string& what);
+
+// The sampler's options: --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, -s/--seed.
+void AddSamplerOptions(CLI::App* sub, SamplerConfig* sampler);
 
 }  // namespace nflash::cli

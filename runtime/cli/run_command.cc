@@ -490,13 +490,7 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
   sub->add_option("-n,--max-tokens", f->n_predict, "Tokens to generate at most")->check(cli::kPositive);
   sub->add_option("-c,--ctx", f->ctx, "Context size (0: prompt + max tokens, capped at the model's)");
   AddKvTypeOption(sub, &f->kv_type, "KV cache element type")->capture_default_str();
-  sub->add_option("--temp", f->sampler.temperature, "Temperature (0: greedy)")->check(cli::kNonNegative);
-  sub->add_option("--top-k", f->sampler.top_k, "Top-k (0: off)");
-  sub->add_option("--top-p", f->sampler.top_p, "Top-p (1: off)");
-  sub->add_option("--min-p", f->sampler.min_p, "Min-p (0: off)");
-  sub->add_option("--repeat-penalty", f->sampler.repeat_penalty, "Repetition penalty (1: off)");
-  sub->add_option("--repeat-last-n", f->sampler.repeat_last_n, "Tokens the repetition penalty looks back at");
-  sub->add_option("-s,--seed", f->sampler.seed, "Random seed");
+  AddSamplerOptions(sub, &f->sampler);
   sub->add_option("--stop", f->stop, "Stop when the text contains this string (repeatable)");
   sub->add_flag("--json", f->json, "Print a JSON summary (with the text) instead of streaming");
   AddSparseOptions(sub, &f->sparse);

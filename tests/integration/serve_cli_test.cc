@@ -572,23 +572,21 @@ TEST_F(ServeDenseTest, ChatNeedsAFormat) {
   EXPECT_NE(server_->Log().find("no chat template in the model"), std::string::npos) << server_->Log();
 }
 
-// POST /v1/chat/completions on a model that carries a Phi-3 chat template and spells token 500 "<|end|>" (a control
-// token): the server recognises the format, writes the messages as Phi-3's template does (the text here by hand), with
-// "<|end|>" parsed as the control token, and generates what the engine generates from those ids in-process; streamed
-// deltas add up to the same text; the next turn keeps the first one's tokens in the KV cache; malformed messages get
-// 400 naming the field. --chat-template overrides the model's.
-TEST(ServeChatTest, MessagesInTheModelsFormat) {
-  testing::TempDir dir;
-  const std::string plain = dir.File("s.gguf"), model = dir.File("chat.gguf");
+// Token 500 of stories260K, respelled "<|end|>" and typed control in the chat model (WriteChatModel).
+constexpr int32_t kMarker = 500;
+
+// stories260K (F32) carrying a Phi-3 chat template, with token kMarker spelled "<|end|>" as a control token, written
+// to `model` ("" when written, else what failed).
+std::string WriteChatModel(const testing::TempDir& dir, const std::string& model) {
+  const std::string plain = dir.File("plain.gguf");
   auto conv = testing::RunCommand(Nflash() + " -q convert " + Stories() + " -o " + plain + " --type f32");
-  ASSERT_EQ(conv.exit_code, 0) << conv.output;
+  if (conv.exit_code != 0) return conv.output;
   const std::string phi3 =
-      "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
-      "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}{% elif "
-      "message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor "
-      "%}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}";
-  constexpr int32_t kMarker = 500;
-  const std::string failed = testing::RewriteGguf(
+      "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\\n' + message['content'] + "
+      "'<|end|>\\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}{% elif "
+      "message['role'] == 'assistant' %}{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}{% endfor "
+      "%}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}";
+  return testing::RewriteGguf(
       plain, model,
       [&](std::vector<std::pair<std::string, GgufValue>>* kv) {
         for (auto& [key, value] : *kv) {
@@ -601,6 +599,41 @@ TEST(ServeChatTest, MessagesInTheModelsFormat) {
         kv->emplace_back("tokenizer.chat_template", GgufValue(phi3));
       },
       nullptr);
+}
+
+// What the dense engine generates in-process (greedy, at most `n` tokens, a fresh context of 512) after `text`
+// encoded with its special tokens parsed.
+std::string InProcessReply(const std::string& model, const std::string& text, int64_t n, GenerateResult* result) {
+  auto m = Model::Load(model, {});
+  EXPECT_TRUE(m.ok()) << m.status().ToString();
+  if (!m.ok()) return "";
+  auto tok = LoadTokenizer((*m)->gguf());
+  EXPECT_TRUE(tok.ok()) << tok.status().ToString();
+  if (!tok.ok()) return "";
+  ThreadPool pool(1);
+  InferenceContext ctx(**m, &pool, 512);
+  GenerateOptions o;
+  o.sampler.temperature = 0;
+  o.max_tokens = n;
+  std::string reply;
+  auto g = Generate(ctx, **tok, (*tok)->Encode(text, true, /*parse_special=*/true), o, [&](std::string_view p) {
+    reply += p;
+    return true;
+  });
+  EXPECT_TRUE(g.ok()) << g.status().ToString();
+  if (g.ok() && result != nullptr) *result = *g;
+  return reply;
+}
+
+// POST /v1/chat/completions on a model that carries a Phi-3 chat template and spells token 500 "<|end|>" (a control
+// token): the server recognises the format, writes the messages as Phi-3's template does (the text here by hand), with
+// "<|end|>" parsed as the control token, and generates what the engine generates from those ids in-process; streamed
+// deltas add up to the same text; the next turn keeps the first one's tokens in the KV cache; malformed messages get
+// 400 naming the field. --chat-template overrides the model's.
+TEST(ServeChatTest, MessagesInTheModelsFormat) {
+  testing::TempDir dir;
+  const std::string model = dir.File("chat.gguf");
+  const std::string failed = WriteChatModel(dir, model);
   ASSERT_EQ(failed, "") << failed;
 
   const Json messages = {{{"role", "system"}, {"content", "You tell stories."}},
@@ -743,6 +776,56 @@ TEST(ServeChatTest, MessagesInTheModelsFormat) {
   EXPECT_NE(chatml.Log().find("chat messages in the chatml format (--chat-template)"), std::string::npos)
       << chatml.Log();
   EXPECT_EQ(chatml.StopWith(SIGTERM), 0) << chatml.Log();
+}
+
+// `nflash chat`: two lines of input are two user turns. Each reply equals what the engine generates in-process from the
+// whole conversation written by hand in Phi-3's format (a fresh context each time: no cache), while the command keeps
+// the first turn in its KV cache for the second. A model without a chat format is refused naming --chat-template; the
+// offloaded runtime (a stories260K-relu deployment, oracle) converses exactly as the dense engine does.
+TEST(ChatCliTest, TurnsFollowTheModelsFormat) {
+  testing::TempDir dir;
+  const std::string model = dir.File("chat.gguf");
+  const std::string failed = WriteChatModel(dir, model);
+  ASSERT_EQ(failed, "") << failed;
+  testing::WriteText(dir.File("turns.txt"), "Once upon a time\nWhat happened next?\n");
+  const std::string first = "<|system|>\nYou tell stories.<|end|>\n<|user|>\nOnce upon a time<|end|>\n<|assistant|>\n";
+  const std::string reply1 = InProcessReply(model, first, 20, nullptr);
+  const std::string second = first + reply1 + "<|end|>\n<|user|>\nWhat happened next?<|end|>\n<|assistant|>\n";
+  const std::string reply2 = InProcessReply(model, second, 20, nullptr);
+  ASSERT_FALSE(reply1.empty());
+  ASSERT_FALSE(reply2.empty());
+  auto r = testing::RunCommand(Nflash() + " chat -m " + model + " -t 2 --temp 0 -n 20 --system 'You tell stories.' < " +
+                                   dir.File("turns.txt") + " 2> " + dir.File("chat.log"),
+                               false);
+  ASSERT_EQ(r.exit_code, 0) << r.output << ReadText(dir.File("chat.log"));
+  EXPECT_EQ(r.output, reply1 + "\n" + reply2 + "\n");
+  const std::string log = ReadText(dir.File("chat.log"));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("turn 2: ([0-9]+) prompt tokens \\(([0-9]+) kept"))) << log;
+  EXPECT_GT(std::stoi(m[2].str()), 20) << log;  // the first turn's prompt and reply
+  EXPECT_LT(std::stoi(m[2].str()), std::stoi(m[1].str())) << log;
+
+  // No chat format: refused before any input is read.
+  r = testing::RunCommand(Nflash() + " chat -m " + Stories() + " < /dev/null");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("start nflash chat with --chat-template NAME"), std::string::npos) << r.output;
+
+  // The offloaded runtime converses as the dense engine does (oracle: the FFN exact).
+  const std::string relu = dir.File("r.gguf");
+  const std::string made = testing::MakeReluDeployment(relu, dir.File("r.prof"), dir.File("deploy"));
+  ASSERT_EQ(made, "") << made;
+  const std::string common = " --chat-template chatml --temp 0 -n 30 -c 256 -t 2 < " + dir.File("turns.txt");
+  auto dense = testing::RunCommand(Nflash() + " chat -m " + relu + common + " 2> " + dir.File("dense.log"), false);
+  auto offloaded = testing::RunCommand(Nflash() + " chat -d " + dir.File("deploy") + " --active-set oracle --memory 3M" +
+                                           common + " 2> " + dir.File("offloaded.log"),
+                                       false);
+  ASSERT_EQ(dense.exit_code, 0) << dense.output << ReadText(dir.File("dense.log"));
+  ASSERT_EQ(offloaded.exit_code, 0) << offloaded.output << ReadText(dir.File("offloaded.log"));
+  for (const char* log : {"dense.log", "offloaded.log"}) {
+    EXPECT_NE(ReadText(dir.File(log)).find("turn 2: "), std::string::npos) << ReadText(dir.File(log));
+  }
+  EXPECT_GT(dense.output.size(), 20u) << dense.output;
+  EXPECT_EQ(offloaded.output, dense.output);
 }
 
 // The offloaded runtime behind the same API: with the oracle active set a ReLU model's FFN is exact, so greedy text
