@@ -48,7 +48,7 @@ Status ResolveChat(const std::string& flag, const std::string& command, ServedMo
   const std::string names = ChatFormatNames();
   if (!flag.empty()) {
     NF_ASSIGN_OR_RETURN(const ChatFormat format, ParseChatFormat(flag));
-    served->chat = ChatTemplate{format, ""};
+    served->chat = ChatTemplate{format, "", ""};
     NF_LOG(Info) << "chat messages in the " << flag << " format (--chat-template)";
     return Status::Ok();
   }

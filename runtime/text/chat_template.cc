@@ -28,6 +28,34 @@ std::string Strip(std::string_view s) {
   return std::string(s.substr(first, s.find_last_not_of(kSpace) - first + 1));
 }
 
+// The text of a literal system turn in a ChatML template (the system message it writes when the conversation has none,
+// e.g. Qwen2's `'<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n'`), its newline written as a newline or
+// as Jinja's "\n" escape; "" when no system turn is a literal (one that writes the given message is an expression).
+std::string LiteralSystemTurn(std::string_view jinja) {
+  for (std::string_view head : {"<|im_start|>system\n", "<|im_start|>system\\n"}) {
+    for (size_t at = jinja.find(head); at != std::string_view::npos; at = jinja.find(head, at + 1)) {
+      const std::string_view rest = jinja.substr(at + head.size());
+      const size_t end = rest.find("<|im_end|>");
+      if (end == std::string_view::npos) continue;
+      const std::string_view text = rest.substr(0, end);
+      if (text.find_first_of("'\"{}+\\") == std::string_view::npos) return std::string(text);
+    }
+  }
+  return "";
+}
+
+// The date a Llama 3.1 template writes when it is given none (`set date_string = "26 Jul 2024"`); Llama 3.2's asks for
+// today's (strftime_now) where the renderer has it, and falls back to such a literal.
+std::string DateString(std::string_view jinja) {
+  constexpr std::string_view kSet = "date_string = \"";
+  const size_t at = jinja.find(kSet);
+  if (at != std::string_view::npos) {
+    const size_t end = jinja.find('"', at + kSet.size());
+    if (end != std::string_view::npos) return std::string(jinja.substr(at + kSet.size(), end - at - kSet.size()));
+  }
+  return "26 Jul 2024";
+}
+
 Status BadMessage(size_t i, const std::string& what) {
   return Status::InvalidArgument("messages[" + std::to_string(i) + "]: " + what);
 }
@@ -58,20 +86,13 @@ std::optional<ChatTemplate> DetectChatTemplate(std::string_view jinja) {
   ChatTemplate t;
   if (Has(jinja, "<|im_start|>")) {
     t.format = ChatFormat::kChatMl;
-    // A literal system turn (the template's default): its newline written as a newline or as Jinja's "\n" escape.
-    for (std::string_view head : {"<|im_start|>system\n", "<|im_start|>system\\n"}) {
-      const size_t at = jinja.find(head);
-      if (at == std::string_view::npos) continue;
-      const std::string_view rest = jinja.substr(at + head.size());
-      const size_t end = rest.find("<|im_end|>");
-      const std::string_view text = rest.substr(0, end);
-      if (end != std::string_view::npos && text.find_first_of("'\"{}+\\") == std::string_view::npos) {
-        t.default_system = std::string(text);
-      }
-      break;
-    }
+    t.default_system = LiteralSystemTurn(jinja);
   } else if (Has(jinja, "<|start_header_id|>")) {
     t.format = ChatFormat::kLlama3;
+    // Llama 3.1 and later open every conversation with a system turn that states the knowledge cutoff and a date.
+    if (Has(jinja, "Cutting Knowledge Date: December 2023")) {
+      t.system_preamble = "Cutting Knowledge Date: December 2023\nToday Date: " + DateString(jinja) + "\n\n";
+    }
   } else if (Has(jinja, "<|assistant|>")) {
     t.format = Has(jinja, "<|end|>") ? ChatFormat::kPhi3 : ChatFormat::kZephyr;
   } else if (Has(jinja, "[INST]")) {
@@ -123,7 +144,10 @@ Result<std::string> FormatChat(const ChatTemplate& chat, std::span<const ChatMes
       out += "<|im_start|>assistant\n";
       break;
     case ChatFormat::kLlama3:
-      for (const ChatMessage& m : messages) {
+      if (!chat.system_preamble.empty()) {
+        out += "<|start_header_id|>system<|end_header_id|>\n\n" + chat.system_preamble + Strip(system) + "<|eot_id|>";
+      }
+      for (const ChatMessage& m : chat.system_preamble.empty() ? messages : turns) {
         out += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n" + Strip(m.content) + "<|eot_id|>";
       }
       out += "<|start_header_id|>assistant<|end_header_id|>\n\n";

@@ -29,15 +29,19 @@ const char* ChatFormatName(ChatFormat format);
 std::string ChatFormatNames();
 // A name as ChatFormatName spells it; InvalidArgument listing the names otherwise.
 Result<ChatFormat> ParseChatFormat(std::string_view name);
-// A chat format, and the system message its template writes when a conversation has none (Qwen2's ChatML template
-// writes "You are a helpful assistant."; empty: none).
+// A chat format, and what its template adds: the system message it writes when a conversation has none (Qwen2's
+// ChatML template writes "You are a helpful assistant."), and text it writes first in a system turn it always writes
+// (Llama 3.1's knowledge cutoff and date). Empty: none.
 struct ChatTemplate {
   ChatFormat format = ChatFormat::kChatMl;
   std::string default_system;
+  std::string system_preamble;
 };
 
 // The format a Jinja chat template writes, recognised by its markers, with its default system message when it writes
-// one as a literal (`<|im_start|>system\n...<|im_end|>` in ChatML); nullopt when the format is none of these.
+// one as a literal (a ChatML system turn of fixed text) and Llama 3.1's system preamble when it writes one (the cutoff,
+// and the date the template fixes: a llama3 template that asks for today's date gets its fallback); nullopt when the
+// format is none of these.
 std::optional<ChatTemplate> DetectChatTemplate(std::string_view jinja);
 
 struct ChatMessage {

@@ -28,6 +28,46 @@ TEMPLATES = [
      "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
      "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
      "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+    # Qwen2.5-7B-Instruct, its branch without tools: the default system message is the second system turn it writes.
+    ("chatml", "", "<|im_end|>",
+     "{%- if messages[0]['role'] == 'system' %}\n"
+     "    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+     "{%- else %}\n"
+     "    {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n"
+     "{%- endif %}\n"
+     "{%- for message in messages %}\n"
+     "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
+     "(message.role == \"assistant\" and not message.tool_calls) %}\n"
+     "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+     "    {%- endif %}\n"
+     "{%- endfor %}\n"
+     "{%- if add_generation_prompt %}\n"
+     "    {{- '<|im_start|>assistant\\n' }}\n"
+     "{%- endif %}\n"),
+    # Meta-Llama-3.1-8B-Instruct, its branch without tools: a system turn always, with the cutoff and a fixed date.
+    ("llama3", "<|begin_of_text|>", "<|eot_id|>",
+     "{{- bos_token }}\n"
+     "{%- if not date_string is defined %}\n"
+     "    {%- set date_string = \"26 Jul 2024\" %}\n"
+     "{%- endif %}\n"
+     "{%- if messages[0]['role'] == 'system' %}\n"
+     "    {%- set system_message = messages[0]['content']|trim %}\n"
+     "    {%- set messages = messages[1:] %}\n"
+     "{%- else %}\n"
+     "    {%- set system_message = \"\" %}\n"
+     "{%- endif %}\n"
+     "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}\n"
+     "{{- \"Cutting Knowledge Date: December 2023\\n\" }}\n"
+     "{{- \"Today Date: \" + date_string + \"\\n\\n\" }}\n"
+     "{{- system_message }}\n"
+     "{{- \"<|eot_id|>\" }}\n"
+     "{%- for message in messages %}\n"
+     "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+     "'<|eot_id|>' }}\n"
+     "{%- endfor %}\n"
+     "{%- if add_generation_prompt %}\n"
+     "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+     "{%- endif %}\n"),
     # Meta-Llama-3-8B-Instruct.
     ("llama3", "<|begin_of_text|>", "<|eot_id|>",
      "{% set loop_messages = messages %}{% for message in loop_messages %}"
@@ -71,7 +111,7 @@ TEMPLATES = [
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Tell me a story."}],
-    [{"role": "system", "content": "You write short stories for children."},
+    [{"role": "system", "content": "You write short stories for children.\n"},
      {"role": "user", "content": "  Tell me a story about a dog.\n"},
      {"role": "assistant", "content": " Once upon a time, there was a dog named Max. "},
      {"role": "user", "content": "What did Max like?"}],

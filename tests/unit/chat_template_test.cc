@@ -27,16 +27,22 @@ TEST(ChatTemplate, PublishedTemplatesRenderAsTransformersRendersThem) {
   const nlohmann::json doc = nlohmann::json::parse(r.output, nullptr, false);
   ASSERT_FALSE(doc.is_discarded()) << r.output;
   const nlohmann::json& cases = doc["cases"];
-  ASSERT_EQ(cases.size(), 21u);  // 7 templates x 3 conversations
-  int compared = 0, defaults = 0;
+  ASSERT_EQ(cases.size(), 27u);  // 9 templates x 3 conversations
+  int compared = 0, defaults = 0, preambles = 0;
   for (const auto& c : cases) {
     const std::string format = c["format"].get<std::string>();
     const std::optional<ChatTemplate> t = DetectChatTemplate(c["template"].get<std::string>());
     ASSERT_TRUE(t.has_value()) << format;
     EXPECT_EQ(ChatFormatName(t->format), format);
-    if (!t->default_system.empty()) {
-      EXPECT_EQ(t->default_system, "You are a helpful assistant.");
+    if (!t->default_system.empty()) {  // Qwen2's, and Qwen2.5's second system turn (its first writes the given one)
+      EXPECT_TRUE(t->default_system == "You are a helpful assistant." ||
+                  t->default_system == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.")
+          << t->default_system;
       ++defaults;
+    }
+    if (!t->system_preamble.empty()) {  // Llama 3.1's
+      EXPECT_EQ(t->system_preamble, "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n");
+      ++preambles;
     }
     if (!c.contains("rendered")) continue;  // the template refuses the conversation (mistral: a system message)
     std::string expected = c["rendered"].get<std::string>();
@@ -47,12 +53,14 @@ TEST(ChatTemplate, PublishedTemplatesRenderAsTransformersRendersThem) {
     EXPECT_EQ(*text, expected) << format << " " << c["messages"].dump();
     ++compared;
   }
-  EXPECT_EQ(compared, 20);
-  EXPECT_EQ(defaults, 3);  // Qwen2's ChatML template, in each of its three cases
+  EXPECT_EQ(compared, 26);
+  EXPECT_EQ(defaults, 6);   // Qwen2's and Qwen2.5's templates, three cases each
+  EXPECT_EQ(preambles, 3);  // Llama 3.1's
 }
 
 TEST(ChatTemplate, WhatTheTemplatesDoNotShow) {
-  const ChatTemplate mistral{ChatFormat::kMistral, ""}, llama2{ChatFormat::kLlama2, ""}, chatml{ChatFormat::kChatMl, ""};
+  const ChatTemplate mistral{ChatFormat::kMistral, "", ""}, llama2{ChatFormat::kLlama2, "", ""},
+      chatml{ChatFormat::kChatMl, "", ""};
   // Mistral's template refuses a system message; nflash puts it before the first user message.
   const std::vector<ChatMessage> with_system = {{"system", "Be brief."}, {"user", "Hi"}};
   auto text = FormatChat(mistral, with_system, "<s>", "</s>");
@@ -88,6 +96,13 @@ TEST(ChatTemplate, WhatTheTemplatesDoNotShow) {
   auto t = DetectChatTemplate("{{ '<|im_start|>system\\n' + system_message + '<|im_end|>\\n' }}");
   ASSERT_TRUE(t.has_value());
   EXPECT_EQ(t->default_system, "");
+  // A Llama 3.1 template without a date of its own gets the one Llama 3.1 fixes; one that fixes another keeps it.
+  t = DetectChatTemplate("<|start_header_id|>{{ 'Cutting Knowledge Date: December 2023' }}");
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(t->system_preamble, "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n");
+  t = DetectChatTemplate("<|start_header_id|>{% set date_string = \"01 Jan 2025\" %}Cutting Knowledge Date: December 2023");
+  ASSERT_TRUE(t.has_value());
+  EXPECT_EQ(t->system_preamble, "Cutting Knowledge Date: December 2023\nToday Date: 01 Jan 2025\n\n");
   // Names round-trip; an unknown one lists them.
   for (ChatFormat f : {ChatFormat::kChatMl, ChatFormat::kLlama2, ChatFormat::kLlama3, ChatFormat::kMistral,
                        ChatFormat::kPhi3, ChatFormat::kZephyr}) {
