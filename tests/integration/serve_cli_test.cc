@@ -861,14 +861,20 @@ TEST(ServeOffloadTest, OracleDeploymentMatchesDenseServer) {
     std::string text;
     for (const std::string& e : SseEvents(res->body)) text += Json::parse(e)["content"].get<std::string>();
     EXPECT_EQ(text, dj["content"].get<std::string>());
-    // A next turn keeps the first one's keys and values on both servers, and still agrees.
-    const Json turn = {{"prompt", prompt + dj["content"].get<std::string>() + " Then"}, {"n_predict", 60},
+    // A next turn keeps the first one's keys and values on both servers, and still agrees: its new part is more than
+    // 64 tokens, so the deployment evaluates it as a batched prefill after the kept prefix.
+    const std::string more =
+        " Then the sun came out and the birds sang in the trees. The little girl went to the park with her mom and "
+        "her dog. They played with a big red ball and ran on the green grass. When they were tired, they sat under a "
+        "tree and ate some cake. The dog wanted some cake too, so the girl gave him a little piece.";
+    const Json turn = {{"prompt", prompt + dj["content"].get<std::string>() + more}, {"n_predict", 16},
                        {"temperature", 0}};
     auto [dts, dtj] = Post(*dc, "/completion", turn);
     auto [ots, otj] = Post(*oc, "/completion", turn);
     ASSERT_EQ(dts, 200) << dtj.dump();
     ASSERT_EQ(ots, 200) << otj.dump();
     EXPECT_GT(otj["timings"]["cache_n"].get<int>(), 50) << otj.dump();
+    EXPECT_GE(otj["timings"]["prompt_n"].get<int>(), 64) << otj.dump();
     EXPECT_EQ(otj["timings"]["cache_n"], dtj["timings"]["cache_n"]);
     EXPECT_EQ(otj["content"], dtj["content"]) << prompt;
   }
