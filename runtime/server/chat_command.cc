@@ -38,7 +38,7 @@ Status RunChat(const ChatFlags& f) {
   if (!m.chat) return Status::InvalidArgument(m.no_chat);
   InferenceContext& ctx = *m.context;
   const Tokenizer& tok = *m.tokenizer;
-  NF_LOG(Info) << "chat with " << m.name << " (" << engine->description << ", " << ChatFormatName(m.chat->format)
+  NF_LOG(Info) << "chat with " << m.name << " (" << m.description << ", " << ChatFormatName(m.chat->format)
                << " format), context " << ctx.n_ctx() << " tokens; one message per line, end of input to finish";
   std::vector<ChatMessage> messages;
   if (!f.system.empty()) messages.push_back({"system", f.system});

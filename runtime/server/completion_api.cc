@@ -88,6 +88,15 @@ Status OptionalSeed(const JsonFields& fields, uint64_t random_seed, uint64_t* ou
   return BadRequest(fields.Get("seed", out));
 }
 
+// The request body as JSON (InvalidArgument when it is not).
+Result<nlohmann::json> ParseBody(std::string_view body) {
+  try {
+    return nlohmann::json::parse(body);
+  } catch (const nlohmann::json::exception& e) {
+    return Status::InvalidArgument(std::string(kSource) + ": the body is not JSON (" + e.what() + ")");
+  }
+}
+
 double PerSecond(int64_t n, double ms) { return ms > 0 ? static_cast<double>(n) * 1000.0 / ms : 0.0; }
 
 // "messages": [{"role": ..., "content": ...}, ...], content a string, null (an assistant turn without text) or an
@@ -134,12 +143,7 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
                                                  uint64_t random_seed) {
   const Tokenizer& tokenizer = *limits.tokenizer;
   const int64_t n_ctx = limits.n_ctx;
-  nlohmann::json doc;
-  try {
-    doc = nlohmann::json::parse(body);
-  } catch (const nlohmann::json::exception& e) {
-    return Status::InvalidArgument(std::string(kSource) + ": the body is not JSON (" + e.what() + ")");
-  }
+  NF_ASSIGN_OR_RETURN(const nlohmann::json doc, ParseBody(body));
   auto fields_or = JsonFields::Of(doc, JsonLocation(kSource));
   if (!fields_or.ok()) return BadRequest(fields_or.status());
   const JsonFields& fields = *fields_or;
@@ -297,6 +301,48 @@ nlohmann::json OpenAiChatCompletion(const std::string& id, int64_t created, cons
   }
   j["choices"] = nlohmann::json::array({choice});
   return j;
+}
+
+Result<nlohmann::json> TokenizeResponse(std::string_view body, const Tokenizer& tokenizer) {
+  NF_ASSIGN_OR_RETURN(const nlohmann::json doc, ParseBody(body));
+  auto fields_or = JsonFields::Of(doc, JsonLocation(kSource));
+  if (!fields_or.ok()) return BadRequest(fields_or.status());
+  const JsonFields& fields = *fields_or;
+  std::string content;
+  bool add_special = false, parse_special = false, with_pieces = false;
+  NF_RETURN_IF_ERROR(BadRequest(fields.Get("content", &content)));
+  NF_RETURN_IF_ERROR(Optional(fields, "add_special", &add_special));
+  NF_RETURN_IF_ERROR(Optional(fields, "parse_special", &parse_special));
+  NF_RETURN_IF_ERROR(Optional(fields, "with_pieces", &with_pieces));
+  nlohmann::json tokens = nlohmann::json::array();
+  for (int32_t id : tokenizer.Encode(content, add_special && tokenizer.add_bos(), parse_special)) {
+    if (with_pieces) {
+      tokens.push_back({{"id", id}, {"piece", tokenizer.DecodeToken(id)}});
+    } else {
+      tokens.push_back(id);
+    }
+  }
+  return nlohmann::json{{"tokens", tokens}};
+}
+
+Result<nlohmann::json> DetokenizeResponse(std::string_view body, const Tokenizer& tokenizer) {
+  NF_ASSIGN_OR_RETURN(const nlohmann::json doc, ParseBody(body));
+  auto fields_or = JsonFields::Of(doc, JsonLocation(kSource));
+  if (!fields_or.ok()) return BadRequest(fields_or.status());
+  if (!fields_or->Has("tokens")) return Status::InvalidArgument(std::string(kSource) + ": missing field 'tokens'");
+  const nlohmann::json& list = doc["tokens"];
+  if (!list.is_array()) return WrongType("tokens", "an array of token ids", list);
+  std::vector<int32_t> ids;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const bool id = list[i].is_number_integer() && list[i].get<int64_t>() >= 0 &&
+                    list[i].get<int64_t>() < tokenizer.n_vocab();
+    if (!id) {
+      return WrongType("tokens[" + std::to_string(i) + "]",
+                       "a token id in [0, " + std::to_string(tokenizer.n_vocab()) + ")", list[i]);
+    }
+    ids.push_back(static_cast<int32_t>(list[i].get<int64_t>()));
+  }
+  return nlohmann::json{{"content", tokenizer.Decode(ids)}};
 }
 
 nlohmann::json ErrorBody(int status, const std::string& message) {

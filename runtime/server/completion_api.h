@@ -77,6 +77,15 @@ nlohmann::json OpenAiCompletion(const std::string& id, int64_t created, const st
 nlohmann::json OpenAiChatCompletion(const std::string& id, int64_t created, const std::string& model,
                                     const std::string& text, const GenerateResult* result, bool stream, bool first);
 
+// POST /tokenize (llama.cpp's): {"content": text, "add_special": false, "parse_special": false, "with_pieces": false}
+// -> {"tokens": [id, ...]} (BOS first with add_special when the model adds one; control-token texts become those tokens
+// with parse_special; with_pieces: [{"id", "piece"}], the piece being the token's text). InvalidArgument naming the
+// field.
+Result<nlohmann::json> TokenizeResponse(std::string_view body, const Tokenizer& tokenizer);
+// POST /detokenize (llama.cpp's): {"tokens": [id, ...]} -> {"content": text} (control tokens give no text).
+// InvalidArgument naming the field, or the token id outside the vocabulary.
+Result<nlohmann::json> DetokenizeResponse(std::string_view body, const Tokenizer& tokenizer);
+
 // {"error": {"message": ..., "type": ..., "code": status}}: the body of every error response (OpenAI's shape, which
 // llama.cpp's server uses too).
 nlohmann::json ErrorBody(int status, const std::string& message);

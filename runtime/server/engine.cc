@@ -23,7 +23,7 @@ Result<std::unique_ptr<Engine>> OpenDense(const EngineFlags& f) {
   e->dense_ctx = std::make_unique<InferenceContext>(*e->dense.model, e->pool.get(), f.runtime.ctx, kv_type);
   e->served.context = e->dense_ctx.get();
   e->served.tokenizer = e->dense.tokenizer.get();
-  e->description = "dense engine (" + e->dense.description + ")";
+  e->served.description = "dense engine (" + e->dense.description + ")";
   return e;
 }
 
@@ -39,7 +39,7 @@ Result<std::unique_ptr<Engine>> OpenOffloaded(const EngineFlags& f) {
   NF_ASSIGN_OR_RETURN(e->offloaded, sparse::OpenRuntime(f.runtime, o, e->pool.get()));
   e->served.context = &e->offloaded->context();
   e->served.tokenizer = e->deploy_tokenizer.get();
-  e->description = "offloaded sparse runtime (" + f.runtime.mode + ", " +
+  e->served.description = "offloaded sparse runtime (" + f.runtime.mode + ", " +
                    (e->offloaded->predictor() ? "predictor" : "oracle") + ")";
   return e;
 }

@@ -33,8 +33,7 @@ struct Engine {
   std::unique_ptr<InferenceContext> dense_ctx;
   std::unique_ptr<Tokenizer> deploy_tokenizer;
   std::unique_ptr<sparse::SparseRuntime> offloaded;
-  ServedModel served;  // name: the file or directory, without its folders
-  std::string description;
+  ServedModel served;  // name: the file or directory, without its folders; description: the engine
 };
 
 // The offloaded runtime's options among a command's (indices into CLI::App::get_options()).

@@ -86,6 +86,25 @@ void CompletionServer::Impl::Routes() {
     nlohmann::json m = {{"id", model.name}, {"object", "model"}, {"created", started}, {"owned_by", "nflash"}};
     SendJson(res, 200, {{"object", "list"}, {"data", nlohmann::json::array({m})}});
   });
+  http.Get("/props", [this](const httplib::Request&, httplib::Response& res) {
+    nlohmann::json props = {{"model", model.name},
+                            {"engine", model.description},
+                            {"n_ctx", model.context->n_ctx()},
+                            {"chat_format", nullptr},
+                            {"chat_template", model.tokenizer->chat_template()}};
+    if (model.chat) props["chat_format"] = ChatFormatName(model.chat->format);
+    SendJson(res, 200, props);
+  });
+  // Tokenizing needs no inference context: these answer at once, also while a completion runs.
+  for (const char* path : {"/tokenize", "/detokenize"}) {
+    const bool tokenize = std::string_view(path) == "/tokenize";
+    http.Post(path, [this, tokenize](const httplib::Request& req, httplib::Response& res) {
+      const Tokenizer& tok = *model.tokenizer;
+      auto body = tokenize ? TokenizeResponse(req.body, tok) : DetokenizeResponse(req.body, tok);
+      if (!body.ok()) return SendError(res, 400, body.status().message());
+      SendJson(res, 200, *body);
+    });
+  }
   http.Post("/completion", [this](const httplib::Request& req, httplib::Response& res) {
     Completion(req, res, ApiStyle::kLlamaCpp);
   });
@@ -110,8 +129,8 @@ void CompletionServer::Impl::Routes() {
         std::string message;
         if (res.status == 404) {
           message = "unknown endpoint " + req.method + " " + req.path +
-                    " (endpoints: GET /health, GET /v1/models, POST /completion, POST /v1/completions, " +
-                    "POST /v1/chat/completions)";
+                    " (endpoints: GET /health, GET /v1/models, GET /props, POST /completion, POST /v1/completions, " +
+                    "POST /v1/chat/completions, POST /tokenize, POST /detokenize)";
         } else if (res.status == 413) {
           message = "the request body is larger than " + std::to_string(kMaxBodyBytes) + " bytes";
         } else {

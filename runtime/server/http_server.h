@@ -19,6 +19,7 @@ namespace nflash::server {
 // What the server generates with. The context and tokenizer must outlive the server.
 struct ServedModel {
   std::string name;                    // the id GET /v1/models lists and every response carries
+  std::string description;             // the engine, as GET /props shows it
   InferenceContext* context = nullptr;  // the one sequence all requests share, one at a time
   const Tokenizer* tokenizer = nullptr;
   // The format POST /v1/chat/completions writes messages in (the model's template recognised, or --chat-template);

@@ -84,8 +84,8 @@ Status RunServe(const ServeFlags& f) {
 
   CompletionServer server(engine->served);
   NF_ASSIGN_OR_RETURN(int port, server.Bind(f.host, f.port));
-  NF_LOG(Info) << "serving " << engine->served.name << " with the " << engine->description << ", context " << n_ctx
-               << " tokens, " << engine->pool->NumThreads() << " compute thread(s); one request at a time";
+  NF_LOG(Info) << "serving " << engine->served.name << " with the " << engine->served.description << ", context "
+               << n_ctx << " tokens, " << engine->pool->NumThreads() << " compute thread(s); one request at a time";
   // The one line on stdout: scripts and tests read the port from it (with --port 0 the kernel picked it).
   std::printf("listening on http://%s:%d\n", f.host.c_str(), port);
   std::fflush(stdout);

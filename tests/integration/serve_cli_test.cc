@@ -560,6 +560,50 @@ TEST(ServeCliTest, UsageErrors) {
       << r.output;
 }
 
+// /tokenize and /detokenize against the ids models/stories260K-relu/README.md publishes for "Once upon a time" (BOS 1,
+// then 403 407 261 378: the same tokenizer), and /props.
+TEST_F(ServeDenseTest, TokenizeDetokenizeAndProps) {
+  auto c = ClientFor(*server_);
+  auto [s1, plain] = Post(*c, "/tokenize", {{"content", kPrompt}});
+  ASSERT_EQ(s1, 200) << plain.dump();
+  EXPECT_EQ(plain, Json({{"tokens", {403, 407, 261, 378}}}));
+  auto [s2, bos] = Post(*c, "/tokenize", {{"content", kPrompt}, {"add_special", true}});
+  ASSERT_EQ(s2, 200) << bos.dump();
+  EXPECT_EQ(bos["tokens"], Json({1, 403, 407, 261, 378}));
+  auto [s3, pieces] = Post(*c, "/tokenize", {{"content", kPrompt}, {"with_pieces", true}});
+  ASSERT_EQ(s3, 200) << pieces.dump();
+  std::string joined;
+  for (const Json& p : pieces["tokens"]) joined += p["piece"].get<std::string>();
+  EXPECT_EQ(pieces["tokens"][0]["id"], 403);
+  EXPECT_EQ(joined, std::string(" ") + kPrompt);  // SentencePiece's space prefix
+  auto [s4, text] = Post(*c, "/detokenize", {{"tokens", {1, 403, 407, 261, 378}}});
+  ASSERT_EQ(s4, 200) << text.dump();
+  EXPECT_EQ(text, Json({{"content", kPrompt}}));
+  const std::vector<std::pair<std::pair<std::string, Json>, std::string>> bad = {
+      {{"/tokenize", {{"text", kPrompt}}}, "missing field 'content'"},
+      {{"/tokenize", {{"content", 3}}}, "'content'"},
+      {{"/tokenize", {{"content", kPrompt}, {"add_special", "yes"}}}, "'add_special'"},
+      {{"/detokenize", {{"ids", {1}}}}, "missing field 'tokens'"},
+      {{"/detokenize", {{"tokens", "1 2"}}}, "'tokens' has the wrong type: expected an array of token ids"},
+      {{"/detokenize", {{"tokens", {1, 512}}}},
+       "'tokens[1]' has the wrong type: expected a token id in [0, 512), found 512"},
+  };
+  for (const auto& [req, expected] : bad) {
+    auto [s, j] = Post(*c, req.first, req.second);
+    EXPECT_EQ(s, 400) << req.second.dump();
+    EXPECT_NE(j["error"]["message"].get<std::string>().find(expected), std::string::npos) << j.dump();
+  }
+  auto res = c->Get("/props");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 200);
+  const Json props = Json::parse(res->body);
+  EXPECT_EQ(props["model"], "s.gguf");
+  EXPECT_EQ(props["n_ctx"], 512);
+  EXPECT_TRUE(props["chat_format"].is_null()) << props.dump();
+  EXPECT_EQ(props["chat_template"], "");
+  EXPECT_NE(props["engine"].get<std::string>().find("dense engine"), std::string::npos) << props.dump();
+}
+
 // Chat without a format: the model has no template and none was given, so a chat request says how to give one.
 TEST_F(ServeDenseTest, ChatNeedsAFormat) {
   auto c = ClientFor(*server_);
@@ -665,6 +709,17 @@ TEST(ServeChatTest, MessagesInTheModelsFormat) {
             std::string::npos)
       << server.Log();
   auto c = ClientFor(server);
+  auto props = c->Get("/props");
+  ASSERT_TRUE(props);
+  EXPECT_EQ(Json::parse(props->body)["chat_format"], "phi3") << props->body;
+  EXPECT_NE(Json::parse(props->body)["chat_template"].get<std::string>().find("<|assistant|>"), std::string::npos);
+  // /tokenize parses the marker as the control token only when asked to.
+  auto [ts, special] = Post(*c, "/tokenize", {{"content", "<|end|>"}, {"parse_special", true}});
+  ASSERT_EQ(ts, 200) << special.dump();
+  EXPECT_EQ(special["tokens"], Json({kMarker}));
+  auto [ts2, spelled] = Post(*c, "/tokenize", {{"content", "<|end|>"}});
+  ASSERT_EQ(ts2, 200) << spelled.dump();
+  EXPECT_GT(spelled["tokens"].size(), 1u) << spelled.dump();
   const Json req = {{"messages", messages}, {"max_tokens", 40}, {"temperature", 0}};
   auto [status, j] = Post(*c, "/v1/chat/completions", req);
   ASSERT_EQ(status, 200) << j.dump();
