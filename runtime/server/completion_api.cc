@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "runtime/core/json_fields.h"
 
@@ -99,6 +100,23 @@ Result<nlohmann::json> ParseBody(std::string_view body) {
 
 double PerSecond(int64_t n, double ms) { return ms > 0 ? static_cast<double>(n) * 1000.0 / ms : 0.0; }
 
+// An array of token ids of the vocabulary (field `field`), for /detokenize and prompts given as ids.
+Result<std::vector<int32_t>> TokenIds(const nlohmann::json& list, const std::string& field,
+                                      const Tokenizer& tokenizer) {
+  if (!list.is_array()) return WrongType(field, "an array of token ids", list);
+  std::vector<int32_t> ids;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const bool id = list[i].is_number_integer() && list[i].get<int64_t>() >= 0 &&
+                    list[i].get<int64_t>() < tokenizer.n_vocab();
+    if (!id) {
+      return WrongType(field + "[" + std::to_string(i) + "]",
+                       "a token id in [0, " + std::to_string(tokenizer.n_vocab()) + ")", list[i]);
+    }
+    ids.push_back(static_cast<int32_t>(list[i].get<int64_t>()));
+  }
+  return ids;
+}
+
 // "messages": [{"role": ..., "content": ...}, ...], content a string, null (an assistant turn without text) or an
 // array of parts of which only {"type": "text", "text": ...} are accepted (joined with newlines).
 Result<std::vector<ChatMessage>> ParseMessages(const JsonFields& fields) {
@@ -158,8 +176,16 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
                                                                          : "max_tokens";
   std::string prompt;
   std::vector<ChatMessage> messages;
+  std::optional<std::vector<int32_t>> given_ids;  // a prompt given as token ids, used as they are
   if (chat) {
     NF_ASSIGN_OR_RETURN(messages, ParseMessages(fields));
+  } else if (fields.Has("prompt") && fields.value()["prompt"].is_array()) {
+    NF_ASSIGN_OR_RETURN(given_ids, TokenIds(fields.value()["prompt"], "prompt", tokenizer));
+    if (given_ids->empty()) {
+      return Status::InvalidArgument(std::string(kSource) + ": field 'prompt' is an empty array of token ids");
+    }
+  } else if (fields.Has("prompt") && !fields.value()["prompt"].is_string()) {
+    return WrongType("prompt", "a string or an array of token ids", fields.value()["prompt"]);
   } else {
     NF_RETURN_IF_ERROR(BadRequest(fields.Get("prompt", &prompt)));
   }
@@ -202,7 +228,8 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
     if (!text.ok()) return Status::InvalidArgument(std::string(kSource) + ": " + text.status().message());
     prompt = *std::move(text);
   }
-  r.prompt_ids = tokenizer.Encode(prompt, tokenizer.add_bos(), /*parse_special=*/chat);
+  r.prompt_ids =
+      given_ids ? *std::move(given_ids) : tokenizer.Encode(prompt, tokenizer.add_bos(), /*parse_special=*/chat);
   const int64_t n_prompt = static_cast<int64_t>(r.prompt_ids.size());
   if (n_prompt == 0) {
     return Status::InvalidArgument(std::string(kSource) + ": field 'prompt' is empty and the model adds no BOS token");
@@ -330,18 +357,7 @@ Result<nlohmann::json> DetokenizeResponse(std::string_view body, const Tokenizer
   auto fields_or = JsonFields::Of(doc, JsonLocation(kSource));
   if (!fields_or.ok()) return BadRequest(fields_or.status());
   if (!fields_or->Has("tokens")) return Status::InvalidArgument(std::string(kSource) + ": missing field 'tokens'");
-  const nlohmann::json& list = doc["tokens"];
-  if (!list.is_array()) return WrongType("tokens", "an array of token ids", list);
-  std::vector<int32_t> ids;
-  for (size_t i = 0; i < list.size(); ++i) {
-    const bool id = list[i].is_number_integer() && list[i].get<int64_t>() >= 0 &&
-                    list[i].get<int64_t>() < tokenizer.n_vocab();
-    if (!id) {
-      return WrongType("tokens[" + std::to_string(i) + "]",
-                       "a token id in [0, " + std::to_string(tokenizer.n_vocab()) + ")", list[i]);
-    }
-    ids.push_back(static_cast<int32_t>(list[i].get<int64_t>()));
-  }
+  NF_ASSIGN_OR_RETURN(const std::vector<int32_t> ids, TokenIds(doc["tokens"], "tokens", tokenizer));
   return nlohmann::json{{"content", tokenizer.Decode(ids)}};
 }
 

@@ -53,8 +53,10 @@ struct RequestLimits {
 // InvalidArgument with a message naming the field: body not JSON or not an object, a field of the wrong type or out
 // of range, n_predict/max_tokens larger than the room the prompt leaves in the context, a prompt that does not fit,
 // a chat message that is malformed or that the chat format refuses (or a chat request when the model has no format).
-// A chat's messages are written in limits.chat's format and encoded with their special tokens parsed; its
-// max_tokens (or max_completion_tokens) defaults to the room left in the context: the model ends its turn itself.
+// A prompt may be given as an array of token ids instead of text (llama.cpp's and OpenAI's APIs allow it), used as
+// it is: BOS only when the array has it. A chat's messages are written in limits.chat's format and encoded with their
+// special tokens parsed; its max_tokens (or max_completion_tokens) defaults to the room left in the context: the
+// model ends its turn itself.
 Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle style, const RequestLimits& limits,
                                                  uint64_t random_seed);
 

@@ -393,6 +393,8 @@ TEST_F(ServeDenseTest, BadRequestsGet400NamingTheField) {
       {"/completion", "{" + p + ", \"repeat_last_n\": -2}", {"'repeat_last_n'", "0 or more", "-2"}},
       {"/completion", "{" + p + ", \"stream\": \"yes\"}", {"'stream'", "true or false"}},
       {"/completion", "{" + p + ", \"cache_prompt\": 1}", {"'cache_prompt'", "true or false", "found 1"}},
+      {"/completion", "{\"prompt\": []}", {"'prompt' is an empty array of token ids"}},
+      {"/v1/completions", "{\"prompt\": [1, 512]}", {"'prompt[1]'", "a token id in [0, 512)", "found 512"}},
       {"/completion", "{" + p + ", \"stop\": [\"ok\", 3]}", {"'stop[1]'", "found 3"}},
       {"/completion", "{" + p + ", \"seed\": 1.5}", {"'seed'", "integer"}},
       {"/v1/completions", "{" + p + ", \"max_tokens\": 1e3}", {"'max_tokens'", "integer"}},
@@ -561,7 +563,7 @@ TEST(ServeCliTest, UsageErrors) {
 }
 
 // /tokenize and /detokenize against the ids models/stories260K-relu/README.md publishes for "Once upon a time" (BOS 1,
-// then 403 407 261 378: the same tokenizer), and /props.
+// then 403 407 261 378: the same tokenizer), a prompt given as those ids, and /props.
 TEST_F(ServeDenseTest, TokenizeDetokenizeAndProps) {
   auto c = ClientFor(*server_);
   auto [s1, plain] = Post(*c, "/tokenize", {{"content", kPrompt}});
@@ -592,6 +594,16 @@ TEST_F(ServeDenseTest, TokenizeDetokenizeAndProps) {
     auto [s, j] = Post(*c, req.first, req.second);
     EXPECT_EQ(s, 400) << req.second.dump();
     EXPECT_NE(j["error"]["message"].get<std::string>().find(expected), std::string::npos) << j.dump();
+  }
+  // A prompt given as those ids, BOS included, is the text's prompt: the same greedy completion on both routes.
+  const Json by_text = Greedy(30);
+  for (const char* path : {"/completion", "/v1/completions"}) {
+    const bool openai = std::string(path) == "/v1/completions";
+    const Json req = {{"prompt", bos["tokens"]}, {openai ? "max_tokens" : "n_predict", 30}, {"temperature", 0}};
+    auto [s, j] = Post(*c, path, req);
+    ASSERT_EQ(s, 200) << j.dump();
+    EXPECT_EQ(openai ? j["choices"][0]["text"] : j["content"], by_text["content"]) << path;
+    EXPECT_EQ(openai ? j["usage"]["prompt_tokens"] : j["tokens_evaluated"], 5) << path;
   }
   auto res = c->Get("/props");
   ASSERT_TRUE(res);
