@@ -21,8 +21,9 @@ Usage (from the repository root, with a configured Ninja build):
     scripts/mutation_check.py --file packer/deployment.cc --targets packer_tests --list   # print, run nothing
 
 Targets that are test executables under BUILD/tests are run after building; others (nflash) are only built, for the
-tests that call the binary. The source file is always restored, also on Ctrl-C. Takes minutes: one incremental build
-and one test run per mutant. Do not edit or build in the same tree meanwhile.
+tests that call the binary. The source file is always restored, also on Ctrl-C, and the targets are built again from
+it at the end. Takes minutes: one incremental build and one test run per mutant. Do not edit or build in the same
+tree meanwhile.
 """
 import argparse
 import os
@@ -137,6 +138,11 @@ def main():
         print(f'{m[0]}: {verdict}', flush=True)
         for d in detail:
             print('    ' + d, flush=True)
+    # The sources are restored after each mutant, but the last mutant's binaries would stay in the build tree (and a
+    # later test run would test them): build the targets again from the restored sources.
+    targets = sorted({t for m in mutations for t in m[2]})
+    if subprocess.run(['ninja', '-C', a.build] + targets, capture_output=True).returncode != 0:
+        print(f'warning: rebuilding {" ".join(targets)} from the restored sources failed', flush=True)
     print(f'{len(mutations)} mutations, {survived} survived')
 
 
