@@ -8,6 +8,7 @@
 #include <unordered_map>
 
 #include "runtime/core/file.h"
+#include "runtime/core/json_fields.h"
 #include "runtime/core/log.h"
 
 namespace nflash::converter {
@@ -369,10 +370,8 @@ Result<std::string> ChatTemplateField(const json& v, const std::string& path) {
     }
     return Status::Corruption(path + ": chat_template: a list without a template named \"default\"");
   }
-  std::string found = v.dump();
-  if (found.size() > 80) found = found.substr(0, 80) + "...";
   return Status::Corruption(path + ": chat_template: expected a string or a list of {\"name\", \"template\"}, found " +
-                            found);
+                            JsonFound(v));
 }
 
 }  // namespace

@@ -2,18 +2,18 @@
 #include "runtime/core/json_fields.h"
 
 namespace nflash {
-namespace {
 
-// A found value in an error message: the JSON text, cut so that a large object does not flood the message.
-std::string Found(const nlohmann::json& v) {
-  // 80 characters show any scalar in full and enough of an object or array to recognise it.
+std::string JsonFound(const nlohmann::json& v) {
   constexpr size_t kMaxShown = 80;
   std::string s = v.dump();
   if (s.size() > kMaxShown) s = s.substr(0, kMaxShown) + "...";
   return s;
 }
 
-}  // namespace
+Status JsonWrongType(const JsonLocation& where, std::string_view expected, const nlohmann::json& found) {
+  return Status::Corruption(where.Describe() + " has the wrong type: expected " + std::string(expected) + ", found " +
+                            JsonFound(found));
+}
 
 JsonLocation JsonLocation::Field(std::string_view key) const {
   return JsonLocation(source_, path_.empty() ? std::string(key) : path_ + "." + std::string(key));
@@ -28,7 +28,7 @@ std::string JsonLocation::Describe() const { return path_.empty() ? source_ : so
 Result<JsonFields> JsonFields::Of(const nlohmann::json& value, JsonLocation where) {
   if (!value.is_object()) {
     return Status::Corruption(where.Describe() + (where.path().empty() ? ": expected a JSON object" : ": expected an object") +
-                              ", found " + Found(value));
+                              ", found " + JsonFound(value));
   }
   return JsonFields(value, std::move(where));
 }
@@ -42,8 +42,7 @@ Result<const nlohmann::json*> JsonFields::Find(std::string_view key) const {
 }
 
 Status JsonFields::WrongType(std::string_view key, const char* expected, const nlohmann::json& found) const {
-  return Status::Corruption(where_.Field(key).Describe() + " has the wrong type: expected " + expected + ", found " +
-                            Found(found));
+  return JsonWrongType(where_.Field(key), expected, found);
 }
 
 Status JsonFields::IntegerField(std::string_view key, bool is_signed, int64_t min, uint64_t max, int64_t* s,

@@ -33,6 +33,12 @@ class JsonLocation {
   std::string path_;
 };
 
+// A found value as error messages show it: its JSON text, cut at 80 characters (any scalar in full, enough of an object
+// or array to recognise it).
+std::string JsonFound(const nlohmann::json& v);
+// Corruption "SOURCE: field 'PATH' has the wrong type: expected EXPECTED, found VALUE" for the value at `where`.
+Status JsonWrongType(const JsonLocation& where, std::string_view expected, const nlohmann::json& found);
+
 // The fields of one JSON object. Every error is Status::Corruption (the document violates its format) and names the
 // source, the field's full path, what was expected and what was found (or that the field is missing). Integers must be
 // JSON integers (1.0 is the wrong type) within the range of the destination type (out of range is an error, never a

@@ -49,16 +49,9 @@ Status OptionalNumber(const JsonFields& fields, std::string_view key, double lo,
   return Status::Ok();
 }
 
-// A value as an error message shows it (at most 80 characters, as JsonFields shows a found value).
-std::string Shown(const nlohmann::json& v) {
-  std::string shown = v.dump();
-  if (shown.size() > 80) shown = shown.substr(0, 80) + "...";
-  return shown;
-}
-
+// The request's field at `path` (e.g. "messages[2].content") has the wrong type.
 Status WrongType(const std::string& path, const std::string& expected, const nlohmann::json& found) {
-  return Status::InvalidArgument(std::string(kSource) + ": field '" + path + "' has the wrong type: expected " +
-                                 expected + ", found " + Shown(found));
+  return BadRequest(JsonWrongType(JsonLocation(kSource, path), expected, found));
 }
 
 // "stop": one string or an array of strings (OpenAI allows both; llama.cpp sends an array).
