@@ -695,24 +695,15 @@ TEST(ServeChatTest, MessagesInTheModelsFormat) {
   const Json messages = {{{"role", "system"}, {"content", "You tell stories."}},
                          {{"role", "user"}, {"content", "Once upon a time"}}};
   const std::string prompt = "<|system|>\nYou tell stories.<|end|>\n<|user|>\nOnce upon a time<|end|>\n<|assistant|>\n";
-  // What the engine generates from that text, in-process.
-  auto m = Model::Load(model, {});
-  ASSERT_TRUE(m.ok()) << m.status().ToString();
-  auto tok = LoadTokenizer((*m)->gguf());
+  auto file = GgufFile::OpenPath(model);
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  auto tok = LoadTokenizer(*file);
   ASSERT_TRUE(tok.ok()) << tok.status().ToString();
   const std::vector<int32_t> ids = (*tok)->Encode(prompt, true, /*parse_special=*/true);
   EXPECT_EQ(std::count(ids.begin(), ids.end(), kMarker), 2);
-  ThreadPool pool(1);
-  InferenceContext ctx(**m, &pool, 512);
-  GenerateOptions o;
-  o.sampler.temperature = 0;
-  o.max_tokens = 40;
-  std::string expected;
-  auto g = Generate(ctx, **tok, ids, o, [&](std::string_view p) {
-    expected += p;
-    return true;
-  });
-  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  // What the engine generates from that text, in-process.
+  GenerateResult g;
+  const std::string expected = InProcessReply(model, prompt, 40, &g);
   ASSERT_FALSE(expected.empty());
 
   ServerProcess server("-m " + model + " -t 2", dir.File("serve.log"));
@@ -740,9 +731,9 @@ TEST(ServeChatTest, MessagesInTheModelsFormat) {
   ASSERT_EQ(j["choices"].size(), 1u);
   EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
   EXPECT_EQ(j["choices"][0]["message"]["content"], expected);
-  EXPECT_EQ(j["choices"][0]["finish_reason"], g->reason == StopReason::kMaxTokens ? "length" : "stop");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], g.reason == StopReason::kMaxTokens ? "length" : "stop");
   EXPECT_EQ(j["usage"]["prompt_tokens"], ids.size());
-  EXPECT_EQ(j["usage"]["completion_tokens"], g->generated_tokens);
+  EXPECT_EQ(j["usage"]["completion_tokens"], g.generated_tokens);
 
   // Streamed: the role first, then the text in deltas, then the finish reason and usage, then [DONE].
   Json sreq = req;
@@ -766,21 +757,15 @@ TEST(ServeChatTest, MessagesInTheModelsFormat) {
   const Json closing = Json::parse(events[events.size() - 2]);
   EXPECT_EQ(closing["choices"][0]["delta"], Json::object());
   EXPECT_EQ(closing["choices"][0]["finish_reason"], j["choices"][0]["finish_reason"]);
-  EXPECT_EQ(closing["usage"]["completion_tokens"], g->generated_tokens);
+  EXPECT_EQ(closing["usage"]["completion_tokens"], g.generated_tokens);
 
   // Without max_tokens the reply may fill the context (OpenAI's chat has no default limit): the model ends its turn.
-  o.max_tokens = 512 - static_cast<int64_t>(ids.size());
-  std::string unbounded;
-  ctx.Reset();
-  auto whole = Generate(ctx, **tok, ids, o, [&](std::string_view p) {
-    unbounded += p;
-    return true;
-  });
-  ASSERT_TRUE(whole.ok()) << whole.status().ToString();
-  EXPECT_GT(whole->generated_tokens, 16);  // more than /v1/completions' default budget
+  GenerateResult whole;
+  const std::string unbounded = InProcessReply(model, prompt, 512 - static_cast<int64_t>(ids.size()), &whole);
+  EXPECT_GT(whole.generated_tokens, 16);  // more than /v1/completions' default budget
   auto [unbounded_status, uj] = Post(*c, "/v1/chat/completions", {{"messages", messages}, {"temperature", 0}});
   ASSERT_EQ(unbounded_status, 200) << uj.dump();
-  EXPECT_EQ(uj["usage"]["completion_tokens"], whole->generated_tokens);
+  EXPECT_EQ(uj["usage"]["completion_tokens"], whole.generated_tokens);
   EXPECT_EQ(uj["choices"][0]["message"]["content"], unbounded);
 
   // The next turn: the conversation so far is in the KV cache.
