@@ -1,8 +1,13 @@
-// Reads a llama-architecture GGUF model (llama.cpp, PowerInfer or nflash output) into a SourceModel for re-quantizing.
+// Reads a GGUF model of llama.cpp's llama, qwen2 or phi3 architecture (llama.cpp, PowerInfer or nflash output) into a
+// SourceModel in the llama layout, for re-quantizing.
+#include <algorithm>
+#include <cmath>
 #include <memory>
 #include <string>
 
 #include "converter/readers.h"
+#include "converter/rope_rows.h"
+#include "converter/source_quants.h"
 #include "runtime/core/gguf.h"
 #include "runtime/core/log.h"
 #include "runtime/core/quant.h"
@@ -14,10 +19,14 @@ namespace {
 constexpr std::string_view kPassThroughPrefixes[] = {"powerinfer.", "nflash."};
 // Written by the writer from ModelConfig::activation, so not copied as an extra key.
 constexpr std::string_view kActivationKey = "nflash.ffn_activation";
+// The architectures read: llama as it is; qwen2 and phi3 (llama.cpp's NEOX RoPE, Phi-3's fused tensors) rearranged
+// into the llama layout by GgufParts.
+constexpr std::string_view kArchitectures[] = {"llama", "qwen2", "phi3"};
 
+// The core types, and the block types read only here (legacy Q4_1/Q5_0/Q5_1 and the K-quants), dequantized on reading.
 bool IsConvertibleType(GgmlType t) {
   return t == GgmlType::kF32 || t == GgmlType::kF16 || t == GgmlType::kBF16 || t == GgmlType::kQ8_0 ||
-         t == GgmlType::kQ4_0;
+         t == GgmlType::kQ4_0 || IsSourceOnlyType(t);
 }
 
 // An optional integer key: absent => `fallback`; present with a bad type => error.
@@ -140,10 +149,140 @@ Result<std::vector<float>> LoadF32(const GgufFile& f, const GgufTensorInfo& info
   }
   const uint64_t rows = info.n_elements / row;
   for (uint64_t r = 0; r < rows; ++r) {
-    Status s = DequantizeRow(info.type, bytes.data() + r * *row_bytes, out.data() + r * row, static_cast<int64_t>(row));
+    Status s = DequantizeSourceRow(info.type, bytes.data() + r * *row_bytes, out.data() + r * row,
+                                   static_cast<int64_t>(row));
     if (!s.ok()) return s.WithContext(f.path() + ": tensor " + info.name + " row " + std::to_string(r));
   }
   return out;
+}
+
+// One tensor of the output cut from a tensor of the file: rows [row_begin, row_begin + rows) of `source` (rows of
+// dims[0] elements; a 1-D tensor's rows are its elements), put from rotate-half into pair order over `rope_heads`
+// heads when that is > 0, every value multiplied by `scale`.
+struct GgufPart {
+  std::string name;
+  std::string source;
+  uint64_t row_begin = 0, rows = 0;  // rows 0: the whole source, dims unchanged
+  int64_t rope_heads = 0;
+  float scale = 1.0f;
+};
+
+uint64_t RowCount(const GgufTensorInfo& t) { return t.dims.size() == 1 ? t.dims[0] : t.n_elements / t.dims[0]; }
+uint64_t RowElements(const GgufTensorInfo& t) { return t.dims.size() == 1 ? 1 : t.dims[0]; }
+
+// What the llama layout needs of `arch`'s tensor `t`. qwen2 and phi3 rotate halves (llama.cpp's NEOX RoPE, the
+// Hugging Face order), so their q and k rows and biases are interleaved as the HF reader does; phi3's attn_qkv (rows
+// q | k | v) and ffn_up (rows gate | up) are split; LongRoPE's short factors become rope_freqs.weight and the long ones
+// are left out (the context is capped where the short ones hold); `qk_scale` (LongRoPE's attention factor) scales q
+// and k. The sizes cut are checked against the hyperparameters here, before any row is moved.
+Result<std::vector<GgufPart>> GgufParts(const GgufFile& f, const std::string& arch, const ModelConfig& c,
+                                        const GgufTensorInfo& t, float qk_scale) {
+  const auto dim = static_cast<uint64_t>(c.dim), n_ff = static_cast<uint64_t>(c.n_ff);
+  const auto head_dim = static_cast<uint64_t>(c.head_dim()), kv_dim = head_dim * static_cast<uint64_t>(c.n_kv_heads);
+  const std::string& n = t.name;
+  if (arch == "llama") return std::vector<GgufPart>{{n, n}};
+  if (arch == "phi3" && n == "rope_factors_long.weight") return std::vector<GgufPart>{};
+  if (arch == "phi3" && n == "rope_factors_short.weight") return std::vector<GgufPart>{{"rope_freqs.weight", n}};
+  const size_t dot = n.rfind('.');
+  const std::string stem = dot == std::string::npos ? n : n.substr(0, dot);
+  const std::string prefix = stem.substr(0, stem.rfind('.') + 1);  // "blk.N." for a layer's tensor
+  auto rows_are = [&](uint64_t want, const std::string& what) -> Status {
+    if (t.dims.size() <= 2 && RowCount(t) == want) return Status::Ok();
+    std::string dims;
+    for (size_t i = 0; i < t.dims.size(); ++i) dims += (i ? ", " : "") + std::to_string(t.dims[i]);
+    return Status::Corruption(f.path() + ": tensor " + n + " has dims [" + dims + "], expected " +
+                              std::to_string(want) + " rows (" + what + ")");
+  };
+  const bool q = stem.ends_with(".attn_q"), k = stem.ends_with(".attn_k");
+  if (stem.starts_with("blk.") && (q || k)) {
+    NF_RETURN_IF_ERROR(rows_are(q ? dim : kv_dim, q ? "embedding_length" : "head_count_kv x head size"));
+    return std::vector<GgufPart>{{n, n, 0, 0, q ? c.n_heads : c.n_kv_heads, qk_scale}};
+  }
+  if (arch == "phi3" && stem.starts_with("blk.") && stem.ends_with(".attn_qkv") && n.ends_with(".weight")) {
+    NF_RETURN_IF_ERROR(rows_are(dim + 2 * kv_dim, "q, k and v: embedding_length + 2 x head_count_kv x head size"));
+    return std::vector<GgufPart>{{prefix + "attn_q.weight", n, 0, dim, c.n_heads, qk_scale},
+                                 {prefix + "attn_k.weight", n, dim, kv_dim, c.n_kv_heads, qk_scale},
+                                 {prefix + "attn_v.weight", n, dim + kv_dim, kv_dim}};
+  }
+  if (arch == "phi3" && stem.starts_with("blk.") && n.ends_with(".ffn_up.weight")) {
+    NF_RETURN_IF_ERROR(rows_are(2 * n_ff, "gate and up: 2 x feed_forward_length"));
+    return std::vector<GgufPart>{{prefix + "ffn_gate.weight", n, 0, n_ff}, {prefix + "ffn_up.weight", n, n_ff, n_ff}};
+  }
+  return std::vector<GgufPart>{{n, n}};
+}
+
+// The source of part `p` of the file `f`: as F32, and as raw bytes when the rows can move whole (nothing scaled; a
+// 1-D tensor only in a type of one element per block).
+SourceTensor PartTensor(const std::shared_ptr<const GgufFile>& f, const GgufTensorInfo& info, const GgufPart& p) {
+  SourceTensor st;
+  st.name = p.name;
+  st.dims = info.dims;
+  if (p.rows > 0) st.dims = info.dims.size() == 1 ? std::vector<uint64_t>{p.rows} : std::vector{info.dims[0], p.rows};
+  st.source_type = info.type;
+  st.load_f32 = [f, p]() -> Result<std::vector<float>> {
+    const GgufTensorInfo* t = f->FindTensor(p.source);
+    if (t == nullptr) return Status::Internal(f->path() + ": tensor " + p.source + " vanished from the directory");
+    NF_ASSIGN_OR_RETURN(std::vector<float> all, LoadF32(*f, *t));
+    if (p.rows == 0 && p.scale == 1.0f && p.rope_heads == 0) return all;
+    const uint64_t cols = RowElements(*t), rows = p.rows > 0 ? p.rows : RowCount(*t);
+    std::vector<float> v(all.begin() + static_cast<ptrdiff_t>(p.row_begin * cols),
+                         all.begin() + static_cast<ptrdiff_t>((p.row_begin + rows) * cols));
+    for (float& x : v) x *= p.scale;
+    if (p.rope_heads == 0) return v;
+    return InterleaveRopeRows<float>(v, p.rope_heads, static_cast<int64_t>(rows), cols);
+  };
+  const auto row_bytes = RowBytes(info.type, RowElements(info));
+  if (p.scale != 1.0f || !row_bytes) return st;
+  st.load_raw = [f, p, row_bytes = *row_bytes]() -> Result<std::vector<uint8_t>> {
+    const GgufTensorInfo* t = f->FindTensor(p.source);
+    if (t == nullptr) return Status::Internal(f->path() + ": tensor " + p.source + " vanished from the directory");
+    std::vector<uint8_t> scratch;
+    NF_ASSIGN_OR_RETURN(std::span<const uint8_t> bytes, f->TensorData(*t, &scratch));
+    const uint64_t rows = p.rows > 0 ? p.rows : RowCount(*t);
+    const std::span<const uint8_t> window = bytes.subspan(p.row_begin * row_bytes, rows * row_bytes);
+    if (p.rope_heads == 0) return std::vector<uint8_t>(window.begin(), window.end());
+    return InterleaveRopeRows<uint8_t>(window, p.rope_heads, static_cast<int64_t>(rows), row_bytes);
+  };
+  return st;
+}
+
+// Phi-3's LongRoPE in a phi3 file: rope_factors_short.weight (head size / 2 factors, F32), used up to
+// rope.scaling.original_context_length, where the context is capped (the long factors are left out, as the HF reader
+// does); returns the attention factor that scales q and k: rope.scaling.attn_factor, else transformers' default
+// sqrt(1 + ln(context / original) / ln(original)) when the context is longer. No factors: 1, nothing changed.
+Result<float> Phi3LongRope(const GgufFile& f, ModelConfig* c) {
+  const GgufTensorInfo* t = f.FindTensor("rope_factors_short.weight");
+  if (t == nullptr) {
+    NF_ASSIGN_OR_RETURN(double attn, OptionalFloat(f, "phi3.rope.scaling.attn_factor", 1.0));
+    if (attn != 1.0) {
+      return Status::Corruption(f.path() + ": phi3.rope.scaling.attn_factor is " + std::to_string(attn) +
+                                " without rope_factors_short.weight (LongRoPE's factors)");
+    }
+    return 1.0f;
+  }
+  const auto pairs = static_cast<uint64_t>(c->head_dim() / 2);
+  if (t->type != GgmlType::kF32 || t->dims != std::vector<uint64_t>{pairs}) {
+    return Status::Corruption(f.path() + ": tensor rope_factors_short.weight must be F32 [" + std::to_string(pairs) +
+                              "] (head size / 2), found " + std::string(GgmlTypeName(t->type)) + " with " +
+                              std::to_string(t->n_elements) + " elements");
+  }
+  NF_ASSIGN_OR_RETURN(int64_t original, RequiredPositive(f, "phi3.rope.scaling.original_context_length"));
+  double attn = 1.0;
+  if (f.Find("phi3.rope.scaling.attn_factor") != nullptr) {
+    NF_ASSIGN_OR_RETURN(attn, f.GetFloat("phi3.rope.scaling.attn_factor"));
+  } else if (const double scale = static_cast<double>(c->context_length) / static_cast<double>(original); scale > 1) {
+    attn = std::sqrt(1.0 + std::log(scale) / std::log(static_cast<double>(original)));
+  }
+  if (!(attn > 0) || !std::isfinite(attn)) {
+    return Status::Corruption(f.path() + ": phi3.rope.scaling.attn_factor is " + std::to_string(attn) +
+                              ", expected a positive number");
+  }
+  if (c->context_length > original) {
+    NF_LOG(Info) << f.path() << ": longrope: using the short factors, valid up to rope.scaling.original_context_length "
+                 << original << "; the context length is capped there (from " << c->context_length << ")";
+    c->context_length = original;
+  }
+  return static_cast<float>(attn);
 }
 
 }  // namespace
@@ -156,45 +295,58 @@ Result<SourceModel> ReadGgufModel(const std::string& path) {
   model.source_path = path;
   model.source_format = "gguf";
   ModelConfig& c = model.config;
-  NF_ASSIGN_OR_RETURN(c.architecture, f->GetString("general.architecture"));
-  if (c.architecture != "llama") {
-    return Status::Unsupported(path + ": general.architecture is \"" + c.architecture +
-                               "\"; nflash converts only \"llama\" GGUF models");
+  std::string arch;
+  NF_ASSIGN_OR_RETURN(arch, f->GetString("general.architecture"));
+  if (std::find(std::begin(kArchitectures), std::end(kArchitectures), arch) == std::end(kArchitectures)) {
+    return Status::Unsupported(path + ": general.architecture is \"" + arch +
+                               "\"; nflash converts \"llama\", \"qwen2\" and \"phi3\" GGUF models");
   }
+  c.architecture = "llama";  // what the file written is, whatever the source's architecture
+  const std::string key = arch + ".";
   if (f->Find("general.name") != nullptr) {
     NF_ASSIGN_OR_RETURN(c.name, f->GetString("general.name"));
   }
-  NF_ASSIGN_OR_RETURN(c.dim, RequiredPositive(*f, "llama.embedding_length"));
-  NF_ASSIGN_OR_RETURN(c.n_layers, RequiredPositive(*f, "llama.block_count"));
-  NF_ASSIGN_OR_RETURN(c.n_ff, RequiredPositive(*f, "llama.feed_forward_length"));
-  NF_ASSIGN_OR_RETURN(c.n_heads, RequiredPositive(*f, "llama.attention.head_count"));
-  NF_ASSIGN_OR_RETURN(c.n_kv_heads, OptionalInt(*f, "llama.attention.head_count_kv", c.n_heads));
-  NF_ASSIGN_OR_RETURN(c.context_length, OptionalInt(*f, "llama.context_length", 0));
+  NF_ASSIGN_OR_RETURN(c.dim, RequiredPositive(*f, key + "embedding_length"));
+  NF_ASSIGN_OR_RETURN(c.n_layers, RequiredPositive(*f, key + "block_count"));
+  NF_ASSIGN_OR_RETURN(c.n_ff, RequiredPositive(*f, key + "feed_forward_length"));
+  NF_ASSIGN_OR_RETURN(c.n_heads, RequiredPositive(*f, key + "attention.head_count"));
+  NF_ASSIGN_OR_RETURN(c.n_kv_heads, OptionalInt(*f, key + "attention.head_count_kv", c.n_heads));
+  NF_ASSIGN_OR_RETURN(c.context_length, OptionalInt(*f, key + "context_length", 0));
   // Defaults as llama.cpp's: RoPE base 10000, RMSNorm eps 1e-5.
-  NF_ASSIGN_OR_RETURN(double theta, OptionalFloat(*f, "llama.rope.freq_base", 10000.0));
-  NF_ASSIGN_OR_RETURN(double eps, OptionalFloat(*f, "llama.attention.layer_norm_rms_epsilon", 1e-5));
+  NF_ASSIGN_OR_RETURN(double theta, OptionalFloat(*f, key + "rope.freq_base", 10000.0));
+  NF_ASSIGN_OR_RETURN(double eps, OptionalFloat(*f, key + "attention.layer_norm_rms_epsilon", 1e-5));
   c.rope_theta = static_cast<float>(theta);
   c.norm_eps = static_cast<float>(eps);
-  if (f->Find("llama.rope.scaling.type") != nullptr) {
-    NF_ASSIGN_OR_RETURN(std::string type, f->GetString("llama.rope.scaling.type"));
+  if (f->Find(key + "rope.scaling.type") != nullptr) {
+    NF_ASSIGN_OR_RETURN(std::string type, f->GetString(key + "rope.scaling.type"));
     if (type == "linear") {
-      NF_ASSIGN_OR_RETURN(double factor, f->GetFloat("llama.rope.scaling.factor"));
+      NF_ASSIGN_OR_RETURN(double factor, f->GetFloat(key + "rope.scaling.factor"));
       c.rope_scale_linear = static_cast<float>(factor);
     } else if (type != "none") {
-      return Status::Unsupported(path + ": llama.rope.scaling.type \"" + type + "\" (only linear is supported)");
+      return Status::Unsupported(path + ": " + key + "rope.scaling.type \"" + type + "\" (only linear is supported)");
     }
   }
-  NF_ASSIGN_OR_RETURN(c.sliding_window, OptionalInt(*f, "llama.attention.sliding_window", 0));
+  NF_ASSIGN_OR_RETURN(c.sliding_window, OptionalInt(*f, key + "attention.sliding_window", 0));
   if (c.sliding_window < 0 || c.sliding_window > UINT32_MAX) {
-    return Status::Corruption(path + ": llama.attention.sliding_window is " + std::to_string(c.sliding_window) +
+    return Status::Corruption(path + ": " + key + "attention.sliding_window is " + std::to_string(c.sliding_window) +
                               ", expected 0 (none) or a window of positions below 2^32");
   }
-  NF_ASSIGN_OR_RETURN(c.n_experts, OptionalInt(*f, "llama.expert_count", 0));
-  NF_ASSIGN_OR_RETURN(c.n_experts_used, OptionalInt(*f, "llama.expert_used_count", 0));
-  if (c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0 || c.dim % c.n_heads != 0) {
+  NF_ASSIGN_OR_RETURN(c.n_experts, OptionalInt(*f, key + "expert_count", 0));
+  NF_ASSIGN_OR_RETURN(c.n_experts_used, OptionalInt(*f, key + "expert_used_count", 0));
+  if (c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0 || c.dim % c.n_heads != 0 || c.head_dim() % 2 != 0) {
     return Status::Corruption(path + ": inconsistent attention shape: embedding_length " + std::to_string(c.dim) +
                               ", head_count " + std::to_string(c.n_heads) + ", head_count_kv " +
-                              std::to_string(c.n_kv_heads));
+                              std::to_string(c.n_kv_heads) + " (expected an even head size)");
+  }
+  NF_ASSIGN_OR_RETURN(int64_t rotary, OptionalInt(*f, key + "rope.dimension_count", c.head_dim()));
+  if (rotary != c.head_dim()) {
+    return Status::Unsupported(path + ": " + key + "rope.dimension_count is " + std::to_string(rotary) +
+                               ", expected embedding_length / head_count = " + std::to_string(c.head_dim()) +
+                               " (partial rotary embeddings are not supported)");
+  }
+  float qk_scale = 1.0f;
+  if (arch == "phi3") {
+    NF_ASSIGN_OR_RETURN(qk_scale, Phi3LongRope(*f, &c));
   }
 
   NF_RETURN_IF_ERROR(ReadTokenizer(*f, &model.tokenizer));
@@ -204,36 +356,21 @@ Result<SourceModel> ReadGgufModel(const std::string& path) {
     if (!IsConvertibleType(info.type)) {
       return Status::Unsupported(path + ": tensor " + info.name + " has type " +
                                  std::string(GgmlTypeName(info.type)) +
-                                 "; nflash converts from f32, f16, bf16, q8_0 and q4_0 only");
+                                 "; nflash converts from f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 and the "
+                                 "k-quants q2_K to q6_K");
     }
     if (info.name.ends_with(".fc1.weight") || info.name.ends_with(".fc2.weight")) has_predictors = true;
-    SourceTensor st;
-    st.name = info.name;
-    st.dims = info.dims;
-    st.source_type = info.type;
-    const std::string name = info.name;
-    st.load_f32 = [f, name]() -> Result<std::vector<float>> {
-      const GgufTensorInfo* t = f->FindTensor(name);
-      if (t == nullptr) return Status::Internal(f->path() + ": tensor " + name + " vanished from the directory");
-      return LoadF32(*f, *t);
-    };
-    st.load_raw = [f, name]() -> Result<std::vector<uint8_t>> {
-      const GgufTensorInfo* t = f->FindTensor(name);
-      if (t == nullptr) return Status::Internal(f->path() + ": tensor " + name + " vanished from the directory");
-      std::vector<uint8_t> scratch;
-      NF_ASSIGN_OR_RETURN(std::span<const uint8_t> bytes, f->TensorData(*t, &scratch));
-      return std::vector<uint8_t>(bytes.begin(), bytes.end());
-    };
-    model.tensors.push_back(std::move(st));
+    NF_ASSIGN_OR_RETURN(std::vector<GgufPart> parts, GgufParts(*f, arch, c, info, qk_scale));
+    for (const GgufPart& p : parts) model.tensors.push_back(PartTensor(f, info, p));
   }
 
   const GgufTensorInfo* embd = f->FindTensor("token_embd.weight");
   if (embd == nullptr) return Status::Corruption(path + ": tensor token_embd.weight is missing");
   if (embd->dims.size() != 2 || embd->dims[0] != static_cast<uint64_t>(c.dim)) {
     return Status::Corruption(path + ": token_embd.weight row length " + std::to_string(embd->dims[0]) +
-                              " does not match llama.embedding_length " + std::to_string(c.dim));
+                              " does not match " + key + "embedding_length " + std::to_string(c.dim));
   }
-  // llama.vocab_size is optional in llama.cpp files; the embedding's row count is authoritative.
+  // ARCH.vocab_size is optional in llama.cpp files; the embedding's row count is authoritative.
   c.n_vocab = static_cast<int64_t>(embd->dims[1]);
   c.tied_embeddings = f->FindTensor("output.weight") == nullptr;
 

@@ -12,6 +12,7 @@
 
 #include "converter/hf_tokenizer.h"
 #include "converter/readers.h"
+#include "converter/rope_rows.h"
 #include "converter/safetensors.h"
 #include "runtime/core/file.h"
 #include "runtime/core/log.h"
@@ -101,23 +102,6 @@ struct TensorPlan {
 };
 
 std::vector<uint64_t> Reversed(std::vector<uint64_t> v) { return {v.rbegin(), v.rend()}; }
-
-// GGUF row (h * head_dim + 2i + j) = HF row (h * head_dim + j * head_dim/2 + i): see hf_reader.h.
-std::vector<float> UndoRopePermutation(const std::vector<float>& hf, int64_t n_heads, int64_t rows, int64_t cols) {
-  std::vector<float> out(hf.size());
-  const int64_t head_dim = rows / n_heads;
-  const int64_t half = head_dim / 2;
-  for (int64_t h = 0; h < n_heads; ++h) {
-    for (int64_t i = 0; i < half; ++i) {
-      for (int64_t j = 0; j < 2; ++j) {
-        const float* src = hf.data() + (h * head_dim + j * half + i) * cols;
-        float* dst = out.data() + (h * head_dim + 2 * i + j) * cols;
-        std::copy(src, src + cols, dst);
-      }
-    }
-  }
-  return out;
-}
 
 std::string BaseName(std::string dir) {
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
@@ -279,7 +263,7 @@ std::function<Result<std::vector<float>>()> MakeLoader(std::vector<ShardTensor> 
       if (rope_heads > 0) {
         const auto rows = static_cast<int64_t>(s.tensor.shape[0]);
         const auto cols = s.tensor.shape.size() > 1 ? static_cast<int64_t>(s.tensor.shape[1]) : 1;  // a bias: 1-D
-        return UndoRopePermutation(data, rope_heads, rows, cols);
+        return InterleaveRopeRows<float>(data, rope_heads, rows, static_cast<size_t>(cols));
       }
       return data;
     }

@@ -21,7 +21,10 @@ Result<std::string> FindLlama2cTokenizer(const std::string& checkpoint);
 // Hugging Face directory: config.json, model.safetensors or sharded model-*-of-*.safetensors with
 // model.safetensors.index.json, tokenizer.json and/or tokenizer.model. Llama/Mistral/Mixtral architectures.
 Result<SourceModel> ReadHfDirectory(const std::string& dir);
-// A GGUF llama-architecture model (any nflash-readable tensor types), including PowerInfer files with predictors.
+// A GGUF model (any nflash-readable tensor types) of llama.cpp's llama architecture (including PowerInfer files with
+// predictors), or of its qwen2 or phi3 architecture, rearranged into the llama layout: q and k rows from rotate-half
+// into pair order, Phi-3's fused attn_qkv and ffn_up split, LongRoPE's short factors as rope_freqs.weight with the
+// attention factor folded into q and k.
 Result<SourceModel> ReadGgufModel(const std::string& path);
 
 struct WriteOptions {

@@ -11,6 +11,11 @@ namespace nflash {
 Result<LlamaHparams> ReadLlamaHparams(const GgufFile& f) {
   const std::string& path = f.path();
   NF_ASSIGN_OR_RETURN(std::string arch, f.GetString("general.architecture"));
+  if (arch == "qwen2" || arch == "phi3") {
+    return Status::Unsupported(path + ": general.architecture is \"" + arch + "\", expected \"llama\": convert the " +
+                               "file first (nflash convert " + path + " -o OUT.gguf), which rearranges " + arch +
+                               " into the llama layout");
+  }
   if (arch != "llama") {
     return Status::Unsupported(path + ": general.architecture is \"" + arch + "\", expected \"llama\"");
   }

@@ -571,8 +571,9 @@ TEST(ConvertGguf, BadSourcesNameTheKeyOrTensor) {
        {"inconsistent attention shape", "head_count 8, head_count_kv 3"}},
       {"activation", SetKey("nflash.ffn_activation", GgufValue(std::string("tanh"))),
        {"nflash.ffn_activation is \"tanh\", expected silu, relu or drelu"}},
-      {"q4_1 tensor", ChangeTensor("blk.0.attn_q.weight", "", {}, GgmlType::kQ4_1),
-       {"tensor blk.0.attn_q.weight has type q4_1", "converts from f32, f16, bf16, q8_0 and q4_0 only"}},
+      {"q8_1 tensor", ChangeTensor("blk.0.attn_q.weight", "", {}, GgmlType::kQ8_1),
+       {"tensor blk.0.attn_q.weight has type q8_1", "converts from f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1 and "
+                                                   "the k-quants q2_K to q6_K"}},
       {"no embedding", ChangeTensor("token_embd.weight", "token_embd_x.weight"),
        {"tensor token_embd.weight is missing"}},
       {"embedding rows", ChangeTensor("token_embd.weight", "", {32, 1024}),

@@ -20,6 +20,7 @@
 
 #include "converter/hf_reader.h"
 #include "converter/readers.h"
+#include "runtime/core/quant.h"
 #include "runtime/core/thread_pool.h"
 #include "runtime/engine/context.h"
 #include "runtime/engine/model.h"
@@ -1253,6 +1254,197 @@ TEST(HfInspect, SafetensorsFiguresAreTheWritersLayout) {
   EXPECT_EQ(e["format"], "safetensors");
   EXPECT_EQ(e["tensor_count"], 0);
   EXPECT_EQ(e["tensor_bytes"], 0);
+}
+
+
+// tests/reference/llamacpp_gguf.py on the HF directory `dir`: llama.cpp's qwen2 or phi3 GGUF of it (2-D weights in
+// `type`), its tokenizer keys taken from `tokenizer_from`. Returns the file's path.
+std::string LlamaCppGguf(const std::string& dir, const std::string& tokenizer_from, const std::string& type) {
+  const std::string out = dir + ".llamacpp-" + type + ".gguf";
+  const testing::CommandResult r =
+      testing::RunCommand(std::string(NFLASH_PYTHON) + " " + NFLASH_SOURCE_DIR + "/tests/reference/llamacpp_gguf.py" +
+                          " --dir " + dir + " --out " + out + " --tokenizer-from " + tokenizer_from + " --type " + type);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return out;
+}
+
+// `path` converted to `type` (with the writer's summary).
+Status ConvertGguf(const std::string& path, const std::string& out, GgmlType type, WriteSummary* summary = nullptr) {
+  auto model = ReadGgufModel(path);
+  if (!model.ok()) return model.status();
+  WriteOptions options;
+  options.path = out;
+  options.type = type;
+  options.progress = false;
+  return WriteModelGguf(*model, options, summary);
+}
+
+// Tensor `name` of `path` dequantized to F32.
+Floats TensorF32(const std::string& path, const std::string& name) {
+  auto f = GgufFile::OpenPath(path);
+  EXPECT_TRUE(f.ok()) << f.status().ToString();
+  if (!f.ok()) return {};
+  const GgufTensorInfo* t = f->FindTensor(name);
+  EXPECT_NE(t, nullptr) << name;
+  if (t == nullptr) return {};
+  const std::vector<uint8_t> raw = TensorBytes(*f, name);
+  const uint64_t row = t->dims[0], rows = t->n_elements / row;
+  const uint64_t row_bytes = raw.size() / rows;
+  Floats out(t->n_elements);
+  for (uint64_t r = 0; r < rows; ++r) {
+    EXPECT_TRUE(DequantizeRow(t->type, raw.data() + r * row_bytes, out.data() + r * row, int64_t(row)).ok());
+  }
+  return out;
+}
+
+// llama.cpp's qwen2 architecture (written by tests/reference/llamacpp_gguf.py from llama.cpp's conventions: NEOX
+// RoPE, so the q and k rows and biases stay in the HF checkpoint's rotate-half order, keys under "qwen2."): converted,
+// it is the file the HF reader makes of the same directory, tensor for tensor and byte for byte, and that file's
+// logits are the HF reference's (HfConvert.Qwen2AttentionBiasesMatchTheNumpyReference). Its q rows as stored are not
+// the llama layout's, so the comparison can fail. From Q8_0 weights, the rows are moved whole (copied, not
+// requantized) and dequantize to exactly what the F32 conversion of the same file holds.
+TEST(LlamaCppGguf, Qwen2GivesTheHfConversion) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.architecture = "Qwen2ForCausalLM";
+  o.qkv_bias = true;
+  const std::string hf = ConvertStoriesHf(tmp, "qwen2", o);
+  const std::string qwen2 = LlamaCppGguf(tmp.File("qwen2"), hf, "f32");
+  auto src = GgufFile::OpenPath(qwen2);
+  ASSERT_TRUE(src.ok()) << src.status().ToString();
+  EXPECT_EQ(*src->GetString("general.architecture"), "qwen2");
+  EXPECT_NE(src->Find("qwen2.attention.head_count_kv"), nullptr);
+  auto hf_file = GgufFile::OpenPath(hf);
+  ASSERT_TRUE(hf_file.ok());
+  EXPECT_FALSE(TensorBytes(*src, "blk.1.attn_q.weight") == TensorBytes(*hf_file, "blk.1.attn_q.weight"));
+  EXPECT_FALSE(TensorBytes(*src, "blk.1.attn_k.bias") == TensorBytes(*hf_file, "blk.1.attn_k.bias"));
+
+  const std::string converted = tmp.File("qwen2-converted.gguf");
+  ASSERT_TRUE(ConvertGguf(qwen2, converted, GgmlType::kF32).ok());
+  ExpectSameModel(converted, hf);
+
+  const std::string q8 = LlamaCppGguf(tmp.File("qwen2"), hf, "q8_0");
+  const std::string as_q8 = tmp.File("q8-q8.gguf"), as_f32 = tmp.File("q8-f32.gguf");
+  WriteSummary summary;
+  const Status s = ConvertGguf(q8, as_q8, GgmlType::kQ8_0, &summary);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  ASSERT_TRUE(ConvertGguf(q8, as_f32, GgmlType::kF32).ok());
+  EXPECT_GE(summary.raw_copies, size_t(GetStories().n_layers) * 7);  // q, k, v, o, gate, up, down of every layer
+  for (const std::string name : {"blk.0.attn_q.weight", "blk.3.attn_k.weight", "blk.4.attn_v.weight",
+                                 "blk.2.ffn_down.weight", "token_embd.weight"}) {
+    const Floats a = TensorF32(as_q8, name), b = TensorF32(as_f32, name);
+    ASSERT_EQ(a.size(), b.size()) << name;
+    EXPECT_TRUE(a == b) << name;
+  }
+  EXPECT_FALSE(TensorF32(as_q8, "blk.0.attn_q.weight") == TensorF32(q8, "blk.0.attn_q.weight"));
+}
+
+// llama.cpp's phi3 architecture: q, k and v fused in attn_qkv, gate and up in ffn_up, LongRoPE's factors as
+// rope_factors_short/long.weight with rope.scaling.attn_factor and original_context_length, a sliding window.
+// Converted, it is the file the HF reader makes of the same directory (short factors as rope_freqs.weight, the
+// attention factor folded into q and k, the context capped at 64, the window kept), whose logits
+// HfConvert.Phi3LongRopeMatchesTheHfReference ties to the HF reference; and without LongRoPE, the plain Phi-3 file.
+TEST(LlamaCppGguf, Phi3GivesTheHfConversion) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.architecture = "Phi3ForCausalLM";
+  o.fused = true;
+  o.rope_scaling = R"({"type": "longrope", "short_factor": [1.0, 1.5, 3.0, 7.0], "long_factor": [1.0, 2.0, 4.0, 8.0]})";
+  o.extra_config = R"("sliding_window": 20, "original_max_position_embeddings": 64,)";
+  const std::string hf = ConvertStoriesHf(tmp, "longrope", o);
+  const std::string phi3 = LlamaCppGguf(tmp.File("longrope"), hf, "f32");
+  auto src = GgufFile::OpenPath(phi3);
+  ASSERT_TRUE(src.ok()) << src.status().ToString();
+  EXPECT_EQ(*src->GetString("general.architecture"), "phi3");
+  EXPECT_NE(src->FindTensor("blk.0.attn_qkv.weight"), nullptr);
+  EXPECT_NE(src->FindTensor("rope_factors_long.weight"), nullptr);
+  EXPECT_NEAR(*src->GetFloat("phi3.rope.scaling.attn_factor"), std::sqrt(1.0 + std::log(8.0) / std::log(64.0)), 1e-6);
+  const std::string converted = tmp.File("longrope-converted.gguf");
+  const Status s = ConvertGguf(phi3, converted, GgmlType::kF32);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  ExpectSameModel(converted, hf);
+  // Without rope.scaling.attn_factor the factor is transformers' default, the one the script wrote; a short factor
+  // list of the wrong length is refused, naming the tensor.
+  const std::string no_key = tmp.File("no-attn-key.gguf"), no_key_converted = tmp.File("no-attn-key-converted.gguf");
+  ASSERT_EQ(testing::RewriteGguf(phi3, no_key, testing::SetGgufKey("phi3.rope.scaling.attn_factor", std::nullopt),
+                                 nullptr),
+            "");
+  ASSERT_TRUE(ConvertGguf(no_key, no_key_converted, GgmlType::kF32).ok());
+  ExpectSameModel(no_key_converted, hf);
+  const std::string short3 = tmp.File("short3.gguf");
+  ASSERT_EQ(testing::RewriteGguf(phi3, short3, nullptr,
+                                 [](testing::GgufTensorCopy* c) {
+                                   if (c->name != "rope_factors_short.weight") return;
+                                   c->dims = {3};
+                                   c->bytes.resize(3 * sizeof(float));
+                                 }),
+            "");
+  const Status bad = ConvertGguf(short3, tmp.File("short3-converted.gguf"), GgmlType::kF32);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.message().find("rope_factors_short.weight must be F32 [4] (head size / 2), found f32 with 3 elements"),
+            std::string::npos)
+      << bad.ToString();
+
+  o.rope_scaling = "null";
+  o.extra_config = R"("sliding_window": null,)";
+  const std::string plain_hf = ConvertStoriesHf(tmp, "plain", o);
+  const std::string plain = tmp.File("plain-converted.gguf");
+  ASSERT_TRUE(ConvertGguf(LlamaCppGguf(tmp.File("plain"), plain_hf, "f32"), plain, GgmlType::kF32).ok());
+  ExpectSameModel(plain, plain_hf);
+  auto a = GgufFile::OpenPath(converted), b = GgufFile::OpenPath(plain);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_FALSE(TensorBytes(*a, "blk.0.attn_q.weight") == TensorBytes(*b, "blk.0.attn_q.weight"));
+  EXPECT_EQ(b->FindTensor("rope_freqs.weight"), nullptr);
+}
+
+// A converted file's error names the file, the tensor or key, what was expected and what was found; the engine refuses
+// a qwen2 or phi3 file as it is, saying to convert it.
+TEST(LlamaCppGguf, BadFilesAreRefusedWithTheField) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.architecture = "Phi3ForCausalLM";
+  o.fused = true;
+  o.extra_config = R"("sliding_window": null,)";
+  const std::string hf = ConvertStoriesHf(tmp, "phi3", o);
+  const std::string phi3 = LlamaCppGguf(tmp.File("phi3"), hf, "f32");
+  auto expect_refused = [&](const testing::GgufKvEdit& kv, const std::function<void(testing::GgufTensorCopy*)>& t,
+                            const std::string& want) {
+    const std::string bad = tmp.File("bad.gguf");
+    ASSERT_EQ(testing::RewriteGguf(phi3, bad, kv, t), "");
+    const Status s = ConvertGguf(bad, tmp.File("bad-converted.gguf"), GgmlType::kF32);
+    ASSERT_FALSE(s.ok()) << want;
+    EXPECT_NE(s.message().find(want), std::string::npos) << s.ToString();
+    EXPECT_FALSE(FileExists(tmp.File("bad-converted.gguf")));
+  };
+  const Stories& st = GetStories();
+  const uint64_t qkv_rows = st.dim + 2 * (st.dim / st.n_heads * st.n_kv_heads);
+  auto drop_row = [&](const std::string& name) {
+    return [name](testing::GgufTensorCopy* c) {
+      if (c->name != name) return;
+      c->dims.back() -= 1;
+      c->bytes.resize(c->bytes.size() - c->dims[0] * sizeof(float));
+    };
+  };
+  expect_refused(nullptr, drop_row("blk.1.attn_qkv.weight"),
+                 "tensor blk.1.attn_qkv.weight has dims [" + std::to_string(st.dim) + ", " +
+                     std::to_string(qkv_rows - 1) + "], expected " + std::to_string(qkv_rows) + " rows");
+  expect_refused(nullptr, drop_row("blk.2.ffn_up.weight"),
+                 "tensor blk.2.ffn_up.weight has dims [" + std::to_string(st.dim) + ", " +
+                     std::to_string(2 * st.hidden - 1) + "], expected " + std::to_string(2 * st.hidden) +
+                     " rows (gate and up");
+  expect_refused(testing::SetGgufKey("phi3.rope.dimension_count", GgufValue(uint32_t{6})), nullptr,
+                 "phi3.rope.dimension_count is 6, expected embedding_length / head_count = 8 (partial rotary");
+  expect_refused(testing::SetGgufKey("general.architecture", GgufValue(std::string("gemma"))), nullptr,
+                 "general.architecture is \"gemma\"; nflash converts \"llama\", \"qwen2\" and \"phi3\"");
+  expect_refused(testing::SetGgufKey("phi3.rope.scaling.attn_factor", GgufValue(1.5f)), nullptr,
+                 "phi3.rope.scaling.attn_factor is 1.5");
+
+  auto refused = Model::Load(phi3, {});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("general.architecture is \"phi3\", expected \"llama\": convert the file "
+                                            "first (nflash convert " + phi3),
+            std::string::npos)
+      << refused.status().ToString();
 }
 
 }  // namespace

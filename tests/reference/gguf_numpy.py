@@ -18,7 +18,11 @@ Arrays are returned numpy-style: GGUF dims {cols, rows} -> numpy shape (rows, co
 The writer exists so tests can make GGUF files without nflash's writer; the quantizers follow ggml's reference
 (deterministic) quantizers, so bytes can be compared with nflash's quantizer.
 
-Usage as a script: gguf_numpy.py FILE  (prints metadata and the tensor table).
+Read only (dequantized, never written): Q4_1, Q5_0, Q5_1 and the K-quants Q2_K..Q6_K, gathered value by value from
+where ggml's block structs put each value's quant, scale and min (a formulation unlike ggml's loops).
+
+Usage as a script: gguf_numpy.py FILE  (prints metadata and the tensor table);
+                   gguf_numpy.py --dequantize TYPE_ID RAW.bin OUT.npy  (raw blocks -> float32 .npy).
 """
 
 import struct
@@ -39,8 +43,12 @@ _SCALAR_NP = {T_UINT8: "<u1", T_INT8: "<i1", T_UINT16: "<u2", T_INT16: "<i2", T_
 
 # ggml tensor types supported here: id -> (values per block, bytes per block).
 F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
-TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q8_0: "Q8_0", BF16: "BF16"}
-BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18)}
+# Read (dequantized) only: the legacy Q4_1, Q5_0, Q5_1 and the K-quants (256-value super-blocks).
+Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 3, 6, 7, 10, 11, 12, 13, 14
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q8_0: "Q8_0", BF16: "BF16", Q4_1: "Q4_1", Q5_0: "Q5_0",
+              Q5_1: "Q5_1", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
+         Q5_1: (32, 24), Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 
 
 class GGUFError(Exception):
@@ -80,7 +88,81 @@ def dequantize(raw, ggml_type, n):
         hi = (qs >> 4).astype(np.int8) - 8                       # elements 16..31
         q = np.concatenate([lo, hi], axis=1).astype(np.float32)  # [nb, 32]
         return (d * q).reshape(-1)
+    if ggml_type in (Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K):
+        per, size = BLOCK[ggml_type]
+        return _dequantize_other(raw[:n // per * size].reshape(-1, size), ggml_type).reshape(-1)
     raise GGUFError("unsupported ggml type %d" % ggml_type)
+
+
+def _f16(blocks, at):
+    """The fp16 field at byte `at` of each block, as float32 [nb, 1]."""
+    return blocks[:, at:at + 2].copy().view("<f2").astype(np.float32)
+
+
+def _scale_min_k4(packed):
+    """Q4_K/Q5_K: 12 packed bytes per block -> 8 six-bit scales and 8 six-bit mins, each [nb, 8]."""
+    q = packed.astype(np.int32)
+    sc = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 0x0F) | ((q[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], axis=1)
+    return sc, mn
+
+
+def _dequantize_other(b, t):
+    """Blocks b [nb, type size] of a read-only type -> float32 [nb, values per block], by element index: value e's
+    quant, scale and min are gathered from where the ggml block layout puts them."""
+    nb = b.shape[0]
+    if t in (Q4_1, Q5_0, Q5_1):
+        d = _f16(b, 0)
+        m = _f16(b, 2) if t != Q5_0 else np.zeros((nb, 1), np.float32)
+        qs = b[:, {Q4_1: 4, Q5_0: 6, Q5_1: 8}[t]:]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int32)  # values 0..15, then 16..31
+        if t != Q4_1:
+            at = 2 if t == Q5_0 else 4
+            qh = b[:, at:at + 4].copy().view("<u4").astype(np.int64)        # [nb, 1]: bit e is value e's fifth bit
+            q = q | (((qh >> np.arange(32)) & 1) << 4).astype(np.int32)
+        if t == Q5_0:
+            q = q - 16
+        return d * q.astype(np.float32) + m
+    e = np.arange(256)
+    half, w = e // 128, e % 128          # 128-value halves of the super-block
+    g, l = w // 32, w % 32               # group of 32 within the half, position in it
+    if t == Q2_K:
+        scales, qs, d, dmin = b[:, 0:16].astype(np.int32), b[:, 16:80].astype(np.int32), _f16(b, 80), _f16(b, 82)
+        q = (qs[:, half * 32 + l] >> (2 * g)) & 3
+        s = scales[:, e // 16]
+        return d * (s & 0x0F).astype(np.float32) * q.astype(np.float32) - dmin * (s >> 4).astype(np.float32)
+    if t == Q3_K:
+        hm, qs, d = b[:, 0:32].astype(np.int32), b[:, 32:96].astype(np.int32), _f16(b, 108)
+        # the 12 scale bytes as three little-endian u32 words, unpacked word-wise as ggml does
+        a = b[:, 96:108].copy().view("<u4").astype(np.uint32)
+        k1, k2 = np.uint32(0x03030303), np.uint32(0x0F0F0F0F)
+        tmp = a[:, 2]
+        words = np.stack([(a[:, 0] & k2) | ((tmp & k1) << np.uint32(4)),
+                          (a[:, 1] & k2) | (((tmp >> np.uint32(2)) & k1) << np.uint32(4)),
+                          ((a[:, 0] >> np.uint32(4)) & k2) | (((tmp >> np.uint32(4)) & k1) << np.uint32(4)),
+                          ((a[:, 1] >> np.uint32(4)) & k2) | (((tmp >> np.uint32(6)) & k1) << np.uint32(4))], axis=1)
+        sc = words.astype("<u4").view(np.int8).reshape(nb, 16).astype(np.int32) - 32
+        q = (qs[:, half * 32 + l] >> (2 * g)) & 3
+        high = (hm[:, l] >> (half * 4 + g)) & 1                              # set: no -4
+        return d * sc[:, e // 16].astype(np.float32) * (q - 4 * (1 - high)).astype(np.float32)
+    if t in (Q4_K, Q5_K):
+        d, dmin = _f16(b, 0), _f16(b, 2)
+        sc, mn = _scale_min_k4(b[:, 4:16])
+        qs = b[:, 48:176] if t == Q5_K else b[:, 16:144]
+        sub = e // 32                                                        # sub-block 0..7
+        byte = qs[:, (sub // 2) * 32 + e % 32].astype(np.int32)
+        q = np.where(sub % 2 == 1, byte >> 4, byte & 0x0F)
+        if t == Q5_K:
+            q = q + 16 * ((b[:, 16:48][:, e % 32].astype(np.int32) >> sub) & 1)
+        return d * sc[:, sub].astype(np.float32) * q.astype(np.float32) - dmin * mn[:, sub].astype(np.float32)
+    if t == Q6_K:
+        ql, qh, d = b[:, 0:128].astype(np.int32), b[:, 128:192].astype(np.int32), _f16(b, 208)
+        sc = b[:, 192:208].view(np.int8).astype(np.int32)
+        lo_byte = ql[:, half * 64 + l + 32 * (g % 2)]
+        nib = np.where(g >= 2, lo_byte >> 4, lo_byte & 0x0F)
+        q = (nib | (((qh[:, half * 32 + l] >> (2 * g)) & 3) << 4)) - 32
+        return d * sc[:, half * 8 + l // 16 + 2 * g].astype(np.float32) * q.astype(np.float32)
+    raise GGUFError("unsupported ggml type %d" % t)
 
 
 # ------------------------------------------------------------------------------------------------------- quantization
@@ -332,8 +414,15 @@ def write_gguf(path, metadata, tensors, alignment=DEFAULT_ALIGNMENT, version=3):
 
 
 def main(argv):
+    if len(argv) == 5 and argv[1] == "--dequantize":
+        # --dequantize TYPE_ID RAW.bin OUT.npy: the raw blocks of RAW.bin dequantized, float32, np.save'd
+        t = int(argv[2])
+        raw = np.fromfile(argv[3], dtype=np.uint8)
+        per, size = BLOCK[t]
+        np.save(argv[4], dequantize(raw, t, len(raw) // size * per).astype(np.float32))
+        return 0
     if len(argv) != 2:
-        print("usage: gguf_numpy.py FILE.gguf", file=sys.stderr)
+        print("usage: gguf_numpy.py FILE.gguf | --dequantize TYPE_ID RAW.bin OUT.npy", file=sys.stderr)
         return 2
     r = GGUFReader(argv[1])
     print("version %d, %d kv, %d tensors, alignment %d, data at %d" % (r.version, len(r.metadata), len(r.tensors),
