@@ -177,8 +177,8 @@ uint64_t RowElements(const GgufTensorInfo& t) { return t.dims.size() == 1 ? 1 : 
 // and k. The sizes cut are checked against the hyperparameters here, before any row is moved.
 Result<std::vector<GgufPart>> GgufParts(const GgufFile& f, const std::string& arch, const ModelConfig& c,
                                         const GgufTensorInfo& t, float qk_scale) {
-  const auto dim = static_cast<uint64_t>(c.dim), n_ff = static_cast<uint64_t>(c.n_ff);
-  const auto head_dim = static_cast<uint64_t>(c.head_dim()), kv_dim = head_dim * static_cast<uint64_t>(c.n_kv_heads);
+  const auto n_ff = static_cast<uint64_t>(c.n_ff);
+  const auto q_dim = static_cast<uint64_t>(c.q_dim()), kv_dim = static_cast<uint64_t>(c.kv_dim());
   const std::string& n = t.name;
   if (arch == "llama") return std::vector<GgufPart>{{n, n}};
   if (arch == "phi3" && n == "rope_factors_long.weight") return std::vector<GgufPart>{};
@@ -195,14 +195,14 @@ Result<std::vector<GgufPart>> GgufParts(const GgufFile& f, const std::string& ar
   };
   const bool q = stem.ends_with(".attn_q"), k = stem.ends_with(".attn_k");
   if (stem.starts_with("blk.") && (q || k)) {
-    NF_RETURN_IF_ERROR(rows_are(q ? dim : kv_dim, q ? "embedding_length" : "head_count_kv x head size"));
+    NF_RETURN_IF_ERROR(rows_are(q ? q_dim : kv_dim, q ? "head_count x head size" : "head_count_kv x head size"));
     return std::vector<GgufPart>{{n, n, 0, 0, q ? c.n_heads : c.n_kv_heads, qk_scale}};
   }
   if (arch == "phi3" && stem.starts_with("blk.") && stem.ends_with(".attn_qkv") && n.ends_with(".weight")) {
-    NF_RETURN_IF_ERROR(rows_are(dim + 2 * kv_dim, "q, k and v: embedding_length + 2 x head_count_kv x head size"));
-    return std::vector<GgufPart>{{prefix + "attn_q.weight", n, 0, dim, c.n_heads, qk_scale},
-                                 {prefix + "attn_k.weight", n, dim, kv_dim, c.n_kv_heads, qk_scale},
-                                 {prefix + "attn_v.weight", n, dim + kv_dim, kv_dim}};
+    NF_RETURN_IF_ERROR(rows_are(q_dim + 2 * kv_dim, "q, k and v: (head_count + 2 x head_count_kv) x head size"));
+    return std::vector<GgufPart>{{prefix + "attn_q.weight", n, 0, q_dim, c.n_heads, qk_scale},
+                                 {prefix + "attn_k.weight", n, q_dim, kv_dim, c.n_kv_heads, qk_scale},
+                                 {prefix + "attn_v.weight", n, q_dim + kv_dim, kv_dim}};
   }
   if (arch == "phi3" && stem.starts_with("blk.") && n.ends_with(".ffn_up.weight")) {
     NF_RETURN_IF_ERROR(rows_are(2 * n_ff, "gate and up: 2 x feed_forward_length"));
@@ -333,7 +333,17 @@ Result<SourceModel> ReadGgufModel(const std::string& path) {
   }
   NF_ASSIGN_OR_RETURN(c.n_experts, OptionalInt(*f, key + "expert_count", 0));
   NF_ASSIGN_OR_RETURN(c.n_experts_used, OptionalInt(*f, key + "expert_used_count", 0));
-  if (c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0 || c.dim % c.n_heads != 0 || c.head_dim() % 2 != 0) {
+  // The head size when it is not embedding_length / head_count (Mistral Nemo); llama.cpp writes value_length too.
+  NF_ASSIGN_OR_RETURN(c.key_length, OptionalInt(*f, key + "attention.key_length", 0));
+  NF_ASSIGN_OR_RETURN(int64_t value_length, OptionalInt(*f, key + "attention.value_length", c.key_length));
+  if (c.key_length < 0 || value_length != c.key_length) {
+    return Status::Unsupported(path + ": " + key + "attention.key_length " + std::to_string(c.key_length) + " and " +
+                               key + "attention.value_length " + std::to_string(value_length) +
+                               ": only equal key and value head sizes are supported");
+  }
+  if (c.key_length * c.n_heads == c.dim) c.key_length = 0;  // the default, written out
+  if (c.n_kv_heads <= 0 || c.n_heads % c.n_kv_heads != 0 || (c.key_length == 0 && c.dim % c.n_heads != 0) ||
+      c.head_dim() % 2 != 0) {
     return Status::Corruption(path + ": inconsistent attention shape: embedding_length " + std::to_string(c.dim) +
                               ", head_count " + std::to_string(c.n_heads) + ", head_count_kv " +
                               std::to_string(c.n_kv_heads) + " (expected an even head size)");
@@ -341,7 +351,7 @@ Result<SourceModel> ReadGgufModel(const std::string& path) {
   NF_ASSIGN_OR_RETURN(int64_t rotary, OptionalInt(*f, key + "rope.dimension_count", c.head_dim()));
   if (rotary != c.head_dim()) {
     return Status::Unsupported(path + ": " + key + "rope.dimension_count is " + std::to_string(rotary) +
-                               ", expected embedding_length / head_count = " + std::to_string(c.head_dim()) +
+                               ", expected the head size " + std::to_string(c.head_dim()) +
                                " (partial rotary embeddings are not supported)");
   }
   float qk_scale = 1.0f;

@@ -52,10 +52,15 @@ Status CheckConfig(const SourceModel& m) {
                                      ", expected a positive value");
     }
   }
-  if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0) {
+  if ((c.key_length == 0 && c.dim % c.n_heads != 0) || c.n_heads % c.n_kv_heads != 0) {
     return Status::InvalidArgument(where + ": dim " + std::to_string(c.dim) + ", n_heads " +
                                    std::to_string(c.n_heads) + ", n_kv_heads " + std::to_string(c.n_kv_heads) +
-                                   ": dim must be a multiple of n_heads and n_heads of n_kv_heads");
+                                   ": dim must be a multiple of n_heads (unless a key length is given) and n_heads "
+                                   "of n_kv_heads");
+  }
+  if (c.key_length < 0 || c.head_dim() % 2 != 0) {
+    return Status::InvalidArgument(where + ": the head size " + std::to_string(c.head_dim()) +
+                                   " must be a positive even number (RoPE rotates pairs)");
   }
   if (c.n_experts < 0 || (c.n_experts > 0 && (c.n_experts_used <= 0 || c.n_experts_used > c.n_experts))) {
     return Status::InvalidArgument(where + ": expert_used_count " + std::to_string(c.n_experts_used) +
@@ -98,7 +103,7 @@ Status CheckTensors(const SourceModel& m) {
     }
     if (!t.load_f32) return Status::Internal(where + ": tensor " + t.name + " has no loader");
   }
-  const uint64_t dim = c.dim, vocab = c.n_vocab, ff = c.n_ff, kv_dim = c.dim / c.n_heads * c.n_kv_heads;
+  const uint64_t dim = c.dim, vocab = c.n_vocab, ff = c.n_ff, kv_dim = c.kv_dim(), q_dim = c.q_dim();
   auto expect = [&](const std::string& name, std::vector<uint64_t> dims) -> Status {
     auto it = by_name.find(name);
     if (it == by_name.end()) {
@@ -125,11 +130,11 @@ Status CheckTensors(const SourceModel& m) {
   for (int64_t l = 0; l < c.n_layers; ++l) {
     const std::string p = "blk." + std::to_string(l) + ".";
     NF_RETURN_IF_ERROR(expect(p + "attn_norm.weight", {dim}));
-    NF_RETURN_IF_ERROR(expect(p + "attn_q.weight", {dim, dim}));
+    NF_RETURN_IF_ERROR(expect(p + "attn_q.weight", {dim, q_dim}));
     NF_RETURN_IF_ERROR(expect(p + "attn_k.weight", {dim, kv_dim}));
     NF_RETURN_IF_ERROR(expect(p + "attn_v.weight", {dim, kv_dim}));
-    NF_RETURN_IF_ERROR(expect(p + "attn_output.weight", {dim, dim}));
-    for (const auto& [bias, n] : {std::pair{"attn_q.bias", dim}, {"attn_k.bias", kv_dim}, {"attn_v.bias", kv_dim}}) {
+    NF_RETURN_IF_ERROR(expect(p + "attn_output.weight", {q_dim, dim}));
+    for (const auto& [bias, n] : {std::pair{"attn_q.bias", q_dim}, {"attn_k.bias", kv_dim}, {"attn_v.bias", kv_dim}}) {
       if (by_name.count(p + bias)) NF_RETURN_IF_ERROR(expect(p + bias, {n}));  // optional (Qwen2)
     }
     NF_RETURN_IF_ERROR(expect(p + "ffn_norm.weight", {dim}));
@@ -170,6 +175,10 @@ void SetMetadata(const SourceModel& m, uint32_t file_type, GgufWriter* w) {
   w->Set("llama.rope.dimension_count", u32(c.head_dim()));
   w->Set("llama.attention.head_count", u32(c.n_heads));
   w->Set("llama.attention.head_count_kv", u32(c.n_kv_heads));
+  if (c.key_length > 0 && c.key_length * c.n_heads != c.dim) {  // as llama.cpp's converter: only when not dim / heads
+    w->Set("llama.attention.key_length", u32(c.key_length));
+    w->Set("llama.attention.value_length", u32(c.key_length));
+  }
   w->Set("llama.attention.layer_norm_rms_epsilon", c.norm_eps);
   w->Set("llama.rope.freq_base", c.rope_theta);
   w->Set("llama.vocab_size", u32(c.n_vocab));

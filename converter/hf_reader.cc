@@ -177,7 +177,7 @@ Result<std::map<std::string, ShardTensor>> OpenWeights(const std::string& dir) {
 // Builds the list of output tensors for `c` (see hf_reader.h for the mapping).
 std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
   const auto dim = static_cast<uint64_t>(c.dim);
-  const auto kv_dim = static_cast<uint64_t>(c.head_dim() * c.n_kv_heads);
+  const auto kv_dim = static_cast<uint64_t>(c.kv_dim()), q_dim = static_cast<uint64_t>(c.q_dim());
   const auto n_ff = static_cast<uint64_t>(c.n_ff);
   const auto n_vocab = static_cast<uint64_t>(c.n_vocab);
   const float qk = c.hf_qk_scale;
@@ -189,18 +189,18 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
     plan.push_back({gg + "attn_norm.weight", {dim}, {hf + "input_layernorm.weight"}, 0});
     if (c.hf_fused_projections) {  // Phi-3: rows q, then k, then v of one matrix
       const std::string qkv = hf + "self_attn.qkv_proj.weight";
-      const uint64_t rows = dim + 2 * kv_dim;
-      plan.push_back({gg + "attn_q.weight", {dim, dim}, {qkv}, c.n_heads, rows, 0, qk});
-      plan.push_back({gg + "attn_k.weight", {dim, kv_dim}, {qkv}, c.n_kv_heads, rows, dim, qk});
-      plan.push_back({gg + "attn_v.weight", {dim, kv_dim}, {qkv}, 0, rows, dim + kv_dim});
+      const uint64_t rows = q_dim + 2 * kv_dim;
+      plan.push_back({gg + "attn_q.weight", {dim, q_dim}, {qkv}, c.n_heads, rows, 0, qk});
+      plan.push_back({gg + "attn_k.weight", {dim, kv_dim}, {qkv}, c.n_kv_heads, rows, q_dim, qk});
+      plan.push_back({gg + "attn_v.weight", {dim, kv_dim}, {qkv}, 0, rows, q_dim + kv_dim});
     } else {
-      plan.push_back({gg + "attn_q.weight", {dim, dim}, {hf + "self_attn.q_proj.weight"}, c.n_heads, 0, 0, qk});
+      plan.push_back({gg + "attn_q.weight", {dim, q_dim}, {hf + "self_attn.q_proj.weight"}, c.n_heads, 0, 0, qk});
       plan.push_back({gg + "attn_k.weight", {dim, kv_dim}, {hf + "self_attn.k_proj.weight"}, c.n_kv_heads, 0, 0, qk});
       plan.push_back({gg + "attn_v.weight", {dim, kv_dim}, {hf + "self_attn.v_proj.weight"}, 0});
     }
-    plan.push_back({gg + "attn_output.weight", {dim, dim}, {hf + "self_attn.o_proj.weight"}, 0});
+    plan.push_back({gg + "attn_output.weight", {q_dim, dim}, {hf + "self_attn.o_proj.weight"}, 0});
     if (c.attention_bias) {  // q and k biases are permuted (and scaled) like their rows
-      plan.push_back({gg + "attn_q.bias", {dim}, {hf + "self_attn.q_proj.bias"}, c.n_heads, 0, 0, qk});
+      plan.push_back({gg + "attn_q.bias", {q_dim}, {hf + "self_attn.q_proj.bias"}, c.n_heads, 0, 0, qk});
       plan.push_back({gg + "attn_k.bias", {kv_dim}, {hf + "self_attn.k_proj.bias"}, c.n_kv_heads, 0, 0, qk});
       plan.push_back({gg + "attn_v.bias", {kv_dim}, {hf + "self_attn.v_proj.bias"}, 0});
     }
@@ -459,17 +459,16 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
       return f.BadValue("num_key_value_heads", "a positive divisor of num_attention_heads (" +
                                                    std::to_string(c.n_heads) + ")");
     }
-    if (c.dim % c.n_heads != 0 || (c.dim / c.n_heads) % 2 != 0) {
-      return Status::InvalidArgument(path + ": hidden_size " + std::to_string(c.dim) + " / num_attention_heads " +
-                                     std::to_string(c.n_heads) + " must be an even integer head size for RoPE");
-    }
+    // head_dim (transformers' getattr(config, "head_dim", hidden_size // num_attention_heads)) may differ from
+    // hidden_size / num_attention_heads (Mistral Nemo: 128, not 160): llama.attention.key_length.
     if (f.Has("head_dim")) {
       NF_ASSIGN_OR_RETURN(int64_t head_dim, f.Int("head_dim"));
-      if (head_dim != c.head_dim()) {
-        return Status::Unsupported(path + ": field \"head_dim\" is " + std::to_string(head_dim) +
-                                   ", but the GGUF llama layout needs hidden_size / num_attention_heads = " +
-                                   std::to_string(c.head_dim()));
-      }
+      if (head_dim <= 0 || head_dim % 2 != 0) return f.BadValue("head_dim", "a positive even number (RoPE rotates pairs)");
+      if (head_dim * c.n_heads != c.dim) c.key_length = head_dim;
+    }
+    if (c.key_length == 0 && (c.dim % c.n_heads != 0 || (c.dim / c.n_heads) % 2 != 0)) {
+      return Status::InvalidArgument(path + ": hidden_size " + std::to_string(c.dim) + " / num_attention_heads " +
+                                     std::to_string(c.n_heads) + " must be an even integer head size for RoPE");
     }
 
     if (f.Has("rope_scaling")) {

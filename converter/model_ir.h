@@ -54,7 +54,12 @@ struct ModelConfig {
   // Phi-3's LongRoPE multiplies cos and sin by an attention factor, which scales rotated q and k alike; being linear,
   // it is folded into the q and k weights (and biases). 1: none.
   float hf_qk_scale = 1.0f;
-  int64_t head_dim() const { return n_heads > 0 ? dim / n_heads : 0; }
+  // llama.attention.key_length (= value_length; HF "head_dim"): the head size when it is not dim / n_heads (Mistral
+  // Nemo: 5120 / 32 heads of 128). 0: dim / n_heads.
+  int64_t key_length = 0;
+  int64_t head_dim() const { return key_length > 0 ? key_length : n_heads > 0 ? dim / n_heads : 0; }
+  int64_t q_dim() const { return n_heads * head_dim(); }
+  int64_t kv_dim() const { return n_kv_heads * head_dim(); }
 };
 
 struct TokenizerData {

@@ -36,20 +36,33 @@ Result<LlamaHparams> ReadLlamaHparams(const GgufFile& f) {
   NF_RETURN_IF_ERROR(req("llama.context_length", &hp.context_length));
   hp.n_kv_heads = hp.n_heads;
   if (f.Find("llama.attention.head_count_kv")) NF_RETURN_IF_ERROR(req("llama.attention.head_count_kv", &hp.n_kv_heads));
+  // The head size: llama.attention.key_length when the file has it (Mistral Nemo: 128 with 5120 / 32 heads), and then
+  // value_length must equal it; else embedding_length / head_count.
   hp.head_dim = hp.dim / hp.n_heads;
+  const bool keyed = f.Find("llama.attention.key_length") != nullptr;
+  if (keyed) NF_RETURN_IF_ERROR(req("llama.attention.key_length", &hp.head_dim));
+  if (f.Find("llama.attention.value_length")) {
+    int64_t value_length = 0;
+    NF_RETURN_IF_ERROR(req("llama.attention.value_length", &value_length));
+    if (value_length != hp.head_dim) {
+      return Status::Unsupported(path + ": llama.attention.value_length = " + std::to_string(value_length) +
+                                 ", expected the key length " + std::to_string(hp.head_dim) +
+                                 " (different key and value head sizes are not supported)");
+    }
+  }
   if (f.Find("llama.rope.dimension_count")) {
     int64_t rot = 0;
     NF_RETURN_IF_ERROR(req("llama.rope.dimension_count", &rot));
-    if (rot != hp.dim / hp.n_heads) {
+    if (rot != hp.head_dim) {
       return Status::Unsupported(path + ": llama.rope.dimension_count = " + std::to_string(rot) +
-                                 ", expected embedding_length / head_count = " + std::to_string(hp.dim / hp.n_heads) +
+                                 ", expected the head size " + std::to_string(hp.head_dim) +
                                  " (partial rotary embeddings are not supported)");
     }
   }
-  if (hp.dim % hp.n_heads != 0 || hp.n_heads % hp.n_kv_heads != 0 || hp.head_dim % 2 != 0) {
+  if ((!keyed && hp.dim % hp.n_heads != 0) || hp.n_heads % hp.n_kv_heads != 0 || hp.head_dim % 2 != 0) {
     return Status::Corruption(path + ": inconsistent heads: embedding_length " + std::to_string(hp.dim) +
                               ", head_count " + std::to_string(hp.n_heads) + ", head_count_kv " +
-                              std::to_string(hp.n_kv_heads));
+                              std::to_string(hp.n_kv_heads) + ", head size " + std::to_string(hp.head_dim));
   }
   if (auto v = f.GetFloat("llama.rope.freq_base"); v.ok()) hp.rope_theta = static_cast<float>(*v);
   if (auto v = f.GetFloat("llama.attention.layer_norm_rms_epsilon"); v.ok()) hp.norm_eps = static_cast<float>(*v);

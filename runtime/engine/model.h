@@ -22,7 +22,7 @@ struct LlamaHparams {
   int64_t n_ff = 0;          // per expert for MoE
   int64_t n_heads = 0;
   int64_t n_kv_heads = 0;
-  int64_t head_dim = 0;      // llama.rope.dimension_count, default dim / n_heads
+  int64_t head_dim = 0;      // llama.attention.key_length, default dim / n_heads (= llama.rope.dimension_count)
   int64_t context_length = 0;
   float rope_theta = 10000.0f;
   float rope_scale = 1.0f;   // positions are divided by this (linear RoPE scaling)

@@ -371,6 +371,16 @@ TEST(EngineTest, HparamsOutOfRangeAreNamed) {
   ASSERT_TRUE(good.ok()) << good.status().ToString();
   EXPECT_EQ(good->n_vocab, 10);
   EXPECT_EQ(good->n_kv_heads, 2);
+  EXPECT_EQ(good->head_dim, 16);
+  // A head size other than embedding_length / head_count (Mistral Nemo's layout): q is 4 heads of 32.
+  auto keyed = write({{"llama.attention.key_length", GgufValue(uint32_t{32})},
+                      {"llama.attention.value_length", GgufValue(uint32_t{32})},
+                      {"llama.rope.dimension_count", GgufValue(uint32_t{32})}},
+                     {64, 10});
+  ASSERT_TRUE(keyed.ok()) << keyed.status().ToString();
+  EXPECT_EQ(keyed->head_dim, 32);
+  EXPECT_EQ(keyed->q_dim(), 128);
+  EXPECT_EQ(keyed->kv_dim(), 64);
   struct Case {
     const char* what;
     std::map<std::string, GgufValue> changes;
@@ -381,7 +391,14 @@ TEST(EngineTest, HparamsOutOfRangeAreNamed) {
       {"zero layers", {{"llama.block_count", GgufValue(uint32_t{0})}}, {64, 10},
        "llama.block_count = 0 is out of range"},
       {"partial rotary", {{"llama.rope.dimension_count", GgufValue(uint32_t{8})}}, {64, 10},
-       "llama.rope.dimension_count = 8, expected embedding_length / head_count = 16"},
+       "llama.rope.dimension_count = 8, expected the head size 16"},
+      {"value length", {{"llama.attention.key_length", GgufValue(uint32_t{8})},
+                        {"llama.attention.value_length", GgufValue(uint32_t{16})}}, {64, 10},
+       "llama.attention.value_length = 16, expected the key length 8"},
+      {"odd key length",
+       {{"llama.attention.key_length", GgufValue(uint32_t{7})}, {"llama.rope.dimension_count", GgufValue(uint32_t{7})}},
+       {64, 10},
+       "inconsistent heads: embedding_length 64, head_count 4, head_count_kv 2, head size 7"},
       {"kv heads", {{"llama.attention.head_count_kv", GgufValue(uint32_t{3})}}, {64, 10},
        "inconsistent heads: embedding_length 64, head_count 4, head_count_kv 3"},
       {"rope scaling type", {{"llama.rope.scaling.type", GgufValue(std::string("yarn"))}}, {64, 10},

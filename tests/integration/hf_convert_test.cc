@@ -208,7 +208,36 @@ struct HfOptions {
   std::string hidden_act = "silu";
   bool fused = false;                  // Phi-3's layout: qkv_proj (rows q, k, v) and gate_up_proj (rows gate, up)
   std::string extra_config;            // more config.json members, each followed by a comma
+  // config.json's head_dim, when not 0: every head of q, k, v (and o_proj's columns) widened from stories' 8 to this
+  // many rows, the extra ones a fixed pattern (Mistral Nemo's layout: heads x head_dim != hidden_size).
+  int head_dim = 0;
 };
+
+// The rows of `w` (`heads` heads of `hd` rows, `cols` columns each) in heads of `wide` rows: each head's own rows,
+// then wide - hd rows of a fixed pattern.
+Floats WidenHeadRows(const Floats& w, int heads, int hd, int wide, int cols, int salt) {
+  Floats out;
+  for (int h = 0; h < heads; ++h) {
+    out.insert(out.end(), w.begin() + int64_t{h} * hd * cols, w.begin() + int64_t{h + 1} * hd * cols);
+    for (int r = hd; r < wide; ++r) {
+      for (int c = 0; c < cols; ++c) out.push_back(0.08f * std::sin(0.37f * r + 0.11f * c + 1.3f * h + 0.7f * salt));
+    }
+  }
+  return out;
+}
+
+// The columns of the row-major `w` (`rows` rows of `heads` x `hd` columns) likewise: o_proj's input side.
+Floats WidenHeadColumns(const Floats& w, int rows, int heads, int hd, int wide, int salt) {
+  Floats out;
+  for (int r = 0; r < rows; ++r) {
+    for (int h = 0; h < heads; ++h) {
+      const float* src = w.data() + int64_t{r} * heads * hd + int64_t{h} * hd;
+      out.insert(out.end(), src, src + hd);
+      for (int c = hd; c < wide; ++c) out.push_back(0.08f * std::cos(0.29f * r + 0.53f * c + 0.9f * h + 0.7f * salt));
+    }
+  }
+  return out;
+}
 
 // Rows of `parts` stacked (each a row-major matrix with `cols` columns): a fused projection.
 Floats StackRows(const std::vector<const Floats*>& parts) {
@@ -227,23 +256,27 @@ Floats StoriesBias(int l, int m, uint64_t n) {
 
 void WriteStoriesHf(const std::string& dir, const HfOptions& o) {
   const Stories& s = GetStories();
-  const uint64_t dim = s.dim, hidden = s.hidden, kv_dim = s.dim / s.n_heads * s.n_kv_heads;
+  const int hd0 = s.dim / s.n_heads, hd = o.head_dim > 0 ? o.head_dim : hd0;
+  const uint64_t dim = s.dim, hidden = s.hidden, kv_dim = uint64_t(hd) * s.n_kv_heads, q_dim = uint64_t(hd) * s.n_heads;
   std::vector<HfTensor> t;
   t.push_back({"model.embed_tokens.weight", {uint64_t(s.vocab), dim}, s.emb});
   for (int l = 0; l < s.n_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     t.push_back({p + "input_layernorm.weight", {dim}, s.rms_att[l]});
-    const Floats q = ToHfRopeOrder(s.wq[l], s.n_heads, dim, dim), k = ToHfRopeOrder(s.wk[l], s.n_kv_heads, kv_dim, dim);
+    const Floats wq = WidenHeadRows(s.wq[l], s.n_heads, hd0, hd, s.dim, 3 * l);
+    const Floats wk = WidenHeadRows(s.wk[l], s.n_kv_heads, hd0, hd, s.dim, 3 * l + 1);
+    const Floats wv = WidenHeadRows(s.wv[l], s.n_kv_heads, hd0, hd, s.dim, 3 * l + 2);
+    const Floats q = ToHfRopeOrder(wq, s.n_heads, q_dim, dim), k = ToHfRopeOrder(wk, s.n_kv_heads, kv_dim, dim);
     if (o.fused) {
-      t.push_back({p + "self_attn.qkv_proj.weight", {dim + 2 * kv_dim, dim}, StackRows({&q, &k, &s.wv[l]})});
+      t.push_back({p + "self_attn.qkv_proj.weight", {q_dim + 2 * kv_dim, dim}, StackRows({&q, &k, &wv})});
     } else {
-      t.push_back({p + "self_attn.q_proj.weight", {dim, dim}, q});
+      t.push_back({p + "self_attn.q_proj.weight", {q_dim, dim}, q});
       t.push_back({p + "self_attn.k_proj.weight", {kv_dim, dim}, k});
-      t.push_back({p + "self_attn.v_proj.weight", {kv_dim, dim}, s.wv[l]});
+      t.push_back({p + "self_attn.v_proj.weight", {kv_dim, dim}, wv});
     }
-    t.push_back({p + "self_attn.o_proj.weight", {dim, dim}, s.wo[l]});
+    t.push_back({p + "self_attn.o_proj.weight", {dim, q_dim}, WidenHeadColumns(s.wo[l], s.dim, s.n_heads, hd0, hd, l)});
     if (o.qkv_bias) {  // HF keeps q and k biases in the rotate-half order of their rows
-      t.push_back({p + "self_attn.q_proj.bias", {dim}, ToHfRopeOrder(StoriesBias(l, 0, dim), s.n_heads, dim, 1)});
+      t.push_back({p + "self_attn.q_proj.bias", {q_dim}, ToHfRopeOrder(StoriesBias(l, 0, q_dim), s.n_heads, q_dim, 1)});
       t.push_back({p + "self_attn.k_proj.bias", {kv_dim},
                    ToHfRopeOrder(StoriesBias(l, 1, kv_dim), s.n_kv_heads, kv_dim, 1)});
       t.push_back({p + "self_attn.v_proj.bias", {kv_dim}, StoriesBias(l, 2, kv_dim)});
@@ -269,7 +302,9 @@ void WriteStoriesHf(const std::string& dir, const HfOptions& o) {
   "num_hidden_layers": %d, "num_attention_heads": %d, "num_key_value_heads": %d, "max_position_embeddings": %d,
   "vocab_size": %d, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "hidden_act": "%s", "tie_word_embeddings": true,
   "rope_scaling": %s, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2})",
-                o.architecture.c_str(), o.extra_config.c_str(), s.dim, s.hidden, s.n_layers, s.n_heads, s.n_kv_heads, s.seq_len, s.vocab,
+                o.architecture.c_str(),
+                (o.extra_config + (o.head_dim > 0 ? "\"head_dim\": " + std::to_string(o.head_dim) + ", " : "")).c_str(),
+                s.dim, s.hidden, s.n_layers, s.n_heads, s.n_kv_heads, s.seq_len, s.vocab,
                 o.hidden_act.c_str(), o.rope_scaling.c_str());
   testing::WriteText(dir + "/config.json", config);
 
@@ -921,6 +956,57 @@ TEST(HfConvert, SlidingWindowReachesTheOffloadedRuntime) {
   EXPECT_EQ(offloaded.value("kv_cache_bytes", uint64_t{0}), uint64_t(st.n_layers) * 128 * kv_dim * 2 * sizeof(float));
 }
 
+// A head size other than hidden_size / num_attention_heads (Mistral Nemo: 32 heads of 128 over 5120): stories' heads
+// widened to 16 rows each (q 8 x 16 = 128 rows over a hidden size of 64, k and v 4 x 16, o_proj 128 columns). The
+// converter writes llama.attention.key_length and value_length (llama.cpp's keys) and the wider tensors; the engine's
+// logits on the file are the HF reference's on the directory and the GGUF reference's on the file (each reads the head
+// size on its own), and the plain stories model's are far from them. Through a deployment, a ReLU version decodes
+// from flash (oracle active set) to the in-memory sparse engine's text.
+TEST(HfConvert, HeadSizeOtherThanHiddenOverHeads) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.head_dim = 16;
+  const std::string wide = ConvertStoriesHf(tmp, "wide", o), plain = ConvertStoriesHf(tmp, "plain", {});
+  auto f = GgufFile::OpenPath(wide);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(*f->GetUint("llama.attention.key_length"), 16u);
+  EXPECT_EQ(*f->GetUint("llama.attention.value_length"), 16u);
+  EXPECT_EQ(*f->GetUint("llama.rope.dimension_count"), 16u);
+  EXPECT_EQ(f->FindTensor("blk.0.attn_q.weight")->dims, (std::vector<uint64_t>{64, 128}));
+  EXPECT_EQ(f->FindTensor("blk.0.attn_k.weight")->dims, (std::vector<uint64_t>{64, 64}));
+  EXPECT_EQ(f->FindTensor("blk.0.attn_output.weight")->dims, (std::vector<uint64_t>{128, 64}));
+  auto pf = GgufFile::OpenPath(plain);
+  ASSERT_TRUE(pf.ok());
+  EXPECT_EQ(pf->Find("llama.attention.key_length"), nullptr) << "written only when the heads are not dim / n_heads";
+  auto loaded = Model::Load(wide, {});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ((*loaded)->hparams().head_dim, 16);
+  ExpectHfReferenceLogits(tmp.File("wide"), wide, plain, "the wider heads");
+  ExpectReferenceLogits(wide, plain, "the wider heads");
+
+  o.hidden_act = "relu";
+  const std::string relu = ConvertStoriesHf(tmp, "wide-relu", o);
+  const std::string in_memory = InMemoryText(relu, 60);
+  ASSERT_FALSE(in_memory.empty());
+  const nlohmann::json offloaded = CliJson(testing::RunCommand(
+      testing::NflashBinary() + " -q offload -d " + ProfileAndPack(tmp, relu) +
+      " --active-set oracle -p 'Once upon a time' -n 60 --json --memory 3M"));
+  EXPECT_EQ(offloaded.value("text", ""), in_memory);
+  const Stories& st = GetStories();
+  EXPECT_EQ(offloaded.value("kv_cache_bytes", uint64_t{0}) % (uint64_t(st.n_layers) * 16 * st.n_kv_heads * 2 * 4), 0u);
+
+  // An odd head size is refused, naming the field.
+  auto odd = ParseHfConfig(R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 172,
+    "num_hidden_layers": 5, "num_attention_heads": 8, "max_position_embeddings": 512, "vocab_size": 512,
+    "rms_norm_eps": 1e-05, "head_dim": 15})",
+                           "config.json");
+  ASSERT_FALSE(odd.ok());
+  EXPECT_NE(odd.status().message().find("field \"head_dim\": expected a positive even number (RoPE rotates pairs), "
+                                        "found 15"),
+            std::string::npos)
+      << odd.status().ToString();
+}
+
 TEST(HfConvert, ShardedWeightsGiveTheSameFile) {
   testing::TempDir tmp;
   const std::string single = tmp.File("single");
@@ -1337,6 +1423,17 @@ TEST(LlamaCppGguf, Qwen2GivesTheHfConversion) {
     EXPECT_TRUE(a == b) << name;
   }
   EXPECT_FALSE(TensorF32(as_q8, "blk.0.attn_q.weight") == TensorF32(q8, "blk.0.attn_q.weight"));
+
+  // With a head size other than hidden_size / heads, which llama.cpp writes as qwen2.attention.key_length.
+  o.head_dim = 16;
+  const std::string wide_hf = ConvertStoriesHf(tmp, "wide", o);
+  const std::string wide = LlamaCppGguf(tmp.File("wide"), wide_hf, "f32");
+  auto wf = GgufFile::OpenPath(wide);
+  ASSERT_TRUE(wf.ok());
+  EXPECT_EQ(*wf->GetUint("qwen2.attention.key_length"), 16u);
+  const std::string wide_converted = tmp.File("wide-converted.gguf");
+  ASSERT_TRUE(ConvertGguf(wide, wide_converted, GgmlType::kF32).ok());
+  ExpectSameModel(wide_converted, wide_hf);
 }
 
 // llama.cpp's phi3 architecture: q, k and v fused in attn_qkv, gate and up in ffn_up, LongRoPE's factors as
@@ -1433,7 +1530,7 @@ TEST(LlamaCppGguf, BadFilesAreRefusedWithTheField) {
                      std::to_string(2 * st.hidden - 1) + "], expected " + std::to_string(2 * st.hidden) +
                      " rows (gate and up");
   expect_refused(testing::SetGgufKey("phi3.rope.dimension_count", GgufValue(uint32_t{6})), nullptr,
-                 "phi3.rope.dimension_count is 6, expected embedding_length / head_count = 8 (partial rotary");
+                 "phi3.rope.dimension_count is 6, expected the head size 8 (partial rotary");
   expect_refused(testing::SetGgufKey("general.architecture", GgufValue(std::string("gemma"))), nullptr,
                  "general.architecture is \"gemma\"; nflash converts \"llama\", \"qwen2\" and \"phi3\"");
   expect_refused(testing::SetGgufKey("phi3.rope.scaling.attn_factor", GgufValue(1.5f)), nullptr,

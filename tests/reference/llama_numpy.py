@@ -119,7 +119,9 @@ def config_from_gguf(reader):
 
     dim = int(g("embedding_length"))
     n_heads = int(g("attention.head_count"))
-    head_dim = dim // n_heads
+    head_dim = int(g("attention.key_length", dim // n_heads))  # key_length: heads not of dim / n_heads (Nemo)
+    if int(g("attention.value_length", head_dim)) != head_dim:
+        raise ValueError("%s: attention.value_length differs from key_length (not modelled)" % reader.path)
     n_vocab = reader.tensors["token_embd.weight"].shape[0]
     cfg = {
         "dim": dim,
@@ -287,7 +289,7 @@ class Llama:
             s = s - s.max(axis=-1, keepdims=True)
             e = np.exp(s)
             pr = e / e.sum(axis=-1, keepdims=True)
-            att = np.matmul(pr, Vh).transpose(1, 0, 2).reshape(n, H * hd)  # [n, dim]
+            att = np.matmul(pr, Vh).transpose(1, 0, 2).reshape(n, H * hd)  # [n, H * hd]
             h = h + w.linear(att, p + "attn_output.weight")
             f = rmsnorm(h, w.vector(p + "ffn_norm.weight"), c["eps"])
             if c["n_experts"] > 0:

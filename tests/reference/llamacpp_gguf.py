@@ -7,7 +7,8 @@ downloaded here, so tests make them with this script, written from llama.cpp's c
 those two architectures (Qwen2Model, Phi3MiniModel) and not from nflash's code:
   - keys under the architecture's own prefix: ARCH.context_length (max_position_embeddings), embedding_length,
     feed_forward_length, block_count, attention.head_count, attention.head_count_kv, rope.freq_base,
-    attention.layer_norm_rms_epsilon; phi3 also rope.dimension_count (head_dim), attention.sliding_window (0: none),
+    attention.layer_norm_rms_epsilon, attention.key_length and value_length when config.json has head_dim; phi3
+    also rope.dimension_count (head_dim), attention.sliding_window (0: none),
     and with LongRoPE rope.scaling.original_context_length and rope.scaling.attn_factor;
   - the q and k rows (and Qwen2's q and k biases) exactly as stored: both architectures use llama.cpp's NEOX
     (rotate-half) RoPE, so unlike the llama architecture nothing is permuted;
@@ -49,7 +50,7 @@ def convert(directory, out, tokenizer_from, weight_type):
     dim, n_ff = raw["hidden_size"], raw["intermediate_size"]
     heads = raw["num_attention_heads"]
     kv_heads = raw.get("num_key_value_heads", heads)
-    head_dim = dim // heads
+    head_dim = raw.get("head_dim") or dim // heads
     p = arch + "."
     meta = [("general.architecture", arch), ("general.name", os.path.basename(os.path.normpath(directory))),
             (p + "context_length", raw["max_position_embeddings"], gg.T_UINT32),
@@ -58,6 +59,9 @@ def convert(directory, out, tokenizer_from, weight_type):
             (p + "attention.head_count", heads, gg.T_UINT32), (p + "attention.head_count_kv", kv_heads, gg.T_UINT32),
             (p + "rope.freq_base", float(raw.get("rope_theta", 10000.0)), gg.T_FLOAT32),
             (p + "attention.layer_norm_rms_epsilon", float(raw["rms_norm_eps"]), gg.T_FLOAT32)]
+    if raw.get("head_dim") is not None:  # llama.cpp writes the head size whenever the config gives one
+        meta.append((p + "attention.key_length", head_dim, gg.T_UINT32))
+        meta.append((p + "attention.value_length", head_dim, gg.T_UINT32))
     extra = []
     if arch == "phi3":
         meta.append((p + "rope.dimension_count", head_dim, gg.T_UINT32))

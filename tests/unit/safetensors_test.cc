@@ -671,7 +671,7 @@ TEST(HfConfig, RejectsBadConfigsNamingTheField) {
       {std::string(kLlamaConfig) + R"(, "partial_rotary_factor": 0.5})", "\"partial_rotary_factor\" is 0.5"},
       {std::string(kLlamaConfig) + R"(, "num_key_value_heads": 3})", "num_key_value_heads"},
       {std::string(kLlamaConfig) + R"(, "nflash_ffn_activation": "tanh"})", "nflash_ffn_activation"},
-      {std::string(kLlamaConfig) + R"(, "head_dim": 16})", "head_dim"},
+      {std::string(kLlamaConfig) + R"(, "head_dim": 7})", "field \"head_dim\": expected a positive even number"},
       {R"({"architectures": ["GPT2LMHeadModel"]})", "GPT2LMHeadModel"},
       {R"({"hidden_size": 64})", "missing required field \"architectures\""},
       {R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 24, "intermediate_size": 172,
