@@ -1476,6 +1476,15 @@ TEST(LlamaCppGguf, Phi3GivesTheHfConversion) {
                                    c->bytes.resize(3 * sizeof(float));
                                  }),
             "");
+  const std::string negative = tmp.File("negative.gguf");
+  ASSERT_EQ(testing::RewriteGguf(phi3, negative, testing::SetGgufKey("phi3.rope.scaling.attn_factor", GgufValue(-1.0f)),
+                                 nullptr),
+            "");
+  const Status refused = ConvertGguf(negative, tmp.File("negative-converted.gguf"), GgmlType::kF32);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("phi3.rope.scaling.attn_factor is -1.000000, expected a positive number"),
+            std::string::npos)
+      << refused.ToString();
   const Status bad = ConvertGguf(short3, tmp.File("short3-converted.gguf"), GgmlType::kF32);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.message().find("rope_factors_short.weight must be F32 [4] (head size / 2), found f32 with 3 elements"),
@@ -1535,6 +1544,12 @@ TEST(LlamaCppGguf, BadFilesAreRefusedWithTheField) {
                  "general.architecture is \"gemma\"; nflash converts \"llama\", \"qwen2\" and \"phi3\"");
   expect_refused(testing::SetGgufKey("phi3.rope.scaling.attn_factor", GgufValue(1.5f)), nullptr,
                  "phi3.rope.scaling.attn_factor is 1.5");
+  expect_refused(
+      [](std::vector<std::pair<std::string, GgufValue>>* kv) {
+        testing::SetGgufKey("phi3.attention.key_length", GgufValue(uint32_t{8}))(kv);
+        testing::SetGgufKey("phi3.attention.value_length", GgufValue(uint32_t{16}))(kv);
+      },
+      nullptr, "phi3.attention.key_length 8 and phi3.attention.value_length 16: only equal key and value head sizes");
 
   auto refused = Model::Load(phi3, {});
   ASSERT_FALSE(refused.ok());
