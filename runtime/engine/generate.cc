@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 
 namespace nflash {
 namespace {
@@ -55,6 +56,9 @@ Result<GenerateResult> GenerateFrom(InferenceContext& ctx, const Tokenizer& toke
     const float* lg = ctx.logits();
     const int32_t next = sampler.Sample({lg, static_cast<size_t>(ctx.n_vocab())});
     sampler.Accept(next);
+    if (options.top_logprobs >= 0) {
+      r.logprobs.push_back(LogprobOf({lg, static_cast<size_t>(ctx.n_vocab())}, next, options.top_logprobs));
+    }
     if (sampled != nullptr) sampled->push_back(next);
     std::string piece;
     r.reason = stop.Push(next, detok.Push(next), &piece);
@@ -70,6 +74,8 @@ Result<GenerateResult> GenerateFrom(InferenceContext& ctx, const Tokenizer& toke
     emit(detok.Finish());
   }
   if (r.cancelled) r.reason = StopReason::kNone;
+  // The end token (EOS, an end-of-turn marker, a llama2.c model's BOS) has no text: not listed.
+  if ((r.reason == StopReason::kEos || r.reason == StopReason::kBos) && !r.logprobs.empty()) r.logprobs.pop_back();
   r.generated_tokens = stop.n_tokens();
   r.stop_string = stop.matched();
   r.decode_ms = Ms(t1, Clock::now());
@@ -77,6 +83,29 @@ Result<GenerateResult> GenerateFrom(InferenceContext& ctx, const Tokenizer& toke
 }
 
 }  // namespace
+
+TokenLogprob LogprobOf(std::span<const float> logits, int32_t id, int n_top) {
+  // log p(i) = x_i - max - log(sum exp(x_j - max)), summed in double.
+  const float mx = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (float x : logits) sum += std::exp(static_cast<double>(x) - mx);
+  const double log_z = static_cast<double>(mx) + std::log(sum);
+  TokenLogprob out;
+  out.id = id;
+  out.logprob = static_cast<float>(static_cast<double>(logits[static_cast<size_t>(id)]) - log_z);
+  const size_t k = std::min(static_cast<size_t>(std::max(n_top, 0)), logits.size());
+  std::vector<int32_t> order(logits.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  auto more_likely = [&](int32_t a, int32_t b) {
+    const float la = logits[static_cast<size_t>(a)], lb = logits[static_cast<size_t>(b)];
+    return la > lb || (la == lb && a < b);
+  };
+  std::partial_sort(order.begin(), order.begin() + static_cast<ptrdiff_t>(k), order.end(), more_likely);
+  for (size_t i = 0; i < k; ++i) {
+    out.top.emplace_back(order[i], static_cast<float>(static_cast<double>(logits[static_cast<size_t>(order[i])]) - log_z));
+  }
+  return out;
+}
 
 Result<GenerateResult> Generate(InferenceContext& ctx, const Tokenizer& tokenizer, std::span<const int32_t> prompt,
                                 const GenerateOptions& options, const TextSink& on_text) {

@@ -16,6 +16,18 @@
 
 namespace nflash {
 
+// A sampled token's log-probability under the model: the log-softmax of the logits it was sampled from (before the
+// sampler's temperature, penalties and truncation, as OpenAI's and vLLM's logprobs), with the `top` most likely
+// tokens, most likely first (ties: lower id first).
+struct TokenLogprob {
+  int32_t id = 0;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;
+};
+
+// The TokenLogprob of `id` over `logits` (n_vocab values) with `n_top` alternatives (at most n_vocab).
+TokenLogprob LogprobOf(std::span<const float> logits, int32_t id, int n_top);
+
 struct GenerateOptions {
   SamplerConfig sampler;
   // Tokens to generate at most; capped by the room left in the context. 0: only the prompt is evaluated.
@@ -26,6 +38,8 @@ struct GenerateOptions {
   bool echo_prompt = false;
   // Keep generating through the end-of-text token (llama.cpp's ignore_eos): only max_tokens and stop strings end it.
   bool ignore_eos = false;
+  // >= 0: record each sampled token's TokenLogprob with this many alternatives (GenerateResult::logprobs).
+  int top_logprobs = -1;
 };
 
 struct GenerateResult {
@@ -38,6 +52,10 @@ struct GenerateResult {
   double prefill_ms = 0;                  // evaluating the prompt's tokens after the cached ones
   double decode_ms = 0;                   // from the end of the prefill to the last token
   std::vector<double> step_ms;            // each decode step's forward pass
+  // With options.top_logprobs >= 0: one per generated token, in order; the end token that ended it (EOS, an
+  // end-of-turn marker, a llama2.c model's BOS) is not listed, having no text; the tokens that spelled a stop string
+  // are.
+  std::vector<TokenLogprob> logprobs;
 };
 
 // Called with each piece of visible text (never empty); return false to stop generating (e.g. the client went away).

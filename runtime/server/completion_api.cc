@@ -148,6 +148,54 @@ Result<std::vector<ChatMessage>> ParseMessages(const JsonFields& fields) {
   return out;
 }
 
+// The log-probability fields, into GenerateOptions::top_logprobs (-1: none): /completion's n_probs (llama.cpp: 0 is
+// none), /v1/completions' logprobs (null or 0..kMaxTopLogprobs alternatives), /v1/chat/completions' logprobs (a bool)
+// with top_logprobs (0..kMaxTopLogprobs, only with logprobs true, as OpenAI's). Refused with a stream (token
+// boundaries and streamed pieces differ) and with /v1/completions' echo (the prompt's own log-probabilities).
+Status ParseLogprobs(const JsonFields& fields, ApiStyle style, bool stream, int* top) {
+  const nlohmann::json& doc = fields.value();
+  auto count = [&](const char* key, int* out) -> Status {
+    const nlohmann::json& v = doc[key];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxTopLogprobs) {
+      return WrongType(key, "an integer from 0 to " + std::to_string(kMaxTopLogprobs), v);
+    }
+    *out = static_cast<int>(v.get<int64_t>());
+    return Status::Ok();
+  };
+  const char* key = "logprobs";
+  if (style == ApiStyle::kLlamaCpp) {
+    key = "n_probs";
+    if (fields.Has(key)) NF_RETURN_IF_ERROR(count(key, top));
+    if (*top == 0) *top = -1;
+  } else if (style == ApiStyle::kOpenAi) {
+    if (fields.Has("echo")) {
+      bool echo = false;
+      NF_RETURN_IF_ERROR(Optional(fields, "echo", &echo));
+      if (echo) {
+        return Status::InvalidArgument(std::string(kSource) + ": field 'echo' is true: returning the prompt (and its "
+                                       "log-probabilities) is not supported");
+      }
+    }
+    if (fields.Has(key) && !doc[key].is_null()) NF_RETURN_IF_ERROR(count(key, top));
+  } else {
+    bool wanted = false;
+    NF_RETURN_IF_ERROR(Optional(fields, key, &wanted));
+    int n = 0;
+    if (fields.Has("top_logprobs") && !doc["top_logprobs"].is_null()) {
+      NF_RETURN_IF_ERROR(count("top_logprobs", &n));
+      if (!wanted) {
+        return Status::InvalidArgument(std::string(kSource) + ": field 'top_logprobs' needs 'logprobs': true");
+      }
+    }
+    if (wanted) *top = n;
+  }
+  if (*top >= 0 && stream) {
+    return Status::InvalidArgument(std::string(kSource) + ": field '" + key + "' with 'stream': true is not " +
+                                   "supported (ask without streaming)");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle style, const RequestLimits& limits,
@@ -213,6 +261,7 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
   NF_RETURN_IF_ERROR(Optional(fields, "ignore_eos", &r.options.ignore_eos));
   NF_RETURN_IF_ERROR(Optional(fields, "cache_prompt", &r.cache_prompt));
   NF_RETURN_IF_ERROR(OptionalStop(fields, &r.options.stop_strings));
+  NF_RETURN_IF_ERROR(ParseLogprobs(fields, style, r.stream, &r.options.top_logprobs));
 
   if (chat) {
     if (limits.chat == nullptr) return Status::InvalidArgument(std::string(kSource) + ": " + limits.no_chat);
@@ -321,6 +370,46 @@ nlohmann::json OpenAiChatCompletion(const std::string& id, int64_t created, cons
   }
   j["choices"] = nlohmann::json::array({choice});
   return j;
+}
+
+nlohmann::json LogprobsJson(ApiStyle style, const std::vector<TokenLogprob>& logprobs, const Tokenizer& tokenizer) {
+  auto bytes = [](const std::string& text) {
+    nlohmann::json b = nlohmann::json::array();
+    for (unsigned char c : text) b.push_back(static_cast<int>(c));
+    return b;
+  };
+  auto entry = [&](int32_t id, float logprob) {
+    const std::string text = tokenizer.DecodeToken(id);
+    nlohmann::json e = {{"token", text}, {"logprob", logprob}, {"bytes", bytes(text)}};
+    if (style == ApiStyle::kLlamaCpp) e["id"] = id;
+    return e;
+  };
+  if (style == ApiStyle::kOpenAi) {
+    nlohmann::json tokens = nlohmann::json::array(), values = nlohmann::json::array();
+    nlohmann::json tops = nlohmann::json::array(), offsets = nlohmann::json::array();
+    size_t offset = 0;
+    for (const TokenLogprob& t : logprobs) {
+      const std::string text = tokenizer.DecodeToken(t.id);
+      tokens.push_back(text);
+      values.push_back(t.logprob);
+      nlohmann::json top = nlohmann::json::object();
+      // Least likely first, so that of two alternatives with the same text the likelier is the one kept.
+      for (auto it = t.top.rbegin(); it != t.top.rend(); ++it) top[tokenizer.DecodeToken(it->first)] = it->second;
+      tops.push_back(std::move(top));
+      offsets.push_back(offset);
+      offset += text.size();
+    }
+    return {{"tokens", tokens}, {"token_logprobs", values}, {"top_logprobs", tops}, {"text_offset", offsets}};
+  }
+  nlohmann::json content = nlohmann::json::array();
+  for (const TokenLogprob& t : logprobs) {
+    nlohmann::json e = entry(t.id, t.logprob), top = nlohmann::json::array();
+    for (const auto& [id, lp] : t.top) top.push_back(entry(id, lp));
+    e["top_logprobs"] = std::move(top);
+    content.push_back(std::move(e));
+  }
+  if (style == ApiStyle::kLlamaCpp) return content;
+  return {{"content", content}};
 }
 
 Result<nlohmann::json> TokenizeResponse(std::string_view body, const Tokenizer& tokenizer) {

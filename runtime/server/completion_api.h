@@ -29,6 +29,8 @@ enum class ApiStyle {
 // (max_tokens 16, temperature 1, top_p 1) and the Sampler's for the rest.
 inline constexpr int64_t kDefaultPredictLlamaCpp = 128;
 inline constexpr int64_t kDefaultMaxTokensOpenAi = 16;
+// The most alternatives a request may ask for with each token's log-probability (OpenAI allows 5 legacy, 20 chat).
+inline constexpr int kMaxTopLogprobs = 20;
 
 // A checked request. Thread-safety: a value type.
 struct CompletionRequest {
@@ -78,6 +80,13 @@ nlohmann::json OpenAiCompletion(const std::string& id, int64_t created, const st
 // chunk (`result` given, `stream`) has an empty delta, the finish_reason and the usage.
 nlohmann::json OpenAiChatCompletion(const std::string& id, int64_t created, const std::string& model,
                                     const std::string& text, const GenerateResult* result, bool stream, bool first);
+
+// The log-probabilities of a finished generation (GenerateResult::logprobs) in `style`'s shape, each token's text its
+// Tokenizer::DecodeToken: llama.cpp's completion_probabilities ([{id, token, logprob, bytes, top_logprobs: [{id, token,
+// logprob, bytes}]}]), OpenAI's legacy choices[0].logprobs ({tokens, token_logprobs, top_logprobs: [{token: logprob}],
+// text_offset: each token's byte offset in the completion's text}) and chat's ({content: [{token, logprob, bytes,
+// top_logprobs: [{token, logprob, bytes}]}]}).
+nlohmann::json LogprobsJson(ApiStyle style, const std::vector<TokenLogprob>& logprobs, const Tokenizer& tokenizer);
 
 // POST /tokenize (llama.cpp's): {"content": text, "add_special": false, "parse_special": false, "with_pieces": false}
 // -> {"tokens": [id, ...]} (BOS first with add_special when the model adds one; control-token texts become those tokens

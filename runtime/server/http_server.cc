@@ -197,6 +197,14 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
     } else {
       body = OpenAiCompletion(id, created, model.name, text, &*g);
     }
+    if (request->options.top_logprobs >= 0) {
+      nlohmann::json probs = LogprobsJson(style, g->logprobs, *model.tokenizer);
+      if (style == ApiStyle::kLlamaCpp) {
+        body["completion_probabilities"] = std::move(probs);
+      } else {
+        body["choices"][0]["logprobs"] = std::move(probs);
+      }
+    }
     return SendJson(res, 200, body);
   }
 

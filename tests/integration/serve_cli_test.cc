@@ -30,6 +30,7 @@
 #include "runtime/engine/generate.h"
 #include "runtime/engine/model.h"
 #include "runtime/text/tokenizer.h"
+#include "tests/integration/numpy_reference.h"
 #include "tests/test_util.h"
 
 namespace nflash {
@@ -405,6 +406,13 @@ TEST_F(ServeDenseTest, BadRequestsGet400NamingTheField) {
       // test is a second line behind it).
       {"/completion", "{" + p + ", \"temperature\": 1e400}", {"not JSON", "overflow"}},
       {"/completion", "{" + p + ", \"seed\": -2}", {"'seed'"}},
+      {"/completion", "{" + p + ", \"n_probs\": 21}", {"'n_probs'", "an integer from 0 to 20", "found 21"}},
+      {"/v1/completions", "{" + p + ", \"logprobs\": -1}", {"'logprobs'", "an integer from 0 to 20", "found -1"}},
+      {"/v1/completions", "{" + p + ", \"logprobs\": 2, \"stream\": true}", {"'logprobs' with 'stream': true"}},
+      {"/v1/completions", "{" + p + ", \"echo\": true}", {"'echo' is true", "not supported"}},
+      {"/v1/chat/completions", "{\"messages\": [], \"top_logprobs\": 2}", {"'top_logprobs' needs 'logprobs': true"}},
+      {"/v1/chat/completions", "{\"messages\": [], \"logprobs\": true, \"top_logprobs\": 30}",
+       {"'top_logprobs'", "found 30"}},
   };
   for (const Case& k : cases) {
     auto res = c->Post(k.path, k.body, "application/json");
@@ -425,6 +433,99 @@ TEST_F(ServeDenseTest, BadRequestsGet400NamingTheField) {
             std::string::npos);
   // Still serving after all that.
   EXPECT_EQ(Greedy(5)["tokens_predicted"], 5);
+}
+
+// Log-probabilities: each generated token's is the log-softmax of the model's logits at its position, against the
+// NumPy reference's logits for the prompt and the generated tokens (an F64 forward pass, tests/reference); greedy, each
+// token is its own most likely alternative, the alternatives are the reference's top 3 in order, and their texts
+// spell the completion. /v1/completions reports the same tokens and values in OpenAI's legacy shape.
+TEST_F(ServeDenseTest, LogprobsAreTheModelsLogSoftmax) {
+  auto c = ClientFor(*server_);
+  auto [status, j] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 12}, {"temperature", 0},
+                                              {"n_probs", 3}, {"cache_prompt", false}});
+  ASSERT_EQ(status, 200) << j.dump();
+  const Json& probs = j["completion_probabilities"];
+  ASSERT_EQ(probs.size(), 12u) << j.dump();
+  auto [tstatus, tok] = Post(*c, "/tokenize", {{"content", kPrompt}, {"add_special", true}});
+  ASSERT_EQ(tstatus, 200);
+  std::vector<int32_t> ids = tok["tokens"].get<std::vector<int32_t>>();
+  const size_t n_prompt = ids.size();
+  std::string spelled;
+  for (const Json& p : probs) {
+    ids.push_back(p["id"].get<int32_t>());
+    spelled += p["token"].get<std::string>();
+    ASSERT_EQ(p["top_logprobs"].size(), 3u);
+    EXPECT_EQ(p["top_logprobs"][0]["id"], p["id"]) << "greedy: the most likely token";
+    EXPECT_EQ(p["top_logprobs"][0]["logprob"], p["logprob"]);
+    EXPECT_GE(p["top_logprobs"][0]["logprob"].get<double>(), p["top_logprobs"][1]["logprob"].get<double>());
+    EXPECT_GE(p["top_logprobs"][1]["logprob"].get<double>(), p["top_logprobs"][2]["logprob"].get<double>());
+    EXPECT_EQ(p["bytes"].size(), p["token"].get<std::string>().size());
+  }
+  EXPECT_EQ(spelled, j["content"].get<std::string>());
+
+  const int64_t n_vocab = 512;
+  const std::vector<float> ref = testing::NumpyReferenceLogits(Model(), ids, n_vocab, dir_->File("lp.npy"));
+  ASSERT_EQ(ref.size(), ids.size() * n_vocab);
+  for (size_t i = 0; i < probs.size(); ++i) {
+    const float* row = ref.data() + (n_prompt - 1 + i) * n_vocab;
+    double mx = row[0], sum = 0;
+    for (int64_t v = 0; v < n_vocab; ++v) mx = std::max<double>(mx, row[v]);
+    for (int64_t v = 0; v < n_vocab; ++v) sum += std::exp(row[v] - mx);
+    auto ref_logprob = [&](int32_t id) { return row[id] - mx - std::log(sum); };
+    EXPECT_NEAR(probs[i]["logprob"].get<double>(), ref_logprob(ids[n_prompt + i]), 1e-3) << "token " << i;
+    std::vector<int32_t> order(n_vocab);
+    for (int32_t v = 0; v < n_vocab; ++v) order[v] = v;
+    std::partial_sort(order.begin(), order.begin() + 3, order.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+    for (int k = 0; k < 3; ++k) {
+      EXPECT_EQ(probs[i]["top_logprobs"][k]["id"], order[k]) << "token " << i << " alternative " << k;
+      EXPECT_NEAR(probs[i]["top_logprobs"][k]["logprob"].get<double>(), ref_logprob(order[k]), 1e-3);
+    }
+  }
+
+  auto [ostatus, o] = Post(*c, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 12}, {"temperature", 0},
+                                                   {"logprobs", 2}});
+  ASSERT_EQ(ostatus, 200) << o.dump();
+  const Json& lp = o["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), 12u) << o.dump();
+  size_t offset = 0;
+  for (size_t i = 0; i < 12; ++i) {
+    EXPECT_EQ(lp["tokens"][i], probs[i]["token"]);
+    EXPECT_NEAR(lp["token_logprobs"][i].get<double>(), probs[i]["logprob"].get<double>(), 1e-6);
+    EXPECT_EQ(lp["top_logprobs"][i].size(), 2u);
+    EXPECT_EQ(lp["text_offset"][i], offset);
+    offset += lp["tokens"][i].get<std::string>().size();
+  }
+  EXPECT_EQ(offset, o["choices"][0]["text"].get<std::string>().size());
+  // A story the model ends itself: the end token that ended it is not listed.
+  auto [estatus, ended] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 400}, {"temperature", 0},
+                                                   {"n_probs", 1}});
+  ASSERT_EQ(estatus, 200);
+  ASSERT_EQ(ended["stop_reason"], "eos") << ended.dump();
+  EXPECT_EQ(ended["completion_probabilities"].size(), ended["tokens_predicted"].get<size_t>() - 1);
+  std::string story;
+  for (const Json& p : ended["completion_probabilities"]) story += p["token"].get<std::string>();
+  EXPECT_EQ(story, ended["content"].get<std::string>());
+  // Without the field there is none.
+  auto [nstatus, none] = Post(*c, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 2}});
+  ASSERT_EQ(nstatus, 200);
+  EXPECT_TRUE(none["choices"][0]["logprobs"].is_null());
+  EXPECT_FALSE(j.empty());
+}
+
+// LogprobOf on logits worked by hand: log p(2) = 3 - ln(e + e^2 + e^3); ties ordered by id.
+TEST(LogprobOf, LogSoftmaxAndOrderedAlternatives) {
+  const float logits[] = {1.0f, 2.0f, 3.0f, 2.0f};
+  const TokenLogprob t = LogprobOf(logits, 1, 3);
+  const double z = std::log(std::exp(1.0) + 2 * std::exp(2.0) + std::exp(3.0));
+  EXPECT_EQ(t.id, 1);
+  EXPECT_NEAR(t.logprob, 2.0 - z, 1e-6);
+  ASSERT_EQ(t.top.size(), 3u);
+  EXPECT_EQ(t.top[0].first, 2);
+  EXPECT_EQ(t.top[1].first, 1);
+  EXPECT_EQ(t.top[2].first, 3);
+  EXPECT_NEAR(t.top[0].second, 3.0 - z, 1e-6);
+  EXPECT_EQ(LogprobOf(logits, 0, 9).top.size(), 4u);
+  EXPECT_TRUE(LogprobOf(logits, 0, 0).top.empty());
 }
 
 // The prompt cache: a request whose prompt starts with what the last request left in the KV cache (its prompt and
@@ -767,6 +868,24 @@ TEST(ServeChatTest, MessagesInTheModelsFormat) {
   ASSERT_EQ(unbounded_status, 200) << uj.dump();
   EXPECT_EQ(uj["usage"]["completion_tokens"], whole.generated_tokens);
   EXPECT_EQ(uj["choices"][0]["message"]["content"], unbounded);
+  // With log-probabilities (chat's shape): one entry per token of the reply (an end token that ended it would not be
+  // listed); greedy, each is its own most likely alternative; their texts spell the reply.
+  auto [lp_status, lj] = Post(*c, "/v1/chat/completions",
+                              {{"messages", messages}, {"temperature", 0}, {"logprobs", true}, {"top_logprobs", 2}});
+  ASSERT_EQ(lp_status, 200) << lj.dump();
+  EXPECT_EQ(lj["choices"][0]["message"]["content"], unbounded);
+  const Json& content = lj["choices"][0]["logprobs"]["content"];
+  const bool ended = whole.reason == StopReason::kEos || whole.reason == StopReason::kBos;
+  EXPECT_EQ(content.size(), static_cast<size_t>(whole.generated_tokens) - (ended ? 1 : 0));
+  std::string reply_tokens;
+  for (const Json& e : content) {
+    reply_tokens += e["token"].get<std::string>();
+    ASSERT_EQ(e["top_logprobs"].size(), 2u);
+    EXPECT_EQ(e["top_logprobs"][0]["token"], e["token"]);
+    EXPECT_EQ(e["top_logprobs"][0]["logprob"], e["logprob"]);
+    EXPECT_LE(e["logprob"].get<double>(), 0.0);
+  }
+  EXPECT_EQ(reply_tokens, unbounded);
 
   // The next turn: the conversation so far is in the KV cache.
   Json next = messages;
