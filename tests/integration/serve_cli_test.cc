@@ -509,6 +509,9 @@ TEST_F(ServeDenseTest, LogprobsAreTheModelsLogSoftmax) {
   auto [nstatus, none] = Post(*c, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 2}});
   ASSERT_EQ(nstatus, 200);
   EXPECT_TRUE(none["choices"][0]["logprobs"].is_null());
+  auto [zstatus, zero] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 2}, {"n_probs", 0}});
+  ASSERT_EQ(zstatus, 200);
+  EXPECT_FALSE(zero.contains("completion_probabilities")) << "n_probs 0 is llama.cpp's none";
   EXPECT_FALSE(j.empty());
 }
 
