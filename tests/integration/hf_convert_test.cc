@@ -843,6 +843,17 @@ TEST(HfConvert, Phi3FusedProjectionsGiveTheLlamaFile) {
   ExpectPhi3ConfigRefused(R"("partial_rotary_factor": 0.75)", "\"partial_rotary_factor\" is 0.75");
 }
 
+// A Phi-3 with LongRoPE (short and long factors for head_dim 8, context 512 over an original 64) and a sliding window
+// of 20.
+HfOptions Phi3LongRope() {
+  HfOptions o;
+  o.architecture = "Phi3ForCausalLM";
+  o.fused = true;
+  o.rope_scaling = R"({"type": "longrope", "short_factor": [1.0, 1.5, 3.0, 7.0], "long_factor": [1.0, 2.0, 4.0, 8.0]})";
+  o.extra_config = R"("sliding_window": 20, "original_max_position_embeddings": 64,)";
+  return o;
+}
+
 // Phi-3's LongRoPE (Phi-3-mini-128k, Phi-3.5-mini), within original_max_position_embeddings: the short factors are
 // written as rope_freqs.weight and the attention factor (here sqrt(1 + ln 8 / ln 64), from max_position_embeddings
 // 512 over 64) is folded into q and k; the engine's logits on the file are the HF reference's, which multiplies cos
@@ -850,11 +861,7 @@ TEST(HfConvert, Phi3FusedProjectionsGiveTheLlamaFile) {
 // The model without LongRoPE is far from it, and so is the file converted with the factor left out.
 TEST(HfConvert, Phi3LongRopeMatchesTheHfReference) {
   testing::TempDir tmp;
-  HfOptions o;
-  o.architecture = "Phi3ForCausalLM";
-  o.fused = true;
-  o.rope_scaling = R"({"type": "longrope", "short_factor": [1.0, 1.5, 3.0, 7.0], "long_factor": [1.0, 2.0, 4.0, 8.0]})";
-  o.extra_config = R"("sliding_window": 20, "original_max_position_embeddings": 64,)";
+  HfOptions o = Phi3LongRope();
   const std::string phi3 = ConvertStoriesHf(tmp, "phi3", o);
   o.extra_config = R"("original_max_position_embeddings": 64,)";
   const std::string no_window = ConvertStoriesHf(tmp, "no_window", o);
@@ -1443,11 +1450,7 @@ TEST(LlamaCppGguf, Qwen2GivesTheHfConversion) {
 // HfConvert.Phi3LongRopeMatchesTheHfReference ties to the HF reference; and without LongRoPE, the plain Phi-3 file.
 TEST(LlamaCppGguf, Phi3GivesTheHfConversion) {
   testing::TempDir tmp;
-  HfOptions o;
-  o.architecture = "Phi3ForCausalLM";
-  o.fused = true;
-  o.rope_scaling = R"({"type": "longrope", "short_factor": [1.0, 1.5, 3.0, 7.0], "long_factor": [1.0, 2.0, 4.0, 8.0]})";
-  o.extra_config = R"("sliding_window": 20, "original_max_position_embeddings": 64,)";
+  HfOptions o = Phi3LongRope();
   const std::string hf = ConvertStoriesHf(tmp, "longrope", o);
   const std::string phi3 = LlamaCppGguf(tmp.File("longrope"), hf, "f32");
   auto src = GgufFile::OpenPath(phi3);
