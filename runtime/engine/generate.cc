@@ -46,7 +46,20 @@ Result<GenerateResult> GenerateFrom(InferenceContext& ctx, const Tokenizer& toke
   }
 
   const auto t0 = Clock::now();
-  NF_RETURN_IF_ERROR(ctx.Eval(prompt.subspan(static_cast<size_t>(r.cached_tokens)), false));
+  if (options.prompt_logprobs && options.top_logprobs >= 0) {
+    if (r.cached_tokens != 0) return Status::Internal("prompt log-probabilities need the whole prompt evaluated");
+    // Row i of a piece starting at `at` predicts prompt token at + i + 1.
+    for (size_t at = 0; at < prompt.size(); at += kPromptLogprobsPiece) {
+      const size_t len = std::min<size_t>(kPromptLogprobsPiece, prompt.size() - at);
+      NF_RETURN_IF_ERROR(ctx.Eval(prompt.subspan(at, len), true));
+      for (size_t i = 0; i < len && at + i + 1 < prompt.size(); ++i) {
+        r.prompt_logprobs.push_back(LogprobOf({ctx.logits(static_cast<int64_t>(i)), static_cast<size_t>(ctx.n_vocab())},
+                                              prompt[at + i + 1], options.top_logprobs));
+      }
+    }
+  } else {
+    NF_RETURN_IF_ERROR(ctx.Eval(prompt.subspan(static_cast<size_t>(r.cached_tokens)), false));
+  }
   const auto t1 = Clock::now();
   r.prefill_ms = Ms(t0, t1);
   // The StopChecker counts a token before it checks the budget, so a budget of 0 never reaches it.
@@ -125,7 +138,7 @@ Result<GenerateResult> GenerateCached(InferenceContext& ctx, HeldTokens* held, b
   }
   const size_t limit = std::min(ids.size(), prompt.size() - 1);
   size_t keep = 0;
-  if (reuse) {
+  if (reuse && !(options.prompt_logprobs && options.top_logprobs >= 0)) {
     while (keep < limit && ids[keep] == prompt[keep]) ++keep;
     if (!ctx.CanRewind(static_cast<int64_t>(keep))) keep = 0;
   }

@@ -40,7 +40,14 @@ struct GenerateOptions {
   bool ignore_eos = false;
   // >= 0: record each sampled token's TokenLogprob with this many alternatives (GenerateResult::logprobs).
   int top_logprobs = -1;
+  // With top_logprobs >= 0: also each prompt token's after the first (GenerateResult::prompt_logprobs). The whole
+  // prompt is then evaluated (no cached prefix: its logits are gone), in pieces of kPromptLogprobsPiece tokens whose
+  // logits are all kept.
+  bool prompt_logprobs = false;
 };
+
+// The tokens whose logits a prompt_logprobs prefill holds at once (a front end with a memory budget reserves them).
+inline constexpr int64_t kPromptLogprobsPiece = 16;
 
 struct GenerateResult {
   int64_t prompt_tokens = 0;
@@ -56,6 +63,8 @@ struct GenerateResult {
   // end-of-turn marker, a llama2.c model's BOS) is not listed, having no text; the tokens that spelled a stop string
   // are.
   std::vector<TokenLogprob> logprobs;
+  // With options.prompt_logprobs: prompt tokens 1 .. n-1 (the first has no context to be predicted from).
+  std::vector<TokenLogprob> prompt_logprobs;
 };
 
 // Called with each piece of visible text (never empty); return false to stop generating (e.g. the client went away).

@@ -151,7 +151,7 @@ Result<std::vector<ChatMessage>> ParseMessages(const JsonFields& fields) {
 // The log-probability fields, into GenerateOptions::top_logprobs (-1: none): /completion's n_probs (llama.cpp: 0 is
 // none), /v1/completions' logprobs (null or 0..kMaxTopLogprobs alternatives), /v1/chat/completions' logprobs (a bool)
 // with top_logprobs (0..kMaxTopLogprobs, only with logprobs true, as OpenAI's). Refused with a stream (token
-// boundaries and streamed pieces differ) and with /v1/completions' echo (the prompt's own log-probabilities).
+// boundaries and streamed pieces differ).
 Status ParseLogprobs(const JsonFields& fields, ApiStyle style, bool stream, int* top) {
   const nlohmann::json& doc = fields.value();
   auto count = [&](const char* key, int* out) -> Status {
@@ -168,14 +168,6 @@ Status ParseLogprobs(const JsonFields& fields, ApiStyle style, bool stream, int*
     if (fields.Has(key)) NF_RETURN_IF_ERROR(count(key, top));
     if (*top == 0) *top = -1;
   } else if (style == ApiStyle::kOpenAi) {
-    if (fields.Has("echo")) {
-      bool echo = false;
-      NF_RETURN_IF_ERROR(Optional(fields, "echo", &echo));
-      if (echo) {
-        return Status::InvalidArgument(std::string(kSource) + ": field 'echo' is true: returning the prompt (and its "
-                                       "log-probabilities) is not supported");
-      }
-    }
     if (fields.Has(key) && !doc[key].is_null()) NF_RETURN_IF_ERROR(count(key, top));
   } else {
     bool wanted = false;
@@ -262,6 +254,12 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
   NF_RETURN_IF_ERROR(Optional(fields, "cache_prompt", &r.cache_prompt));
   NF_RETURN_IF_ERROR(OptionalStop(fields, &r.options.stop_strings));
   NF_RETURN_IF_ERROR(ParseLogprobs(fields, style, r.stream, &r.options.top_logprobs));
+  if (style == ApiStyle::kOpenAi) {
+    // echo: the prompt's text (and, with logprobs, its tokens' log-probabilities, which evaluate it whole) first.
+    NF_RETURN_IF_ERROR(Optional(fields, "echo", &r.echo));
+    r.options.echo_prompt = r.echo;
+    r.options.prompt_logprobs = r.echo && r.options.top_logprobs >= 0;
+  }
 
   if (chat) {
     if (limits.chat == nullptr) return Status::InvalidArgument(std::string(kSource) + ": " + limits.no_chat);
@@ -372,7 +370,8 @@ nlohmann::json OpenAiChatCompletion(const std::string& id, int64_t created, cons
   return j;
 }
 
-nlohmann::json LogprobsJson(ApiStyle style, const std::vector<TokenLogprob>& logprobs, const Tokenizer& tokenizer) {
+nlohmann::json LogprobsJson(const CompletionRequest& request, const GenerateResult& result, const Tokenizer& tokenizer) {
+  const ApiStyle style = request.style;
   auto bytes = [](const std::string& text) {
     nlohmann::json b = nlohmann::json::array();
     for (unsigned char c : text) b.push_back(static_cast<int>(c));
@@ -387,22 +386,38 @@ nlohmann::json LogprobsJson(ApiStyle style, const std::vector<TokenLogprob>& log
   if (style == ApiStyle::kOpenAi) {
     nlohmann::json tokens = nlohmann::json::array(), values = nlohmann::json::array();
     nlohmann::json tops = nlohmann::json::array(), offsets = nlohmann::json::array();
+    // Each token's text as the returned text is made: the prompt through the same detokenizer first.
+    Detokenizer detok(tokenizer);
     size_t offset = 0;
-    for (const TokenLogprob& t : logprobs) {
-      const std::string text = tokenizer.DecodeToken(t.id);
+    auto add = [&](int32_t id, const TokenLogprob* t) {
+      const std::string text = detok.Push(id);
       tokens.push_back(text);
-      values.push_back(t.logprob);
-      nlohmann::json top = nlohmann::json::object();
-      // Least likely first, so that of two alternatives with the same text the likelier is the one kept.
-      for (auto it = t.top.rbegin(); it != t.top.rend(); ++it) top[tokenizer.DecodeToken(it->first)] = it->second;
-      tops.push_back(std::move(top));
       offsets.push_back(offset);
       offset += text.size();
+      if (t == nullptr) {
+        values.push_back(nullptr);
+        tops.push_back(nullptr);
+        return;
+      }
+      values.push_back(t->logprob);
+      nlohmann::json top = nlohmann::json::object();
+      // Least likely first, so that of two alternatives with the same text the likelier is the one kept.
+      for (auto it = t->top.rbegin(); it != t->top.rend(); ++it) top[tokenizer.DecodeToken(it->first)] = it->second;
+      tops.push_back(std::move(top));
+    };
+    for (size_t i = 0; i < request.prompt_ids.size(); ++i) {
+      if (!request.echo) {
+        detok.Push(request.prompt_ids[i]);
+        continue;
+      }
+      const bool known = i > 0 && i - 1 < result.prompt_logprobs.size();
+      add(request.prompt_ids[i], known ? &result.prompt_logprobs[i - 1] : nullptr);
     }
+    for (const TokenLogprob& t : result.logprobs) add(t.id, &t);
     return {{"tokens", tokens}, {"token_logprobs", values}, {"top_logprobs", tops}, {"text_offset", offsets}};
   }
   nlohmann::json content = nlohmann::json::array();
-  for (const TokenLogprob& t : logprobs) {
+  for (const TokenLogprob& t : result.logprobs) {
     nlohmann::json e = entry(t.id, t.logprob), top = nlohmann::json::array();
     for (const auto& [id, lp] : t.top) top.push_back(entry(id, lp));
     e["top_logprobs"] = std::move(top);

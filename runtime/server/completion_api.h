@@ -41,6 +41,9 @@ struct CompletionRequest {
   // Keep the longest prefix of the prompt the context still holds from the previous request (llama.cpp's field;
   // GenerateCached): false evaluates the whole prompt.
   bool cache_prompt = true;
+  // /v1/completions' echo: the text returned starts with the prompt's (options.echo_prompt), and with logprobs the
+  // prompt's tokens are listed too (options.prompt_logprobs).
+  bool echo = false;
 };
 
 // The served model as requests are checked against it.
@@ -81,12 +84,14 @@ nlohmann::json OpenAiCompletion(const std::string& id, int64_t created, const st
 nlohmann::json OpenAiChatCompletion(const std::string& id, int64_t created, const std::string& model,
                                     const std::string& text, const GenerateResult* result, bool stream, bool first);
 
-// The log-probabilities of a finished generation (GenerateResult::logprobs) in `style`'s shape, each token's text its
-// Tokenizer::DecodeToken: llama.cpp's completion_probabilities ([{id, token, logprob, bytes, top_logprobs: [{id, token,
-// logprob, bytes}]}]), OpenAI's legacy choices[0].logprobs ({tokens, token_logprobs, top_logprobs: [{token: logprob}],
-// text_offset: each token's byte offset in the completion's text}) and chat's ({content: [{token, logprob, bytes,
-// top_logprobs: [{token, logprob, bytes}]}]}).
-nlohmann::json LogprobsJson(ApiStyle style, const std::vector<TokenLogprob>& logprobs, const Tokenizer& tokenizer);
+// The log-probabilities of a finished generation (GenerateResult::logprobs) in the request's shape: llama.cpp's
+// completion_probabilities ([{id, token, logprob, bytes, top_logprobs: [{id, token, logprob, bytes}]}]) and chat's
+// ({content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}), each token's text its
+// Tokenizer::DecodeToken; OpenAI's legacy choices[0].logprobs ({tokens, token_logprobs, top_logprobs: [{token:
+// logprob}], text_offset}), each token's text what it adds to the returned text (a character split over tokens comes
+// with its last one) and text_offset its byte offset there; with echo the prompt's tokens come first, the first with
+// null log-probability and alternatives.
+nlohmann::json LogprobsJson(const CompletionRequest& request, const GenerateResult& result, const Tokenizer& tokenizer);
 
 // POST /tokenize (llama.cpp's): {"content": text, "add_special": false, "parse_special": false, "with_pieces": false}
 // -> {"tokens": [id, ...]} (BOS first with add_special when the model adds one; control-token texts become those tokens

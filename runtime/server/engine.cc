@@ -3,11 +3,13 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <filesystem>
 
 #include "packer/deployment.h"
 #include "runtime/core/gguf.h"
 #include "runtime/core/log.h"
+#include "runtime/engine/generate.h"
 #include "runtime/text/chat_template.h"
 
 namespace nflash::server {
@@ -35,6 +37,8 @@ Result<std::unique_ptr<Engine>> OpenOffloaded(const EngineFlags& f) {
   int threads = 0;
   // -c 0: the model's context, so that any request the model allows fits (the KV cache counts in --memory).
   NF_RETURN_IF_ERROR(sparse::MakeRuntimeOptions(f.runtime, /*default_ctx=*/0, &o, &threads));
+  // A request for the prompt's log-probabilities holds the logits of a piece of the prompt: counted in the budget.
+  o.logits_tokens = std::max(o.logits_tokens, kPromptLogprobsPiece);
   e->pool = std::make_unique<ThreadPool>(threads);
   NF_ASSIGN_OR_RETURN(e->offloaded, sparse::OpenRuntime(f.runtime, o, e->pool.get()));
   e->served.context = &e->offloaded->context();

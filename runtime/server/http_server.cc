@@ -198,7 +198,7 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
       body = OpenAiCompletion(id, created, model.name, text, &*g);
     }
     if (request->options.top_logprobs >= 0) {
-      nlohmann::json probs = LogprobsJson(style, g->logprobs, *model.tokenizer);
+      nlohmann::json probs = LogprobsJson(*request, *g, *model.tokenizer);
       if (style == ApiStyle::kLlamaCpp) {
         body["completion_probabilities"] = std::move(probs);
       } else {

@@ -409,7 +409,7 @@ TEST_F(ServeDenseTest, BadRequestsGet400NamingTheField) {
       {"/completion", "{" + p + ", \"n_probs\": 21}", {"'n_probs'", "an integer from 0 to 20", "found 21"}},
       {"/v1/completions", "{" + p + ", \"logprobs\": -1}", {"'logprobs'", "an integer from 0 to 20", "found -1"}},
       {"/v1/completions", "{" + p + ", \"logprobs\": 2, \"stream\": true}", {"'logprobs' with 'stream': true"}},
-      {"/v1/completions", "{" + p + ", \"echo\": true}", {"'echo' is true", "not supported"}},
+      {"/v1/completions", "{" + p + ", \"echo\": 1}", {"'echo'", "true or false", "found 1"}},
       {"/v1/chat/completions", "{\"messages\": [], \"top_logprobs\": 2}", {"'top_logprobs' needs 'logprobs': true"}},
       {"/v1/chat/completions", "{\"messages\": [], \"logprobs\": true, \"top_logprobs\": 30}",
        {"'top_logprobs'", "found 30"}},
@@ -496,6 +496,41 @@ TEST_F(ServeDenseTest, LogprobsAreTheModelsLogSoftmax) {
     offset += lp["tokens"][i].get<std::string>().size();
   }
   EXPECT_EQ(offset, o["choices"][0]["text"].get<std::string>().size());
+  // echo (lm-eval's loglikelihood request: the prompt's own log-probabilities, nothing generated): the text is the
+  // prompt, its first token has none, each later one is the reference's log-softmax at the position before it; with
+  // tokens generated after it, theirs are the values above.
+  auto [es, echo] = Post(*c, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 0}, {"echo", true},
+                                                 {"logprobs", 1}});
+  ASSERT_EQ(es, 200) << echo.dump();
+  EXPECT_EQ(echo["choices"][0]["text"], kPrompt);
+  const Json& el = echo["choices"][0]["logprobs"];
+  ASSERT_EQ(el["tokens"].size(), n_prompt) << echo.dump();
+  EXPECT_TRUE(el["token_logprobs"][0].is_null());
+  EXPECT_TRUE(el["top_logprobs"][0].is_null());
+  std::string echoed;
+  for (size_t i = 0; i < n_prompt; ++i) {
+    EXPECT_EQ(el["text_offset"][i], echoed.size());
+    echoed += el["tokens"][i].get<std::string>();
+    if (i == 0) continue;
+    const float* row = ref.data() + (i - 1) * n_vocab;
+    double mx = row[0], sum = 0;
+    for (int64_t v = 0; v < n_vocab; ++v) mx = std::max<double>(mx, row[v]);
+    for (int64_t v = 0; v < n_vocab; ++v) sum += std::exp(row[v] - mx);
+    EXPECT_NEAR(el["token_logprobs"][i].get<double>(), row[ids[i]] - mx - std::log(sum), 1e-3) << "prompt token " << i;
+    EXPECT_EQ(el["top_logprobs"][i].size(), 1u);
+  }
+  EXPECT_EQ(echoed, kPrompt);
+  auto [es3, echo3] = Post(*c, "/v1/completions", {{"prompt", kPrompt}, {"max_tokens", 3}, {"temperature", 0},
+                                                   {"echo", true}, {"logprobs", 1}});
+  ASSERT_EQ(es3, 200) << echo3.dump();
+  const Json& el3 = echo3["choices"][0]["logprobs"];
+  ASSERT_EQ(el3["tokens"].size(), n_prompt + 3);
+  std::string first3 = kPrompt;
+  for (size_t i = 0; i < 3; ++i) first3 += probs[i]["token"].get<std::string>();
+  EXPECT_EQ(echo3["choices"][0]["text"], first3);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_NEAR(el3["token_logprobs"][n_prompt + i].get<double>(), probs[i]["logprob"].get<double>(), 1e-4) << i;
+  }
   // A story the model ends itself: the end token that ended it is not listed.
   auto [estatus, ended] = Post(*c, "/completion", {{"prompt", kPrompt}, {"n_predict", 400}, {"temperature", 0},
                                                    {"n_probs", 1}});
@@ -1051,6 +1086,21 @@ TEST(ServeOffloadTest, OracleDeploymentMatchesDenseServer) {
     EXPECT_GE(otj["timings"]["prompt_n"].get<int>(), 64) << otj.dump();
     EXPECT_EQ(otj["timings"]["cache_n"], dtj["timings"]["cache_n"]);
     EXPECT_EQ(otj["content"], dtj["content"]) << prompt;
+    // The prompt's log-probabilities (echo; 80+ tokens, several pieces of 16 with their logits kept, within the
+    // deployment's 3 MB) and the generated tokens': the dense server's.
+    const Json scored = {{"prompt", prompt + more}, {"max_tokens", 4}, {"temperature", 0}, {"echo", true},
+                         {"logprobs", 2}};
+    auto [des, dej] = Post(*dc, "/v1/completions", scored);
+    auto [oes, oej] = Post(*oc, "/v1/completions", scored);
+    ASSERT_EQ(des, 200) << dej.dump();
+    ASSERT_EQ(oes, 200) << oej.dump();
+    const Json& dl = dej["choices"][0]["logprobs"];
+    const Json& ol = oej["choices"][0]["logprobs"];
+    ASSERT_GT(dl["tokens"].size(), 80u);
+    ASSERT_EQ(ol["tokens"], dl["tokens"]);
+    for (size_t i = 1; i < dl["tokens"].size(); ++i) {
+      EXPECT_NEAR(ol["token_logprobs"][i].get<double>(), dl["token_logprobs"][i].get<double>(), 1e-3) << i;
+    }
   }
   EXPECT_EQ(offloaded.StopWith(SIGTERM), 0) << offloaded.Log();
   EXPECT_EQ(dense.StopWith(SIGTERM), 0) << dense.Log();
