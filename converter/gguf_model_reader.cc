@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "converter/readers.h"
@@ -137,23 +138,37 @@ Status ReadTokenizer(const GgufFile& f, TokenizerData* tok) {
   return Status::Ok();
 }
 
-Result<std::vector<float>> LoadF32(const GgufFile& f, const GgufTensorInfo& info) {
+// Rows [first_row, first_row + n_rows) of `info` (rows of dims[0] values; all of them by default) as F32.
+Result<std::vector<float>> LoadF32(const GgufFile& f, const GgufTensorInfo& info, uint64_t first_row = 0,
+                                   std::optional<uint64_t> n_rows = std::nullopt) {
   std::vector<uint8_t> scratch;
   NF_ASSIGN_OR_RETURN(std::span<const uint8_t> bytes, f.TensorData(info, &scratch));
-  std::vector<float> out(info.n_elements);
   const uint64_t row = info.dims.empty() ? 1 : info.dims[0];
   const auto row_bytes = RowBytes(info.type, row);
   if (!row_bytes || row == 0) {
     return Status::Corruption(f.path() + ": tensor " + info.name + " has row length " + std::to_string(row) +
                               ", not a whole number of " + std::string(GgmlTypeName(info.type)) + " blocks");
   }
-  const uint64_t rows = info.n_elements / row;
-  for (uint64_t r = 0; r < rows; ++r) {
-    Status s = DequantizeSourceRow(info.type, bytes.data() + r * *row_bytes, out.data() + r * row,
+  const uint64_t total = info.n_elements / row;
+  const uint64_t count = n_rows.value_or(total - std::min(first_row, total));
+  if (first_row + count > total) {
+    return Status::Internal(f.path() + ": tensor " + info.name + " has " + std::to_string(total) + " rows, not rows " +
+                            std::to_string(first_row) + ".." + std::to_string(first_row + count));
+  }
+  std::vector<float> out(count * row);
+  for (uint64_t r = 0; r < count; ++r) {
+    Status s = DequantizeSourceRow(info.type, bytes.data() + (first_row + r) * *row_bytes, out.data() + r * row,
                                    static_cast<int64_t>(row));
-    if (!s.ok()) return s.WithContext(f.path() + ": tensor " + info.name + " row " + std::to_string(r));
+    if (!s.ok()) return s.WithContext(f.path() + ": tensor " + info.name + " row " + std::to_string(first_row + r));
   }
   return out;
+}
+
+// The tensor `name` of `f`, which the reader listed when it made the loader that looks it up now.
+Result<const GgufTensorInfo*> ListedTensor(const GgufFile& f, const std::string& name) {
+  const GgufTensorInfo* t = f.FindTensor(name);
+  if (t == nullptr) return Status::Internal(f.path() + ": tensor " + name + " vanished from the directory");
+  return t;
 }
 
 // One tensor of the output cut from a tensor of the file: rows [row_begin, row_begin + rows) of `source` (rows of
@@ -186,26 +201,27 @@ Result<std::vector<GgufPart>> GgufParts(const GgufFile& f, const std::string& ar
   const size_t dot = n.rfind('.');
   const std::string stem = dot == std::string::npos ? n : n.substr(0, dot);
   const std::string prefix = stem.substr(0, stem.rfind('.') + 1);  // "blk.N." for a layer's tensor
-  auto rows_are = [&](uint64_t want, const std::string& what) -> Status {
-    if (t.dims.size() <= 2 && RowCount(t) == want) return Status::Ok();
-    std::string dims;
-    for (size_t i = 0; i < t.dims.size(); ++i) dims += (i ? ", " : "") + std::to_string(t.dims[i]);
-    return Status::Corruption(f.path() + ": tensor " + n + " has dims [" + dims + "], expected " +
+  // `split`: the tensor is cut by rows, which needs a matrix (a q or k bias is permuted whole).
+  auto rows_are = [&](uint64_t want, const std::string& what, bool split) -> Status {
+    const bool shape = split ? t.dims.size() == 2 : t.dims.size() <= 2;
+    if (shape && RowCount(t) == want) return Status::Ok();
+    return Status::Corruption(f.path() + ": tensor " + n + " has dims " + ShapeToString(t.dims) + ", expected " +
                               std::to_string(want) + " rows (" + what + ")");
   };
   const bool q = stem.ends_with(".attn_q"), k = stem.ends_with(".attn_k");
   if (stem.starts_with("blk.") && (q || k)) {
-    NF_RETURN_IF_ERROR(rows_are(q ? q_dim : kv_dim, q ? "head_count x head size" : "head_count_kv x head size"));
+    NF_RETURN_IF_ERROR(rows_are(q ? q_dim : kv_dim, q ? "head_count x head size" : "head_count_kv x head size", false));
     return std::vector<GgufPart>{{n, n, 0, 0, q ? c.n_heads : c.n_kv_heads, qk_scale}};
   }
   if (arch == "phi3" && stem.starts_with("blk.") && stem.ends_with(".attn_qkv") && n.ends_with(".weight")) {
-    NF_RETURN_IF_ERROR(rows_are(q_dim + 2 * kv_dim, "q, k and v: (head_count + 2 x head_count_kv) x head size"));
+    NF_RETURN_IF_ERROR(
+        rows_are(q_dim + 2 * kv_dim, "q, k and v: (head_count + 2 x head_count_kv) x head size", true));
     return std::vector<GgufPart>{{prefix + "attn_q.weight", n, 0, q_dim, c.n_heads, qk_scale},
                                  {prefix + "attn_k.weight", n, q_dim, kv_dim, c.n_kv_heads, qk_scale},
                                  {prefix + "attn_v.weight", n, q_dim + kv_dim, kv_dim}};
   }
   if (arch == "phi3" && stem.starts_with("blk.") && n.ends_with(".ffn_up.weight")) {
-    NF_RETURN_IF_ERROR(rows_are(2 * n_ff, "gate and up: 2 x feed_forward_length"));
+    NF_RETURN_IF_ERROR(rows_are(2 * n_ff, "gate and up: 2 x feed_forward_length", true));
     return std::vector<GgufPart>{{prefix + "ffn_gate.weight", n, 0, n_ff}, {prefix + "ffn_up.weight", n, n_ff, n_ff}};
   }
   return std::vector<GgufPart>{{n, n}};
@@ -220,22 +236,20 @@ SourceTensor PartTensor(const std::shared_ptr<const GgufFile>& f, const GgufTens
   if (p.rows > 0) st.dims = info.dims.size() == 1 ? std::vector<uint64_t>{p.rows} : std::vector{info.dims[0], p.rows};
   st.source_type = info.type;
   st.load_f32 = [f, p]() -> Result<std::vector<float>> {
-    const GgufTensorInfo* t = f->FindTensor(p.source);
-    if (t == nullptr) return Status::Internal(f->path() + ": tensor " + p.source + " vanished from the directory");
-    NF_ASSIGN_OR_RETURN(std::vector<float> all, LoadF32(*f, *t));
-    if (p.rows == 0 && p.scale == 1.0f && p.rope_heads == 0) return all;
-    const uint64_t cols = RowElements(*t), rows = p.rows > 0 ? p.rows : RowCount(*t);
-    std::vector<float> v(all.begin() + static_cast<ptrdiff_t>(p.row_begin * cols),
-                         all.begin() + static_cast<ptrdiff_t>((p.row_begin + rows) * cols));
-    for (float& x : v) x *= p.scale;
+    NF_ASSIGN_OR_RETURN(const GgufTensorInfo* t, ListedTensor(*f, p.source));
+    // A part of a fused tensor dequantizes its own rows only.
+    NF_ASSIGN_OR_RETURN(std::vector<float> v, p.rows > 0 ? LoadF32(*f, *t, p.row_begin, p.rows) : LoadF32(*f, *t));
+    if (p.scale != 1.0f) {
+      for (float& x : v) x *= p.scale;
+    }
     if (p.rope_heads == 0) return v;
-    return InterleaveRopeRows<float>(v, p.rope_heads, static_cast<int64_t>(rows), cols);
+    const uint64_t rows = p.rows > 0 ? p.rows : RowCount(*t);
+    return InterleaveRopeRows<float>(v, p.rope_heads, static_cast<int64_t>(rows), RowElements(*t));
   };
   const auto row_bytes = RowBytes(info.type, RowElements(info));
   if (p.scale != 1.0f || !row_bytes) return st;
   st.load_raw = [f, p, row_bytes = *row_bytes]() -> Result<std::vector<uint8_t>> {
-    const GgufTensorInfo* t = f->FindTensor(p.source);
-    if (t == nullptr) return Status::Internal(f->path() + ": tensor " + p.source + " vanished from the directory");
+    NF_ASSIGN_OR_RETURN(const GgufTensorInfo* t, ListedTensor(*f, p.source));
     std::vector<uint8_t> scratch;
     NF_ASSIGN_OR_RETURN(std::span<const uint8_t> bytes, f->TensorData(*t, &scratch));
     const uint64_t rows = p.rows > 0 ? p.rows : RowCount(*t);
