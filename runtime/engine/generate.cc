@@ -12,6 +12,9 @@ using Clock = std::chrono::steady_clock;
 
 double Ms(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); }
 
+// Whether the prompt's own log-probabilities are recorded (GenerateOptions::prompt_logprobs).
+bool ScoresPrompt(const GenerateOptions& options) { return options.prompt_logprobs && options.top_logprobs >= 0; }
+
 // The decode loop from a context that holds prompt[0 .. ctx.pos()) (ctx.pos() < prompt.size(), prompt not empty); the
 // ids sampled are appended to `sampled` when it is given.
 Result<GenerateResult> GenerateFrom(InferenceContext& ctx, const Tokenizer& tokenizer, std::span<const int32_t> prompt,
@@ -46,7 +49,7 @@ Result<GenerateResult> GenerateFrom(InferenceContext& ctx, const Tokenizer& toke
   }
 
   const auto t0 = Clock::now();
-  if (options.prompt_logprobs && options.top_logprobs >= 0) {
+  if (ScoresPrompt(options)) {
     if (r.cached_tokens != 0) return Status::Internal("prompt log-probabilities need the whole prompt evaluated");
     // Row i of a piece starting at `at` predicts prompt token at + i + 1.
     for (size_t at = 0; at < prompt.size(); at += kPromptLogprobsPiece) {
@@ -107,6 +110,7 @@ TokenLogprob LogprobOf(std::span<const float> logits, int32_t id, int n_top) {
   out.id = id;
   out.logprob = static_cast<float>(static_cast<double>(logits[static_cast<size_t>(id)]) - log_z);
   const size_t k = std::min(static_cast<size_t>(std::max(n_top, 0)), logits.size());
+  if (k == 0) return out;  // no alternatives: no ranking of the vocabulary
   std::vector<int32_t> order(logits.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
   auto more_likely = [&](int32_t a, int32_t b) {
@@ -138,7 +142,7 @@ Result<GenerateResult> GenerateCached(InferenceContext& ctx, HeldTokens* held, b
   }
   const size_t limit = std::min(ids.size(), prompt.size() - 1);
   size_t keep = 0;
-  if (reuse && !(options.prompt_logprobs && options.top_logprobs >= 0)) {
+  if (reuse && !ScoresPrompt(options)) {
     while (keep < limit && ids[keep] == prompt[keep]) ++keep;
     if (!ctx.CanRewind(static_cast<int64_t>(keep))) keep = 0;
   }

@@ -256,9 +256,8 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
   NF_RETURN_IF_ERROR(ParseLogprobs(fields, style, r.stream, &r.options.top_logprobs));
   if (style == ApiStyle::kOpenAi) {
     // echo: the prompt's text (and, with logprobs, its tokens' log-probabilities, which evaluate it whole) first.
-    NF_RETURN_IF_ERROR(Optional(fields, "echo", &r.echo));
-    r.options.echo_prompt = r.echo;
-    r.options.prompt_logprobs = r.echo && r.options.top_logprobs >= 0;
+    NF_RETURN_IF_ERROR(Optional(fields, "echo", &r.options.echo_prompt));
+    r.options.prompt_logprobs = r.options.echo_prompt && r.options.top_logprobs >= 0;
   }
 
   if (chat) {
@@ -406,7 +405,7 @@ nlohmann::json LogprobsJson(const CompletionRequest& request, const GenerateResu
       tops.push_back(std::move(top));
     };
     for (size_t i = 0; i < request.prompt_ids.size(); ++i) {
-      if (!request.echo) {
+      if (!request.options.echo_prompt) {
         detok.Push(request.prompt_ids[i]);
         continue;
       }

@@ -41,9 +41,6 @@ struct CompletionRequest {
   // Keep the longest prefix of the prompt the context still holds from the previous request (llama.cpp's field;
   // GenerateCached): false evaluates the whole prompt.
   bool cache_prompt = true;
-  // /v1/completions' echo: the text returned starts with the prompt's (options.echo_prompt), and with logprobs the
-  // prompt's tokens are listed too (options.prompt_logprobs).
-  bool echo = false;
 };
 
 // The served model as requests are checked against it.
@@ -89,7 +86,8 @@ nlohmann::json OpenAiChatCompletion(const std::string& id, int64_t created, cons
 // ({content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}), each token's text its
 // Tokenizer::DecodeToken; OpenAI's legacy choices[0].logprobs ({tokens, token_logprobs, top_logprobs: [{token:
 // logprob}], text_offset}), each token's text what it adds to the returned text (a character split over tokens comes
-// with its last one) and text_offset its byte offset there; with echo the prompt's tokens come first, the first with
+// with its last one) and text_offset its byte offset there; with echo (/v1/completions' field, parsed into
+// options.echo_prompt and, with logprobs, options.prompt_logprobs) the prompt's tokens come first, the first with
 // null log-probability and alternatives.
 nlohmann::json LogprobsJson(const CompletionRequest& request, const GenerateResult& result, const Tokenizer& tokenizer);
 
