@@ -84,10 +84,13 @@ Status CheckConfig(const SourceModel& m) {
   return Status::Ok();
 }
 
-// The tensors every llama model has, with the shapes the config implies (GGUF dims order).
+// The tensors every llama (or qwen3) model has, with the shapes the config implies (GGUF dims order).
 Status CheckTensors(const SourceModel& m) {
   const ModelConfig& c = m.config;
   const std::string where = m.source_path.empty() ? std::string("model") : m.source_path;
+  if (c.architecture != "llama" && c.architecture != "qwen3") {
+    return Status::InvalidArgument(where + ": architecture \"" + c.architecture + "\", expected llama or qwen3");
+  }
   std::unordered_map<std::string, const SourceTensor*> by_name;
   for (const SourceTensor& t : m.tensors) {
     if (!by_name.emplace(t.name, &t).second) {
@@ -107,7 +110,8 @@ Status CheckTensors(const SourceModel& m) {
   auto expect = [&](const std::string& name, std::vector<uint64_t> dims) -> Status {
     auto it = by_name.find(name);
     if (it == by_name.end()) {
-      return Status::InvalidArgument(where + ": tensor " + name + " is missing (every llama model has it)");
+      return Status::InvalidArgument(where + ": tensor " + name + " is missing (every " + c.architecture +
+                                     " model has it)");
     }
     if (it->second->dims != dims) {
       return Status::InvalidArgument(where + ": tensor " + name + " has dims " + ShapeToString(it->second->dims) +
@@ -137,6 +141,15 @@ Status CheckTensors(const SourceModel& m) {
     for (const auto& [bias, n] : {std::pair{"attn_q.bias", q_dim}, {"attn_k.bias", kv_dim}, {"attn_v.bias", kv_dim}}) {
       if (by_name.count(p + bias)) NF_RETURN_IF_ERROR(expect(p + bias, {n}));  // optional (Qwen2)
     }
+    const bool qwen3 = c.architecture == "qwen3";
+    for (const char* norm : {"attn_q_norm.weight", "attn_k_norm.weight"}) {  // qwen3's, of no other architecture
+      if (qwen3) {
+        NF_RETURN_IF_ERROR(expect(p + norm, {static_cast<uint64_t>(c.head_dim())}));
+      } else if (by_name.count(p + norm)) {
+        return Status::InvalidArgument(where + ": tensor " + p + norm + " in a " + c.architecture +
+                                       " model (per-head q/k norms belong to qwen3)");
+      }
+    }
     NF_RETURN_IF_ERROR(expect(p + "ffn_norm.weight", {dim}));
     if (c.n_experts == 0) {  // MoE expert layouts vary (merged or per expert): left to the reader
       NF_RETURN_IF_ERROR(expect(p + "ffn_gate.weight", {dim, ff}));
@@ -163,33 +176,35 @@ GgufArray StringArray(const std::vector<std::string>& v) {
 void SetMetadata(const SourceModel& m, uint32_t file_type, GgufWriter* w) {
   const ModelConfig& c = m.config;
   auto u32 = [](int64_t v) { return static_cast<uint32_t>(v); };
-  w->Set("general.architecture", "llama");
+  // The model keys under the architecture's prefix (llama.*, qwen3.*), as llama.cpp reads them.
+  w->Set("general.architecture", c.architecture);
+  const std::string prefix = c.architecture + ".";
   if (!c.name.empty()) w->Set("general.name", c.name);
   w->Set("general.file_type", file_type);
   w->Set("general.quantization_version", kQuantizationVersion);
   // Only written when set: llama.cpp reads 0 as "unknown", and a llama2.c or synthetic model may not say.
-  if (c.context_length > 0) w->Set("llama.context_length", u32(c.context_length));
-  w->Set("llama.embedding_length", u32(c.dim));
-  w->Set("llama.block_count", u32(c.n_layers));
-  w->Set("llama.feed_forward_length", u32(c.n_ff));
-  w->Set("llama.rope.dimension_count", u32(c.head_dim()));
-  w->Set("llama.attention.head_count", u32(c.n_heads));
-  w->Set("llama.attention.head_count_kv", u32(c.n_kv_heads));
+  if (c.context_length > 0) w->Set(prefix + "context_length", u32(c.context_length));
+  w->Set(prefix + "embedding_length", u32(c.dim));
+  w->Set(prefix + "block_count", u32(c.n_layers));
+  w->Set(prefix + "feed_forward_length", u32(c.n_ff));
+  w->Set(prefix + "rope.dimension_count", u32(c.head_dim()));
+  w->Set(prefix + "attention.head_count", u32(c.n_heads));
+  w->Set(prefix + "attention.head_count_kv", u32(c.n_kv_heads));
   if (c.key_length > 0 && c.key_length * c.n_heads != c.dim) {  // as llama.cpp's converter: only when not dim / heads
-    w->Set("llama.attention.key_length", u32(c.key_length));
-    w->Set("llama.attention.value_length", u32(c.key_length));
+    w->Set(prefix + "attention.key_length", u32(c.key_length));
+    w->Set(prefix + "attention.value_length", u32(c.key_length));
   }
-  w->Set("llama.attention.layer_norm_rms_epsilon", c.norm_eps);
-  w->Set("llama.rope.freq_base", c.rope_theta);
-  w->Set("llama.vocab_size", u32(c.n_vocab));
-  if (c.sliding_window > 0) w->Set("llama.attention.sliding_window", u32(c.sliding_window));
+  w->Set(prefix + "attention.layer_norm_rms_epsilon", c.norm_eps);
+  w->Set(prefix + "rope.freq_base", c.rope_theta);
+  w->Set(prefix + "vocab_size", u32(c.n_vocab));
+  if (c.sliding_window > 0) w->Set(prefix + "attention.sliding_window", u32(c.sliding_window));
   if (c.n_experts > 0) {
-    w->Set("llama.expert_count", u32(c.n_experts));
-    w->Set("llama.expert_used_count", u32(c.n_experts_used));
+    w->Set(prefix + "expert_count", u32(c.n_experts));
+    w->Set(prefix + "expert_used_count", u32(c.n_experts_used));
   }
   if (c.rope_scale_linear != 1.0f) {
-    w->Set("llama.rope.scaling.type", "linear");
-    w->Set("llama.rope.scaling.factor", c.rope_scale_linear);
+    w->Set(prefix + "rope.scaling.type", "linear");
+    w->Set(prefix + "rope.scaling.factor", c.rope_scale_linear);
   }
   const TokenizerData& t = m.tokenizer;
   if (!t.model.empty()) {

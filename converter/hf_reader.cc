@@ -181,6 +181,9 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
   const auto n_ff = static_cast<uint64_t>(c.n_ff);
   const auto n_vocab = static_cast<uint64_t>(c.n_vocab);
   const float qk = c.hf_qk_scale;
+  // The llama layout interleaves each q and k head's rows for consecutive-pair RoPE; qwen3 keeps them as stored.
+  const bool qwen3 = c.architecture == "qwen3";
+  const int64_t q_heads = qwen3 ? 0 : c.n_heads, kv_heads = qwen3 ? 0 : c.n_kv_heads;
   std::vector<TensorPlan> plan;
   plan.push_back({"token_embd.weight", {dim, n_vocab}, {"model.embed_tokens.weight"}, 0});
   for (int64_t l = 0; l < c.n_layers; ++l) {
@@ -194,9 +197,14 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
       plan.push_back({gg + "attn_k.weight", {dim, kv_dim}, {qkv}, c.n_kv_heads, rows, q_dim, qk});
       plan.push_back({gg + "attn_v.weight", {dim, kv_dim}, {qkv}, 0, rows, q_dim + kv_dim});
     } else {
-      plan.push_back({gg + "attn_q.weight", {dim, q_dim}, {hf + "self_attn.q_proj.weight"}, c.n_heads, 0, 0, qk});
-      plan.push_back({gg + "attn_k.weight", {dim, kv_dim}, {hf + "self_attn.k_proj.weight"}, c.n_kv_heads, 0, 0, qk});
+      plan.push_back({gg + "attn_q.weight", {dim, q_dim}, {hf + "self_attn.q_proj.weight"}, q_heads, 0, 0, qk});
+      plan.push_back({gg + "attn_k.weight", {dim, kv_dim}, {hf + "self_attn.k_proj.weight"}, kv_heads, 0, 0, qk});
       plan.push_back({gg + "attn_v.weight", {dim, kv_dim}, {hf + "self_attn.v_proj.weight"}, 0});
+    }
+    if (qwen3) {  // per-head norms over head_dim elements, in the rows' own (rotate-half) order
+      const auto hd = static_cast<uint64_t>(c.head_dim());
+      plan.push_back({gg + "attn_q_norm.weight", {hd}, {hf + "self_attn.q_norm.weight"}, 0});
+      plan.push_back({gg + "attn_k_norm.weight", {hd}, {hf + "self_attn.k_norm.weight"}, 0});
     }
     plan.push_back({gg + "attn_output.weight", {q_dim, dim}, {hf + "self_attn.o_proj.weight"}, 0});
     if (c.attention_bias) {  // q and k biases are permuted (and scaled) like their rows
@@ -400,10 +408,11 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
     const bool qwen2 = arch == "Qwen2ForCausalLM";
     const bool phi3 = arch == "Phi3ForCausalLM";
     const bool mistral = arch == "MistralForCausalLM";
-    if (!mixtral && !qwen2 && !phi3 && !mistral && arch != "LlamaForCausalLM") {
+    const bool qwen3 = arch == "Qwen3ForCausalLM";
+    if (!mixtral && !qwen2 && !qwen3 && !phi3 && !mistral && arch != "LlamaForCausalLM") {
       return Status::Unsupported(path + ": architectures[0] \"" + arch +
                                  "\" is not supported (expected LlamaForCausalLM, MistralForCausalLM, "
-                                 "MixtralForCausalLM, Qwen2ForCausalLM or Phi3ForCausalLM)");
+                                 "MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or Phi3ForCausalLM)");
     }
     // Phi-3 is Llama with fused projections (split by the reader) and, in its long-context versions, LongRoPE.
     c.hf_fused_projections = phi3;
@@ -428,9 +437,9 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
     // attention_bias would bias o_proj too, which the llama layout here has no tensor for.
     c.attention_bias = qwen2;
     NF_ASSIGN_OR_RETURN(bool llama_bias, f.Bool("attention_bias", false));
-    if (llama_bias && arch == "LlamaForCausalLM") {
-      return Status::Unsupported(path + ": field \"attention_bias\" is true: Llama's attention biases include "
-                                 "o_proj's, which are not supported");
+    if (llama_bias && (arch == "LlamaForCausalLM" || qwen3)) {
+      return Status::Unsupported(path + ": field \"attention_bias\" is true: " + (qwen3 ? "Qwen3" : "Llama") +
+                                 "'s attention biases include o_proj's, which are not supported");
     }
     NF_ASSIGN_OR_RETURN(bool mlp_bias, f.Bool("mlp_bias", false));
     if (mlp_bias) return Status::Unsupported(path + ": field \"mlp_bias\" is true: FFN biases are not supported");
@@ -439,7 +448,9 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
       return Status::Unsupported(path + ": field \"use_sliding_window\" is true: sliding-window attention is not "
                                  "supported");
     }
-    c.architecture = "llama";
+    // Qwen3 (Qwen2 without biases, with per-head q/k RMSNorm before RoPE) is written as llama.cpp's qwen3
+    // architecture: the llama one has no place for the q/k norms.
+    c.architecture = qwen3 ? "qwen3" : "llama";
     NF_ASSIGN_OR_RETURN(c.dim, f.PositiveInt("hidden_size"));
     NF_ASSIGN_OR_RETURN(c.n_ff, f.PositiveInt("intermediate_size"));
     NF_ASSIGN_OR_RETURN(c.n_layers, f.PositiveInt("num_hidden_layers"));
@@ -461,8 +472,9 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
     }
     // head_dim (transformers' getattr(config, "head_dim", hidden_size // num_attention_heads)) may differ from
     // hidden_size / num_attention_heads (Mistral Nemo: 128, not 160): llama.attention.key_length.
-    if (f.Has("head_dim")) {
-      NF_ASSIGN_OR_RETURN(int64_t head_dim, f.Int("head_dim"));
+    // Qwen3Config's default is 128 whatever the hidden size.
+    if (f.Has("head_dim") || qwen3) {
+      NF_ASSIGN_OR_RETURN(int64_t head_dim, f.Int("head_dim", qwen3 ? 128 : 0));
       if (head_dim <= 0 || head_dim % 2 != 0) return f.BadValue("head_dim", "a positive even number (RoPE rotates pairs)");
       if (head_dim * c.n_heads != c.dim) c.key_length = head_dim;
     }

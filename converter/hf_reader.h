@@ -3,11 +3,13 @@
 // config.json fields read (HF names; "required" fields missing are an error naming config.json and the field):
 //   architectures[0]           LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM,
 //                              TurboSparseMixtralForCausalLM (Mixtral layout, dReLU FFN; see below),
-//                              Qwen2ForCausalLM (q, k, v biases), Phi3ForCausalLM (fused projections, see below)
+//                              Qwen2ForCausalLM (q, k, v biases), Phi3ForCausalLM (fused projections, see below),
+//                              Qwen3ForCausalLM (per-head q/k norms: written as llama.cpp's qwen3 architecture,
+//                              see below)
 //   hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, max_position_embeddings, vocab_size,
 //   rms_norm_eps               required
 //   num_key_value_heads        default num_attention_heads
-//   head_dim                   optional; must equal hidden_size / num_attention_heads (the GGUF llama layout)
+//   head_dim                   optional; ARCH.attention.key_length when not hidden_size / num_attention_heads
 //   rope_theta                 default 10000
 //   rope_scaling               null, or {"type" or "rope_type": "default" | "linear" | "llama3" | "longrope"};
 //                              llama3 and longrope give rope_freqs.weight (docs/formats.md); others Unsupported
@@ -41,6 +43,9 @@
 // RoPE: HF stores q_proj/k_proj rows per head as [first halves of the pairs..., second halves...] (rotate-half);
 // GGUF wants interleaved pairs. Per head (head_dim rows), GGUF row 2i + j = HF row j * head_dim/2 + i (j in {0, 1}),
 // as llama.cpp's LlamaModel.permute (reshape(n_head, 2, head_dim/2, in).swapaxes(1, 2)), with n_kv_heads for k_proj.
+// Qwen3 is written as llama.cpp's qwen3 architecture instead (keys qwen3.*): q_proj/k_proj rows as stored (the runtime
+// rotates NEOX pairs (i, i + head_dim/2)), and model.layers.N.self_attn.q_norm/k_norm.weight -> blk.N.attn_q_norm /
+// attn_k_norm.weight {head_dim}, applied per head before RoPE.
 #pragma once
 
 #include <string>

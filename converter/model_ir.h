@@ -22,7 +22,10 @@ using ::nflash::FfnActivationName;
 using ::nflash::ParseFfnActivation;
 
 struct ModelConfig {
-  std::string architecture = "llama";  // GGUF general.architecture (always "llama" for the families nflash reads)
+  // GGUF general.architecture, the prefix of the model keys: "llama" (every family the converter rearranges into the
+  // llama layout), or "qwen3" (llama.cpp's: q and k rows as Hugging Face stores them for NEOX RoPE, and per-head
+  // q/k norms blk.N.attn_{q,k}_norm.weight, which the llama architecture has no place for).
+  std::string architecture = "llama";
   std::string name;                    // general.name
   int64_t n_vocab = 0;
   int64_t dim = 0;             // llama.embedding_length

@@ -458,22 +458,28 @@ void InferenceContext::Attention(int64_t layer, int64_t n, int64_t pos) {
   float* vc = f16 ? nullptr : v_cache_.data() + layer_base;
   uint16_t* kh = f16 ? k_half_.data() + layer_base : nullptr;
   uint16_t* vh = f16 ? v_half_.data() + layer_base : nullptr;
-  // RoPE on q and k (consecutive pairs), then append k and v to the cache.
+  // Qwen3: each head of q and k RMS-normalised (its own weights over head_dim) before RoPE.
+  const LayerWeights& L = model_.layers()[static_cast<size_t>(layer)];
+  // RoPE on q and k, pair i being elements (2i, 2i + 1) of a head (the llama layout) or (i, i + half) (NEOX), then
+  // append k and v to the cache.
+  const int64_t stride = hp_.rope_neox ? 1 : 2, offset = hp_.rope_neox ? half : 1;
   for (int64_t t = 0; t < n; ++t) {
     const float* c = rope_cos_.data() + (pos + t) * half;
     const float* s = rope_sin_.data() + (pos + t) * half;
-    auto rotate = [&](float* vec, int64_t heads) {
+    auto rotate = [&](float* vec, int64_t heads, const float* norm) {
       for (int64_t h = 0; h < heads; ++h) {
         float* v = vec + h * hd;
+        if (norm != nullptr) RmsNorm(v, norm, hd, hp_.norm_eps, v);
         for (int64_t i = 0; i < half; ++i) {
-          const float a = v[2 * i], b = v[2 * i + 1];
-          v[2 * i] = a * c[i] - b * s[i];
-          v[2 * i + 1] = a * s[i] + b * c[i];
+          float* x = v + i * stride;
+          const float a = x[0], b = x[offset];
+          x[0] = a * c[i] - b * s[i];
+          x[offset] = a * s[i] + b * c[i];
         }
       }
     };
-    rotate(q_.data() + t * q_dim, hp_.n_heads);
-    rotate(k_.data() + t * kv_dim, hp_.n_kv_heads);
+    rotate(q_.data() + t * q_dim, hp_.n_heads, L.q_norm);
+    rotate(k_.data() + t * kv_dim, hp_.n_kv_heads, L.k_norm);
     const float* kt = k_.data() + t * kv_dim;
     const int64_t at = (pos + t) % kv_positions_;  // its place in the caches
     const int64_t width = KeyBlockWidth(kv_positions_, at / kKeyBlock * kKeyBlock);  // element i is i rows down

@@ -11,16 +11,22 @@ namespace nflash {
 Result<LlamaHparams> ReadLlamaHparams(const GgufFile& f) {
   const std::string& path = f.path();
   NF_ASSIGN_OR_RETURN(std::string arch, f.GetString("general.architecture"));
-  if (arch == "qwen2" || arch == "phi3") {
-    return Status::Unsupported(path + ": general.architecture is \"" + arch + "\", expected \"llama\": convert the " +
-                               "file first (nflash convert " + path + " -o OUT.gguf), which rearranges " + arch +
-                               " into the llama layout");
+  if (arch == "phi3") {
+    return Status::Unsupported(path + ": general.architecture is \"phi3\", expected \"llama\", \"qwen2\" or " +
+                               "\"qwen3\": convert the file first (nflash convert " + path + " -o OUT.gguf), which " +
+                               "splits phi3's fused tensors into the llama layout");
   }
-  if (arch != "llama") {
-    return Status::Unsupported(path + ": general.architecture is \"" + arch + "\", expected \"llama\"");
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3") {
+    return Status::Unsupported(path + ": general.architecture is \"" + arch +
+                               "\", expected \"llama\", \"qwen2\" or \"qwen3\"");
   }
   LlamaHparams hp;
-  auto req = [&](const char* key, int64_t* out) -> Status {
+  hp.arch = arch;
+  hp.rope_neox = arch != "llama";
+  // Every model key under the architecture's prefix, as llama.cpp names them (qwen3.embedding_length, ...).
+  const std::string prefix = arch + ".";
+  auto key_of = [&](const char* name) { return prefix + name; };
+  auto req = [&](const std::string& key, int64_t* out) -> Status {
     auto v = f.GetUint(key);
     if (!v.ok()) return v.status().WithContext(path);
     if (*v == 0 || *v > (uint64_t{1} << 40)) {
@@ -29,32 +35,34 @@ Result<LlamaHparams> ReadLlamaHparams(const GgufFile& f) {
     *out = static_cast<int64_t>(*v);
     return Status::Ok();
   };
-  NF_RETURN_IF_ERROR(req("llama.embedding_length", &hp.dim));
-  NF_RETURN_IF_ERROR(req("llama.block_count", &hp.n_layers));
-  NF_RETURN_IF_ERROR(req("llama.feed_forward_length", &hp.n_ff));
-  NF_RETURN_IF_ERROR(req("llama.attention.head_count", &hp.n_heads));
-  NF_RETURN_IF_ERROR(req("llama.context_length", &hp.context_length));
+  NF_RETURN_IF_ERROR(req(key_of("embedding_length"), &hp.dim));
+  NF_RETURN_IF_ERROR(req(key_of("block_count"), &hp.n_layers));
+  NF_RETURN_IF_ERROR(req(key_of("feed_forward_length"), &hp.n_ff));
+  NF_RETURN_IF_ERROR(req(key_of("attention.head_count"), &hp.n_heads));
+  NF_RETURN_IF_ERROR(req(key_of("context_length"), &hp.context_length));
   hp.n_kv_heads = hp.n_heads;
-  if (f.Find("llama.attention.head_count_kv")) NF_RETURN_IF_ERROR(req("llama.attention.head_count_kv", &hp.n_kv_heads));
-  // The head size: llama.attention.key_length when the file has it (Mistral Nemo: 128 with 5120 / 32 heads), and then
+  if (f.Find(key_of("attention.head_count_kv"))) {
+    NF_RETURN_IF_ERROR(req(key_of("attention.head_count_kv"), &hp.n_kv_heads));
+  }
+  // The head size: ARCH.attention.key_length when the file has it (Mistral Nemo: 128 with 5120 / 32 heads), and then
   // value_length must equal it; else embedding_length / head_count.
   hp.head_dim = hp.dim / hp.n_heads;
-  const bool keyed = f.Find("llama.attention.key_length") != nullptr;
-  if (keyed) NF_RETURN_IF_ERROR(req("llama.attention.key_length", &hp.head_dim));
-  if (f.Find("llama.attention.value_length")) {
+  const bool keyed = f.Find(key_of("attention.key_length")) != nullptr;
+  if (keyed) NF_RETURN_IF_ERROR(req(key_of("attention.key_length"), &hp.head_dim));
+  if (f.Find(key_of("attention.value_length"))) {
     int64_t value_length = 0;
-    NF_RETURN_IF_ERROR(req("llama.attention.value_length", &value_length));
+    NF_RETURN_IF_ERROR(req(key_of("attention.value_length"), &value_length));
     if (value_length != hp.head_dim) {
-      return Status::Unsupported(path + ": llama.attention.value_length = " + std::to_string(value_length) +
-                                 ", expected the key length " + std::to_string(hp.head_dim) +
-                                 " (different key and value head sizes are not supported)");
+      return Status::Unsupported(path + ": " + key_of("attention.value_length") + " = " +
+                                 std::to_string(value_length) + ", expected the key length " +
+                                 std::to_string(hp.head_dim) + " (different key and value head sizes are not supported)");
     }
   }
-  if (f.Find("llama.rope.dimension_count")) {
+  if (f.Find(key_of("rope.dimension_count"))) {
     int64_t rot = 0;
-    NF_RETURN_IF_ERROR(req("llama.rope.dimension_count", &rot));
+    NF_RETURN_IF_ERROR(req(key_of("rope.dimension_count"), &rot));
     if (rot != hp.head_dim) {
-      return Status::Unsupported(path + ": llama.rope.dimension_count = " + std::to_string(rot) +
+      return Status::Unsupported(path + ": " + key_of("rope.dimension_count") + " = " + std::to_string(rot) +
                                  ", expected the head size " + std::to_string(hp.head_dim) +
                                  " (partial rotary embeddings are not supported)");
     }
@@ -64,29 +72,33 @@ Result<LlamaHparams> ReadLlamaHparams(const GgufFile& f) {
                               ", head_count " + std::to_string(hp.n_heads) + ", head_count_kv " +
                               std::to_string(hp.n_kv_heads) + ", head size " + std::to_string(hp.head_dim));
   }
-  if (auto v = f.GetFloat("llama.rope.freq_base"); v.ok()) hp.rope_theta = static_cast<float>(*v);
-  if (auto v = f.GetFloat("llama.attention.layer_norm_rms_epsilon"); v.ok()) hp.norm_eps = static_cast<float>(*v);
-  if (auto t = f.GetString("llama.rope.scaling.type"); t.ok() && *t != "none") {
-    if (*t != "linear") return Status::Unsupported(path + ": llama.rope.scaling.type \"" + *t + "\" (only linear)");
-    NF_ASSIGN_OR_RETURN(double factor, f.GetFloat("llama.rope.scaling.factor"));
-    if (!(factor > 0)) return Status::Corruption(path + ": llama.rope.scaling.factor must be > 0");
+  if (auto v = f.GetFloat(key_of("rope.freq_base")); v.ok()) hp.rope_theta = static_cast<float>(*v);
+  if (auto v = f.GetFloat(key_of("attention.layer_norm_rms_epsilon")); v.ok()) hp.norm_eps = static_cast<float>(*v);
+  if (auto t = f.GetString(key_of("rope.scaling.type")); t.ok() && *t != "none") {
+    if (*t != "linear") {
+      return Status::Unsupported(path + ": " + key_of("rope.scaling.type") + " \"" + *t + "\" (only linear)");
+    }
+    NF_ASSIGN_OR_RETURN(double factor, f.GetFloat(key_of("rope.scaling.factor")));
+    if (!(factor > 0)) return Status::Corruption(path + ": " + key_of("rope.scaling.factor") + " must be > 0");
     hp.rope_scale = static_cast<float>(factor);
   }
-  if (f.Find("llama.attention.sliding_window")) {
-    NF_ASSIGN_OR_RETURN(uint64_t w, f.GetUint("llama.attention.sliding_window"));
+  if (f.Find(key_of("attention.sliding_window"))) {
+    NF_ASSIGN_OR_RETURN(uint64_t w, f.GetUint(key_of("attention.sliding_window")));
     if (w > (uint64_t{1} << 40)) {
-      return Status::Corruption(path + ": llama.attention.sliding_window = " + std::to_string(w) + " is out of range");
+      return Status::Corruption(path + ": " + key_of("attention.sliding_window") + " = " + std::to_string(w) +
+                                " is out of range");
     }
     hp.sliding_window = static_cast<int64_t>(w);  // 0: none, as llama.cpp reads it
   }
-  if (f.Find("llama.expert_count")) {
-    NF_ASSIGN_OR_RETURN(uint64_t ne, f.GetUint("llama.expert_count"));
+  if (f.Find(key_of("expert_count"))) {
+    NF_ASSIGN_OR_RETURN(uint64_t ne, f.GetUint(key_of("expert_count")));
     hp.n_experts = static_cast<int64_t>(ne);
     if (hp.n_experts > 0) {
-      NF_RETURN_IF_ERROR(req("llama.expert_used_count", &hp.n_experts_used));
+      NF_RETURN_IF_ERROR(req(key_of("expert_used_count"), &hp.n_experts_used));
       if (hp.n_experts_used > hp.n_experts) {
-        return Status::Corruption(path + ": llama.expert_used_count " + std::to_string(hp.n_experts_used) +
-                                  " > llama.expert_count " + std::to_string(hp.n_experts));
+        return Status::Corruption(path + ": " + key_of("expert_used_count") + " " +
+                                  std::to_string(hp.n_experts_used) + " > " + key_of("expert_count") + " " +
+                                  std::to_string(hp.n_experts));
       }
     }
   }
@@ -100,7 +112,7 @@ Result<LlamaHparams> ReadLlamaHparams(const GgufFile& f) {
   if (auto n = f.GetString("general.name"); n.ok()) hp.name = *n;
   hp.synthetic = hp.name.find("synthetic") != std::string::npos;
   if (auto s = f.GetBool("nflash.synthetic"); s.ok() && *s) hp.synthetic = true;
-  // n_vocab from the embedding tensor (llama.vocab_size is optional in GGUF).
+  // n_vocab from the embedding tensor (ARCH.vocab_size is optional in GGUF).
   const GgufTensorInfo* emb = f.FindTensor("token_embd.weight");
   if (!emb) return Status::NotFound(path + ": tensor token_embd.weight is missing");
   if (emb->dims.size() != 2) return Status::Corruption(path + ": token_embd.weight must be 2-D");
@@ -168,7 +180,7 @@ Status Model::Bind() {
     *out = owned_f32_.back().data();
     return Status::Ok();
   };
-  owned_f32_.reserve(static_cast<size_t>(5 * hp.n_layers + 2));  // pointers into it must stay valid
+  owned_f32_.reserve(static_cast<size_t>(7 * hp.n_layers + 3));  // pointers into it must stay valid
 
   NF_RETURN_IF_ERROR(matrix("token_embd.weight", hp.dim, hp.n_vocab, 0, &token_embd_, nullptr));
   NF_RETURN_IF_ERROR(vec("output_norm.weight", hp.dim, &output_norm_));
@@ -199,6 +211,14 @@ Status Model::Bind() {
     for (const auto& [name, n, out] : {std::tuple{"attn_q.bias", hp.q_dim(), &L.bq},
                                        {"attn_k.bias", hp.kv_dim(), &L.bk}, {"attn_v.bias", hp.kv_dim(), &L.bv}}) {
       if (f.FindTensor(p + name)) NF_RETURN_IF_ERROR(vec(p + name, n, out));
+    }
+    // Qwen3's per-head q and k norms: part of that architecture (required), of no other.
+    if (hp.arch == "qwen3") {
+      NF_RETURN_IF_ERROR(vec(p + "attn_q_norm.weight", hp.head_dim, &L.q_norm));
+      NF_RETURN_IF_ERROR(vec(p + "attn_k_norm.weight", hp.head_dim, &L.k_norm));
+    } else if (f.FindTensor(p + "attn_q_norm.weight") || f.FindTensor(p + "attn_k_norm.weight")) {
+      return Status::Unsupported(f.path() + ": tensor " + p + "attn_q_norm.weight or attn_k_norm.weight in a " +
+                                 hp.arch + " model (per-head q/k norms belong to qwen3)");
     }
     NF_RETURN_IF_ERROR(vec(p + "ffn_norm.weight", hp.dim, &L.ffn_norm));
     if (external_ffn_) {

@@ -1,5 +1,6 @@
 // A Llama-family model loaded from GGUF for inference: hyper-parameters, weight views into the (mapped or read) file,
-// and the tokenizer. Llama, Mistral (GQA) and Mixtral (MoE) shapes; SwiGLU, ReLU-gated and dReLU FFNs.
+// and the tokenizer. Llama, Mistral (GQA) and Mixtral (MoE) shapes, Qwen2 and Qwen3 (llama.cpp's qwen2 and qwen3
+// architectures); SwiGLU, ReLU-gated and dReLU FFNs.
 #pragma once
 
 #include <cstdint>
@@ -14,8 +15,13 @@
 
 namespace nflash {
 
-// Hyper-parameters read from a GGUF file's llama.* and nflash.* keys.
+// Hyper-parameters read from a GGUF file's ARCH.* and nflash.* keys, ARCH being general.architecture: llama, or
+// llama.cpp's qwen2 and qwen3 (read as llama.cpp writes them: NEOX RoPE, q/k rows as Hugging Face stores them).
 struct LlamaHparams {
+  std::string arch = "llama";
+  // RoPE rotates the pairs (i, i + head_dim / 2) of each head (NEOX, transformers' rotate-half: qwen2, qwen3) instead
+  // of the consecutive pairs (2i, 2i + 1) of the llama layout, whose q and k rows llama.cpp's converter permutes.
+  bool rope_neox = false;
   int64_t n_vocab = 0;
   int64_t dim = 0;
   int64_t n_layers = 0;
@@ -49,6 +55,9 @@ struct LayerWeights {
   const float* bq = nullptr;
   const float* bk = nullptr;
   const float* bv = nullptr;
+  // Per-head RMSNorm of q and k before RoPE (attn_{q,k}_norm.weight, head_dim each: Qwen3), or nullptr.
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
   const float* ffn_norm = nullptr;   // (dim)
   // Dense FFN (n_experts == 0): gate/up (n_ff, dim), down (dim, n_ff).
   // MoE: router (n_experts, dim); gate/up/down hold expert 0 and `expert_stride_*` bytes step to the next expert.

@@ -211,6 +211,7 @@ struct HfOptions {
   // config.json's head_dim, when not 0: every head of q, k, v (and o_proj's columns) widened from stories' 8 to this
   // many rows, the extra ones a fixed pattern (Mistral Nemo's layout: heads x head_dim != hidden_size).
   int head_dim = 0;
+  bool qk_norm = false;  // Qwen3's per-head self_attn.q_norm and k_norm weights (QkNormWeights)
 };
 
 // The rows of `w` (`heads` heads of `hd` rows, `cols` columns each) in heads of `wide` rows: each head's own rows,
@@ -246,6 +247,14 @@ Floats StackRows(const std::vector<const Floats*>& parts) {
   return out;
 }
 
+// Layer l's q (m 0) or k (1) norm weights, hd values in the head's own (HF) order: a fixed pattern far enough from 1
+// to move the logits.
+Floats QkNormWeights(int l, int m, int hd) {
+  Floats w(static_cast<size_t>(hd));
+  for (int i = 0; i < hd; ++i) w[static_cast<size_t>(i)] = 1.0f + 0.6f * std::sin(0.9f * i + 0.5f * l + 1.7f * m);
+  return w;
+}
+
 // Layer l's bias of q (m 0), k (1) or v (2), n values in GGUF's interleaved order: a fixed pattern large enough to
 // move the logits.
 Floats StoriesBias(int l, int m, uint64_t n) {
@@ -275,6 +284,10 @@ void WriteStoriesHf(const std::string& dir, const HfOptions& o) {
       t.push_back({p + "self_attn.v_proj.weight", {kv_dim, dim}, wv});
     }
     t.push_back({p + "self_attn.o_proj.weight", {dim, q_dim}, WidenHeadColumns(s.wo[l], s.dim, s.n_heads, hd0, hd, l)});
+    if (o.qk_norm) {
+      t.push_back({p + "self_attn.q_norm.weight", {uint64_t(hd)}, QkNormWeights(l, 0, hd)});
+      t.push_back({p + "self_attn.k_norm.weight", {uint64_t(hd)}, QkNormWeights(l, 1, hd)});
+    }
     if (o.qkv_bias) {  // HF keeps q and k biases in the rotate-half order of their rows
       t.push_back({p + "self_attn.q_proj.bias", {q_dim}, ToHfRopeOrder(StoriesBias(l, 0, q_dim), s.n_heads, q_dim, 1)});
       t.push_back({p + "self_attn.k_proj.bias", {kv_dim},
@@ -391,18 +404,21 @@ void ExpectSameModel(const std::string& path_a, const std::string& path_b) {
     EXPECT_EQ(ta.type, tb->type) << ta.name;
     EXPECT_TRUE(TensorBytes(*a, ta.name) == TensorBytes(*b, ta.name)) << ta.name;
   }
-  size_t n_llama = 0;
+  // The model keys, under the architecture's prefix (llama., qwen3.).
+  const std::string arch = *a->GetString("general.architecture"), prefix = arch + ".";
+  EXPECT_EQ(*b->GetString("general.architecture"), arch);
+  size_t n_model_keys = 0;
   for (const auto& [key, value] : a->metadata()) {
-    if (key.rfind("llama.", 0) != 0) continue;
-    ++n_llama;
+    if (key.rfind(prefix, 0) != 0) continue;
+    ++n_model_keys;
     const GgufValue* other = b->Find(key);
     ASSERT_NE(other, nullptr) << key;
     EXPECT_EQ(Render(value), Render(*other)) << key;
   }
-  size_t n_llama_b = 0;
-  for (const auto& kv : b->metadata()) n_llama_b += kv.first.rfind("llama.", 0) == 0;
-  EXPECT_EQ(n_llama, n_llama_b);
-  EXPECT_GE(n_llama, 9u);
+  size_t n_model_keys_b = 0;
+  for (const auto& kv : b->metadata()) n_model_keys_b += kv.first.rfind(prefix, 0) == 0;
+  EXPECT_EQ(n_model_keys, n_model_keys_b);
+  EXPECT_GE(n_model_keys, 9u);
 }
 
 Status ConvertTo(Result<SourceModel> model, const std::string& out) {
@@ -818,6 +834,84 @@ std::string ProfileAndPack(const testing::TempDir& tmp, const std::string& model
   auto k = testing::RunCommand(nf + " -q pack -m " + model + " -p " + tmp.File("m.prof") + " -o " + tmp.File("deploy"));
   EXPECT_EQ(k.exit_code, 0) << k.output;
   return tmp.File("deploy");
+}
+
+// Qwen3: Qwen2 without biases, with each head of q and k RMS-normalised (its own weights) before RoPE. Written as
+// llama.cpp's qwen3 architecture (keys under "qwen3."; the llama one has no place for the norms): the q and k rows
+// and the norms as the checkpoint stores them (compared with the directory's own values), for NEOX RoPE. The engine's
+// logits on it are the HF reference's, and those of the llama file of the same weights without the norms are far
+// from them; the same rows rotated as llama pairs would be too. A ReLU Qwen3, profiled and packed, decodes from flash
+// (oracle active set) to the in-memory sparse engine's text.
+TEST(HfConvert, Qwen3QkNormsMatchTheHfReference) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.architecture = "Qwen3ForCausalLM";
+  o.qk_norm = true;
+  o.head_dim = 16;  // wider than hidden / heads, as Qwen3's (128 over 1024 / 16 in Qwen3-0.6B)
+  const std::string qwen3 = ConvertStoriesHf(tmp, "qwen3", o);
+  auto f = GgufFile::OpenPath(qwen3);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(*f->GetString("general.architecture"), "qwen3");
+  EXPECT_EQ(*f->GetUint("qwen3.attention.key_length"), 16u);
+  EXPECT_EQ(f->Find("llama.embedding_length"), nullptr);
+  const Stories& st = GetStories();
+  const int hd0 = st.dim / st.n_heads;
+  const uint64_t q_dim = 16 * uint64_t(st.n_heads);
+  EXPECT_TRUE(TensorBytes(*f, "blk.2.attn_q.weight") ==
+              FloatBytes(ToHfRopeOrder(WidenHeadRows(st.wq[2], st.n_heads, hd0, 16, st.dim, 6), st.n_heads, q_dim,
+                                       uint64_t(st.dim))));
+  EXPECT_TRUE(TensorBytes(*f, "blk.3.attn_q_norm.weight") == FloatBytes(QkNormWeights(3, 0, 16)));
+  EXPECT_TRUE(TensorBytes(*f, "blk.1.attn_k_norm.weight") == FloatBytes(QkNormWeights(1, 1, 16)));
+  auto loaded = Model::Load(qwen3, {});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_TRUE((*loaded)->hparams().rope_neox);
+  EXPECT_NE((*loaded)->layers()[0].q_norm, nullptr);
+  HfOptions wide;
+  wide.head_dim = 16;
+  ExpectHfReferenceLogits(tmp.File("qwen3"), qwen3, ConvertStoriesHf(tmp, "wide", wide), "the q/k norms");
+  // The same file relabelled qwen2 (no norms; NEOX RoPE): refused, as the norms belong to qwen3 only.
+  const std::string as_qwen2 = tmp.File("as-qwen2.gguf");
+  ASSERT_EQ(testing::RewriteGguf(qwen3, as_qwen2,
+                                 [](std::vector<std::pair<std::string, GgufValue>>* kv) {
+                                   for (auto& [key, value] : *kv) {
+                                     if (key == "general.architecture") value = GgufValue(std::string("qwen2"));
+                                     if (key.rfind("qwen3.", 0) == 0) key = "qwen2." + key.substr(6);
+                                   }
+                                 },
+                                 nullptr),
+            "");
+  auto refused = Model::Load(as_qwen2, {});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_CONTAINS(refused.status().message(), "attn_q_norm.weight or attn_k_norm.weight in a qwen2 model");
+  ExpectShortTensorRefused(qwen3, "blk.1.attn_k_norm.weight", 15, 16);
+
+  // Without its norms, with biases (which would include o_proj's), or without head_dim (Qwen3Config's 128, which
+  // these weights do not have): refused, naming the tensor or field.
+  o.qk_norm = false;
+  ExpectBadDirectory(o, {"model.layers.0.self_attn.q_norm.weight"});
+  o.qk_norm = true;
+  o.extra_config = R"("attention_bias": true,)";
+  ExpectBadDirectory(o, {"field \"attention_bias\" is true: Qwen3's attention biases include o_proj's"});
+  o.extra_config.clear();
+  o.head_dim = 0;
+  o.qk_norm = false;
+  ExpectBadDirectory(o, {"model.layers.0.self_attn.q_proj.weight"});
+
+  HfOptions relu = o;
+  relu.qk_norm = true;
+  relu.head_dim = 16;
+  relu.hidden_act = "relu";
+  const std::string model = ConvertStoriesHf(tmp, "qwen3-relu", relu);
+  relu.architecture = "LlamaForCausalLM";
+  relu.qk_norm = false;
+  const std::string in_memory = InMemoryText(model, 40);
+  ASSERT_FALSE(in_memory.empty());
+  EXPECT_NE(in_memory, InMemoryText(ConvertStoriesHf(tmp, "llama-relu", relu), 40)) << "the norms change the text";
+  const std::string deploy = ProfileAndPack(tmp, model);
+  const std::string offloaded = CliJson(testing::RunCommand(testing::NflashBinary() + " -q offload -d " + deploy +
+                                                            " --active-set oracle -p 'Once upon a time' -n 40 --json "
+                                                            "--memory 3M")).value("text", "");
+  EXPECT_EQ(offloaded, in_memory);
 }
 
 // Phi-3: Llama with q, k, v fused into qkv_proj and gate, up into gate_up_proj. Split by rows they give the very
@@ -1443,6 +1537,49 @@ TEST(LlamaCppGguf, Qwen2GivesTheHfConversion) {
   ExpectSameModel(wide_converted, wide_hf);
 }
 
+// llama.cpp's qwen2 and qwen3 files as they are: the engine reads them natively (keys under the architecture's
+// prefix, NEOX RoPE on the rows as stored, Qwen3's q/k norms), and its logits on each are the HF reference's on the
+// directory the file was made from (llamacpp_gguf.py, written from llama.cpp's conventions, not nflash's). A qwen3
+// file converts to the file the HF reader makes of the same directory, byte for byte and key for key (it stays
+// qwen3); from Q8_0 weights, rows are copied, not requantized.
+TEST(LlamaCppGguf, EngineReadsQwen2AndQwen3Natively) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.architecture = "Qwen2ForCausalLM";
+  o.qkv_bias = true;
+  const std::string qwen2_hf = ConvertStoriesHf(tmp, "qwen2", o);
+  const std::string qwen2 = LlamaCppGguf(tmp.File("qwen2"), qwen2_hf, "f32");
+  const std::string plain = ConvertStoriesHf(tmp, "plain", {});
+  ExpectHfReferenceLogits(tmp.File("qwen2"), qwen2, plain, "the biases (qwen2 as llama.cpp writes it)");
+
+  HfOptions q3;
+  q3.architecture = "Qwen3ForCausalLM";
+  q3.qk_norm = true;
+  q3.head_dim = 16;
+  const std::string qwen3_hf = ConvertStoriesHf(tmp, "qwen3", q3);
+  const std::string qwen3 = LlamaCppGguf(tmp.File("qwen3"), qwen3_hf, "f32");
+  auto src = GgufFile::OpenPath(qwen3);
+  ASSERT_TRUE(src.ok()) << src.status().ToString();
+  EXPECT_EQ(*src->GetString("general.architecture"), "qwen3");
+  HfOptions wide;
+  wide.head_dim = 16;
+  ExpectHfReferenceLogits(tmp.File("qwen3"), qwen3, ConvertStoriesHf(tmp, "wide", wide),
+                          "the q/k norms (qwen3 as llama.cpp writes it)");
+  const std::string converted = tmp.File("qwen3-converted.gguf");
+  ASSERT_TRUE(ConvertGguf(qwen3, converted, GgmlType::kF32).ok());
+  ExpectSameModel(converted, qwen3_hf);
+
+  const std::string q8 = LlamaCppGguf(tmp.File("qwen3"), qwen3_hf, "q8_0");
+  const std::string as_q8 = tmp.File("q8-q8.gguf");
+  WriteSummary summary;
+  const Status s = ConvertGguf(q8, as_q8, GgmlType::kQ8_0, &summary);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_GE(summary.raw_copies, size_t(GetStories().n_layers) * 7);  // q, k, v, o, gate, up, down of every layer
+  for (const std::string name : {"blk.0.attn_q.weight", "blk.3.attn_k.weight", "blk.2.ffn_down.weight"}) {
+    EXPECT_TRUE(TensorBytes(*GgufFile::OpenPath(as_q8), name) == TensorBytes(*GgufFile::OpenPath(q8), name)) << name;
+  }
+}
+
 // llama.cpp's phi3 architecture: q, k and v fused in attn_qkv, gate and up in ffn_up, LongRoPE's factors as
 // rope_factors_short/long.weight with rope.scaling.attn_factor and original_context_length, a sliding window.
 // Converted, it is the file the HF reader makes of the same directory (short factors as rope_freqs.weight, the
@@ -1507,7 +1644,7 @@ TEST(LlamaCppGguf, Phi3GivesTheHfConversion) {
 }
 
 // A converted file's error names the file, the tensor or key, what was expected and what was found; the engine refuses
-// a qwen2 or phi3 file as it is, saying to convert it.
+// a phi3 file as it is, saying to convert it.
 TEST(LlamaCppGguf, BadFilesAreRefusedWithTheField) {
   testing::TempDir tmp;
   HfOptions o;
@@ -1544,7 +1681,7 @@ TEST(LlamaCppGguf, BadFilesAreRefusedWithTheField) {
   expect_refused(testing::SetGgufKey("phi3.rope.dimension_count", GgufValue(uint32_t{6})), nullptr,
                  "phi3.rope.dimension_count is 6, expected the head size 8 (partial rotary");
   expect_refused(testing::SetGgufKey("general.architecture", GgufValue(std::string("gemma"))), nullptr,
-                 "general.architecture is \"gemma\"; nflash converts \"llama\", \"qwen2\" and \"phi3\"");
+                 "general.architecture is \"gemma\"; nflash converts \"llama\", \"qwen2\", \"qwen3\" and \"phi3\"");
   expect_refused(testing::SetGgufKey("phi3.rope.scaling.attn_factor", GgufValue(1.5f)), nullptr,
                  "phi3.rope.scaling.attn_factor is 1.5");
   expect_refused(
@@ -1556,8 +1693,8 @@ TEST(LlamaCppGguf, BadFilesAreRefusedWithTheField) {
 
   auto refused = Model::Load(phi3, {});
   ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("general.architecture is \"phi3\", expected \"llama\": convert the file "
-                                            "first (nflash convert " + phi3),
+  EXPECT_NE(refused.status().message().find("general.architecture is \"phi3\", expected \"llama\", \"qwen2\" or "
+                                            "\"qwen3\": convert the file first (nflash convert " + phi3),
             std::string::npos)
       << refused.status().ToString();
 }

@@ -3,13 +3,15 @@
 """Reference forward pass of a Hugging Face model directory for nflash tests; never used by the product.
 
 Written from the transformers model definitions (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Phi3ForCausalLM) in Hugging Face's own conventions, not from nflash's C++ code, and sharing no code with
-llama_numpy.py / gguf_numpy.py (numpy and the standard library only):
+Qwen3ForCausalLM, Phi3ForCausalLM) in Hugging Face's own conventions, not from nflash's C++ code, and sharing no
+code with llama_numpy.py / gguf_numpy.py (numpy and the standard library only):
   h = model.embed_tokens.weight[id]                                     positions 0..n-1, one forward pass
   per layer (model.layers.N.):
       a = rmsnorm(h) * input_layernorm.weight                           rmsnorm(x) = x / sqrt(mean(x^2) + eps)
       q, k, v = self_attn.{q,k,v}_proj(a)     (Phi-3: one qkv_proj, rows q [H*hd] | k [KV*hd] | v [KV*hd])
                 + self_attn.{q,k,v}_proj.bias when attention_bias (default: true for Qwen2, false otherwise)
+      Qwen3: each head of q and k RMS-normalised over head_dim (its own weights self_attn.q_norm.weight,
+          self_attn.k_norm.weight, eps rms_norm_eps) before RoPE (Qwen3Config's head_dim default: 128)
       RoPE on q and k as stored (no row permutation), transformers' rotate-half form:
           x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[hd/2:], x[:hd/2]),
           cos/sin = cos/sin(cat(f, f)) * attention_factor, f = position * inv_freq,
@@ -20,7 +22,7 @@ llama_numpy.py / gguf_numpy.py (numpy and the standard library only):
       grouped-query attention: head h reads kv head h // (H / KV); softmax(q.k / sqrt(hd)) over keys j <= i,
           and also i - j < sliding_window for Mistral / Phi-3 when config sliding_window is a positive int
           (null: none; absent: the config class default, 4096 for Mistral, none for Phi-3)
-      h += o_proj(attn)                                (+ o_proj.bias for Llama with attention_bias)
+      h += o_proj(attn)                                (+ o_proj.bias for Llama and Qwen3 with attention_bias)
       f = rmsnorm(h) * post_attention_layernorm.weight
       h += down_proj(act(gate_proj f) * up_proj f)     (Phi-3: gate_up_proj rows gate [I] | up [I];
                                                         Llama mlp_bias: + the three biases)
@@ -47,13 +49,14 @@ import sys
 
 import numpy as np
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 ACTIVATIONS = ("silu", "relu", "drelu")
 # The transformers config classes' defaults for fields a config.json may leave out.
 CONFIG_DEFAULTS = {
     "LlamaForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
     "MistralForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+    "Qwen3ForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": 128},
     "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
                         "original_max_position_embeddings": 4096},
 }
@@ -222,7 +225,7 @@ def parse_config(raw):
     if heads % kv_heads:
         raise HFError("config.json: num_attention_heads %d is not a multiple of num_key_value_heads %d"
                       % (heads, kv_heads))
-    head_dim = raw.get("head_dim")
+    head_dim = raw.get("head_dim", defaults.get("head_dim"))
     if head_dim is None:  # transformers: getattr(config, "head_dim", hidden_size // num_attention_heads)
         if hidden % heads:
             raise HFError("config.json: hidden_size %d is not a multiple of num_attention_heads %d" % (hidden, heads))
@@ -253,10 +256,10 @@ def parse_config(raw):
         raise HFError("config.json: mlp_bias must be true or false, got %r" % mlp_bias)
 
     window = None
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if raw.get("use_sliding_window", False):
-            raise HFError("config.json: use_sliding_window true is not modelled (Qwen2 applies sliding_window only "
-                          "to the layers from max_window_layers on)")
+            raise HFError("config.json: use_sliding_window true is not modelled (Qwen2 and Qwen3 apply "
+                          "sliding_window only to the layers from max_window_layers on)")
     elif arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         window = raw.get("sliding_window", defaults.get("sliding_window"))  # present and null: no window
         if window is not None:
@@ -440,6 +443,9 @@ class Model:
             q = q.reshape(n, H, hd)
             k = k.reshape(n, KV, hd)
             v = v.reshape(n, KV, hd)
+            if c["arch"] == "Qwen3ForCausalLM":  # Qwen3Attention: q_norm / k_norm on each head, before RoPE
+                q = rmsnorm(q, w.get(p + "self_attn.q_norm.weight", (hd,)), eps)
+                k = rmsnorm(k, w.get(p + "self_attn.k_norm.weight", (hd,)), eps)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             qh = q.transpose(1, 0, 2)                                        # [H, n, hd]
@@ -452,7 +458,7 @@ class Model:
             probs = e / e.sum(axis=-1, keepdims=True)
             att = np.matmul(probs, vh).transpose(1, 0, 2).reshape(n, H * hd)
             o = att @ w.get(p + "self_attn.o_proj.weight", (D, H * hd)).T
-            if c["attention_bias"] and c["arch"] == "LlamaForCausalLM":
+            if c["attention_bias"] and c["arch"] in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
                 o = o + w.get(p + "self_attn.o_proj.bias", (D,))
             h = h + o
 

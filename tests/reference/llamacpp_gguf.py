@@ -1,19 +1,21 @@
 #!/usr/bin/python3
-# Writes a Hugging Face directory as llama.cpp's converter does for Qwen2 and Phi-3 (tests only).
-"""A Hugging Face Qwen2 or Phi-3 directory as a llama.cpp GGUF of architecture qwen2 or phi3; tests only.
+# Writes a Hugging Face directory as llama.cpp's converter does for Qwen2, Qwen3 and Phi-3 (tests only).
+"""A Hugging Face Qwen2, Qwen3 or Phi-3 directory as a llama.cpp GGUF of architecture qwen2, qwen3 or phi3; tests only.
 
-nflash's converter reads llama.cpp's qwen2 and phi3 GGUF files (converter/gguf_model_reader.cc). No such file can be
-downloaded here, so tests make them with this script, written from llama.cpp's convert_hf_to_gguf.py conventions for
-those two architectures (Qwen2Model, Phi3MiniModel) and not from nflash's code:
+nflash reads llama.cpp's qwen2, qwen3 and phi3 GGUF files (the converter, converter/gguf_model_reader.cc; the engine
+reads qwen2 and qwen3 as they are). No such file can be downloaded here, so tests make them with this script, written
+from llama.cpp's convert_hf_to_gguf.py conventions for those architectures (Qwen2Model, Qwen3Model, Phi3MiniModel)
+and not from nflash's code:
   - keys under the architecture's own prefix: ARCH.context_length (max_position_embeddings), embedding_length,
     feed_forward_length, block_count, attention.head_count, attention.head_count_kv, rope.freq_base,
     attention.layer_norm_rms_epsilon, attention.key_length and value_length when config.json has head_dim; phi3
     also rope.dimension_count (head_dim), attention.sliding_window (0: none),
     and with LongRoPE rope.scaling.original_context_length and rope.scaling.attn_factor;
-  - the q and k rows (and Qwen2's q and k biases) exactly as stored: both architectures use llama.cpp's NEOX
+  - the q and k rows (and Qwen2's q and k biases) exactly as stored: these architectures use llama.cpp's NEOX
     (rotate-half) RoPE, so unlike the llama architecture nothing is permuted;
   - tensor names: token_embd, output_norm, output (absent when tie_word_embeddings), blk.N.attn_norm, attn_q, attn_k,
-    attn_v (+ .bias for Qwen2), attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down; phi3 keeps qkv_proj as
+    attn_v (+ .bias for Qwen2), attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down; qwen3 adds blk.N.attn_q_norm and
+    attn_k_norm (self_attn.q_norm / k_norm, F32), and has no biases; phi3 keeps qkv_proj as
     blk.N.attn_qkv (rows q | k | v) and gate_up_proj as blk.N.ffn_up (rows gate | up), and writes LongRoPE's factors
     as rope_factors_long.weight and rope_factors_short.weight (F32);
   - 1-D tensors F32; 2-D tensors in --type (f32, f16, q8_0 or q4_0, ggml's reference quantizers in gguf_numpy.py),
@@ -36,7 +38,7 @@ import gguf_numpy as gg  # noqa: E402
 import hf_numpy as hf  # noqa: E402
 
 TYPES = {"f32": gg.F32, "f16": gg.F16, "q8_0": gg.Q8_0, "q4_0": gg.Q4_0}
-ARCH = {"Qwen2ForCausalLM": "qwen2", "Phi3ForCausalLM": "phi3"}
+ARCH = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
 
 
 def convert(directory, out, tokenizer_from, weight_type):
@@ -44,7 +46,7 @@ def convert(directory, out, tokenizer_from, weight_type):
         raw = json.load(fh)
     arch = ARCH.get((raw.get("architectures") or [None])[0])
     if arch is None:
-        raise hf.HFError("config.json: architectures %r: this script writes Qwen2 and Phi-3 only"
+        raise hf.HFError("config.json: architectures %r: this script writes Qwen2, Qwen3 and Phi-3 only"
                          % raw.get("architectures"))
     w = hf.Weights(directory, np.float32)
     dim, n_ff = raw["hidden_size"], raw["intermediate_size"]
@@ -106,7 +108,11 @@ def convert(directory, out, tokenizer_from, weight_type):
         else:
             for m in "qkv":
                 tensors.append(t(b + "attn_%s.weight" % m, h + "self_attn.%s_proj.weight" % m))
-                tensors.append(t(b + "attn_%s.bias" % m, h + "self_attn.%s_proj.bias" % m))
+                if arch == "qwen2":
+                    tensors.append(t(b + "attn_%s.bias" % m, h + "self_attn.%s_proj.bias" % m))
+        if arch == "qwen3":
+            tensors.append(t(b + "attn_q_norm.weight", h + "self_attn.q_norm.weight"))
+            tensors.append(t(b + "attn_k_norm.weight", h + "self_attn.k_norm.weight"))
         tensors.append(t(b + "attn_output.weight", h + "self_attn.o_proj.weight"))
         tensors.append(t(b + "ffn_norm.weight", h + "post_attention_layernorm.weight"))
         if arch == "phi3":
