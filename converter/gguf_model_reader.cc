@@ -1,5 +1,5 @@
-// Reads a GGUF model of llama.cpp's llama, qwen2, qwen3 or phi3 architecture (llama.cpp, PowerInfer or nflash output)
-// into a SourceModel in the llama layout (qwen3: in its own), for re-quantizing.
+// Reads a GGUF model of llama.cpp's llama, qwen2, qwen3, qwen3moe or phi3 architecture (llama.cpp, PowerInfer or
+// nflash output) into a SourceModel in the llama layout (qwen3 and qwen3moe: in their own), for re-quantizing.
 #include <algorithm>
 #include <cmath>
 #include <memory>
@@ -20,10 +20,10 @@ namespace {
 constexpr std::string_view kPassThroughPrefixes[] = {"powerinfer.", "nflash."};
 // Written by the writer from ModelConfig::activation, so not copied as an extra key.
 constexpr std::string_view kActivationKey = "nflash.ffn_activation";
-// The architectures read: llama and qwen3 as they are (qwen3's per-head q/k norms have no place in the llama layout,
-// so it stays qwen3); qwen2 and phi3 (llama.cpp's NEOX RoPE, Phi-3's fused tensors) rearranged into the llama layout
-// by GgufParts.
-constexpr std::string_view kArchitectures[] = {"llama", "qwen2", "qwen3", "phi3"};
+// The architectures read: llama, qwen3 and qwen3moe as they are (qwen3's per-head q/k norms have no place in the
+// llama layout, so it stays qwen3); qwen2 and phi3 (llama.cpp's NEOX RoPE, Phi-3's fused tensors) rearranged into the
+// llama layout by GgufParts.
+constexpr std::string_view kArchitectures[] = {"llama", "qwen2", "qwen3", "qwen3moe", "phi3"};
 
 // The core types, and the block types read only here (legacy Q4_1/Q5_0/Q5_1 and the K-quants), dequantized on reading.
 bool IsConvertibleType(GgmlType t) {
@@ -196,7 +196,7 @@ Result<std::vector<GgufPart>> GgufParts(const GgufFile& f, const std::string& ar
   const auto n_ff = static_cast<uint64_t>(c.n_ff);
   const auto q_dim = static_cast<uint64_t>(c.q_dim()), kv_dim = static_cast<uint64_t>(c.kv_dim());
   const std::string& n = t.name;
-  if (arch == "llama" || arch == "qwen3") return std::vector<GgufPart>{{n, n}};
+  if (arch == "llama" || arch == "qwen3" || arch == "qwen3moe") return std::vector<GgufPart>{{n, n}};
   if (arch == "phi3" && n == "rope_factors_long.weight") return std::vector<GgufPart>{};
   if (arch == "phi3" && n == "rope_factors_short.weight") return std::vector<GgufPart>{{"rope_freqs.weight", n}};
   const size_t dot = n.rfind('.');
@@ -314,16 +314,19 @@ Result<SourceModel> ReadGgufModel(const std::string& path) {
   NF_ASSIGN_OR_RETURN(arch, f->GetString("general.architecture"));
   if (std::find(std::begin(kArchitectures), std::end(kArchitectures), arch) == std::end(kArchitectures)) {
     return Status::Unsupported(path + ": general.architecture is \"" + arch +
-                               "\"; nflash converts \"llama\", \"qwen2\", \"qwen3\" and \"phi3\" GGUF models");
+                               "\"; nflash converts \"llama\", \"qwen2\", \"qwen3\", \"qwen3moe\" and \"phi3\" GGUF "
+                               "models");
   }
-  c.architecture = arch == "qwen3" ? "qwen3" : "llama";  // what the file written is
+  c.architecture = arch == "qwen3" || arch == "qwen3moe" ? arch : "llama";  // what the file written is
   const std::string key = arch + ".";
   if (f->Find("general.name") != nullptr) {
     NF_ASSIGN_OR_RETURN(c.name, f->GetString("general.name"));
   }
   NF_ASSIGN_OR_RETURN(c.dim, RequiredPositive(*f, key + "embedding_length"));
   NF_ASSIGN_OR_RETURN(c.n_layers, RequiredPositive(*f, key + "block_count"));
-  NF_ASSIGN_OR_RETURN(c.n_ff, RequiredPositive(*f, key + "feed_forward_length"));
+  // qwen3moe: the experts' size has its own key (feed_forward_length is a dense FFN's).
+  NF_ASSIGN_OR_RETURN(c.n_ff, RequiredPositive(*f, key + (arch == "qwen3moe" ? "expert_feed_forward_length"
+                                                                               : "feed_forward_length")));
   NF_ASSIGN_OR_RETURN(c.n_heads, RequiredPositive(*f, key + "attention.head_count"));
   NF_ASSIGN_OR_RETURN(c.n_kv_heads, OptionalInt(*f, key + "attention.head_count_kv", c.n_heads));
   NF_ASSIGN_OR_RETURN(c.context_length, OptionalInt(*f, key + "context_length", 0));

@@ -84,12 +84,13 @@ Status CheckConfig(const SourceModel& m) {
   return Status::Ok();
 }
 
-// The tensors every llama (or qwen3) model has, with the shapes the config implies (GGUF dims order).
+// The tensors every llama (qwen3, qwen3moe) model has, with the shapes the config implies (GGUF dims order).
 Status CheckTensors(const SourceModel& m) {
   const ModelConfig& c = m.config;
   const std::string where = m.source_path.empty() ? std::string("model") : m.source_path;
-  if (c.architecture != "llama" && c.architecture != "qwen3") {
-    return Status::InvalidArgument(where + ": architecture \"" + c.architecture + "\", expected llama or qwen3");
+  if (c.architecture != "llama" && c.architecture != "qwen3" && c.architecture != "qwen3moe") {
+    return Status::InvalidArgument(where + ": architecture \"" + c.architecture +
+                                   "\", expected llama, qwen3 or qwen3moe");
   }
   std::unordered_map<std::string, const SourceTensor*> by_name;
   for (const SourceTensor& t : m.tensors) {
@@ -141,13 +142,13 @@ Status CheckTensors(const SourceModel& m) {
     for (const auto& [bias, n] : {std::pair{"attn_q.bias", q_dim}, {"attn_k.bias", kv_dim}, {"attn_v.bias", kv_dim}}) {
       if (by_name.count(p + bias)) NF_RETURN_IF_ERROR(expect(p + bias, {n}));  // optional (Qwen2)
     }
-    const bool qwen3 = c.architecture == "qwen3";
-    for (const char* norm : {"attn_q_norm.weight", "attn_k_norm.weight"}) {  // qwen3's, of no other architecture
+    const bool qwen3 = c.architecture == "qwen3" || c.architecture == "qwen3moe";
+    for (const char* norm : {"attn_q_norm.weight", "attn_k_norm.weight"}) {  // qwen3's and qwen3moe's only
       if (qwen3) {
         NF_RETURN_IF_ERROR(expect(p + norm, {static_cast<uint64_t>(c.head_dim())}));
       } else if (by_name.count(p + norm)) {
         return Status::InvalidArgument(where + ": tensor " + p + norm + " in a " + c.architecture +
-                                       " model (per-head q/k norms belong to qwen3)");
+                                       " model (per-head q/k norms belong to qwen3 and qwen3moe)");
       }
     }
     NF_RETURN_IF_ERROR(expect(p + "ffn_norm.weight", {dim}));
@@ -187,6 +188,8 @@ void SetMetadata(const SourceModel& m, uint32_t file_type, GgufWriter* w) {
   w->Set(prefix + "embedding_length", u32(c.dim));
   w->Set(prefix + "block_count", u32(c.n_layers));
   w->Set(prefix + "feed_forward_length", u32(c.n_ff));
+  // llama.cpp's qwen3moe reads the experts' size from its own key (feed_forward_length would be a dense FFN's).
+  if (c.architecture == "qwen3moe") w->Set(prefix + "expert_feed_forward_length", u32(c.n_ff));
   w->Set(prefix + "rope.dimension_count", u32(c.head_dim()));
   w->Set(prefix + "attention.head_count", u32(c.n_heads));
   w->Set(prefix + "attention.head_count_kv", u32(c.n_kv_heads));

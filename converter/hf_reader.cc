@@ -181,8 +181,9 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
   const auto n_ff = static_cast<uint64_t>(c.n_ff);
   const auto n_vocab = static_cast<uint64_t>(c.n_vocab);
   const float qk = c.hf_qk_scale;
-  // The llama layout interleaves each q and k head's rows for consecutive-pair RoPE; qwen3 keeps them as stored.
-  const bool qwen3 = c.architecture == "qwen3";
+  // The llama layout interleaves each q and k head's rows for consecutive-pair RoPE; qwen3 and qwen3moe keep them as
+  // stored.
+  const bool qwen3 = c.architecture == "qwen3" || c.architecture == "qwen3moe";
   const int64_t q_heads = qwen3 ? 0 : c.n_heads, kv_heads = qwen3 ? 0 : c.n_kv_heads;
   std::vector<TensorPlan> plan;
   plan.push_back({"token_embd.weight", {dim, n_vocab}, {"model.embed_tokens.weight"}, 0});
@@ -227,15 +228,20 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
       plan.push_back({gg + "ffn_up.weight", {dim, n_ff}, {hf + "mlp.up_proj.weight"}, 0});
       continue;
     }
+    // Mixtral: block_sparse_moe.gate and experts.E.w1 (gate), w2 (down), w3 (up); Qwen3-MoE: mlp.gate and
+    // experts.E.gate_proj, down_proj, up_proj.
+    const bool qwen3moe = c.architecture == "qwen3moe";
+    const std::string moe = hf + (qwen3moe ? "mlp." : "block_sparse_moe.");
     const auto n_exp = static_cast<uint64_t>(c.n_experts);
-    plan.push_back({gg + "ffn_gate_inp.weight", {dim, n_exp}, {hf + "block_sparse_moe.gate.weight"}, 0});
+    plan.push_back({gg + "ffn_gate_inp.weight", {dim, n_exp}, {moe + "gate.weight"}, 0});
     for (const auto& [gguf_part, hf_part, dims] :
-         {std::tuple<const char*, const char*, std::vector<uint64_t>>{"ffn_gate_exps", "w1", {dim, n_ff, n_exp}},
-          {"ffn_down_exps", "w2", {n_ff, dim, n_exp}},
-          {"ffn_up_exps", "w3", {dim, n_ff, n_exp}}}) {
+         {std::tuple<const char*, const char*, std::vector<uint64_t>>{
+              "ffn_gate_exps", qwen3moe ? "gate_proj" : "w1", {dim, n_ff, n_exp}},
+          {"ffn_down_exps", qwen3moe ? "down_proj" : "w2", {n_ff, dim, n_exp}},
+          {"ffn_up_exps", qwen3moe ? "up_proj" : "w3", {dim, n_ff, n_exp}}}) {
       TensorPlan p{gg + gguf_part + ".weight", dims, {}, 0};
       for (int64_t e = 0; e < c.n_experts; ++e) {
-        p.hf_names.push_back(hf + "block_sparse_moe.experts." + std::to_string(e) + "." + hf_part + ".weight");
+        p.hf_names.push_back(moe + "experts." + std::to_string(e) + "." + hf_part + ".weight");
       }
       plan.push_back(std::move(p));
     }
@@ -408,11 +414,13 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
     const bool qwen2 = arch == "Qwen2ForCausalLM";
     const bool phi3 = arch == "Phi3ForCausalLM";
     const bool mistral = arch == "MistralForCausalLM";
-    const bool qwen3 = arch == "Qwen3ForCausalLM";
+    const bool qwen3moe = arch == "Qwen3MoeForCausalLM";
+    const bool qwen3 = arch == "Qwen3ForCausalLM" || qwen3moe;  // Qwen3-MoE: Qwen3's attention, MoE FFNs
     if (!mixtral && !qwen2 && !qwen3 && !phi3 && !mistral && arch != "LlamaForCausalLM") {
       return Status::Unsupported(path + ": architectures[0] \"" + arch +
                                  "\" is not supported (expected LlamaForCausalLM, MistralForCausalLM, "
-                                 "MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or Phi3ForCausalLM)");
+                                 "MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM or "
+                                 "Phi3ForCausalLM)");
     }
     // Phi-3 is Llama with fused projections (split by the reader) and, in its long-context versions, LongRoPE.
     c.hf_fused_projections = phi3;
@@ -450,9 +458,10 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
     }
     // Qwen3 (Qwen2 without biases, with per-head q/k RMSNorm before RoPE) is written as llama.cpp's qwen3
     // architecture: the llama one has no place for the q/k norms.
-    c.architecture = qwen3 ? "qwen3" : "llama";
+    c.architecture = qwen3moe ? "qwen3moe" : qwen3 ? "qwen3" : "llama";
     NF_ASSIGN_OR_RETURN(c.dim, f.PositiveInt("hidden_size"));
-    NF_ASSIGN_OR_RETURN(c.n_ff, f.PositiveInt("intermediate_size"));
+    // Qwen3-MoE's experts have their own size (intermediate_size is a dense FFN's, which its layers do not have).
+    NF_ASSIGN_OR_RETURN(c.n_ff, f.PositiveInt(qwen3moe ? "moe_intermediate_size" : "intermediate_size"));
     NF_ASSIGN_OR_RETURN(c.n_layers, f.PositiveInt("num_hidden_layers"));
     NF_ASSIGN_OR_RETURN(c.n_heads, f.PositiveInt("num_attention_heads"));
     NF_ASSIGN_OR_RETURN(c.n_kv_heads, f.Int("num_key_value_heads", c.n_heads));
@@ -521,11 +530,29 @@ Result<ModelConfig> ParseHfConfig(std::string_view text, const std::string& path
       c.activation = *a;
     }
 
-    if (mixtral) {
-      NF_ASSIGN_OR_RETURN(c.n_experts, f.PositiveInt("num_local_experts"));
+    if (mixtral || qwen3moe) {
+      const char* const count = qwen3moe ? "num_experts" : "num_local_experts";
+      NF_ASSIGN_OR_RETURN(c.n_experts, f.PositiveInt(count));
       NF_ASSIGN_OR_RETURN(c.n_experts_used, f.PositiveInt("num_experts_per_tok"));
       if (c.n_experts_used > c.n_experts) {
-        return f.BadValue("num_experts_per_tok", "at most num_local_experts (" + std::to_string(c.n_experts) + ")");
+        return f.BadValue("num_experts_per_tok", std::string("at most ") + count + " (" +
+                                                     std::to_string(c.n_experts) + ")");
+      }
+    }
+    if (qwen3moe) {
+      // The runtime (as llama.cpp's qwen3moe) weighs the chosen experts by a softmax over their logits alone, which
+      // is transformers' softmax over all renormalised over the top k; and every layer is MoE.
+      NF_ASSIGN_OR_RETURN(bool norm_topk, f.Bool("norm_topk_prob", false));
+      if (!norm_topk) {
+        return Status::Unsupported(path + ": field \"norm_topk_prob\" is " +
+                                   (f.Has("norm_topk_prob") ? "false" : "absent (transformers' default: false)") +
+                                   ": only true is supported (the chosen experts' weights renormalised, as llama.cpp "
+                                   "computes them)");
+      }
+      NF_ASSIGN_OR_RETURN(int64_t step, f.Int("decoder_sparse_step", 1));
+      if (step != 1) return f.BadValue("decoder_sparse_step", "1 (every layer MoE)");
+      if (f.Has("mlp_only_layers") && !(doc["mlp_only_layers"].is_array() && doc["mlp_only_layers"].empty())) {
+        return f.BadValue("mlp_only_layers", "[] (every layer MoE)");
       }
     }
     return c;

@@ -11,14 +11,14 @@ namespace nflash {
 Result<LlamaHparams> ReadLlamaHparams(const GgufFile& f) {
   const std::string& path = f.path();
   NF_ASSIGN_OR_RETURN(std::string arch, f.GetString("general.architecture"));
+  const char* const kExpected = "expected \"llama\", \"qwen2\", \"qwen3\" or \"qwen3moe\"";
   if (arch == "phi3") {
-    return Status::Unsupported(path + ": general.architecture is \"phi3\", expected \"llama\", \"qwen2\" or " +
-                               "\"qwen3\": convert the file first (nflash convert " + path + " -o OUT.gguf), which " +
-                               "splits phi3's fused tensors into the llama layout");
+    return Status::Unsupported(path + ": general.architecture is \"phi3\", " + kExpected + ": convert the file " +
+                               "first (nflash convert " + path + " -o OUT.gguf), which splits phi3's fused tensors " +
+                               "into the llama layout");
   }
-  if (arch != "llama" && arch != "qwen2" && arch != "qwen3") {
-    return Status::Unsupported(path + ": general.architecture is \"" + arch +
-                               "\", expected \"llama\", \"qwen2\" or \"qwen3\"");
+  if (arch != "llama" && arch != "qwen2" && arch != "qwen3" && arch != "qwen3moe") {
+    return Status::Unsupported(path + ": general.architecture is \"" + arch + "\", " + kExpected);
   }
   LlamaHparams hp;
   hp.arch = arch;
@@ -38,6 +38,8 @@ Result<LlamaHparams> ReadLlamaHparams(const GgufFile& f) {
   NF_RETURN_IF_ERROR(req(key_of("embedding_length"), &hp.dim));
   NF_RETURN_IF_ERROR(req(key_of("block_count"), &hp.n_layers));
   NF_RETURN_IF_ERROR(req(key_of("feed_forward_length"), &hp.n_ff));
+  // qwen3moe: the experts' own size (feed_forward_length is a dense FFN's, which its models do not have).
+  if (arch == "qwen3moe") NF_RETURN_IF_ERROR(req(key_of("expert_feed_forward_length"), &hp.n_ff));
   NF_RETURN_IF_ERROR(req(key_of("attention.head_count"), &hp.n_heads));
   NF_RETURN_IF_ERROR(req(key_of("context_length"), &hp.context_length));
   hp.n_kv_heads = hp.n_heads;
@@ -101,6 +103,9 @@ Result<LlamaHparams> ReadLlamaHparams(const GgufFile& f) {
                                   std::to_string(hp.n_experts));
       }
     }
+  }
+  if (arch == "qwen3moe" && hp.n_experts == 0) {
+    return Status::Corruption(path + ": " + key_of("expert_count") + " is missing or 0 (qwen3moe models are MoE)");
   }
   if (auto a = f.GetString("nflash.ffn_activation"); a.ok()) {
     auto act = ParseFfnActivation(*a);
@@ -213,12 +218,12 @@ Status Model::Bind() {
       if (f.FindTensor(p + name)) NF_RETURN_IF_ERROR(vec(p + name, n, out));
     }
     // Qwen3's per-head q and k norms: part of that architecture (required), of no other.
-    if (hp.arch == "qwen3") {
+    if (hp.arch == "qwen3" || hp.arch == "qwen3moe") {
       NF_RETURN_IF_ERROR(vec(p + "attn_q_norm.weight", hp.head_dim, &L.q_norm));
       NF_RETURN_IF_ERROR(vec(p + "attn_k_norm.weight", hp.head_dim, &L.k_norm));
     } else if (f.FindTensor(p + "attn_q_norm.weight") || f.FindTensor(p + "attn_k_norm.weight")) {
       return Status::Unsupported(f.path() + ": tensor " + p + "attn_q_norm.weight or attn_k_norm.weight in a " +
-                                 hp.arch + " model (per-head q/k norms belong to qwen3)");
+                                 hp.arch + " model (per-head q/k norms belong to qwen3 and qwen3moe)");
     }
     NF_RETURN_IF_ERROR(vec(p + "ffn_norm.weight", hp.dim, &L.ffn_norm));
     if (external_ffn_) {

@@ -1,6 +1,6 @@
 // A Llama-family model loaded from GGUF for inference: hyper-parameters, weight views into the (mapped or read) file,
-// and the tokenizer. Llama, Mistral (GQA) and Mixtral (MoE) shapes, Qwen2 and Qwen3 (llama.cpp's qwen2 and qwen3
-// architectures); SwiGLU, ReLU-gated and dReLU FFNs.
+// and the tokenizer. Llama, Mistral (GQA) and Mixtral (MoE) shapes, Qwen2, Qwen3 and Qwen3-MoE (llama.cpp's qwen2,
+// qwen3 and qwen3moe architectures); SwiGLU, ReLU-gated and dReLU FFNs.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +16,8 @@
 namespace nflash {
 
 // Hyper-parameters read from a GGUF file's ARCH.* and nflash.* keys, ARCH being general.architecture: llama, or
-// llama.cpp's qwen2 and qwen3 (read as llama.cpp writes them: NEOX RoPE, q/k rows as Hugging Face stores them).
+// llama.cpp's qwen2, qwen3 and qwen3moe (read as llama.cpp writes them: NEOX RoPE, q/k rows as Hugging Face stores
+// them; qwen3moe's n_ff from expert_feed_forward_length).
 struct LlamaHparams {
   std::string arch = "llama";
   // RoPE rotates the pairs (i, i + head_dim / 2) of each head (NEOX, transformers' rotate-half: qwen2, qwen3) instead
@@ -55,7 +56,7 @@ struct LayerWeights {
   const float* bq = nullptr;
   const float* bk = nullptr;
   const float* bv = nullptr;
-  // Per-head RMSNorm of q and k before RoPE (attn_{q,k}_norm.weight, head_dim each: Qwen3), or nullptr.
+  // Per-head RMSNorm of q and k before RoPE (attn_{q,k}_norm.weight, head_dim each: Qwen3, Qwen3-MoE), or nullptr.
   const float* q_norm = nullptr;
   const float* k_norm = nullptr;
   const float* ffn_norm = nullptr;   // (dim)

@@ -212,6 +212,8 @@ struct HfOptions {
   // many rows, the extra ones a fixed pattern (Mistral Nemo's layout: heads x head_dim != hidden_size).
   int head_dim = 0;
   bool qk_norm = false;  // Qwen3's per-head self_attn.q_norm and k_norm weights (QkNormWeights)
+  // Qwen3-MoE's FFN: this many experts per layer (ExpertWeights of stories' FFN, a RouterWeights router), 2 used.
+  int moe_experts = 0;
 };
 
 // The rows of `w` (`heads` heads of `hd` rows, `cols` columns each) in heads of `wide` rows: each head's own rows,
@@ -253,6 +255,26 @@ Floats QkNormWeights(int l, int m, int hd) {
   Floats w(static_cast<size_t>(hd));
   for (int i = 0; i < hd; ++i) w[static_cast<size_t>(i)] = 1.0f + 0.6f * std::sin(0.9f * i + 0.5f * l + 1.7f * m);
   return w;
+}
+
+// Expert e's version of one of stories' FFN matrices `w`: scaled and shifted by a pattern of its own, so that which
+// experts the router picks, and their weights, change the output.
+Floats ExpertWeights(const Floats& w, int e, int salt) {
+  Floats out(w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    out[i] = w[i] * (1.0f + 0.3f * static_cast<float>(e)) + 0.02f * std::sin(0.7f * static_cast<float>(i) + 1.9f * e +
+                                                                              0.3f * salt);
+  }
+  return out;
+}
+
+// Layer l's router (experts x dim, row-major): a fixed pattern whose logits differ by about one between experts.
+Floats RouterWeights(int l, int experts, int dim) {
+  Floats r(static_cast<size_t>(experts) * dim);
+  for (int e = 0; e < experts; ++e) {
+    for (int i = 0; i < dim; ++i) r[size_t(e) * dim + i] = 0.4f * std::sin(1.1f * i + 2.3f * e + 0.9f * l);
+  }
+  return r;
 }
 
 // Layer l's bias of q (m 0), k (1) or v (2), n values in GGUF's interleaved order: a fixed pattern large enough to
@@ -297,6 +319,16 @@ void WriteStoriesHf(const std::string& dir, const HfOptions& o) {
     // Old HF checkpoints carry this buffer; the reader must skip it.
     t.push_back({p + "self_attn.rotary_emb.inv_freq", {4}, {1, 0.1f, 0.01f, 0.001f}});
     t.push_back({p + "post_attention_layernorm.weight", {dim}, s.rms_ffn[l]});
+    if (o.moe_experts > 0) {  // Qwen3-MoE: mlp.gate routes to mlp.experts.E
+      t.push_back({p + "mlp.gate.weight", {uint64_t(o.moe_experts), dim}, RouterWeights(l, o.moe_experts, s.dim)});
+      for (int e = 0; e < o.moe_experts; ++e) {
+        const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+        t.push_back({x + "gate_proj.weight", {hidden, dim}, ExpertWeights(s.w1[l], e, 1)});
+        t.push_back({x + "down_proj.weight", {dim, hidden}, ExpertWeights(s.w2[l], e, 2)});
+        t.push_back({x + "up_proj.weight", {hidden, dim}, ExpertWeights(s.w3[l], e, 3)});
+      }
+      continue;
+    }
     if (o.fused) {
       t.push_back({p + "mlp.gate_up_proj.weight", {2 * hidden, dim}, StackRows({&s.w1[l], &s.w3[l]})});
     } else if (o.transposed_gate && l == 0) {
@@ -316,8 +348,18 @@ void WriteStoriesHf(const std::string& dir, const HfOptions& o) {
   "vocab_size": %d, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "hidden_act": "%s", "tie_word_embeddings": true,
   "rope_scaling": %s, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2})",
                 o.architecture.c_str(),
-                (o.extra_config + (o.head_dim > 0 ? "\"head_dim\": " + std::to_string(o.head_dim) + ", " : "")).c_str(),
-                s.dim, s.hidden, s.n_layers, s.n_heads, s.n_kv_heads, s.seq_len, s.vocab,
+                (o.extra_config + (o.head_dim > 0 ? "\"head_dim\": " + std::to_string(o.head_dim) + ", " : "") +
+                 (o.moe_experts > 0 ? "\"num_experts\": " + std::to_string(o.moe_experts) +
+                                          ", \"num_experts_per_tok\": 2, \"moe_intermediate_size\": " +
+                                          std::to_string(s.hidden) + ", " +
+                                          (o.extra_config.find("norm_topk_prob") == std::string::npos
+                                               ? "\"norm_topk_prob\": true, "
+                                               : "")
+                                    : ""))
+                    .c_str(),
+                // Qwen3-MoE's intermediate_size is a dense FFN's (none here), other than moe_intermediate_size.
+                s.dim, o.moe_experts > 0 ? 4 * s.hidden : s.hidden, s.n_layers, s.n_heads, s.n_kv_heads, s.seq_len,
+                s.vocab,
                 o.hidden_act.c_str(), o.rope_scaling.c_str());
   testing::WriteText(dir + "/config.json", config);
 
@@ -911,6 +953,61 @@ TEST(HfConvert, Qwen3QkNormsMatchTheHfReference) {
   const std::string offloaded = CliJson(testing::RunCommand(testing::NflashBinary() + " -q offload -d " + deploy +
                                                             " --active-set oracle -p 'Once upon a time' -n 40 --json "
                                                             "--memory 3M")).value("text", "");
+  EXPECT_EQ(offloaded, in_memory);
+}
+
+// Qwen3-MoE (Qwen3-30B-A3B's architecture): Qwen3's attention, every FFN a router over experts of
+// moe_intermediate_size, the chosen experts weighted by their renormalised softmax. Written as llama.cpp's qwen3moe
+// (experts stacked in ffn_{gate,up,down}_exps, expert_feed_forward_length); the engine's logits on it are the HF
+// reference's (Qwen3MoeSparseMoeBlock), and those of the dense Qwen3 with stories' own FFN are far from them. Configs
+// the runtime would compute otherwise are refused, naming the field. A ReLU Qwen3-MoE, profiled and packed (each
+// expert its own region), decodes from flash (oracle active set) to the in-memory sparse engine's text.
+TEST(HfConvert, Qwen3MoeMatchesTheHfReference) {
+  testing::TempDir tmp;
+  HfOptions o;
+  o.architecture = "Qwen3MoeForCausalLM";
+  o.qk_norm = true;
+  o.head_dim = 16;
+  o.moe_experts = 4;
+  const std::string moe = ConvertStoriesHf(tmp, "qwen3moe", o);
+  auto f = GgufFile::OpenPath(moe);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  const Stories& st = GetStories();
+  EXPECT_EQ(*f->GetString("general.architecture"), "qwen3moe");
+  EXPECT_EQ(*f->GetUint("qwen3moe.expert_count"), 4u);
+  EXPECT_EQ(*f->GetUint("qwen3moe.expert_used_count"), 2u);
+  EXPECT_EQ(*f->GetUint("qwen3moe.expert_feed_forward_length"), uint64_t(st.hidden));
+  // Expert 2 of layer 1 is the third block of the stacked gate tensor.
+  const std::vector<uint8_t> gates = TensorBytes(*f, "blk.1.ffn_gate_exps.weight");
+  const std::vector<uint8_t> want = FloatBytes(ExpertWeights(st.w1[1], 2, 1));
+  ASSERT_EQ(gates.size(), 4 * want.size());
+  EXPECT_TRUE(std::equal(want.begin(), want.end(), gates.begin() + 2 * static_cast<std::ptrdiff_t>(want.size())));
+  auto loaded = Model::Load(moe, {});
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ((*loaded)->hparams().n_experts, 4);
+  HfOptions dense = o;
+  dense.architecture = "Qwen3ForCausalLM";
+  dense.moe_experts = 0;
+  ExpectHfReferenceLogits(tmp.File("qwen3moe"), moe, ConvertStoriesHf(tmp, "qwen3", dense), "the experts");
+
+  for (const auto& [config, message] : std::vector<std::pair<std::string, std::string>>{
+           {R"("norm_topk_prob": false,)", "field \"norm_topk_prob\" is false: only true is supported"},
+           {R"("norm_topk_prob": true, "decoder_sparse_step": 2,)", "field \"decoder_sparse_step\": expected 1"},
+           {R"("norm_topk_prob": true, "mlp_only_layers": [1],)", "field \"mlp_only_layers\": expected []"}}) {
+    HfOptions bad = o;
+    bad.extra_config = config;
+    ExpectBadDirectory(bad, {message});
+  }
+
+  HfOptions relu = o;
+  relu.hidden_act = "relu";
+  const std::string model = ConvertStoriesHf(tmp, "qwen3moe-relu", relu);
+  const std::string in_memory = InMemoryText(model, 40);
+  ASSERT_FALSE(in_memory.empty());
+  const std::string deploy = ProfileAndPack(tmp, model);
+  const std::string offloaded = CliJson(testing::RunCommand(testing::NflashBinary() + " -q offload -d " + deploy +
+                                                            " --active-set oracle -p 'Once upon a time' -n 40 --json "
+                                                            "--memory 4M")).value("text", "");
   EXPECT_EQ(offloaded, in_memory);
 }
 
@@ -1537,12 +1634,13 @@ TEST(LlamaCppGguf, Qwen2GivesTheHfConversion) {
   ExpectSameModel(wide_converted, wide_hf);
 }
 
-// llama.cpp's qwen2 and qwen3 files as they are: the engine reads them natively (keys under the architecture's
-// prefix, NEOX RoPE on the rows as stored, Qwen3's q/k norms), and its logits on each are the HF reference's on the
-// directory the file was made from (llamacpp_gguf.py, written from llama.cpp's conventions, not nflash's). A qwen3
-// file converts to the file the HF reader makes of the same directory, byte for byte and key for key (it stays
-// qwen3); from Q8_0 weights, rows are copied, not requantized.
-TEST(LlamaCppGguf, EngineReadsQwen2AndQwen3Natively) {
+// llama.cpp's qwen2, qwen3 and qwen3moe files as they are: the engine reads them natively (keys under the
+// architecture's prefix, NEOX RoPE on the rows as stored, Qwen3's q/k norms, qwen3moe's stacked experts and
+// expert_feed_forward_length), and its logits on each are the HF reference's on the directory the file was made from
+// (llamacpp_gguf.py, written from llama.cpp's conventions, not nflash's). qwen3 and qwen3moe files convert to the
+// files the HF reader makes of the same directories, byte for byte and key for key (they keep their architecture);
+// from Q8_0 weights, rows are copied, not requantized.
+TEST(LlamaCppGguf, EngineReadsQwen2Qwen3AndQwen3MoeNatively) {
   testing::TempDir tmp;
   HfOptions o;
   o.architecture = "Qwen2ForCausalLM";
@@ -1568,6 +1666,16 @@ TEST(LlamaCppGguf, EngineReadsQwen2AndQwen3Natively) {
   const std::string converted = tmp.File("qwen3-converted.gguf");
   ASSERT_TRUE(ConvertGguf(qwen3, converted, GgmlType::kF32).ok());
   ExpectSameModel(converted, qwen3_hf);
+
+  HfOptions moe_options = q3;
+  moe_options.architecture = "Qwen3MoeForCausalLM";
+  moe_options.moe_experts = 4;
+  const std::string moe_hf = ConvertStoriesHf(tmp, "qwen3moe", moe_options);
+  const std::string moe = LlamaCppGguf(tmp.File("qwen3moe"), moe_hf, "f32");
+  ExpectHfReferenceLogits(tmp.File("qwen3moe"), moe, qwen3_hf, "the experts (qwen3moe as llama.cpp writes it)");
+  const std::string moe_converted = tmp.File("qwen3moe-converted.gguf");
+  ASSERT_TRUE(ConvertGguf(moe, moe_converted, GgmlType::kF32).ok());
+  ExpectSameModel(moe_converted, moe_hf);
 
   const std::string q8 = LlamaCppGguf(tmp.File("qwen3"), qwen3_hf, "q8_0");
   const std::string as_q8 = tmp.File("q8-q8.gguf");
@@ -1681,7 +1789,8 @@ TEST(LlamaCppGguf, BadFilesAreRefusedWithTheField) {
   expect_refused(testing::SetGgufKey("phi3.rope.dimension_count", GgufValue(uint32_t{6})), nullptr,
                  "phi3.rope.dimension_count is 6, expected the head size 8 (partial rotary");
   expect_refused(testing::SetGgufKey("general.architecture", GgufValue(std::string("gemma"))), nullptr,
-                 "general.architecture is \"gemma\"; nflash converts \"llama\", \"qwen2\", \"qwen3\" and \"phi3\"");
+                 "general.architecture is \"gemma\"; nflash converts \"llama\", \"qwen2\", \"qwen3\", \"qwen3moe\" "
+                 "and \"phi3\"");
   expect_refused(testing::SetGgufKey("phi3.rope.scaling.attn_factor", GgufValue(1.5f)), nullptr,
                  "phi3.rope.scaling.attn_factor is 1.5");
   expect_refused(
@@ -1693,8 +1802,9 @@ TEST(LlamaCppGguf, BadFilesAreRefusedWithTheField) {
 
   auto refused = Model::Load(phi3, {});
   ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("general.architecture is \"phi3\", expected \"llama\", \"qwen2\" or "
-                                            "\"qwen3\": convert the file first (nflash convert " + phi3),
+  EXPECT_NE(refused.status().message().find("general.architecture is \"phi3\", expected \"llama\", \"qwen2\", "
+                                            "\"qwen3\" or \"qwen3moe\": convert the file first (nflash convert " +
+                                            phi3),
             std::string::npos)
       << refused.status().ToString();
 }

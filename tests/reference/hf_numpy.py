@@ -3,7 +3,7 @@
 """Reference forward pass of a Hugging Face model directory for nflash tests; never used by the product.
 
 Written from the transformers model definitions (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, Phi3ForCausalLM) in Hugging Face's own conventions, not from nflash's C++ code, and sharing no
+Qwen3ForCausalLM, Qwen3MoeForCausalLM, Phi3ForCausalLM) in Hugging Face's own conventions, not from nflash's C++ code, and sharing no
 code with llama_numpy.py / gguf_numpy.py (numpy and the standard library only):
   h = model.embed_tokens.weight[id]                                     positions 0..n-1, one forward pass
   per layer (model.layers.N.):
@@ -28,6 +28,11 @@ code with llama_numpy.py / gguf_numpy.py (numpy and the standard library only):
                                                         Llama mlp_bias: + the three biases)
       act: config hidden_act silu | relu; config key nflash_ffn_activation (silu | relu | drelu) overrides it;
            drelu: relu(gate f) * relu(up f)
+      Qwen3-MoE (Qwen3MoeSparseMoeBlock), on the layers l not in mlp_only_layers with (l + 1) % decoder_sparse_step
+      == 0 (the others: the dense mlp above, of intermediate_size): p = softmax(mlp.gate(f)) over num_experts (f32),
+           the num_experts_per_tok largest p (weights renormalised to sum 1 when norm_topk_prob), and
+           h += sum over them of p_e * down_e(act(gate_e f) * up_e f), mlp.experts.E.{gate,up,down}_proj of
+           moe_intermediate_size
   logits = lm_head.weight (or model.embed_tokens.weight when tie_word_embeddings) applied to
            rmsnorm(h) * model.norm.weight
 Weights come from DIR/model.safetensors or the shards named by DIR/model.safetensors.index.json (F32, F16, BF16),
@@ -49,7 +54,8 @@ import sys
 
 import numpy as np
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "Qwen3MoeForCausalLM", "Phi3ForCausalLM")
 ACTIVATIONS = ("silu", "relu", "drelu")
 # The transformers config classes' defaults for fields a config.json may leave out.
 CONFIG_DEFAULTS = {
@@ -57,6 +63,7 @@ CONFIG_DEFAULTS = {
     "MistralForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
     "Qwen3ForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": 128},
+    "Qwen3MoeForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "head_dim": 128},
     "Phi3ForCausalLM": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
                         "original_max_position_embeddings": 4096},
 }
@@ -256,7 +263,7 @@ def parse_config(raw):
         raise HFError("config.json: mlp_bias must be true or false, got %r" % mlp_bias)
 
     window = None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         if raw.get("use_sliding_window", False):
             raise HFError("config.json: use_sliding_window true is not modelled (Qwen2 and Qwen3 apply "
                           "sliding_window only to the layers from max_window_layers on)")
@@ -287,7 +294,20 @@ def parse_config(raw):
         "original_max_position_embeddings": raw.get("original_max_position_embeddings",
                                                     defaults.get("original_max_position_embeddings")),
         "rope_scaling": raw.get("rope_scaling"),
+        "moe": None,
     }
+    if arch == "Qwen3MoeForCausalLM":  # Qwen3MoeConfig's defaults
+        only = raw.get("mlp_only_layers", [])
+        if not isinstance(only, list) or not all(isinstance(x, int) for x in only):
+            raise HFError("config.json: mlp_only_layers must be a list of layer indices, got %r" % only)
+        cfg["moe"] = {
+            "num_experts": _positive_int(raw, "num_experts", 128),
+            "num_experts_per_tok": _positive_int(raw, "num_experts_per_tok", 8),
+            "moe_intermediate_size": _positive_int(raw, "moe_intermediate_size", 768),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+            "decoder_sparse_step": _positive_int(raw, "decoder_sparse_step", 1),
+            "mlp_only_layers": set(only),
+        }
     rope_parameters(cfg, 1)  # validate rope_scaling now, with a clear error
     return cfg
 
@@ -443,7 +463,7 @@ class Model:
             q = q.reshape(n, H, hd)
             k = k.reshape(n, KV, hd)
             v = v.reshape(n, KV, hd)
-            if c["arch"] == "Qwen3ForCausalLM":  # Qwen3Attention: q_norm / k_norm on each head, before RoPE
+            if c["arch"] in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):  # Qwen3Attention: q_norm / k_norm per head
                 q = rmsnorm(q, w.get(p + "self_attn.q_norm.weight", (hd,)), eps)
                 k = rmsnorm(k, w.get(p + "self_attn.k_norm.weight", (hd,)), eps)
             q = q * cos + rotate_half(q) * sin
@@ -463,6 +483,10 @@ class Model:
             h = h + o
 
             f = rmsnorm(h, w.get(p + "post_attention_layernorm.weight", (D,)), eps)
+            moe = c["moe"]
+            if moe and layer not in moe["mlp_only_layers"] and (layer + 1) % moe["decoder_sparse_step"] == 0:
+                h = h + self._sparse_moe(p, f, moe)
+                continue
             if c["arch"] == "Phi3ForCausalLM":
                 gu = f @ w.get(p + "mlp.gate_up_proj.weight", (2 * I, D)).T
                 g, u = gu[:, :I], gu[:, I:]
@@ -472,12 +496,7 @@ class Model:
                 if c["mlp_bias"]:
                     g = g + w.get(p + "mlp.gate_proj.bias", (I,))
                     u = u + w.get(p + "mlp.up_proj.bias", (I,))
-            if c["activation"] == "silu":
-                act = silu(g) * u
-            elif c["activation"] == "relu":
-                act = np.maximum(g, 0) * u
-            else:  # drelu
-                act = np.maximum(g, 0) * np.maximum(u, 0)
+            act = self._act(g, u)
             down = act @ w.get(p + "mlp.down_proj.weight", (D, I)).T
             if c["mlp_bias"]:
                 down = down + w.get(p + "mlp.down_proj.bias", (D,))
@@ -487,6 +506,34 @@ class Model:
         logits = h @ w.get(self.head, (self.vocab, D)).T
         self._check_all_used()
         return logits
+
+    def _act(self, g, u):
+        if self.cfg["activation"] == "silu":
+            return silu(g) * u
+        if self.cfg["activation"] == "relu":
+            return np.maximum(g, 0) * u
+        return np.maximum(g, 0) * np.maximum(u, 0)  # drelu
+
+    def _sparse_moe(self, p, f, moe):
+        """Qwen3MoeSparseMoeBlock: softmax router over all experts, top k, optional renormalisation."""
+        w, D = self.w, self.cfg["hidden_size"]
+        E, K, I = moe["num_experts"], moe["num_experts_per_tok"], moe["moe_intermediate_size"]
+        logits = (f @ w.get(p + "mlp.gate.weight", (E, D)).T).astype(np.float32)
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs = probs / probs.sum(axis=-1, keepdims=True)
+        out = np.zeros_like(f)
+        for t in range(f.shape[0]):
+            top = np.argsort(-probs[t], kind="stable")[:K]
+            weights = probs[t, top]
+            if moe["norm_topk_prob"]:
+                weights = weights / weights.sum()
+            for e, we in zip(top, weights):
+                q = p + "mlp.experts.%d." % e
+                x = f[t:t + 1]
+                g = x @ w.get(q + "gate_proj.weight", (I, D)).T
+                u = x @ w.get(q + "up_proj.weight", (I, D)).T
+                out[t] += (self._act(g, u) @ w.get(q + "down_proj.weight", (D, I)).T)[0] * f.dtype.type(we)
+        return out
 
     def _check_all_used(self):
         ignorable = ("lm_head.weight",) if self.cfg["tie_word_embeddings"] else ()  # transformers ties it over

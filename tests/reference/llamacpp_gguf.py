@@ -1,11 +1,11 @@
 #!/usr/bin/python3
-# Writes a Hugging Face directory as llama.cpp's converter does for Qwen2, Qwen3 and Phi-3 (tests only).
-"""A Hugging Face Qwen2, Qwen3 or Phi-3 directory as a llama.cpp GGUF of architecture qwen2, qwen3 or phi3; tests only.
+# Writes a Hugging Face directory as llama.cpp's converter does for Qwen2, Qwen3, Qwen3-MoE and Phi-3 (tests only).
+"""A Hugging Face Qwen2, Qwen3, Qwen3-MoE or Phi-3 directory as a llama.cpp GGUF (qwen2, qwen3, qwen3moe, phi3).
 
-nflash reads llama.cpp's qwen2, qwen3 and phi3 GGUF files (the converter, converter/gguf_model_reader.cc; the engine
-reads qwen2 and qwen3 as they are). No such file can be downloaded here, so tests make them with this script, written
-from llama.cpp's convert_hf_to_gguf.py conventions for those architectures (Qwen2Model, Qwen3Model, Phi3MiniModel)
-and not from nflash's code:
+Tests only. nflash reads llama.cpp's qwen2, qwen3, qwen3moe and phi3 GGUF files (the converter,
+converter/gguf_model_reader.cc; the engine reads all but phi3 as they are). No such file can be downloaded here, so
+tests make them with this script, written from llama.cpp's convert_hf_to_gguf.py conventions for those architectures
+(Qwen2Model, Qwen3Model, Qwen3MoeModel, Phi3MiniModel) and not from nflash's code:
   - keys under the architecture's own prefix: ARCH.context_length (max_position_embeddings), embedding_length,
     feed_forward_length, block_count, attention.head_count, attention.head_count_kv, rope.freq_base,
     attention.layer_norm_rms_epsilon, attention.key_length and value_length when config.json has head_dim; phi3
@@ -15,7 +15,10 @@ and not from nflash's code:
     (rotate-half) RoPE, so unlike the llama architecture nothing is permuted;
   - tensor names: token_embd, output_norm, output (absent when tie_word_embeddings), blk.N.attn_norm, attn_q, attn_k,
     attn_v (+ .bias for Qwen2), attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down; qwen3 adds blk.N.attn_q_norm and
-    attn_k_norm (self_attn.q_norm / k_norm, F32), and has no biases; phi3 keeps qkv_proj as
+    attn_k_norm (self_attn.q_norm / k_norm, F32), and has no biases; qwen3moe is qwen3 with, per layer,
+    blk.N.ffn_gate_inp (mlp.gate) and the experts stacked: ffn_gate_exps, ffn_up_exps (numpy [E, I, D]),
+    ffn_down_exps ([E, D, I]) from mlp.experts.E.{gate,up,down}_proj, and the keys expert_count (num_experts),
+    expert_used_count (num_experts_per_tok), expert_feed_forward_length (moe_intermediate_size); phi3 keeps qkv_proj as
     blk.N.attn_qkv (rows q | k | v) and gate_up_proj as blk.N.ffn_up (rows gate | up), and writes LongRoPE's factors
     as rope_factors_long.weight and rope_factors_short.weight (F32);
   - 1-D tensors F32; 2-D tensors in --type (f32, f16, q8_0 or q4_0, ggml's reference quantizers in gguf_numpy.py),
@@ -38,7 +41,8 @@ import gguf_numpy as gg  # noqa: E402
 import hf_numpy as hf  # noqa: E402
 
 TYPES = {"f32": gg.F32, "f16": gg.F16, "q8_0": gg.Q8_0, "q4_0": gg.Q4_0}
-ARCH = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+ARCH = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe",
+        "Phi3ForCausalLM": "phi3"}
 
 
 def convert(directory, out, tokenizer_from, weight_type):
@@ -46,7 +50,7 @@ def convert(directory, out, tokenizer_from, weight_type):
         raw = json.load(fh)
     arch = ARCH.get((raw.get("architectures") or [None])[0])
     if arch is None:
-        raise hf.HFError("config.json: architectures %r: this script writes Qwen2, Qwen3 and Phi-3 only"
+        raise hf.HFError("config.json: architectures %r: this script writes Qwen2, Qwen3, Qwen3-MoE and Phi-3 only"
                          % raw.get("architectures"))
     w = hf.Weights(directory, np.float32)
     dim, n_ff = raw["hidden_size"], raw["intermediate_size"]
@@ -65,6 +69,10 @@ def convert(directory, out, tokenizer_from, weight_type):
         meta.append((p + "attention.key_length", head_dim, gg.T_UINT32))
         meta.append((p + "attention.value_length", head_dim, gg.T_UINT32))
     extra = []
+    if arch == "qwen3moe":
+        meta.append((p + "expert_count", raw["num_experts"], gg.T_UINT32))
+        meta.append((p + "expert_used_count", raw["num_experts_per_tok"], gg.T_UINT32))
+        meta.append((p + "expert_feed_forward_length", raw["moe_intermediate_size"], gg.T_UINT32))
     if arch == "phi3":
         meta.append((p + "rope.dimension_count", head_dim, gg.T_UINT32))
         meta.append((p + "attention.sliding_window", raw.get("sliding_window") or 0, gg.T_UINT32))
@@ -92,7 +100,9 @@ def convert(directory, out, tokenizer_from, weight_type):
                 meta.append((key, value, vtype))
 
     def t(name, hf_name):
-        a = w.get(hf_name)
+        return t_array(name, w.get(hf_name))
+
+    def t_array(name, a):
         if a.ndim == 1:
             return (name, a, gg.F32)
         # llama.cpp's fallback for rows that are not whole quantization blocks: F16
@@ -110,13 +120,20 @@ def convert(directory, out, tokenizer_from, weight_type):
                 tensors.append(t(b + "attn_%s.weight" % m, h + "self_attn.%s_proj.weight" % m))
                 if arch == "qwen2":
                     tensors.append(t(b + "attn_%s.bias" % m, h + "self_attn.%s_proj.bias" % m))
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             tensors.append(t(b + "attn_q_norm.weight", h + "self_attn.q_norm.weight"))
             tensors.append(t(b + "attn_k_norm.weight", h + "self_attn.k_norm.weight"))
         tensors.append(t(b + "attn_output.weight", h + "self_attn.o_proj.weight"))
         tensors.append(t(b + "ffn_norm.weight", h + "post_attention_layernorm.weight"))
         if arch == "phi3":
             tensors.append(t(b + "ffn_up.weight", h + "mlp.gate_up_proj.weight"))
+        elif arch == "qwen3moe":
+            tensors.append(t(b + "ffn_gate_inp.weight", h + "mlp.gate.weight"))
+            for part in ("gate", "up", "down"):
+                stacked = np.stack([w.get(h + "mlp.experts.%d.%s_proj.weight" % (e, part))
+                                    for e in range(raw["num_experts"])])
+                tensors.append(t_array(b + "ffn_%s_exps.weight" % part, stacked))
+            continue
         else:
             tensors.append(t(b + "ffn_gate.weight", h + "mlp.gate_proj.weight"))
             tensors.append(t(b + "ffn_up.weight", h + "mlp.up_proj.weight"))
