@@ -23,8 +23,9 @@ using ::nflash::ParseFfnActivation;
 
 struct ModelConfig {
   // GGUF general.architecture, the prefix of the model keys: "llama" (every family the converter rearranges into the
-  // llama layout), or "qwen3" (llama.cpp's: q and k rows as Hugging Face stores them for NEOX RoPE, and per-head
-  // q/k norms blk.N.attn_{q,k}_norm.weight, which the llama architecture has no place for).
+  // llama layout), or "qwen3" / "qwen3moe" (llama.cpp's: q and k rows as Hugging Face stores them for NEOX RoPE, and
+  // per-head q/k norms blk.N.attn_{q,k}_norm.weight, which the llama architecture has no place for; qwen3moe's
+  // experts as Mixtral's, n_ff their size, written as expert_feed_forward_length too).
   std::string architecture = "llama";
   std::string name;                    // general.name
   int64_t n_vocab = 0;

@@ -19,12 +19,13 @@ Result<SourceModel> ReadLlama2c(const std::string& path, const std::string& toke
 // ("missing tokenizer: pass --tokenizer ...") when there is none, or when several tok*.bin make it ambiguous.
 Result<std::string> FindLlama2cTokenizer(const std::string& checkpoint);
 // Hugging Face directory: config.json, model.safetensors or sharded model-*-of-*.safetensors with
-// model.safetensors.index.json, tokenizer.json and/or tokenizer.model. Llama/Mistral/Mixtral/Qwen2/Qwen3/Phi-3 architectures.
+// model.safetensors.index.json, tokenizer.json and/or tokenizer.model. Llama, Mistral, Mixtral, Qwen2, Qwen3,
+// Qwen3-MoE and Phi-3 architectures (hf_reader.h).
 Result<SourceModel> ReadHfDirectory(const std::string& dir);
 // A GGUF model (any nflash-readable tensor types) of llama.cpp's llama architecture (including PowerInfer files with
 // predictors), or of its qwen2 or phi3 architecture, rearranged into the llama layout: q and k rows from rotate-half
 // into pair order, Phi-3's fused attn_qkv and ffn_up split, LongRoPE's short factors as rope_freqs.weight with the
-// attention factor folded into q and k. A qwen3 model stays qwen3 (its tensors as they are).
+// attention factor folded into q and k. A qwen3 or qwen3moe model keeps its architecture (its tensors as they are).
 Result<SourceModel> ReadGgufModel(const std::string& path);
 
 struct WriteOptions {
