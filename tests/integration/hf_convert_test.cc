@@ -878,6 +878,19 @@ std::string ProfileAndPack(const testing::TempDir& tmp, const std::string& model
   return tmp.File("deploy");
 }
 
+// `model` profiled, packed and decoded from flash under `memory` (oracle active set, 40 tokens after "Once upon a
+// time"): its text equals the in-memory sparse engine's, which is returned.
+std::string ExpectOffloadedAsInMemory(const testing::TempDir& tmp, const std::string& model, const std::string& memory) {
+  const std::string in_memory = InMemoryText(model, 40);
+  EXPECT_FALSE(in_memory.empty()) << model;
+  const std::string deploy = ProfileAndPack(tmp, model);
+  const std::string offloaded = CliJson(testing::RunCommand(testing::NflashBinary() + " -q offload -d " + deploy +
+                                                            " --active-set oracle -p 'Once upon a time' -n 40 --json "
+                                                            "--memory " + memory)).value("text", "");
+  EXPECT_EQ(offloaded, in_memory) << model;
+  return in_memory;
+}
+
 // Qwen3: Qwen2 without biases, with each head of q and k RMS-normalised (its own weights) before RoPE. Written as
 // llama.cpp's qwen3 architecture (keys under "qwen3."; the llama one has no place for the norms): the q and k rows
 // and the norms as the checkpoint stores them (compared with the directory's own values), for NEOX RoPE. The engine's
@@ -943,17 +956,10 @@ TEST(HfConvert, Qwen3QkNormsMatchTheHfReference) {
   relu.qk_norm = true;
   relu.head_dim = 16;
   relu.hidden_act = "relu";
-  const std::string model = ConvertStoriesHf(tmp, "qwen3-relu", relu);
+  const std::string in_memory = ExpectOffloadedAsInMemory(tmp, ConvertStoriesHf(tmp, "qwen3-relu", relu), "3M");
   relu.architecture = "LlamaForCausalLM";
   relu.qk_norm = false;
-  const std::string in_memory = InMemoryText(model, 40);
-  ASSERT_FALSE(in_memory.empty());
   EXPECT_NE(in_memory, InMemoryText(ConvertStoriesHf(tmp, "llama-relu", relu), 40)) << "the norms change the text";
-  const std::string deploy = ProfileAndPack(tmp, model);
-  const std::string offloaded = CliJson(testing::RunCommand(testing::NflashBinary() + " -q offload -d " + deploy +
-                                                            " --active-set oracle -p 'Once upon a time' -n 40 --json "
-                                                            "--memory 3M")).value("text", "");
-  EXPECT_EQ(offloaded, in_memory);
 }
 
 // Qwen3-MoE (Qwen3-30B-A3B's architecture): Qwen3's attention, every FFN a router over experts of
@@ -1001,14 +1007,7 @@ TEST(HfConvert, Qwen3MoeMatchesTheHfReference) {
 
   HfOptions relu = o;
   relu.hidden_act = "relu";
-  const std::string model = ConvertStoriesHf(tmp, "qwen3moe-relu", relu);
-  const std::string in_memory = InMemoryText(model, 40);
-  ASSERT_FALSE(in_memory.empty());
-  const std::string deploy = ProfileAndPack(tmp, model);
-  const std::string offloaded = CliJson(testing::RunCommand(testing::NflashBinary() + " -q offload -d " + deploy +
-                                                            " --active-set oracle -p 'Once upon a time' -n 40 --json "
-                                                            "--memory 4M")).value("text", "");
-  EXPECT_EQ(offloaded, in_memory);
+  ExpectOffloadedAsInMemory(tmp, ConvertStoriesHf(tmp, "qwen3moe-relu", relu), "4M");
 }
 
 // Phi-3: Llama with q, k, v fused into qkv_proj and gate, up into gate_up_proj. Split by rows they give the very
