@@ -186,8 +186,9 @@ struct GgufPart {
 uint64_t RowCount(const GgufTensorInfo& t) { return t.dims.size() == 1 ? t.dims[0] : t.n_elements / t.dims[0]; }
 uint64_t RowElements(const GgufTensorInfo& t) { return t.dims.size() == 1 ? 1 : t.dims[0]; }
 
-// What the llama layout needs of `arch`'s tensor `t`. qwen2 and phi3 rotate halves (llama.cpp's NEOX RoPE, the
-// Hugging Face order), so their q and k rows and biases are interleaved as the HF reader does; phi3's attn_qkv (rows
+// What the written model (`c`'s architecture) needs of `arch`'s tensor `t`: the same tensor when the architecture is
+// kept (llama, qwen3, qwen3moe). qwen2 and phi3 rotate halves (llama.cpp's NEOX RoPE, the Hugging Face order), so
+// their q and k rows and biases are interleaved into the llama layout as the HF reader does; phi3's attn_qkv (rows
 // q | k | v) and ffn_up (rows gate | up) are split; LongRoPE's short factors become rope_freqs.weight and the long ones
 // are left out (the context is capped where the short ones hold); `qk_scale` (LongRoPE's attention factor) scales q
 // and k. The sizes cut are checked against the hyperparameters here, before any row is moved.
@@ -196,7 +197,7 @@ Result<std::vector<GgufPart>> GgufParts(const GgufFile& f, const std::string& ar
   const auto n_ff = static_cast<uint64_t>(c.n_ff);
   const auto q_dim = static_cast<uint64_t>(c.q_dim()), kv_dim = static_cast<uint64_t>(c.kv_dim());
   const std::string& n = t.name;
-  if (arch == "llama" || arch == "qwen3" || arch == "qwen3moe") return std::vector<GgufPart>{{n, n}};
+  if (arch == c.architecture) return std::vector<GgufPart>{{n, n}};  // kept as it is (llama, qwen3, qwen3moe)
   if (arch == "phi3" && n == "rope_factors_long.weight") return std::vector<GgufPart>{};
   if (arch == "phi3" && n == "rope_factors_short.weight") return std::vector<GgufPart>{{"rope_freqs.weight", n}};
   const size_t dot = n.rfind('.');

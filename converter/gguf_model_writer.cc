@@ -142,9 +142,8 @@ Status CheckTensors(const SourceModel& m) {
     for (const auto& [bias, n] : {std::pair{"attn_q.bias", q_dim}, {"attn_k.bias", kv_dim}, {"attn_v.bias", kv_dim}}) {
       if (by_name.count(p + bias)) NF_RETURN_IF_ERROR(expect(p + bias, {n}));  // optional (Qwen2)
     }
-    const bool qwen3 = c.architecture == "qwen3" || c.architecture == "qwen3moe";
     for (const char* norm : {"attn_q_norm.weight", "attn_k_norm.weight"}) {  // qwen3's and qwen3moe's only
-      if (qwen3) {
+      if (c.qk_norms()) {
         NF_RETURN_IF_ERROR(expect(p + norm, {static_cast<uint64_t>(c.head_dim())}));
       } else if (by_name.count(p + norm)) {
         return Status::InvalidArgument(where + ": tensor " + p + norm + " in a " + c.architecture +

@@ -183,8 +183,9 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
   const float qk = c.hf_qk_scale;
   // The llama layout interleaves each q and k head's rows for consecutive-pair RoPE; qwen3 and qwen3moe keep them as
   // stored.
-  const bool qwen3 = c.architecture == "qwen3" || c.architecture == "qwen3moe";
-  const int64_t q_heads = qwen3 ? 0 : c.n_heads, kv_heads = qwen3 ? 0 : c.n_kv_heads;
+  const bool llama_layout = c.architecture == "llama";
+  const int64_t q_heads = llama_layout ? c.n_heads : 0, kv_heads = llama_layout ? c.n_kv_heads : 0;
+  const bool qwen3moe = c.architecture == "qwen3moe";
   std::vector<TensorPlan> plan;
   plan.push_back({"token_embd.weight", {dim, n_vocab}, {"model.embed_tokens.weight"}, 0});
   for (int64_t l = 0; l < c.n_layers; ++l) {
@@ -202,7 +203,7 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
       plan.push_back({gg + "attn_k.weight", {dim, kv_dim}, {hf + "self_attn.k_proj.weight"}, kv_heads, 0, 0, qk});
       plan.push_back({gg + "attn_v.weight", {dim, kv_dim}, {hf + "self_attn.v_proj.weight"}, 0});
     }
-    if (qwen3) {  // per-head norms over head_dim elements, in the rows' own (rotate-half) order
+    if (c.qk_norms()) {  // per-head norms over head_dim elements, in the rows' own (rotate-half) order
       const auto hd = static_cast<uint64_t>(c.head_dim());
       plan.push_back({gg + "attn_q_norm.weight", {hd}, {hf + "self_attn.q_norm.weight"}, 0});
       plan.push_back({gg + "attn_k_norm.weight", {hd}, {hf + "self_attn.k_norm.weight"}, 0});
@@ -230,7 +231,6 @@ std::vector<TensorPlan> PlanTensors(const ModelConfig& c) {
     }
     // Mixtral: block_sparse_moe.gate and experts.E.w1 (gate), w2 (down), w3 (up); Qwen3-MoE: mlp.gate and
     // experts.E.gate_proj, down_proj, up_proj.
-    const bool qwen3moe = c.architecture == "qwen3moe";
     const std::string moe = hf + (qwen3moe ? "mlp." : "block_sparse_moe.");
     const auto n_exp = static_cast<uint64_t>(c.n_experts);
     plan.push_back({gg + "ffn_gate_inp.weight", {dim, n_exp}, {moe + "gate.weight"}, 0});

@@ -62,6 +62,8 @@ struct ModelConfig {
   // Nemo: 5120 / 32 heads of 128). 0: dim / n_heads.
   int64_t key_length = 0;
   int64_t head_dim() const { return key_length > 0 ? key_length : n_heads > 0 ? dim / n_heads : 0; }
+  // Whether the architecture has per-head q/k norms (blk.N.attn_{q,k}_norm.weight): qwen3 and qwen3moe.
+  bool qk_norms() const { return architecture == "qwen3" || architecture == "qwen3moe"; }
   int64_t q_dim() const { return n_heads * head_dim(); }
   int64_t kv_dim() const { return n_kv_heads * head_dim(); }
 };
