@@ -73,7 +73,7 @@ double NormalQuantile(double p) {
 
 // ------------------------------------------------------------------------------------------------------------ tensors
 
-enum class Kind { kOnes, kEmbed, kOutput, kQ, kK, kV, kO, kGate, kUp, kDown, kRouter };
+enum class Kind { kOnes, kEmbed, kOutput, kQ, kK, kV, kO, kQkNorm, kGate, kUp, kDown, kRouter };
 
 struct TensorSpec {
   std::string name;
@@ -110,6 +110,11 @@ void FillRow(const SynthState& s, const TensorSpec& spec, uint64_t key, int64_t 
     case Kind::kOnes:
       std::fill(out, out + n, 1.0f);
       return;
+    case Kind::kQkNorm:
+      // Per-head RMS norms (qwen3) leave every q and k element at rms ~1 whatever the projections' scale; this gain
+      // gives q.k / sqrt(head_dim) the spread kQkGain gives llama's unnormalised q and k (0.25 of a unit).
+      std::fill(out, out + n, kQkGain);
+      return;
     case Kind::kEmbed:
       NormalRow(key, row, kEmbedStd, out, n);
       clear_reserved();
@@ -127,11 +132,12 @@ void FillRow(const SynthState& s, const TensorSpec& spec, uint64_t key, int64_t 
       clear_reserved();
       return;
     case Kind::kO:
-      // Rows are residual channels: the reserved block receives nothing, so the constant stays constant.
+      // Rows are residual channels: the reserved block receives nothing, so the constant stays constant. Scaled by
+      // the row length (q_dim: dim unless the head size is set), so the output's rms does not depend on it.
       if (s.Reserved(row % c.dim)) {
         std::fill(out, out + n, 0.0f);
       } else {
-        NormalRow(key, row, kAttnGain * inv_sqrt_dim, out, n);
+        NormalRow(key, row, kAttnGain * (1.0f / std::sqrt(static_cast<float>(n))), out, n);
       }
       return;
     case Kind::kGate:
@@ -224,15 +230,20 @@ Result<float> StoredOffset(const SynthState& s, GgmlType type, float w) {
 std::string LayerName(int64_t l, const char* suffix) { return "blk." + std::to_string(l) + "." + suffix; }
 
 std::vector<TensorSpec> LayerSpecs(const ModelConfig& c, int64_t l) {
-  const uint64_t dim = c.dim, ff = c.n_ff, kv = c.dim / c.n_heads * c.n_kv_heads, e = c.n_experts;
+  const uint64_t dim = c.dim, ff = c.n_ff, q = c.q_dim(), kv = c.kv_dim(), e = c.n_experts;
   std::vector<TensorSpec> v = {
       {LayerName(l, "attn_norm.weight"), {dim}, Kind::kOnes, l},
-      {LayerName(l, "attn_q.weight"), {dim, dim}, Kind::kQ, l},
+      {LayerName(l, "attn_q.weight"), {dim, q}, Kind::kQ, l},
       {LayerName(l, "attn_k.weight"), {dim, kv}, Kind::kK, l},
       {LayerName(l, "attn_v.weight"), {dim, kv}, Kind::kV, l},
-      {LayerName(l, "attn_output.weight"), {dim, dim}, Kind::kO, l},
-      {LayerName(l, "ffn_norm.weight"), {dim}, Kind::kOnes, l},
+      {LayerName(l, "attn_output.weight"), {q, dim}, Kind::kO, l},
   };
+  if (c.qk_norms()) {
+    const uint64_t hd = c.head_dim();
+    v.push_back({LayerName(l, "attn_q_norm.weight"), {hd}, Kind::kQkNorm, l});
+    v.push_back({LayerName(l, "attn_k_norm.weight"), {hd}, Kind::kQkNorm, l});
+  }
+  v.push_back({LayerName(l, "ffn_norm.weight"), {dim}, Kind::kOnes, l});
   if (e == 0) {
     v.push_back({LayerName(l, "ffn_gate.weight"), {dim, ff}, Kind::kGate, l});
     v.push_back({LayerName(l, "ffn_up.weight"), {dim, ff}, Kind::kUp, l});
@@ -284,19 +295,30 @@ std::vector<float> InvRms(const Sim& sim, int64_t dim) {
   return r;
 }
 
-// Rotates consecutive pairs (2i, 2i+1) of each head by pos * theta^(-2i/head_dim), as llama.cpp's normal RoPE.
-void Rope(const ModelConfig& c, const Sim& sim, int64_t heads, std::vector<float>* x) {
-  const int64_t hd = c.head_dim();
+// Per head: qwen3's RMS norm with the kQkNorm gain (when the architecture has it), then RoPE by pos *
+// theta^(-2i/head_dim) on the pairs (2i, 2i+1) (llama.cpp's normal RoPE) or (i, i + head_dim/2) (NEOX: the Qwen
+// architectures).
+void NormRope(const ModelConfig& c, const Sim& sim, int64_t heads, std::vector<float>* x) {
+  const int64_t hd = c.head_dim(), half = hd / 2;
+  const bool neox = c.architecture != "llama";
   for (int64_t t = 0; t < sim.n; ++t) {
     const double pos = static_cast<double>(t % sim.len);
     for (int64_t h = 0; h < heads; ++h) {
       float* v = x->data() + (t * heads + h) * hd;
-      for (int64_t i = 0; i < hd / 2; ++i) {
+      if (c.qk_norms()) {
+        double ss = 0;
+        for (int64_t i = 0; i < hd; ++i) ss += double(v[i]) * v[i];
+        const float g = static_cast<float>(kQkGain / std::sqrt(ss / hd + kNormEps));
+        for (int64_t i = 0; i < hd; ++i) v[i] *= g;
+      }
+      for (int64_t i = 0; i < half; ++i) {
         const double ang = pos * std::pow(static_cast<double>(c.rope_theta), -2.0 * i / hd);
         const float cs = static_cast<float>(std::cos(ang)), sn = static_cast<float>(std::sin(ang));
-        const float a = v[2 * i], b = v[2 * i + 1];
-        v[2 * i] = a * cs - b * sn;
-        v[2 * i + 1] = a * sn + b * cs;
+        float& a = neox ? v[i] : v[2 * i];
+        float& b = neox ? v[i + half] : v[2 * i + 1];
+        const float a0 = a, b0 = b;
+        a = a0 * cs - b0 * sn;
+        b = a0 * sn + b0 * cs;
       }
     }
   }
@@ -305,23 +327,24 @@ void Rope(const ModelConfig& c, const Sim& sim, int64_t heads, std::vector<float
 Status AttentionStep(const SynthState& s, const std::vector<TensorSpec>& specs, Sim* sim) {
   const ModelConfig& c = s.cfg;
   const int64_t dim = c.dim, hd = c.head_dim(), H = c.n_heads, KVH = c.n_kv_heads, kvd = hd * KVH, n = sim->n;
+  const int64_t qd = c.q_dim();
   const std::vector<float> inv = InvRms(*sim, dim);
   std::vector<float> a(sim->h.size());
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t j = 0; j < dim; ++j) a[t * dim + j] = sim->h[t * dim + j] * inv[t];
   }
-  std::vector<float> q(n * dim), k(n * kvd), v(n * kvd);
+  std::vector<float> q(n * qd), k(n * kvd), v(n * kvd);
   {
     NF_ASSIGN_OR_RETURN(std::vector<float> w, FileWeights(s, Find(specs, Kind::kQ)));
-    Matmul(w, dim, dim, a.data(), n, q.data(), s.pool.get());
+    Matmul(w, qd, dim, a.data(), n, q.data(), s.pool.get());
     NF_ASSIGN_OR_RETURN(w, FileWeights(s, Find(specs, Kind::kK)));
     Matmul(w, kvd, dim, a.data(), n, k.data(), s.pool.get());
     NF_ASSIGN_OR_RETURN(w, FileWeights(s, Find(specs, Kind::kV)));
     Matmul(w, kvd, dim, a.data(), n, v.data(), s.pool.get());
   }
-  Rope(c, *sim, H, &q);
-  Rope(c, *sim, KVH, &k);
-  std::vector<float> att(n * dim, 0.0f);
+  NormRope(c, *sim, H, &q);
+  NormRope(c, *sim, KVH, &k);
+  std::vector<float> att(n * qd, 0.0f);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   s.pool->ParallelFor(sim->seqs * H, 1, [&](int64_t b, int64_t e, int) {
     std::vector<float> p(static_cast<size_t>(sim->len));
@@ -339,7 +362,7 @@ Status AttentionStep(const SynthState& s, const std::vector<TensorSpec>& specs, 
         }
         float sum = 0;
         for (int64_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
-        float* out = att.data() + (t0 + i) * dim + head * hd;
+        float* out = att.data() + (t0 + i) * qd + head * hd;
         for (int64_t j = 0; j <= i; ++j) {
           const float* vj = v.data() + ((t0 + j) * KVH + kvh) * hd;
           for (int64_t x = 0; x < hd; ++x) out[x] += p[j] / sum * vj[x];
@@ -349,7 +372,7 @@ Status AttentionStep(const SynthState& s, const std::vector<TensorSpec>& specs, 
   });
   NF_ASSIGN_OR_RETURN(std::vector<float> wo, FileWeights(s, Find(specs, Kind::kO)));
   std::vector<float> o(n * dim);
-  Matmul(wo, dim, dim, att.data(), n, o.data(), s.pool.get());
+  Matmul(wo, dim, qd, att.data(), n, o.data(), s.pool.get());
   for (size_t i = 0; i < o.size(); ++i) sim->h[i] += o[i];
   return Status::Ok();
 }
@@ -580,16 +603,22 @@ TokenizerData ByteVocabulary(int64_t n_vocab) {
 
 struct ShapeDefaults {
   const char* name;
-  int64_t dim, ff, layers, heads, kv_heads, experts, top_k, vocab, context;
+  const char* arch;
+  int64_t dim, ff, layers, heads, kv_heads, head_dim, experts, top_k, vocab, context;
   float rope_theta;
 };
-// Published hyper-parameters of the shapes' namesakes (Mistral-7B-v0.1: rope theta 10000, 8 kv heads).
+// Published hyper-parameters of the shapes' namesakes (Mistral-7B-v0.1: rope theta 10000, 8 kv heads; Qwen3's
+// config.json: head_dim 128 whatever the width, Qwen3-30B-A3B's ff the experts' moe_intermediate_size). head_dim 0:
+// dim / heads.
 constexpr ShapeDefaults kShapes[] = {
-    {"llama-7b", 4096, 11008, 32, 32, 32, 0, 0, 32000, 4096, 10000.0f},
-    {"llama-13b", 5120, 13824, 40, 40, 40, 0, 0, 32000, 4096, 10000.0f},
-    {"mistral-7b", 4096, 14336, 32, 32, 8, 0, 0, 32000, 32768, 10000.0f},
-    {"mixtral-8x7b", 4096, 14336, 32, 32, 8, 8, 2, 32000, 32768, 1000000.0f},
+    {"llama-7b", "llama", 4096, 11008, 32, 32, 32, 0, 0, 0, 32000, 4096, 10000.0f},
+    {"llama-13b", "llama", 5120, 13824, 40, 40, 40, 0, 0, 0, 32000, 4096, 10000.0f},
+    {"mistral-7b", "llama", 4096, 14336, 32, 32, 8, 0, 0, 0, 32000, 32768, 10000.0f},
+    {"mixtral-8x7b", "llama", 4096, 14336, 32, 32, 8, 0, 8, 2, 32000, 32768, 1000000.0f},
+    {"qwen3-8b", "qwen3", 4096, 12288, 36, 32, 8, 128, 0, 0, 151936, 40960, 1000000.0f},
+    {"qwen3-30b-a3b", "qwen3moe", 2048, 768, 48, 32, 4, 128, 128, 8, 151936, 40960, 1000000.0f},
 };
+constexpr const char* kShapeList = "llama-7b, llama-13b, mistral-7b, mixtral-8x7b, qwen3-8b, qwen3-30b-a3b, custom";
 
 }  // namespace
 
@@ -610,18 +639,30 @@ Result<ModelConfig> SynthConfig(const SynthOptions& o) {
     c.n_experts_used = c.n_experts > 0 ? pick(o.top_k, 2) : 0;
     c.n_vocab = o.vocab;
     c.context_length = pick(o.context, 4096);
+    c.architecture = o.arch.empty() ? "llama" : o.arch;
+    c.key_length = o.head_dim;
+    if (c.architecture != "llama" && c.architecture != "qwen3" && c.architecture != "qwen3moe") {
+      return Status::InvalidArgument("--arch " + c.architecture + " is not one of llama, qwen3, qwen3moe");
+    }
+    if (c.architecture == "qwen3moe" && c.n_experts == 0) {
+      return Status::InvalidArgument("--arch qwen3moe needs --experts (its FFN is experts only)");
+    }
+    if (c.architecture == "qwen3" && c.n_experts > 0) {
+      return Status::InvalidArgument("--arch qwen3 is dense: --experts " + std::to_string(c.n_experts) +
+                                     " needs --arch qwen3moe (or llama, Mixtral's layout)");
+    }
   } else {
     const ShapeDefaults* d = nullptr;
     for (const ShapeDefaults& s : kShapes) {
       if (o.shape == s.name) d = &s;
     }
-    if (d == nullptr) {
-      return Status::InvalidArgument("--shape " + o.shape +
-                                     " is not one of llama-7b, llama-13b, mistral-7b, mixtral-8x7b, custom");
+    if (d == nullptr) return Status::InvalidArgument("--shape " + o.shape + " is not one of " + kShapeList);
+    if (o.dim || o.ffn || o.heads || o.kv_heads || o.head_dim || o.experts || o.top_k || o.vocab || !o.arch.empty()) {
+      return Status::InvalidArgument(
+          "--dim/--ffn/--heads/--kv-heads/--head-dim/--experts/--top-k/--vocab/--arch need --shape custom");
     }
-    if (o.dim || o.ffn || o.heads || o.kv_heads || o.experts || o.top_k || o.vocab) {
-      return Status::InvalidArgument("--dim/--ffn/--heads/--kv-heads/--experts/--top-k/--vocab need --shape custom");
-    }
+    c.architecture = d->arch;
+    c.key_length = d->head_dim;
     c.dim = d->dim;
     c.n_ff = d->ff;
     c.n_heads = d->heads;
@@ -639,11 +680,15 @@ Result<ModelConfig> SynthConfig(const SynthOptions& o) {
     return Status::InvalidArgument("dim " + std::to_string(c.dim) + " and ffn " + std::to_string(c.n_ff) +
                                    " must be multiples of 32 (the constant channel owns a 32-wide block)");
   }
-  if (c.dim % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0 || c.head_dim() % 2 != 0) {
+  if (c.key_length < 0 || (c.key_length == 0 && c.dim % c.n_heads != 0) || c.n_heads % c.n_kv_heads != 0 ||
+      c.head_dim() % 2 != 0) {
     return Status::InvalidArgument("dim " + std::to_string(c.dim) + ", heads " + std::to_string(c.n_heads) +
-                                   ", kv heads " + std::to_string(c.n_kv_heads) +
-                                   ": dim must be a multiple of heads, heads of kv heads, head size even");
+                                   ", kv heads " + std::to_string(c.n_kv_heads) + ", head size " +
+                                   std::to_string(c.head_dim()) +
+                                   ": dim must be a multiple of heads (unless --head-dim is set), heads of kv heads, "
+                                   "head size even");
   }
+  if (c.key_length * c.n_heads == c.dim) c.key_length = 0;  // the default head size, as the converters write it
   if (c.dim < 2 * kQBlock) return Status::InvalidArgument("--dim must be at least 64");
   if (c.n_vocab < 259) return Status::InvalidArgument("--vocab must be at least 259 (3 specials + 256 bytes)");
   if (c.n_experts > 0 && (c.n_experts_used < 1 || c.n_experts_used > c.n_experts)) {

@@ -1,4 +1,4 @@
-// Synthetic Llama/Mistral/Mixtral-shaped models whose ReLU/dReLU FFN is activation-sparse through the weights
+// Synthetic Llama/Mistral/Mixtral/Qwen3/Qwen3-MoE-shaped models whose ReLU/dReLU FFN is activation-sparse through the weights
 // (docs/synthetic.md explains the construction and its maths). The model is described as a converter::SourceModel
 // whose tensor loaders regenerate every weight deterministically from (seed, tensor, row), so it is written by the
 // same GGUF writer as converted models and never held in memory as a whole.
@@ -16,14 +16,18 @@
 namespace nflash::converter {
 
 struct SynthOptions {
-  // "llama-7b", "llama-13b", "mistral-7b", "mixtral-8x7b" or "custom". Fields below left at 0 take the shape's value;
-  // for "custom" dim, ffn, heads and vocab are required.
+  // "llama-7b", "llama-13b", "mistral-7b", "mixtral-8x7b", "qwen3-8b", "qwen3-30b-a3b" or "custom". Fields below
+  // left at 0 (or empty) take the shape's value; for "custom" dim, ffn, heads and vocab are required.
   std::string shape = "llama-7b";
+  // custom: the GGUF architecture, "llama" (the default; Mixtral's experts with --experts), "qwen3" (per-head q/k
+  // norms, NEOX RoPE, dense) or "qwen3moe" (qwen3's attention, experts required).
+  std::string arch;
   int64_t layers = 0;    // cuts (or for custom, sets) the depth
   int64_t dim = 0;
   int64_t ffn = 0;
   int64_t heads = 0;
   int64_t kv_heads = 0;  // custom default: heads
+  int64_t head_dim = 0;  // custom: the head size (llama.attention.key_length) when not dim / heads
   int64_t experts = 0;   // custom: 0 = dense FFN
   int64_t top_k = 0;     // custom MoE default: 2
   int64_t vocab = 0;

@@ -55,9 +55,9 @@ Status RunSynth(SynthFlags flags) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   const ModelConfig& c = model.config;
-  std::printf("wrote %s: SYNTHETIC weights (random, not a trained model), \"%s\", %lld layers, dim %lld, ffn %lld",
-              flags.output.c_str(), c.name.c_str(), static_cast<long long>(c.n_layers), static_cast<long long>(c.dim),
-              static_cast<long long>(c.n_ff));
+  std::printf("wrote %s: SYNTHETIC weights (random, not a trained model), \"%s\", %s, %lld layers, dim %lld, ffn %lld",
+              flags.output.c_str(), c.name.c_str(), c.architecture.c_str(), static_cast<long long>(c.n_layers),
+              static_cast<long long>(c.dim), static_cast<long long>(c.n_ff));
   if (c.n_experts > 0) {
     std::printf(", %lld experts top-%lld", static_cast<long long>(c.n_experts),
                 static_cast<long long>(c.n_experts_used));
@@ -85,14 +85,19 @@ void RegisterSynthCommand(CLI::App& app, cli::CommandAction* action) {
   auto flags = std::make_shared<SynthFlags>();
   SynthOptions& o = flags->options;
   CLI::App* cmd = app.add_subcommand(
-      "synth", "Write a SYNTHETIC (random-weight) Llama/Mistral/Mixtral-shaped GGUF whose ReLU FFN is activation-sparse");
-  cmd->add_option("--shape", o.shape, "llama-7b | llama-13b | mistral-7b | mixtral-8x7b | custom")
+      "synth",
+      "Write a SYNTHETIC (random-weight) Llama/Mistral/Mixtral/Qwen3-shaped GGUF whose ReLU FFN is activation-sparse");
+  cmd->add_option("--shape", o.shape,
+                  "llama-7b | llama-13b | mistral-7b | mixtral-8x7b | qwen3-8b | qwen3-30b-a3b | custom")
       ->capture_default_str();
+  cmd->add_option("--arch", o.arch,
+                  "custom: GGUF architecture llama (default; Mixtral's experts) | qwen3 | qwen3moe (experts)");
   cmd->add_option("--layers", o.layers, "Number of layers (cuts the shape's depth; custom default 2)");
   cmd->add_option("--dim", o.dim, "custom: embedding width (multiple of 32)");
   cmd->add_option("--ffn", o.ffn, "custom: FFN width per expert (multiple of 32)");
   cmd->add_option("--heads", o.heads, "custom: attention heads");
   cmd->add_option("--kv-heads", o.kv_heads, "custom: key/value heads (default: heads)");
+  cmd->add_option("--head-dim", o.head_dim, "custom: head size (default: dim / heads)");
   cmd->add_option("--experts", o.experts, "custom: MoE experts (0: dense FFN)");
   cmd->add_option("--top-k", o.top_k, "custom: experts used per token (default 2)");
   cmd->add_option("--vocab", o.vocab, "custom: vocabulary size (>= 259)");

@@ -20,6 +20,7 @@
 
 #include "converter/hf_reader.h"
 #include "converter/readers.h"
+#include "converter/synth.h"
 #include "runtime/core/quant.h"
 #include "runtime/core/thread_pool.h"
 #include "runtime/engine/context.h"
@@ -1684,6 +1685,70 @@ TEST(LlamaCppGguf, EngineReadsQwen2Qwen3AndQwen3MoeNatively) {
   EXPECT_GE(summary.raw_copies, size_t(GetStories().n_layers) * 7);  // q, k, v, o, gate, up, down of every layer
   for (const std::string name : {"blk.0.attn_q.weight", "blk.3.attn_k.weight", "blk.2.ffn_down.weight"}) {
     EXPECT_TRUE(TensorBytes(*GgufFile::OpenPath(as_q8), name) == TensorBytes(*GgufFile::OpenPath(q8), name)) << name;
+  }
+}
+
+// The GGUF reference (llama_numpy.py) reads llama.cpp's qwen2, qwen3 and qwen3moe files as the HF reference reads
+// their checkpoints (two independent readings of the same weights); on SYNTHETIC qwen3 and qwen3moe files (q wider
+// than the residual, constant q/k norm gains) the engine's logits are the GGUF reference's.
+TEST(LlamaCppGguf, GgufReferenceReadsTheQwenArchitectures) {
+  testing::TempDir tmp;
+  auto gap = [](const std::vector<float>& a, const std::vector<float>& b) {
+    EXPECT_EQ(a.size(), b.size());
+    double d = 0;
+    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) d = std::max(d, double(std::fabs(a[i] - b[i])));
+    return d;
+  };
+  const int64_t n_vocab = std::abs(GetStories().vocab);
+  HfOptions q2;
+  q2.architecture = "Qwen2ForCausalLM";
+  q2.qkv_bias = true;
+  HfOptions q3;
+  q3.architecture = "Qwen3ForCausalLM";
+  q3.qk_norm = true;
+  q3.head_dim = 16;
+  HfOptions q3moe = q3;
+  q3moe.architecture = "Qwen3MoeForCausalLM";
+  q3moe.moe_experts = 4;
+  std::vector<float> first;
+  for (const auto& [name, o] : {std::pair<std::string, HfOptions>{"qwen2", q2}, {"qwen3", q3}, {"qwen3moe", q3moe}}) {
+    const std::string gguf = LlamaCppGguf(tmp.File(name), ConvertStoriesHf(tmp, name, o), "f32");
+    const std::vector<float> hf = testing::HfReferenceLogits(tmp.File(name), testing::kReferenceIds, n_vocab,
+                                                             tmp.File(name + ".hf.npy"));
+    const std::vector<float> ref = testing::NumpyReferenceLogits(gguf, testing::kReferenceIds, n_vocab,
+                                                                 tmp.File(name + ".ref.npy"));
+    EXPECT_LE(gap(ref, hf), 1e-4) << name << ": the GGUF reference against the HF reference";
+    if (first.empty()) first = hf;
+    if (name != "qwen2") {
+      EXPECT_GT(gap(hf, first), 0.1) << name << " is not the qwen2 model";
+    }
+  }
+  for (const char* arch : {"qwen3", "qwen3moe"}) {
+    converter::SynthOptions o;
+    o.shape = "custom";
+    o.arch = arch;
+    o.dim = 256;
+    o.ffn = 256;
+    o.heads = 8;
+    o.kv_heads = 2;
+    o.head_dim = 64;
+    o.experts = std::string(arch) == "qwen3moe" ? 4 : 0;
+    o.vocab = 512;
+    o.layers = 3;
+    o.type = GgmlType::kF32;  // the engine's Q8_0 dot products round the activations too: F32 compares at 1e-3
+    auto model = converter::BuildSyntheticModel(o, nullptr);
+    ASSERT_TRUE(model.ok()) << model.status().ToString();
+    converter::WriteOptions w;
+    w.path = tmp.File(std::string(arch) + "-synth.gguf");
+    w.type = o.type;
+    w.progress = false;
+    w.q4_0_scale_search = false;
+    ASSERT_TRUE(converter::WriteModelGguf(*model, w).ok());
+    const std::vector<float> ref =
+        testing::NumpyReferenceLogits(w.path, testing::kReferenceIds, o.vocab, w.path + ".npy");
+    const testing::LogitGap g = testing::EngineLogitGap(w.path, testing::kReferenceIds, ref);
+    EXPECT_LE(g.max_diff, 1e-3) << arch << " (synthetic): the engine against the GGUF reference";
+    EXPECT_GT(g.max_abs, 0.1) << arch << ": logits that say something";
   }
 }
 

@@ -2,10 +2,13 @@
 # Independent NumPy Llama-family forward pass (GGUF or llama2.c v0 weights) used only by tests as the reference.
 """Reference Llama forward pass for nflash tests; never used by the product.
 
-Written from the model definition (Llama / llama2.c / Mixtral), not from nflash's C++ code:
+Written from the model definition (Llama / llama2.c / Mixtral / llama.cpp's qwen2, qwen3, qwen3moe), not from
+nflash's C++ code:
   h = token_embd[id]
-  per layer:  a = rmsnorm(h) * attn_norm;  q, k, v = Wq a, Wk a, Wv a
-              RoPE on consecutive pairs (2i, 2i+1) of each head, angle = (pos / linear_factor) * theta^(-2i/n_rot)
+  per layer:  a = rmsnorm(h) * attn_norm;  q, k, v = Wq a (+ bq), Wk a (+ bk), Wv a (+ bv)
+              qwen3, qwen3moe: each head of q and k = rmsnorm(head) * attn_q_norm / attn_k_norm
+              RoPE on the pairs (2i, 2i+1) of each head (llama) or (i, i + n_rot/2) (NEOX: the qwen architectures),
+              angle = (pos / linear_factor) * theta^(-2i/n_rot)
               grouped-query attention (head h reads kv head h // (n_heads / n_kv_heads)), softmax(q.k / sqrt(hd));
               with llama.attention.sliding_window W > 0, the query at position p sees keys p - W < j <= p only
               h += Wo attn
@@ -117,6 +120,8 @@ def config_from_gguf(reader):
             raise ValueError("%s: missing metadata %s.%s" % (reader.path, arch, key))
         return v
 
+    if arch not in ("llama", "qwen2", "qwen3", "qwen3moe"):
+        raise ValueError("%s: general.architecture %r not one of llama, qwen2, qwen3, qwen3moe" % (reader.path, arch))
     dim = int(g("embedding_length"))
     n_heads = int(g("attention.head_count"))
     head_dim = int(g("attention.key_length", dim // n_heads))  # key_length: heads not of dim / n_heads (Nemo)
@@ -126,7 +131,8 @@ def config_from_gguf(reader):
     cfg = {
         "dim": dim,
         "n_layers": int(g("block_count")),
-        "n_ff": int(g("feed_forward_length")),
+        # qwen3moe: the experts' width has its own key (feed_forward_length would be a dense FFN's)
+        "n_ff": int(g("expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length")),
         "n_heads": n_heads,
         "n_kv_heads": int(g("attention.head_count_kv", n_heads)),
         "head_dim": head_dim,
@@ -139,6 +145,8 @@ def config_from_gguf(reader):
         "n_experts_used": int(g("expert_used_count", 0)),
         "activation": str(md.get("nflash.ffn_activation", "silu")),
         "sliding_window": int(g("attention.sliding_window", 0)),  # 0: none
+        "rope_neox": arch != "llama",  # llama.cpp's rope type for qwen2/qwen3/qwen3moe
+        "qk_norm": arch in ("qwen3", "qwen3moe"),
     }
     if md.get(arch + ".rope.scaling.type") == "linear":
         cfg["rope_scale"] = float(g("rope.scaling.factor", 1.0))
@@ -203,7 +211,8 @@ def rmsnorm(x, w, eps):
 
 
 def rope(x, positions, cfg):
-    """x [n, heads, head_dim]; rotates consecutive pairs of the first n_rot dims of each head."""
+    """x [n, heads, head_dim]; rotates pairs of the first n_rot dims of each head: (2i, 2i+1), or (i, i + n_rot/2)
+    with cfg["rope_neox"]."""
     n_rot = cfg["n_rot"]
     i = np.arange(n_rot // 2, dtype=np.float64)
     inv_freq = cfg["rope_theta"] ** (-2.0 * i / n_rot)
@@ -213,10 +222,14 @@ def rope(x, positions, cfg):
     cos = np.cos(ang).astype(x.dtype)[:, None, :]
     sin = np.sin(ang).astype(x.dtype)[:, None, :]
     out = x.copy()
-    x0 = x[:, :, 0:n_rot:2]
-    x1 = x[:, :, 1:n_rot:2]
-    out[:, :, 0:n_rot:2] = x0 * cos - x1 * sin
-    out[:, :, 1:n_rot:2] = x0 * sin + x1 * cos
+    if cfg.get("rope_neox"):
+        first, second = slice(0, n_rot // 2), slice(n_rot // 2, n_rot)
+    else:
+        first, second = slice(0, n_rot, 2), slice(1, n_rot, 2)
+    x0 = x[:, :, first]
+    x1 = x[:, :, second]
+    out[:, :, first] = x0 * cos - x1 * sin
+    out[:, :, second] = x0 * sin + x1 * cos
     return out
 
 
@@ -273,6 +286,9 @@ class Llama:
             for name, t in (("attn_q.bias", q), ("attn_k.bias", k), ("attn_v.bias", v)):  # optional (Qwen2)
                 if w.has(p + name):
                     t += w.vector(p + name).reshape(t.shape[1], hd)
+            if c.get("qk_norm"):  # per head, over head_dim, one weight vector shared by the heads
+                q = rmsnorm(q, w.vector(p + "attn_q_norm.weight"), c["eps"])
+                k = rmsnorm(k, w.vector(p + "attn_k_norm.weight"), c["eps"])
             q = rope(q, positions, c)
             k = rope(k, positions, c)
             K = self.k_cache[L] = np.concatenate([self.k_cache[L], k], axis=0)  # [T, KVH, hd]

@@ -168,6 +168,38 @@ TEST(SynthConfigTest, PublishedShapes) {
   EXPECT_EQ(c->n_experts_used, 2);
   EXPECT_FLOAT_EQ(c->rope_theta, 1e6f);
   EXPECT_NE(c->name.find("synthetic"), std::string::npos);
+  EXPECT_EQ(c->architecture, "llama");
+  EXPECT_EQ(c->key_length, 0);
+  // Qwen3-8B's and Qwen3-30B-A3B's config.json: head_dim 128 (q is 4096 wide on a 2048 residual for the MoE).
+  o.shape = "qwen3-8b";
+  o.layers = 0;
+  c = SynthConfig(o);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->architecture, "qwen3");
+  EXPECT_EQ(c->dim, 4096);
+  EXPECT_EQ(c->n_ff, 12288);
+  EXPECT_EQ(c->n_layers, 36);
+  EXPECT_EQ(c->n_heads, 32);
+  EXPECT_EQ(c->n_kv_heads, 8);
+  EXPECT_EQ(c->head_dim(), 128);
+  EXPECT_EQ(c->key_length, 0);  // 4096 / 32: the default, not written
+  EXPECT_EQ(c->n_experts, 0);
+  EXPECT_EQ(c->n_vocab, 151936);
+  EXPECT_EQ(c->context_length, 40960);
+  o.shape = "qwen3-30b-a3b";
+  c = SynthConfig(o);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->architecture, "qwen3moe");
+  EXPECT_EQ(c->dim, 2048);
+  EXPECT_EQ(c->n_ff, 768);
+  EXPECT_EQ(c->n_layers, 48);
+  EXPECT_EQ(c->n_heads, 32);
+  EXPECT_EQ(c->n_kv_heads, 4);
+  EXPECT_EQ(c->key_length, 128);
+  EXPECT_EQ(c->q_dim(), 4096);
+  EXPECT_EQ(c->n_experts, 128);
+  EXPECT_EQ(c->n_experts_used, 8);
+  EXPECT_FLOAT_EQ(c->rope_theta, 1e6f);
 }
 
 // Each case breaks one rule of an otherwise valid configuration and must fail with that rule's own message (a looser
@@ -185,6 +217,14 @@ TEST(SynthConfigTest, RejectsImpossibleFlags) {
       {"dim with a published shape", [](SynthOptions& o) { o.shape = "llama-7b"; }, "need --shape custom"},
       {"dim not a multiple of 32", [](SynthOptions& o) { o.dim = 250; }, "must be multiples of 32"},
       {"kv heads not dividing heads", [](SynthOptions& o) { o.kv_heads = 3; }, "dim must be a multiple of heads"},
+      {"odd head size", [](SynthOptions& o) { o.head_dim = 33; }, "head size 33: dim must be a multiple of heads"},
+      {"heads not dividing dim", [](SynthOptions& o) { o.heads = 7, o.kv_heads = 7; },
+       "heads 7, kv heads 7, head size 36: dim must be"},
+      {"unknown architecture", [](SynthOptions& o) { o.arch = "gemma"; }, "--arch gemma is not one of llama, qwen3"},
+      {"qwen3moe without experts", [](SynthOptions& o) { o.arch = "qwen3moe"; }, "--arch qwen3moe needs --experts"},
+      {"qwen3 with experts", [](SynthOptions& o) { o.arch = "qwen3", o.experts = 4; }, "--arch qwen3 is dense"},
+      {"arch with a published shape", [](SynthOptions& o) { o = SynthOptions(), o.arch = "qwen3"; },
+       "need --shape custom"},
       {"dim below 64", [](SynthOptions& o) { o.dim = 32, o.heads = 2, o.kv_heads = 1; }, "--dim must be at least 64"},
       {"vocab below 259", [](SynthOptions& o) { o.vocab = 258; }, "--vocab must be at least 259"},
       {"top-k above experts", [](SynthOptions& o) { o.experts = 4, o.top_k = 5; }, "--top-k 5 must be in 1..4"},
@@ -279,6 +319,55 @@ TEST(SynthFileTest, MoeTensorsAsLlamaCpp) {
   EXPECT_EQ(f->FindTensor("blk.0.ffn_up_exps.weight")->dims, (std::vector<uint64_t>{256, 1024, 4}));
   EXPECT_EQ(f->FindTensor("blk.0.ffn_down_exps.weight")->dims, (std::vector<uint64_t>{1024, 256, 4}));
   EXPECT_EQ(f->FindTensor("blk.0.ffn_down_exps.weight")->type, GgmlType::kQ8_0);
+}
+
+// llama.cpp's qwen3moe layout (its Qwen3MoeModel conversion): keys under qwen3moe., the experts' width as
+// expert_feed_forward_length, q wider than the residual when the head size is set, per-head q/k norms.
+TEST(SynthFileTest, Qwen3MoeTensorsAsLlamaCpp) {
+  TempDir dir;
+  SynthOptions o = SmallOptions();
+  o.arch = "qwen3moe";
+  o.layers = 2;
+  o.head_dim = 64;  // 8 heads: q 512 wide, k and v 256
+  o.ffn = 256;
+  o.experts = 4;
+  o.top_k = 2;
+  o.type = GgmlType::kQ8_0;
+  ASSERT_EQ(Write(o, dir.File("q3moe.gguf")), "");
+  auto f = GgufFile::OpenPath(dir.File("q3moe.gguf"));
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(*f->GetString("general.architecture"), "qwen3moe");
+  EXPECT_EQ(*f->GetUint("qwen3moe.embedding_length"), 256u);
+  EXPECT_EQ(*f->GetUint("qwen3moe.expert_feed_forward_length"), 256u);
+  EXPECT_EQ(*f->GetUint("qwen3moe.expert_count"), 4u);
+  EXPECT_EQ(*f->GetUint("qwen3moe.expert_used_count"), 2u);
+  EXPECT_EQ(*f->GetUint("qwen3moe.attention.key_length"), 64u);
+  EXPECT_EQ(*f->GetUint("qwen3moe.attention.value_length"), 64u);
+  EXPECT_EQ(*f->GetUint("qwen3moe.rope.dimension_count"), 64u);
+  EXPECT_FALSE(f->GetUint("llama.block_count").ok());
+  EXPECT_EQ(f->FindTensor("blk.1.attn_q.weight")->dims, (std::vector<uint64_t>{256, 512}));
+  EXPECT_EQ(f->FindTensor("blk.1.attn_k.weight")->dims, (std::vector<uint64_t>{256, 256}));
+  EXPECT_EQ(f->FindTensor("blk.1.attn_output.weight")->dims, (std::vector<uint64_t>{512, 256}));
+  for (const char* norm : {"blk.0.attn_q_norm.weight", "blk.1.attn_k_norm.weight"}) {
+    const GgufTensorInfo* t = f->FindTensor(norm);
+    ASSERT_NE(t, nullptr) << norm;
+    EXPECT_EQ(t->dims, (std::vector<uint64_t>{64}));
+    EXPECT_EQ(t->type, GgmlType::kF32);
+  }
+  EXPECT_EQ(f->FindTensor("blk.1.ffn_gate_exps.weight")->dims, (std::vector<uint64_t>{256, 256, 4}));
+  EXPECT_EQ(f->FindTensor("blk.1.ffn_down_exps.weight")->dims, (std::vector<uint64_t>{256, 256, 4}));
+  EXPECT_EQ(f->tensors().size(), 3u + 2u * 12u);
+  // A dense qwen3 has the norms too, and no key_length when the head size is dim / heads.
+  o.arch = "qwen3";
+  o.experts = 0;
+  o.head_dim = 32;
+  ASSERT_EQ(Write(o, dir.File("q3.gguf")), "");
+  f = GgufFile::OpenPath(dir.File("q3.gguf"));
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(*f->GetString("general.architecture"), "qwen3");
+  EXPECT_FALSE(f->GetUint("qwen3.attention.key_length").ok());
+  EXPECT_EQ(f->FindTensor("blk.0.attn_q_norm.weight")->dims, (std::vector<uint64_t>{32}));
+  EXPECT_EQ(f->FindTensor("blk.0.ffn_gate.weight")->dims, (std::vector<uint64_t>{256, 256}));
 }
 
 TEST(SynthFileTest, DeterministicBytes) {
@@ -404,6 +493,7 @@ struct SparsityCase {
   double sparsity;
   int64_t experts;
   int64_t gate_rank = 0;  // --gate-rank: low-rank-plus-noise gates must keep the calibration's targets
+  const char* arch = "";  // --arch (qwen3, qwen3moe: per-head q/k norms, NEOX RoPE) with --head-dim 64 (q 512 wide)
 };
 
 class SynthSparsityTest : public ::testing::TestWithParam<SparsityCase> {};
@@ -417,6 +507,8 @@ TEST_P(SynthSparsityTest, ReferenceForwardMeasuresTheTarget) {
   o.sparsity = tc.sparsity;
   o.experts = tc.experts;
   o.gate_rank = tc.gate_rank;
+  o.arch = tc.arch;
+  if (!o.arch.empty()) o.head_dim = 64;
   const std::string path = dir.File("m.gguf");
   ASSERT_EQ(Write(o, path), "");
   const Measured m = RunReference(path, dir.File("stats.json"), o.vocab);
@@ -449,7 +541,10 @@ INSTANTIATE_TEST_SUITE_P(
                       SparsityCase{"moe_relu_q4_0_s90", FfnActivation::kRelu, GgmlType::kQ4_0, 0.9, 4},
                       SparsityCase{"relu_q4_0_s90_rank32", FfnActivation::kRelu, GgmlType::kQ4_0, 0.9, 0, 32},
                       SparsityCase{"drelu_q8_0_s70_rank32", FfnActivation::kDRelu, GgmlType::kQ8_0, 0.7, 0, 32},
-                      SparsityCase{"moe_relu_q4_0_s90_rank16", FfnActivation::kRelu, GgmlType::kQ4_0, 0.9, 4, 16}),
+                      SparsityCase{"moe_relu_q4_0_s90_rank16", FfnActivation::kRelu, GgmlType::kQ4_0, 0.9, 4, 16},
+                      SparsityCase{"qwen3_relu_q4_0_s90", FfnActivation::kRelu, GgmlType::kQ4_0, 0.9, 0, 0, "qwen3"},
+                      SparsityCase{"qwen3moe_relu_q4_0_s90_rank16", FfnActivation::kRelu, GgmlType::kQ4_0, 0.9, 4, 16,
+                                   "qwen3moe"}),
     [](const ::testing::TestParamInfo<SparsityCase>& info) { return std::string(info.param.label); });
 
 }  // namespace
