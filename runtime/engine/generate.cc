@@ -72,12 +72,14 @@ Result<GenerateResult> GenerateFrom(InferenceContext& ctx, const Tokenizer& toke
     const float* lg = ctx.logits();
     const int32_t next = sampler.Sample({lg, static_cast<size_t>(ctx.n_vocab())});
     sampler.Accept(next);
-    if (options.top_logprobs >= 0) {
-      r.logprobs.push_back(LogprobOf({lg, static_cast<size_t>(ctx.n_vocab())}, next, options.top_logprobs));
-    }
     if (sampled != nullptr) sampled->push_back(next);
     std::string piece;
     r.reason = stop.Push(next, detok.Push(next), &piece);
+    // The end token (EOS, an end-of-turn marker, a llama2.c model's BOS) has no text: not listed.
+    if (options.top_logprobs >= 0 && r.reason != StopReason::kEos && r.reason != StopReason::kBos) {
+      r.logprobs.push_back(LogprobOf({lg, static_cast<size_t>(ctx.n_vocab())}, next, options.top_logprobs));
+      if (options.on_logprob) options.on_logprob(r.logprobs.back());
+    }
     emit(piece);
     if (r.reason != StopReason::kNone || r.cancelled) break;
     NF_RETURN_IF_ERROR(ctx.Eval({&next, 1}, false));
@@ -90,8 +92,6 @@ Result<GenerateResult> GenerateFrom(InferenceContext& ctx, const Tokenizer& toke
     emit(detok.Finish());
   }
   if (r.cancelled) r.reason = StopReason::kNone;
-  // The end token (EOS, an end-of-turn marker, a llama2.c model's BOS) has no text: not listed.
-  if ((r.reason == StopReason::kEos || r.reason == StopReason::kBos) && !r.logprobs.empty()) r.logprobs.pop_back();
   r.generated_tokens = stop.n_tokens();
   r.stop_string = stop.matched();
   r.decode_ms = Ms(t1, Clock::now());

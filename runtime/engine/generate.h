@@ -44,6 +44,10 @@ struct GenerateOptions {
   // prompt is then evaluated (no cached prefix: its logits are gone), in pieces of kPromptLogprobsPiece tokens whose
   // logits are all kept.
   bool prompt_logprobs = false;
+  // With top_logprobs >= 0, when set: called with each TokenLogprob as it joins GenerateResult::logprobs (the same
+  // list, in order: never for the end token that ends the text), before on_text gets the text it adds (a stream
+  // sends each piece with the log-probabilities of the tokens since the previous one).
+  std::function<void(const TokenLogprob&)> on_logprob;
 };
 
 // The tokens whose logits a prompt_logprobs prefill holds at once (a front end with a memory budget reserves them).

@@ -150,9 +150,8 @@ Result<std::vector<ChatMessage>> ParseMessages(const JsonFields& fields) {
 
 // The log-probability fields, into GenerateOptions::top_logprobs (-1: none): /completion's n_probs (llama.cpp: 0 is
 // none), /v1/completions' logprobs (null or 0..kMaxTopLogprobs alternatives), /v1/chat/completions' logprobs (a bool)
-// with top_logprobs (0..kMaxTopLogprobs, only with logprobs true, as OpenAI's). Refused with a stream (token
-// boundaries and streamed pieces differ).
-Status ParseLogprobs(const JsonFields& fields, ApiStyle style, bool stream, int* top) {
+// with top_logprobs (0..kMaxTopLogprobs, only with logprobs true, as OpenAI's).
+Status ParseLogprobs(const JsonFields& fields, ApiStyle style, int* top) {
   const nlohmann::json& doc = fields.value();
   auto count = [&](const char* key, int* out) -> Status {
     const nlohmann::json& v = doc[key];
@@ -180,10 +179,6 @@ Status ParseLogprobs(const JsonFields& fields, ApiStyle style, bool stream, int*
       }
     }
     if (wanted) *top = n;
-  }
-  if (*top >= 0 && stream) {
-    return Status::InvalidArgument(std::string(kSource) + ": field '" + key + "' with 'stream': true is not " +
-                                   "supported (ask without streaming)");
   }
   return Status::Ok();
 }
@@ -253,11 +248,16 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
   NF_RETURN_IF_ERROR(Optional(fields, "ignore_eos", &r.options.ignore_eos));
   NF_RETURN_IF_ERROR(Optional(fields, "cache_prompt", &r.cache_prompt));
   NF_RETURN_IF_ERROR(OptionalStop(fields, &r.options.stop_strings));
-  NF_RETURN_IF_ERROR(ParseLogprobs(fields, style, r.stream, &r.options.top_logprobs));
+  NF_RETURN_IF_ERROR(ParseLogprobs(fields, style, &r.options.top_logprobs));
   if (style == ApiStyle::kOpenAi) {
     // echo: the prompt's text (and, with logprobs, its tokens' log-probabilities, which evaluate it whole) first.
     NF_RETURN_IF_ERROR(Optional(fields, "echo", &r.options.echo_prompt));
     r.options.prompt_logprobs = r.options.echo_prompt && r.options.top_logprobs >= 0;
+    // The prompt's log-probabilities are known only once it is evaluated, after its echoed text has been sent.
+    if (r.options.prompt_logprobs && r.stream) {
+      return Status::InvalidArgument(std::string(kSource) + ": fields 'echo' and 'logprobs' with 'stream': true are " +
+                                     "not supported together (ask without streaming, or without echo)");
+    }
   }
 
   if (chat) {
@@ -369,61 +369,85 @@ nlohmann::json OpenAiChatCompletion(const std::string& id, int64_t created, cons
   return j;
 }
 
-nlohmann::json LogprobsJson(const CompletionRequest& request, const GenerateResult& result, const Tokenizer& tokenizer) {
-  const ApiStyle style = request.style;
+LogprobsWriter::LogprobsWriter(const CompletionRequest& request, const Tokenizer& tokenizer, const GenerateResult* echo)
+    : style_(request.style), tokenizer_(tokenizer), detok_(tokenizer) {
+  Clear();
+  // The legacy format's token texts are what each adds to the returned text: the prompt goes through the same
+  // detokenizer first, listed when echoed.
+  if (style_ != ApiStyle::kOpenAi) return;
+  for (size_t i = 0; i < request.prompt_ids.size(); ++i) {
+    if (!request.options.echo_prompt) {
+      detok_.Push(request.prompt_ids[i]);
+      continue;
+    }
+    const bool known = echo != nullptr && i > 0 && i - 1 < echo->prompt_logprobs.size();
+    AddLegacy(request.prompt_ids[i], known ? &echo->prompt_logprobs[i - 1] : nullptr);
+  }
+}
+
+void LogprobsWriter::Clear() {
+  if (style_ == ApiStyle::kOpenAi) {
+    out_ = {{"tokens", nlohmann::json::array()},
+            {"token_logprobs", nlohmann::json::array()},
+            {"top_logprobs", nlohmann::json::array()},
+            {"text_offset", nlohmann::json::array()}};
+  } else {
+    out_ = nlohmann::json::array();
+  }
+}
+
+void LogprobsWriter::AddLegacy(int32_t id, const TokenLogprob* t) {
+  const std::string text = detok_.Push(id);
+  out_["tokens"].push_back(text);
+  out_["text_offset"].push_back(offset_);
+  offset_ += text.size();
+  if (t == nullptr) {
+    out_["token_logprobs"].push_back(nullptr);
+    out_["top_logprobs"].push_back(nullptr);
+    return;
+  }
+  out_["token_logprobs"].push_back(t->logprob);
+  nlohmann::json top = nlohmann::json::object();
+  // Least likely first, so that of two alternatives with the same text the likelier is the one kept.
+  for (auto it = t->top.rbegin(); it != t->top.rend(); ++it) top[tokenizer_.DecodeToken(it->first)] = it->second;
+  out_["top_logprobs"].push_back(std::move(top));
+}
+
+void LogprobsWriter::Add(std::span<const TokenLogprob> tokens) {
   auto bytes = [](const std::string& text) {
     nlohmann::json b = nlohmann::json::array();
     for (unsigned char c : text) b.push_back(static_cast<int>(c));
     return b;
   };
   auto entry = [&](int32_t id, float logprob) {
-    const std::string text = tokenizer.DecodeToken(id);
+    const std::string text = tokenizer_.DecodeToken(id);
     nlohmann::json e = {{"token", text}, {"logprob", logprob}, {"bytes", bytes(text)}};
-    if (style == ApiStyle::kLlamaCpp) e["id"] = id;
+    if (style_ == ApiStyle::kLlamaCpp) e["id"] = id;
     return e;
   };
-  if (style == ApiStyle::kOpenAi) {
-    nlohmann::json tokens = nlohmann::json::array(), values = nlohmann::json::array();
-    nlohmann::json tops = nlohmann::json::array(), offsets = nlohmann::json::array();
-    // Each token's text as the returned text is made: the prompt through the same detokenizer first.
-    Detokenizer detok(tokenizer);
-    size_t offset = 0;
-    auto add = [&](int32_t id, const TokenLogprob* t) {
-      const std::string text = detok.Push(id);
-      tokens.push_back(text);
-      offsets.push_back(offset);
-      offset += text.size();
-      if (t == nullptr) {
-        values.push_back(nullptr);
-        tops.push_back(nullptr);
-        return;
-      }
-      values.push_back(t->logprob);
-      nlohmann::json top = nlohmann::json::object();
-      // Least likely first, so that of two alternatives with the same text the likelier is the one kept.
-      for (auto it = t->top.rbegin(); it != t->top.rend(); ++it) top[tokenizer.DecodeToken(it->first)] = it->second;
-      tops.push_back(std::move(top));
-    };
-    for (size_t i = 0; i < request.prompt_ids.size(); ++i) {
-      if (!request.options.echo_prompt) {
-        detok.Push(request.prompt_ids[i]);
-        continue;
-      }
-      const bool known = i > 0 && i - 1 < result.prompt_logprobs.size();
-      add(request.prompt_ids[i], known ? &result.prompt_logprobs[i - 1] : nullptr);
+  for (const TokenLogprob& t : tokens) {
+    if (style_ == ApiStyle::kOpenAi) {
+      AddLegacy(t.id, &t);
+      continue;
     }
-    for (const TokenLogprob& t : result.logprobs) add(t.id, &t);
-    return {{"tokens", tokens}, {"token_logprobs", values}, {"top_logprobs", tops}, {"text_offset", offsets}};
-  }
-  nlohmann::json content = nlohmann::json::array();
-  for (const TokenLogprob& t : result.logprobs) {
     nlohmann::json e = entry(t.id, t.logprob), top = nlohmann::json::array();
     for (const auto& [id, lp] : t.top) top.push_back(entry(id, lp));
     e["top_logprobs"] = std::move(top);
-    content.push_back(std::move(e));
+    out_.push_back(std::move(e));
   }
-  if (style == ApiStyle::kLlamaCpp) return content;
-  return {{"content", content}};
+}
+
+nlohmann::json LogprobsWriter::Take() {
+  nlohmann::json out = std::move(out_);
+  Clear();
+  if (style_ == ApiStyle::kOpenAiChat) return {{"content", std::move(out)}};
+  return out;
+}
+
+nlohmann::json LogprobsJson(const CompletionRequest& request, const GenerateResult& result, const Tokenizer& tokenizer) {
+  LogprobsWriter writer(request, tokenizer, &result);
+  writer.Add(result.logprobs);
+  return writer.Take();
 }
 
 Result<nlohmann::json> TokenizeResponse(std::string_view body, const Tokenizer& tokenizer) {

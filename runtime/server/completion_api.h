@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -90,6 +91,27 @@ nlohmann::json OpenAiChatCompletion(const std::string& id, int64_t created, cons
 // options.echo_prompt and, with logprobs, options.prompt_logprobs) the prompt's tokens come first, the first with
 // null log-probability and alternatives.
 nlohmann::json LogprobsJson(const CompletionRequest& request, const GenerateResult& result, const Tokenizer& tokenizer);
+
+// LogprobsJson a piece at a time, for a stream: each Take() gives the tokens Add()ed since the previous one in the
+// request's shape, so that the pieces' lists joined are the whole generation's (the legacy format's token texts and
+// text offsets continue from piece to piece). `echo` (may be null): the legacy format with echo lists the prompt's
+// tokens first, with echo->prompt_logprobs. Not thread-safe; `tokenizer` must outlive it.
+class LogprobsWriter {
+ public:
+  LogprobsWriter(const CompletionRequest& request, const Tokenizer& tokenizer, const GenerateResult* echo);
+  void Add(std::span<const TokenLogprob> tokens);
+  nlohmann::json Take();
+
+ private:
+  void Clear();
+  void AddLegacy(int32_t id, const TokenLogprob* t);  // t null: a prompt token with no log-probability
+
+  ApiStyle style_;
+  const Tokenizer& tokenizer_;
+  Detokenizer detok_;  // the legacy format's: prompt and generated tokens in order
+  size_t offset_ = 0;  // the legacy format's byte offset of the next token's text
+  nlohmann::json out_;
+};
 
 // POST /tokenize (llama.cpp's): {"content": text, "add_special": false, "parse_special": false, "with_pieces": false}
 // -> {"tokens": [id, ...]} (BOS first with add_special when the model adds one; control-token texts become those tokens

@@ -210,7 +210,9 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
 
   // Server-Sent Events: one `data: JSON` event per piece of text, then the summary (and OpenAI's [DONE]). httplib
   // calls the provider once the headers are out; generation runs inside it, so each event is written as its token
-  // is produced, and a failed write (the client went away) ends the generation.
+  // is produced, and a failed write (the client went away) ends the generation. With log-probabilities each event
+  // carries those of the tokens sampled since the previous one (the last event the rest: tokens that spelled a stop
+  // string), so that the events' lists joined are the non-streamed response's.
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream", [this, request, id, created, style, what](size_t, httplib::DataSink& sink) {
@@ -229,15 +231,32 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
             !send(Dump(OpenAiChatCompletion(id, created, model.name, "", nullptr, /*stream=*/true, /*first=*/true)))) {
           return false;
         }
+        GenerateOptions options = request->options;
+        const bool logprobs = options.top_logprobs >= 0;
+        LogprobsWriter probs(*request, *model.tokenizer, nullptr);
+        std::vector<TokenLogprob> pending;  // sampled since the last event
+        if (logprobs) options.on_logprob = [&pending](const TokenLogprob& t) { pending.push_back(t); };
+        // The event's log-probabilities: those of the tokens not sent yet.
+        auto attach = [&](nlohmann::json* event) {
+          if (!logprobs) return;
+          probs.Add(pending);
+          pending.clear();
+          if (style == ApiStyle::kLlamaCpp) {
+            (*event)["completion_probabilities"] = probs.Take();
+          } else {
+            (*event)["choices"][0]["logprobs"] = probs.Take();
+          }
+        };
         auto g = GenerateCached(*model.context, &held, request->cache_prompt, *model.tokenizer, request->prompt_ids,
-                                request->options, [&](std::string_view piece) {
+                                options, [&](std::string_view piece) {
                                   if (stopping) return false;
                                   const std::string text(piece);
-                                  const nlohmann::json event =
+                                  nlohmann::json event =
                                       style == ApiStyle::kLlamaCpp ? nlohmann::json{{"content", text}, {"stop", false}}
                                       : style == ApiStyle::kOpenAi
                                           ? OpenAiCompletion(id, created, model.name, text, nullptr)
                                           : OpenAiChatCompletion(id, created, model.name, text, nullptr, true, false);
+                                  attach(&event);
                                   return send(Dump(event));
                                 });
         // How the generation ended is logged before the next completion may start, so that the line precedes
@@ -258,11 +277,15 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
         if (style == ApiStyle::kLlamaCpp) {
           nlohmann::json last = LlamaCppSummary(*request, *g, model.name);
           last["content"] = "";
+          attach(&last);
           send(Dump(last));
         } else {
-          send(Dump(style == ApiStyle::kOpenAi
-                        ? OpenAiCompletion(id, created, model.name, "", &*g)
-                        : OpenAiChatCompletion(id, created, model.name, "", &*g, /*stream=*/true, /*first=*/false)));
+          nlohmann::json last = style == ApiStyle::kOpenAi
+                                    ? OpenAiCompletion(id, created, model.name, "", &*g)
+                                    : OpenAiChatCompletion(id, created, model.name, "", &*g, /*stream=*/true,
+                                                           /*first=*/false);
+          attach(&last);
+          send(Dump(last));
           send("[DONE]");
         }
         sink.done();

@@ -408,7 +408,8 @@ TEST_F(ServeDenseTest, BadRequestsGet400NamingTheField) {
       {"/completion", "{" + p + ", \"seed\": -2}", {"'seed'"}},
       {"/completion", "{" + p + ", \"n_probs\": 21}", {"'n_probs'", "an integer from 0 to 20", "found 21"}},
       {"/v1/completions", "{" + p + ", \"logprobs\": -1}", {"'logprobs'", "an integer from 0 to 20", "found -1"}},
-      {"/v1/completions", "{" + p + ", \"logprobs\": 2, \"stream\": true}", {"'logprobs' with 'stream': true"}},
+      {"/v1/completions", "{" + p + ", \"logprobs\": 2, \"echo\": true, \"stream\": true}",
+       {"'echo' and 'logprobs' with 'stream': true"}},
       {"/v1/completions", "{" + p + ", \"echo\": 1}", {"'echo'", "true or false", "found 1"}},
       {"/v1/chat/completions", "{\"messages\": [], \"top_logprobs\": 2}", {"'top_logprobs' needs 'logprobs': true"}},
       {"/v1/chat/completions", "{\"messages\": [], \"logprobs\": true, \"top_logprobs\": 30}",
@@ -548,6 +549,104 @@ TEST_F(ServeDenseTest, LogprobsAreTheModelsLogSoftmax) {
   ASSERT_EQ(zstatus, 200);
   EXPECT_FALSE(zero.contains("completion_probabilities")) << "n_probs 0 is llama.cpp's none";
   EXPECT_FALSE(j.empty());
+}
+
+// The log-probabilities a stream's events carry, joined: llama.cpp's completion_probabilities arrays, OpenAI's legacy
+// choices[0].logprobs lists (tokens, token_logprobs, top_logprobs, text_offset) or chat's logprobs.content arrays.
+// `texts` (may be null) receives, per event, the text so far and the joined tokens' texts so far.
+Json JoinedStreamLogprobs(const std::vector<std::string>& events, const std::string& route,
+                          std::vector<std::pair<std::string, std::string>>* texts = nullptr) {
+  const bool legacy = route == "/v1/completions", chat = route == "/v1/chat/completions";
+  Json joined = legacy ? Json{{"tokens", Json::array()}, {"token_logprobs", Json::array()},
+                              {"top_logprobs", Json::array()}, {"text_offset", Json::array()}}
+                       : Json::array();
+  std::string text, spelled;
+  for (const std::string& data : events) {
+    if (data == "[DONE]") continue;
+    const Json e = Json::parse(data);
+    Json part;
+    if (route == "/completion") {
+      text += e["content"].get<std::string>();
+      part = e["completion_probabilities"];
+    } else {
+      const Json& choice = e["choices"][0];
+      if (chat && choice["delta"].contains("content")) text += choice["delta"]["content"].get<std::string>();
+      if (legacy) text += choice["text"].get<std::string>();
+      if (chat && choice["delta"].contains("role")) {  // the opening event: no token yet
+        EXPECT_TRUE(choice["logprobs"].is_null()) << data;
+        continue;
+      }
+      part = chat ? choice["logprobs"]["content"] : choice["logprobs"];
+    }
+    EXPECT_FALSE(part.is_null()) << "an event without log-probabilities: " << data;
+    if (legacy) {
+      for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"}) {
+        for (const Json& v : part[key]) joined[key].push_back(v);
+      }
+      for (const Json& t : part["tokens"]) spelled += t.get<std::string>();
+    } else {
+      for (const Json& v : part) {
+        joined.push_back(v);
+        spelled += v["token"].get<std::string>();
+      }
+    }
+    if (texts) texts->emplace_back(text, spelled);
+  }
+  return joined;
+}
+
+// With log-probabilities a stream's events carry those of the tokens sampled since the previous event: joined, they
+// are the non-streamed response's, value for value (the same evaluation: no cached prefix), with the tokens that spelled
+// a stop string in the last event and the end token that ended a story in none; a token's log-probability never comes
+// after its text.
+TEST_F(ServeDenseTest, StreamedLogprobsJoinToTheNonStreamed) {
+  auto c = ClientFor(*server_);
+  struct Case {
+    const char* route;
+    Json request;
+    const char* field;  // the non-streamed response's
+  };
+  const std::vector<Case> cases = {
+      {"/completion", {{"n_predict", 30}, {"n_probs", 2}, {"stop", {" in the"}}}, "completion_probabilities"},
+      {"/completion", {{"n_predict", 400}, {"n_probs", 1}}, "completion_probabilities"},  // the model ends it
+      {"/v1/completions", {{"max_tokens", 30}, {"logprobs", 2}, {"stop", " in the"}}, "logprobs"},
+      {"/v1/completions", {{"max_tokens", 400}, {"logprobs", 0}}, "logprobs"},
+  };
+  for (const Case& tc : cases) {
+    Json req = tc.request;
+    req["prompt"] = kPrompt;
+    req["temperature"] = 0;
+    req["cache_prompt"] = false;
+    auto [status, plain] = Post(*c, tc.route, req);
+    ASSERT_EQ(status, 200) << plain.dump();
+    const bool legacy = std::string(tc.route) == "/v1/completions";
+    const Json& expected = legacy ? plain["choices"][0]["logprobs"] : plain[tc.field];
+    const std::string text = legacy ? plain["choices"][0]["text"] : plain["content"];
+    req["stream"] = true;
+    auto res = c->Post(tc.route, req.dump(), "application/json");
+    ASSERT_TRUE(res) << tc.route;
+    const std::vector<std::string> events = SseEvents(res->body);
+    std::vector<std::pair<std::string, std::string>> texts;
+    const Json joined = JoinedStreamLogprobs(events, tc.route, &texts);
+    SCOPED_TRACE(std::string(tc.route) + " " + tc.request.dump());
+    EXPECT_EQ(joined, expected);
+    ASSERT_FALSE(texts.empty());
+    EXPECT_EQ(texts.back().first, text);
+    for (const auto& [so_far, spelled] : texts) {
+      EXPECT_EQ(spelled.compare(0, so_far.size(), so_far), 0) << "text '" << so_far << "' ahead of its tokens '"
+                                                              << spelled << "'";
+    }
+    const Json last = Json::parse(events[events.size() - (legacy ? 2 : 1)]);
+    const Json& last_part = legacy ? last["choices"][0]["logprobs"]["tokens"] : last["completion_probabilities"];
+    if (req.contains("stop")) {
+      EXPECT_EQ(legacy ? plain["choices"][0]["finish_reason"] : plain["stop_reason"], "stop") << plain.dump();
+      EXPECT_GT(last_part.size(), 0u) << "the stop string's tokens come last: " << last.dump();
+      EXPECT_GT(texts.back().second.size(), text.size()) << "their text is not in the stream's";
+    } else {
+      EXPECT_EQ(last_part.size(), 0u) << last.dump();
+      EXPECT_EQ(texts.back().second, text);
+    }
+  }
 }
 
 // LogprobOf on logits worked by hand: log p(2) = 3 - ln(e + e^2 + e^3); ties ordered by id.
@@ -908,8 +1007,9 @@ TEST(ServeChatTest, MessagesInTheModelsFormat) {
   EXPECT_EQ(uj["choices"][0]["message"]["content"], unbounded);
   // With log-probabilities (chat's shape): one entry per token of the reply (an end token that ended it would not be
   // listed); greedy, each is its own most likely alternative; their texts spell the reply.
-  auto [lp_status, lj] = Post(*c, "/v1/chat/completions",
-                              {{"messages", messages}, {"temperature", 0}, {"logprobs", true}, {"top_logprobs", 2}});
+  Json lp_req = {{"messages", messages}, {"temperature", 0}, {"logprobs", true}, {"top_logprobs", 2},
+                 {"cache_prompt", false}};
+  auto [lp_status, lj] = Post(*c, "/v1/chat/completions", lp_req);
   ASSERT_EQ(lp_status, 200) << lj.dump();
   EXPECT_EQ(lj["choices"][0]["message"]["content"], unbounded);
   const Json& content = lj["choices"][0]["logprobs"]["content"];
@@ -924,6 +1024,14 @@ TEST(ServeChatTest, MessagesInTheModelsFormat) {
     EXPECT_LE(e["logprob"].get<double>(), 0.0);
   }
   EXPECT_EQ(reply_tokens, unbounded);
+  // Streamed: the deltas' log-probabilities joined are the same list (the end-of-turn marker in none of them).
+  lp_req["stream"] = true;
+  auto lp_res = c->Post("/v1/chat/completions", lp_req.dump(), "application/json");
+  ASSERT_TRUE(lp_res);
+  std::vector<std::pair<std::string, std::string>> texts;
+  EXPECT_EQ(JoinedStreamLogprobs(SseEvents(lp_res->body), "/v1/chat/completions", &texts), content);
+  ASSERT_FALSE(texts.empty());
+  EXPECT_EQ(texts.back(), std::make_pair(unbounded, unbounded));
 
   // The next turn: the conversation so far is in the KV cache.
   Json next = messages;
