@@ -89,6 +89,37 @@ Result<ActivationSamples> CollectSamples(const Model& model, std::span<const int
   return s;
 }
 
+int64_t BorrowLayerInputs(const Model& model, ActivationSamples* samples, int64_t group, int64_t max_rows,
+                          ThreadPool* pool) {
+  const LlamaHparams& hp = model.hparams();
+  const int64_t E = hp.n_experts, dim = hp.dim, n_ff = hp.n_ff, layer = group / E, expert = group % E;
+  std::vector<float> x;
+  std::vector<int64_t> next(static_cast<size_t>(E), 0);  // per expert of the layer: its next row to take
+  for (bool took = true; took && static_cast<int64_t>(x.size()) < max_rows * dim;) {
+    took = false;
+    for (int64_t e = 0; e < E && static_cast<int64_t>(x.size()) < max_rows * dim; ++e) {
+      const size_t g = static_cast<size_t>(layer * E + e);
+      if (e == expert || next[e] >= samples->group_tokens[g]) continue;
+      const float* row = samples->x[g].data() + next[e]++ * dim;
+      x.insert(x.end(), row, row + dim);
+      took = true;
+    }
+  }
+  const int64_t n = static_cast<int64_t>(x.size()) / dim;
+  const LayerWeights& W = model.layers()[static_cast<size_t>(layer)];
+  std::vector<float> gate(static_cast<size_t>(n * n_ff));
+  if (n > 0) Gemm(W.Expert(W.gate, W.expert_stride_gate, expert), x.data(), n, gate.data(), pool);
+  for (float& v : gate) {
+    float act = 0;
+    ActivateNeuron(hp.activation, v, 0.0f, &act);
+    v = std::fabs(act);
+  }
+  samples->x[static_cast<size_t>(group)] = std::move(x);
+  samples->gate_abs[static_cast<size_t>(group)] = std::move(gate);
+  samples->group_tokens[static_cast<size_t>(group)] = n;
+  return n;
+}
+
 std::vector<float> SparsityThresholds(const ActivationSamples& samples, double sparsity) {
   std::vector<float> out;
   for (const std::vector<float>& g : samples.gate_abs) {

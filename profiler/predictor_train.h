@@ -30,6 +30,14 @@ struct ActivationSamples {
 Result<ActivationSamples> CollectSamples(const Model& model, std::span<const int32_t> tokens, int64_t window,
                                          ThreadPool* pool);
 
+// A mixture of experts: gives `group` (an expert the calibration tokens rarely or never routed to) the FFN inputs its
+// layer's other experts saw, up to `max_rows` of them taken in turn from each (every token's input appears once per
+// expert it was routed to, so each token about equally often), with the expert's own |act(gate)| on them computed by
+// the engine's kernels: a predictor can then be fitted to the expert's gate over the layer's input distribution. The
+// group's own samples are replaced. Returns the rows it now holds (0 when the layer's other experts saw none).
+int64_t BorrowLayerInputs(const Model& model, ActivationSamples* samples, int64_t group, int64_t max_rows,
+                          ThreadPool* pool);
+
 // Per group, the CATS threshold for `sparsity` in [0, 1): the `sparsity` quantile (nearest rank, QuantileThreshold of
 // profiler/activation_stats.h, as the profile) of the pooled |act(gate)| values of the layer, so that fraction of
 // neuron-token pairs is at or below it. sparsity 0 gives threshold 0.

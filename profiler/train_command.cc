@@ -97,11 +97,31 @@ Status RunTrain(TrainFlags f) {
     return hp.n_experts > 0 ? "layer " + std::to_string(g / per_layer) + " expert " + std::to_string(g % per_layer)
                             : "layer " + std::to_string(g);
   };
-  auto split = [&](int64_t g, int64_t* n_train, int64_t* n_val) -> Status {
-    const int64_t n = samples.group_tokens[static_cast<size_t>(g)];
+  auto too_few = [&](int64_t n, int64_t* n_train, int64_t* n_val) {
     *n_val = static_cast<int64_t>(static_cast<double>(n) * f.val_fraction);
     *n_train = n - *n_val;
-    if (*n_val < 1 || *n_train < (lowrank ? 2 : f.train.batch)) {
+    return *n_val < 1 || *n_train < (lowrank ? 2 : f.train.batch);
+  };
+  // A MoE expert the calibration tokens (almost) never reached (a router's rare choice; 128-expert models have
+  // several per layer on a few thousand tokens) is fitted on its layer's other inputs instead, its own gate computed
+  // on them: the predictor then covers the expert when a later text does route to it.
+  std::vector<uint8_t> borrowed(static_cast<size_t>(n_groups), 0);
+  if (hp.n_experts > 0) {
+    for (int64_t g = 0; g < n_groups; ++g) {
+      int64_t n_train = 0, n_val = 0;
+      const int64_t own = samples.group_tokens[static_cast<size_t>(g)];
+      if (!too_few(own, &n_train, &n_val)) continue;
+      const int64_t rows = BorrowLayerInputs(*lm.model, &samples, g, samples.n_tokens, &pool);
+      borrowed[static_cast<size_t>(g)] = 1;
+      NF_LOG(Warning) << group_name(g) << " saw " << own << " of " << samples.n_tokens
+                      << " calibration tokens: fitted on " << rows
+                      << " FFN inputs its layer's other experts saw (its recall on its own tokens is not measured "
+                         "there; the held-out column is, where the held-out text routes to it)";
+    }
+  }
+  auto split = [&](int64_t g, int64_t* n_train, int64_t* n_val) -> Status {
+    const int64_t n = samples.group_tokens[static_cast<size_t>(g)];
+    if (too_few(n, n_train, n_val)) {
       return Status::InvalidArgument(f.calib_file + ": " + group_name(g) + " saw " + std::to_string(n) + " of " +
                                      std::to_string(samples.n_tokens) +
                                      " calibration tokens, too few (need a batch of " +
@@ -195,8 +215,9 @@ Status RunTrain(TrainFlags f) {
     sum_ratio += i.true_fraction > 0 ? i.predicted_fraction / i.true_fraction : 0;
     const std::string label = hp.n_experts > 0 ? std::to_string(layer) + "/" + std::to_string(expert)
                                                : std::to_string(layer);
-    std::printf("| %s | %lld%s | %.4g | %.4f | %.4f | %.4f | %.4f | %.2f | %llu | %.1f |", label.c_str(),
-                static_cast<long long>(i.rank), fallback ? " (fallback)" : "", i.activation_threshold, i.recall,
+    std::printf("| %s%s | %lld%s | %.4g | %.4f | %.4f | %.4f | %.4f | %.2f | %llu | %.1f |", label.c_str(),
+                borrowed[static_cast<size_t>(g)] ? " (layer's inputs)" : "", static_cast<long long>(i.rank),
+                fallback ? " (fallback)" : "", i.activation_threshold, i.recall,
                 i.precision, i.predicted_fraction, i.true_fraction,
                 i.true_fraction > 0 ? i.predicted_fraction / i.true_fraction : 0.0, static_cast<unsigned long long>(bytes),
                 i.train_seconds);

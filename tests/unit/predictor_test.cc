@@ -467,6 +467,60 @@ TEST(PredictorTrainTest, SamplesAreMagnitudesInContextSizedWindows) {
   for (float t : profiler::SparsityThresholds(*a, 0.0)) EXPECT_EQ(t, 0.0f);
 }
 
+// An expert the calibration tokens never reached gets its layer's other FFN inputs, taken in turn from each other
+// expert, and its own |relu(gate . x)| on them, summed here in double from the F32 file's rows; the other experts'
+// samples stay as they were.
+TEST(PredictorTrainTest, AnUnroutedExpertBorrowsItsLayersInputs) {
+  testing::TempDir dir;
+  ASSERT_EQ(testing::WriteSmallModel(dir.File("moe.gguf"), GgmlType::kF32, /*experts=*/4), "");
+  auto model = Model::Load(dir.File("moe.gguf"), LoadOptions());
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const LlamaHparams& hp = (*model)->hparams();
+  ASSERT_EQ(hp.n_experts, 4);
+  std::mt19937 rng(5);
+  std::vector<int32_t> tokens(40);
+  for (int32_t& t : tokens) t = 3 + static_cast<int32_t>(rng() % static_cast<uint32_t>(hp.n_vocab - 3));
+  ThreadPool pool(2);
+  auto s = profiler::CollectSamples(**model, tokens, 0, &pool);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  const int64_t layer = 1, expert = 2, g = layer * 4 + expert, dim = hp.dim, n_ff = hp.n_ff;
+  const profiler::ActivationSamples before = *s;
+  // The rows expected: row 0 of experts 0, 1, 3, then row 1 of each, ..., skipping an expert whose rows ran out.
+  std::vector<float> want;
+  for (int64_t i = 0; static_cast<int64_t>(want.size()) < 30 * dim; ++i) {
+    bool any = false;
+    for (int64_t e : {0, 1, 3}) {
+      const size_t o = static_cast<size_t>(layer * 4 + e);
+      if (i >= before.group_tokens[o] || static_cast<int64_t>(want.size()) >= 30 * dim) continue;
+      want.insert(want.end(), before.x[o].begin() + i * dim, before.x[o].begin() + (i + 1) * dim);
+      any = true;
+    }
+    ASSERT_TRUE(any) << "40 tokens x 2 experts each fill 30 rows";
+  }
+  EXPECT_EQ(profiler::BorrowLayerInputs(**model, &*s, g, 30, &pool), 30);
+  EXPECT_EQ(s->group_tokens[g], 30);
+  EXPECT_EQ(s->x[g], want);
+  const LayerWeights& W = (*model)->layers()[layer];
+  const float* gate = static_cast<const float*>(W.Expert(W.gate, W.expert_stride_gate, expert).data);
+  ASSERT_EQ(s->gate_abs[g].size(), static_cast<size_t>(30 * n_ff));
+  int64_t active = 0;
+  for (int64_t t = 0; t < 30; ++t) {
+    for (int64_t j = 0; j < n_ff; ++j) {
+      double d = 0;
+      for (int64_t k = 0; k < dim; ++k) d += double(gate[j * dim + k]) * want[t * dim + k];
+      EXPECT_NEAR(s->gate_abs[g][t * n_ff + j], std::max(d, 0.0), 1e-4) << "token " << t << " neuron " << j;
+      active += d > 0;
+    }
+  }
+  EXPECT_GT(active, 0);
+  EXPECT_LT(active, 30 * n_ff);
+  for (int64_t o = 0; o < static_cast<int64_t>(before.x.size()); ++o) {
+    if (o == g) continue;
+    EXPECT_EQ(s->x[o], before.x[o]) << "group " << o;
+    EXPECT_EQ(s->gate_abs[o], before.gate_abs[o]) << "group " << o;
+  }
+}
+
 PredictorData RandomData(int64_t dim, int64_t n_ff, int64_t layers, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 0.5f);
