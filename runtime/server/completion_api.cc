@@ -260,10 +260,25 @@ Result<CompletionRequest> ParseCompletionRequest(std::string_view body, ApiStyle
     }
   }
 
+  ChatOptions chat_options;
+  if (chat && fields.Has("chat_template_kwargs") && !fields.value()["chat_template_kwargs"].is_null()) {
+    // The template's arguments (vLLM's and llama.cpp's field); nflash's formats read enable_thinking, others are
+    // ignored as a template that does not read them ignores them.
+    const nlohmann::json& kw = fields.value()["chat_template_kwargs"];
+    if (!kw.is_object()) return WrongType("chat_template_kwargs", "an object", kw);
+    if (kw.contains("enable_thinking")) {
+      if (!kw["enable_thinking"].is_boolean()) {
+        return WrongType("chat_template_kwargs.enable_thinking", "true or false", kw["enable_thinking"]);
+      }
+      chat_options.enable_thinking = kw["enable_thinking"].get<bool>();
+    }
+  }
   if (chat) {
     if (limits.chat == nullptr) return Status::InvalidArgument(std::string(kSource) + ": " + limits.no_chat);
+    r.split_reasoning = limits.chat->thinking != ChatThinking::kNone;
+    r.reasoning_opened = limits.chat->thinking == ChatThinking::kForced;
     auto text = FormatChat(*limits.chat, messages, tokenizer.TokenText(tokenizer.bos_id()),
-                           tokenizer.TokenText(tokenizer.eos_id()));
+                           tokenizer.TokenText(tokenizer.eos_id()), chat_options);
     if (!text.ok()) return Status::InvalidArgument(std::string(kSource) + ": " + text.status().message());
     prompt = *std::move(text);
   }

@@ -42,6 +42,10 @@ struct CompletionRequest {
   // Keep the longest prefix of the prompt the context still holds from the previous request (llama.cpp's field;
   // GenerateCached): false evaluates the whole prompt.
   bool cache_prompt = true;
+  // Chat with a reasoning template (ChatThinking): the reply is returned split into reasoning_content and content
+  // (SplitReasoning; `reasoning_opened`: the prompt opened the think block, ChatThinking::kForced).
+  bool split_reasoning = false;
+  bool reasoning_opened = false;
 };
 
 // The served model as requests are checked against it.

@@ -70,9 +70,17 @@ Status ResolveChat(const std::string& flag, const std::string& command, ServedMo
     NF_LOG(Warning) << "the model's chat template is none of " << names << ": chat needs --chat-template";
     return Status::Ok();
   }
+  const ChatThinking thinking = served->chat->thinking;
   NF_LOG(Info) << "chat messages in the " << ChatFormatName(served->chat->format) << " format, recognised from the "
                << "model's chat template" << (served->chat->default_system.empty() ? "" : ", with its default system "
-                                                                                          "message");
+                                                                                          "message")
+               << (thinking == ChatThinking::kNone ? ""
+                   : thinking == ChatThinking::kForced
+                       ? "; a reasoning template: replies open in <think>, returned as reasoning_content and content"
+                   : thinking == ChatThinking::kSwitch
+                       ? "; a reasoning template: thinking on unless chat_template_kwargs.enable_thinking is false, "
+                         "returned as reasoning_content and content"
+                       : "; a reasoning template: thinking returned as reasoning_content");
   return Status::Ok();
 }
 

@@ -194,6 +194,12 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
       body["content"] = text;
     } else if (style == ApiStyle::kOpenAiChat) {
       body = OpenAiChatCompletion(id, created, model.name, text, &*g, /*stream=*/false, /*first=*/false);
+      if (request->split_reasoning) {
+        const ReasoningSplit split = SplitReasoning(text, request->reasoning_opened);
+        nlohmann::json& message = body["choices"][0]["message"];
+        message["content"] = split.content;
+        if (!split.reasoning.empty()) message["reasoning_content"] = split.reasoning;
+      }
     } else {
       body = OpenAiCompletion(id, created, model.name, text, &*g);
     }
@@ -247,9 +253,26 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
             (*event)["choices"][0]["logprobs"] = probs.Take();
           }
         };
+        // A reasoning template's reply: deltas of reasoning_content, then of content (text that may be the start of
+        // a think tag waits for the next piece).
+        ReasoningStream reasoning(request->reasoning_opened);
+        auto reasoning_event = [&](const ReasoningSplit& part) {
+          nlohmann::json event = OpenAiChatCompletion(id, created, model.name, "", nullptr, true, false);
+          nlohmann::json& delta = event["choices"][0]["delta"];
+          delta = nlohmann::json::object();
+          if (!part.reasoning.empty()) delta["reasoning_content"] = part.reasoning;
+          if (!part.content.empty()) delta["content"] = part.content;
+          attach(&event);
+          return send(Dump(event));
+        };
         auto g = GenerateCached(*model.context, &held, request->cache_prompt, *model.tokenizer, request->prompt_ids,
                                 options, [&](std::string_view piece) {
                                   if (stopping) return false;
+                                  if (request->split_reasoning) {
+                                    const ReasoningSplit part = reasoning.Push(piece);
+                                    return part.reasoning.empty() && part.content.empty() ? true
+                                                                                          : reasoning_event(part);
+                                  }
                                   const std::string text(piece);
                                   nlohmann::json event =
                                       style == ApiStyle::kLlamaCpp ? nlohmann::json{{"content", text}, {"stop", false}}
@@ -280,6 +303,10 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
           attach(&last);
           send(Dump(last));
         } else {
+          if (request->split_reasoning) {
+            const ReasoningSplit rest = reasoning.Finish();
+            if (!rest.reasoning.empty() || !rest.content.empty()) reasoning_event(rest);
+          }
           nlohmann::json last = style == ApiStyle::kOpenAi
                                     ? OpenAiCompletion(id, created, model.name, "", &*g)
                                     : OpenAiChatCompletion(id, created, model.name, "", &*g, /*stream=*/true,

@@ -1,6 +1,7 @@
 // Chat formats (see chat_template.h).
 #include "runtime/text/chat_template.h"
 
+#include <algorithm>
 #include <array>
 #include <vector>
 
@@ -56,6 +57,29 @@ std::string DateString(std::string_view jinja) {
   return "26 Jul 2024";
 }
 
+// Python's str.lstrip('\n') / rstrip('\n') / strip('\n').
+std::string_view LStripNl(std::string_view s) { return s.substr(std::min(s.size(), s.find_first_not_of('\n'))); }
+std::string_view RStripNl(std::string_view s) {
+  const size_t last = s.find_last_not_of('\n');
+  return last == std::string_view::npos ? std::string_view() : s.substr(0, last + 1);
+}
+std::string_view StripNl(std::string_view s) { return RStripNl(LStripNl(s)); }
+
+constexpr std::string_view kThinkOpen = "<think>", kThinkClose = "</think>";
+
+// Qwen3's templates on an assistant message: content.split('</think>')[-1].lstrip('\n') and, as its reasoning,
+// content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n'); a message without "</think>" is all
+// content.
+ReasoningSplit HistorySplit(std::string_view content) {
+  const size_t first = content.find(kThinkClose);
+  if (first == std::string_view::npos) return {"", std::string(content)};
+  std::string_view before = RStripNl(content.substr(0, first));
+  const size_t open = before.rfind(kThinkOpen);
+  if (open != std::string_view::npos) before = before.substr(open + kThinkOpen.size());
+  const size_t last = content.rfind(kThinkClose);
+  return {std::string(LStripNl(before)), std::string(LStripNl(content.substr(last + kThinkClose.size())))};
+}
+
 Status BadMessage(size_t i, const std::string& what) {
   return Status::InvalidArgument("messages[" + std::to_string(i) + "]: " + what);
 }
@@ -87,6 +111,12 @@ std::optional<ChatTemplate> DetectChatTemplate(std::string_view jinja) {
   if (Has(jinja, "<|im_start|>")) {
     t.format = ChatFormat::kChatMl;
     t.default_system = LiteralSystemTurn(jinja);
+    if (Has(jinja, kThinkClose)) {
+      const bool forced = Has(jinja, "<|im_start|>assistant\\n<think>") || Has(jinja, "<|im_start|>assistant\n<think>");
+      t.thinking = Has(jinja, "enable_thinking") ? ChatThinking::kSwitch
+                   : forced                      ? ChatThinking::kForced
+                                                 : ChatThinking::kHistory;
+    }
   } else if (Has(jinja, "<|start_header_id|>")) {
     t.format = ChatFormat::kLlama3;
     // Llama 3.1 and later open every conversation with a system turn that states the knowledge cutoff and a date.
@@ -104,7 +134,7 @@ std::optional<ChatTemplate> DetectChatTemplate(std::string_view jinja) {
 }
 
 Result<std::string> FormatChat(const ChatTemplate& chat, std::span<const ChatMessage> given, std::string_view bos,
-                               std::string_view eos) {
+                               std::string_view eos, const ChatOptions& options) {
   const ChatFormat format = chat.format;
   if (given.empty()) return Status::InvalidArgument("messages: expected at least one message, found none");
   for (size_t i = 0; i < given.size(); ++i) {
@@ -139,10 +169,34 @@ Result<std::string> FormatChat(const ChatTemplate& chat, std::span<const ChatMes
   }
   std::string out;
   switch (format) {
-    case ChatFormat::kChatMl:
-      for (const ChatMessage& m : messages) out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+    case ChatFormat::kChatMl: {
+      // Reasoning templates: the last user message (Qwen3's last_query_index: the last message when there is none).
+      size_t last_query = messages.size() - 1;
+      for (size_t i = messages.size(); i-- > 0;) {
+        if (messages[i].role == "user") {
+          last_query = i;
+          break;
+        }
+      }
+      for (size_t i = 0; i < messages.size(); ++i) {
+        const ChatMessage& m = messages[i];
+        if (chat.thinking == ChatThinking::kNone || m.role != "assistant") {
+          out += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
+          continue;
+        }
+        const ReasoningSplit r = HistorySplit(m.content);
+        if (i > last_query && (i + 1 == messages.size() || !r.reasoning.empty())) {
+          out += "<|im_start|>assistant\n<think>\n" + std::string(StripNl(r.reasoning)) + "\n</think>\n\n" +
+                 std::string(LStripNl(r.content)) + "<|im_end|>\n";
+        } else {
+          out += "<|im_start|>assistant\n" + r.content + "<|im_end|>\n";
+        }
+      }
       out += "<|im_start|>assistant\n";
+      if (chat.thinking == ChatThinking::kSwitch && !options.enable_thinking) out += "<think>\n\n</think>\n\n";
+      if (chat.thinking == ChatThinking::kForced) out += "<think>\n";
       break;
+    }
     case ChatFormat::kLlama3:
       if (!chat.system_preamble.empty()) {
         out += "<|start_header_id|>system<|end_header_id|>\n\n" + chat.system_preamble + Strip(system) + "<|eot_id|>";
@@ -183,6 +237,80 @@ Result<std::string> FormatChat(const ChatTemplate& chat, std::span<const ChatMes
       }
       break;
   }
+  return out;
+}
+
+ReasoningSplit SplitReasoning(std::string_view reply, bool opened) {
+  std::string_view s = reply;
+  if (!opened) {
+    const std::string_view t = s.substr(std::min(s.size(), s.find_first_not_of(" \t\n\r\f\v")));
+    if (t.substr(0, kThinkOpen.size()) != kThinkOpen) return {"", std::string(reply)};
+    s = t.substr(kThinkOpen.size());
+  }
+  const size_t close = s.find(kThinkClose);
+  if (close == std::string_view::npos) return {std::string(StripNl(s)), ""};
+  return {std::string(StripNl(s.substr(0, close))), std::string(LStripNl(s.substr(close + kThinkClose.size())))};
+}
+
+ReasoningSplit ReasoningStream::Push(std::string_view piece) {
+  ReasoningSplit out;
+  held_ += piece;
+  if (state_ == State::kStart) {
+    const size_t first = held_.find_first_not_of(" \t\n\r\f\v");
+    if (first == std::string::npos) return out;  // whitespace only: undecided
+    const std::string_view t = std::string_view(held_).substr(first);
+    if (t.size() < kThinkOpen.size() && kThinkOpen.substr(0, t.size()) == t) return out;  // "<thi": undecided
+    if (t.substr(0, kThinkOpen.size()) != kThinkOpen) {
+      state_ = State::kContent;
+      out.content = std::move(held_);
+      held_.clear();
+      return out;
+    }
+    held_ = std::string(t.substr(kThinkOpen.size()));
+    state_ = State::kThinking;
+  }
+  if (state_ == State::kThinking) {
+    const size_t close = held_.find(kThinkClose);
+    if (close != std::string::npos) {
+      out.reasoning = RStripNl(std::string_view(held_).substr(0, close));
+      held_.erase(0, close + kThinkClose.size());
+      state_ = State::kAfter;
+    } else {
+      // Hold the longest end that may begin "</think>", and the newlines before it (stripped if it is one).
+      size_t keep = std::min(held_.size(), kThinkClose.size() - 1);
+      while (keep > 0 && kThinkClose.substr(0, keep) != std::string_view(held_).substr(held_.size() - keep)) --keep;
+      size_t cut = held_.size() - keep;
+      while (cut > 0 && held_[cut - 1] == '\n') --cut;
+      out.reasoning = held_.substr(0, cut);
+      held_.erase(0, cut);
+    }
+    if (!started_) out.reasoning = std::string(LStripNl(out.reasoning));
+    started_ = started_ || !out.reasoning.empty();
+  }
+  if (state_ == State::kAfter) {
+    const size_t first = held_.find_first_not_of('\n');
+    if (first == std::string::npos) {
+      held_.clear();
+      return out;
+    }
+    held_.erase(0, first);
+    state_ = State::kContent;
+  }
+  if (state_ == State::kContent) {
+    out.content += held_;
+    held_.clear();
+  }
+  return out;
+}
+
+ReasoningSplit ReasoningStream::Finish() {
+  ReasoningSplit out;
+  if (state_ == State::kStart) out.content = std::move(held_);  // whitespace, or a beginning of "<think>": content
+  if (state_ == State::kThinking) {
+    out.reasoning = RStripNl(held_);
+    if (!started_) out.reasoning = std::string(LStripNl(out.reasoning));
+  }
+  held_.clear();
   return out;
 }
 

@@ -869,28 +869,30 @@ TEST_F(ServeDenseTest, ChatNeedsAFormat) {
 // Token 500 of stories260K, respelled "<|end|>" and typed control in the chat model (WriteChatModel).
 constexpr int32_t kMarker = 500;
 
-// stories260K (F32) carrying a Phi-3 chat template, with token kMarker spelled "<|end|>" as a control token, written
-// to `model` ("" when written, else what failed).
-std::string WriteChatModel(const testing::TempDir& dir, const std::string& model) {
+const char kPhi3Template[] =
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\\n' + message['content'] + "
+    "'<|end|>\\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}{% elif "
+    "message['role'] == 'assistant' %}{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}{% endfor "
+    "%}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}";
+
+// stories260K (F32) carrying a chat template (Phi-3's), with token kMarker spelled `marker` ("<|end|>") as a control
+// token, written to `model` ("" when written, else what failed).
+std::string WriteChatModel(const testing::TempDir& dir, const std::string& model,
+                           const std::string& chat_template = kPhi3Template, const std::string& marker = "<|end|>") {
   const std::string plain = dir.File("plain.gguf");
   auto conv = testing::RunCommand(Nflash() + " -q convert " + Stories() + " -o " + plain + " --type f32");
   if (conv.exit_code != 0) return conv.output;
-  const std::string phi3 =
-      "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\\n' + message['content'] + "
-      "'<|end|>\\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}{% elif "
-      "message['role'] == 'assistant' %}{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}{% endif %}{% endfor "
-      "%}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}";
   return testing::RewriteGguf(
       plain, model,
       [&](std::vector<std::pair<std::string, GgufValue>>* kv) {
         for (auto& [key, value] : *kv) {
           if (key == "tokenizer.ggml.tokens") {
-            std::get<GgufArray>(value.v).items[kMarker] = GgufValue(std::string("<|end|>"));
+            std::get<GgufArray>(value.v).items[kMarker] = GgufValue(marker);
           } else if (key == "tokenizer.ggml.token_type") {
             std::get<GgufArray>(value.v).items[kMarker] = GgufValue(int32_t{3});
           }
         }
-        kv->emplace_back("tokenizer.chat_template", GgufValue(phi3));
+        kv->emplace_back("tokenizer.chat_template", GgufValue(chat_template));
       },
       nullptr);
 }
@@ -1099,6 +1101,86 @@ TEST(ServeChatTest, MessagesInTheModelsFormat) {
 // whole conversation written by hand in Phi-3's format (a fresh context each time: no cache), while the command keeps
 // the first turn in its KV cache for the second. A model without a chat format is refused naming --chat-template; the
 // offloaded runtime (a stories260K-relu deployment, oracle) converses exactly as the dense engine does.
+// A reasoning template (Qwen3's markers): the server writes the generation prompt as the template does (an empty think
+// block when chat_template_kwargs.enable_thinking is false, "<think>\n" always for a 2507-style thinking template; the
+// prompts here by hand) and returns the reply split. stories260K never closes the think block: the forced template's
+// reply is all reasoning_content (newlines at its ends stripped) with an empty content, a reply after an empty think
+// block all content; streamed deltas add up to the same. A bad chat_template_kwargs gets 400 naming the field.
+TEST(ServeChatTest, ReasoningTemplatesSplitTheReply) {
+  auto strip_nl = [](std::string s) {
+    while (!s.empty() && s.back() == '\n') s.pop_back();
+    return s.substr(std::min(s.size(), s.find_first_not_of('\n')));
+  };
+  const std::string turns =
+      "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content.split('</think>')[-1] "
+      "+ '<|im_end|>\\n' }}{%- endfor %}";
+  const std::string base = "<|im_start|>user\nOnce upon a time<|im_end|>\n<|im_start|>assistant\n";
+  const Json messages = {{{"role", "user"}, {"content", "Once upon a time"}}};
+  for (const bool forced : {false, true}) {
+    SCOPED_TRACE(forced ? "forced" : "switch");
+    testing::TempDir dir;
+    const std::string model = dir.File("qwen3-chat.gguf");
+    const std::string tmpl =
+        turns + (forced ? "{{- '<|im_start|>assistant\\n<think>\\n' }}"
+                        : "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is "
+                          "false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}");
+    const std::string failed = WriteChatModel(dir, model, tmpl, "<|im_end|>");
+    ASSERT_EQ(failed, "") << failed;
+    ServerProcess server("-m " + model + " -t 2", dir.File("serve.log"));
+    ASSERT_TRUE(server.WaitHealthy()) << server.Log();
+    EXPECT_NE(server.Log().find("chatml format, recognised from the model's chat template; a reasoning template"),
+              std::string::npos)
+        << server.Log();
+    auto c = ClientFor(server);
+    struct Turn {
+      Json kwargs;
+      std::string prompt;
+    };
+    std::vector<Turn> turns_to_check = {{nullptr, base + (forced ? "<think>\n" : "")}};
+    if (!forced) turns_to_check.push_back({{{"enable_thinking", false}}, base + "<think>\n\n</think>\n\n"});
+    for (const Turn& t : turns_to_check) {
+      GenerateResult g;
+      const std::string reply = InProcessReply(model, t.prompt, 30, &g);
+      ASSERT_FALSE(reply.empty());
+      Json req = {{"messages", messages}, {"max_tokens", 30}, {"temperature", 0}};
+      if (!t.kwargs.is_null()) req["chat_template_kwargs"] = t.kwargs;
+      auto [status, j] = Post(*c, "/v1/chat/completions", req);
+      ASSERT_EQ(status, 200) << j.dump();
+      auto file = GgufFile::OpenPath(model);
+      ASSERT_TRUE(file.ok());
+      auto tok = LoadTokenizer(*file);
+      ASSERT_TRUE(tok.ok());
+      EXPECT_EQ(j["usage"]["prompt_tokens"], (*tok)->Encode(t.prompt, true, /*parse_special=*/true).size()) << t.prompt;
+      const Json& message = j["choices"][0]["message"];
+      if (forced) {
+        EXPECT_EQ(message["reasoning_content"], strip_nl(reply)) << j.dump();
+        EXPECT_EQ(message["content"], "") << j.dump();
+      } else {
+        EXPECT_FALSE(message.contains("reasoning_content")) << j.dump();
+        EXPECT_EQ(message["content"], reply) << j.dump();
+      }
+      req["stream"] = true;
+      auto res = c->Post("/v1/chat/completions", req.dump(), "application/json");
+      ASSERT_TRUE(res);
+      std::string reasoning, content;
+      for (const std::string& e : SseEvents(res->body)) {
+        if (e == "[DONE]") continue;
+        const Json delta = Json::parse(e)["choices"][0]["delta"];
+        if (delta.contains("reasoning_content")) reasoning += delta["reasoning_content"].get<std::string>();
+        if (delta.contains("content")) content += delta["content"].get<std::string>();
+      }
+      EXPECT_EQ(reasoning, message.value("reasoning_content", ""));
+      EXPECT_EQ(content, message["content"].get<std::string>());
+    }
+    for (const auto& [kwargs, field] : {std::pair<Json, std::string>{Json(3), "'chat_template_kwargs'"},
+                                        {Json({{"enable_thinking", "no"}}), "'chat_template_kwargs.enable_thinking'"}}) {
+      auto [status, j] = Post(*c, "/v1/chat/completions", {{"messages", messages}, {"chat_template_kwargs", kwargs}});
+      EXPECT_EQ(status, 400) << j.dump();
+      EXPECT_NE(j["error"]["message"].get<std::string>().find(field), std::string::npos) << j.dump();
+    }
+  }
+}
+
 TEST(ChatCliTest, TurnsFollowTheModelsFormat) {
   testing::TempDir dir;
   const std::string model = dir.File("chat.gguf");

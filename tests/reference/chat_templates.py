@@ -7,7 +7,8 @@ tests/unit/chat_template_test.cc detects each template's format with nflash and 
 "rendered" (less a leading BOS, which nflash's tokenizer adds).
 
 The templates are as published on the Hugging Face Hub for the model named beside each (tokenizer_config.json,
-"chat_template"), reduced to the parts these conversations reach where a template also handles tools.
+"chat_template"), reduced to the parts these conversations reach where a template also handles tools. Qwen3's
+reasoning templates are rendered with no enable_thinking, true and false, and with two more conversations each.
 Usage: python3 tests/reference/chat_templates.py   (needs python3-jinja2)
 """
 import json
@@ -109,6 +110,69 @@ TEMPLATES = [
      "{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}"),
 ]
 
+# Qwen3's reasoning templates, without their tool branches: the system turn, the last user query found from the end, an
+# assistant message split at </think> (its thinking kept only after the last query), and the generation prompt.
+QWEN3_BODY = (
+    "{%- if messages[0].role == 'system' %}\n"
+    "    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}\n"
+    "{%- for message in messages[::-1] %}\n"
+    "    {%- set index = (messages|length - 1) - loop.index0 %}\n"
+    "    {%- if ns.multi_step_tool and message.role == \"user\" and message.content is string and "
+    "not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}\n"
+    "        {%- set ns.multi_step_tool = false %}\n"
+    "        {%- set ns.last_query_index = index %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message.content is string %}\n"
+    "        {%- set content = message.content %}\n"
+    "    {%- else %}\n"
+    "        {%- set content = '' %}\n"
+    "    {%- endif %}\n"
+    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- elif message.role == \"assistant\" %}\n"
+    "        {%- set reasoning_content = '' %}\n"
+    "        {%- if message.reasoning_content is string %}\n"
+    "            {%- set reasoning_content = message.reasoning_content %}\n"
+    "        {%- else %}\n"
+    "            {%- if '</think>' in content %}\n"
+    "                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1]"
+    ".lstrip('\\n') %}\n"
+    "                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "            {%- endif %}\n"
+    "        {%- endif %}\n"
+    "        {%- if loop.index0 > ns.last_query_index %}\n"
+    "            {%- if loop.last or (not loop.last and reasoning_content) %}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + "
+    "'\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
+    "            {%- else %}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    "            {%- endif %}\n"
+    "        {%- else %}\n"
+    "            {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    "        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n")
+REASONING_TEMPLATES = [
+    # Qwen3-8B (the hybrid models: enable_thinking false opens the reply with an empty think block).
+    ("chatml", "", "<|im_end|>", QWEN3_BODY +
+     "{%- if add_generation_prompt %}\n"
+     "    {{- '<|im_start|>assistant\\n' }}\n"
+     "    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+     "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
+     "    {%- endif %}\n"
+     "{%- endif %}"),
+    # Qwen3-4B-Thinking-2507 (every reply opens in the think block).
+    ("chatml", "", "<|im_end|>", QWEN3_BODY +
+     "{%- if add_generation_prompt %}\n"
+     "    {{- '<|im_start|>assistant\\n<think>\\n' }}\n"
+     "{%- endif %}"),
+]
+
 CONVERSATIONS = [
     [{"role": "user", "content": "Tell me a story."}],
     [{"role": "system", "content": "You write short stories for children.\n"},
@@ -118,6 +182,20 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"},
      {"role": "assistant", "content": "Hello. How can I help?"},
      {"role": "user", "content": "Say \"yes\" in French: {{ not jinja }}"}],
+    # A reasoning model's earlier reply, its thinking kept as it came (other templates write it as it is).
+    [{"role": "user", "content": "Hi!"},
+     {"role": "assistant", "content": "<think>\nThe user greets me.\n\n</think>\n\nHello! How can I help?"},
+     {"role": "user", "content": "Tell me a story."}],
+]
+# Only for the reasoning templates: assistant messages after the last user message keep their thinking (the last one
+# always), and a reply continued from a thinking prefix.
+REASONING_CONVERSATIONS = [
+    [{"role": "system", "content": "Be brief."},
+     {"role": "user", "content": "A story?"},
+     {"role": "assistant", "content": "First <think>\n\nA dog.\n</think>Once</think>\n\nupon a time"},
+     {"role": "assistant", "content": "No thinking here."}],
+    [{"role": "user", "content": "A story?"},
+     {"role": "assistant", "content": "\nOnce upon a time"}],
 ]
 
 
@@ -129,13 +207,18 @@ def main():
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.globals["raise_exception"] = raise_exception
     cases = []
-    for fmt, bos, eos, source in TEMPLATES:
+    runs = [(t, CONVERSATIONS, {}) for t in TEMPLATES]
+    for t in REASONING_TEMPLATES:
+        for kwargs in ({}, {"enable_thinking": True}, {"enable_thinking": False}):
+            runs.append((t, CONVERSATIONS + REASONING_CONVERSATIONS, kwargs))
+    for (fmt, bos, eos, source), conversations, kwargs in runs:
         template = env.from_string(source)
-        for messages in CONVERSATIONS:
-            case = {"format": fmt, "template": source, "bos": bos, "eos": eos, "messages": messages}
+        for messages in conversations:
+            case = {"format": fmt, "template": source, "bos": bos, "eos": eos, "messages": messages,
+                    "kwargs": kwargs}
             try:
                 case["rendered"] = template.render(messages=messages, bos_token=bos, eos_token=eos,
-                                                   add_generation_prompt=True)
+                                                   add_generation_prompt=True, **kwargs)
             except jinja2.exceptions.TemplateError as e:
                 case["error"] = str(e)
             cases.append(case)

@@ -27,8 +27,9 @@ TEST(ChatTemplate, PublishedTemplatesRenderAsTransformersRendersThem) {
   const nlohmann::json doc = nlohmann::json::parse(r.output, nullptr, false);
   ASSERT_FALSE(doc.is_discarded()) << r.output;
   const nlohmann::json& cases = doc["cases"];
-  ASSERT_EQ(cases.size(), 27u);  // 9 templates x 3 conversations
-  int compared = 0, defaults = 0, preambles = 0;
+  // 9 templates x 4 conversations; Qwen3's 2 reasoning templates x 3 enable_thinking settings x 6 conversations.
+  ASSERT_EQ(cases.size(), 72u);
+  int compared = 0, defaults = 0, preambles = 0, reasoning = 0;
   for (const auto& c : cases) {
     const std::string format = c["format"].get<std::string>();
     const std::optional<ChatTemplate> t = DetectChatTemplate(c["template"].get<std::string>());
@@ -44,18 +45,27 @@ TEST(ChatTemplate, PublishedTemplatesRenderAsTransformersRendersThem) {
       EXPECT_EQ(t->system_preamble, "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n");
       ++preambles;
     }
+    const nlohmann::json& kwargs = c["kwargs"];
+    if (t->thinking != ChatThinking::kNone) {  // Qwen3's: the hybrid reads enable_thinking, 2507's always thinks
+      const bool hybrid = c["template"].get<std::string>().find("enable_thinking") != std::string::npos;
+      EXPECT_EQ(t->thinking, hybrid ? ChatThinking::kSwitch : ChatThinking::kForced);
+      ++reasoning;
+    }
     if (!c.contains("rendered")) continue;  // the template refuses the conversation (mistral: a system message)
     std::string expected = c["rendered"].get<std::string>();
     const std::string bos = c["bos"].get<std::string>();
     if (!bos.empty() && expected.rfind(bos, 0) == 0) expected.erase(0, bos.size());
-    auto text = FormatChat(*t, Messages(c["messages"]), bos, c["eos"].get<std::string>());
+    ChatOptions options;
+    options.enable_thinking = kwargs.value("enable_thinking", true);
+    auto text = FormatChat(*t, Messages(c["messages"]), bos, c["eos"].get<std::string>(), options);
     ASSERT_TRUE(text.ok()) << text.status().ToString();
-    EXPECT_EQ(*text, expected) << format << " " << c["messages"].dump();
+    EXPECT_EQ(*text, expected) << format << " " << kwargs.dump() << " " << c["messages"].dump();
     ++compared;
   }
-  EXPECT_EQ(compared, 26);
-  EXPECT_EQ(defaults, 6);   // Qwen2's and Qwen2.5's templates, three cases each
-  EXPECT_EQ(preambles, 3);  // Llama 3.1's
+  EXPECT_EQ(compared, 71);
+  EXPECT_EQ(defaults, 8);   // Qwen2's and Qwen2.5's templates, four cases each
+  EXPECT_EQ(preambles, 4);  // Llama 3.1's
+  EXPECT_EQ(reasoning, 36);
 }
 
 TEST(ChatTemplate, WhatTheTemplatesDoNotShow) {
@@ -116,6 +126,69 @@ TEST(ChatTemplate, WhatTheTemplatesDoNotShow) {
                                         "phi3, zephyr"),
             std::string::npos)
       << bad.status().ToString();
+}
+
+// A reasoning reply split into reasoning_content and content, cases worked by hand from the rule in chat_template.h;
+// then the stream: the text cut into pieces every way (one cut anywhere, two cuts anywhere, one character at a time)
+// gives, joined, the same split.
+TEST(ChatTemplate, ReasoningSplitsAtTheFirstCloseTagInWholeAndInPieces) {
+  struct Case {
+    const char* reply;
+    bool opened;
+    const char* reasoning;
+    const char* content;
+  };
+  const std::vector<Case> cases = {
+      {"<think>\nabc\n</think>\n\nHello", false, "abc", "Hello"},
+      {"  <think>a</think>b", false, "a", "b"},
+      {"Hello <think>x</think>", false, "", "Hello <think>x</think>"},
+      {"abc\n\n</think>\n\nHi\n", true, "abc", "Hi\n"},
+      {"abc", true, "abc", ""},
+      {"<think>\nabc\n</thi", false, "abc\n</thi", ""},
+      {"<thin", false, "", "<thin"},
+      {"\n\n", true, "", ""},
+      {"a\n\nb</think></think>c", true, "a\n\nb", "</think>c"},
+      {"\n<think>\n\n\nx\n\ny\n\n\n</think>\n\n\nz\n\nw", false, "x\n\ny", "z\n\nw"},
+      {"", false, "", ""},
+      {"  \n", false, "", "  \n"},
+      {"</think>", true, "", ""},
+      {"x </th", true, "x </th", ""},
+  };
+  for (const Case& c : cases) {
+    const std::string reply = c.reply;
+    const ReasoningSplit whole = SplitReasoning(reply, c.opened);
+    EXPECT_EQ(whole.reasoning, c.reasoning) << reply;
+    EXPECT_EQ(whole.content, c.content) << reply;
+    auto streamed = [&](const std::vector<size_t>& cuts) {
+      ReasoningStream stream(c.opened);
+      ReasoningSplit joined;
+      size_t at = 0;
+      for (size_t i = 0; i <= cuts.size(); ++i) {
+        const size_t end = i < cuts.size() ? cuts[i] : reply.size();
+        const ReasoningSplit part = stream.Push(std::string_view(reply).substr(at, end - at));
+        joined.reasoning += part.reasoning;
+        joined.content += part.content;
+        at = end;
+      }
+      const ReasoningSplit rest = stream.Finish();
+      joined.reasoning += rest.reasoning;
+      joined.content += rest.content;
+      return joined;
+    };
+    std::vector<size_t> each;
+    for (size_t i = 1; i < reply.size(); ++i) each.push_back(i);
+    std::vector<std::vector<size_t>> cutlists = {{}, each};
+    for (size_t i = 0; i <= reply.size(); ++i) {
+      for (size_t j = i; j <= reply.size(); ++j) cutlists.push_back({i, j});
+    }
+    for (const std::vector<size_t>& cuts : cutlists) {
+      const ReasoningSplit s = streamed(cuts);
+      std::string where;
+      for (size_t k : cuts) where += std::to_string(k) + " ";
+      EXPECT_EQ(s.reasoning, whole.reasoning) << "'" << reply << "' cut at " << where;
+      EXPECT_EQ(s.content, whole.content) << "'" << reply << "' cut at " << where;
+    }
+  }
 }
 
 }  // namespace
