@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 
 #include "runtime/engine/context.h"  // kDefaultMaxBatch (a constant: the planner does not link the engine)
@@ -185,8 +186,10 @@ Prediction Evaluate(const HardwareParams& hw, const ModelParams& model, const Pl
     const double io = bw > 0 ? missed * static_cast<double>(f.read_bytes) / bw : (missed > 0 ? INFINITY : 0.0);
     const double k = static_cast<double>(s.cluster_neurons);
     const double lat = hw.ReadLatencyUs(f.read_bytes, qd) * 1e-6;
+    // The first cluster's reads, once per run of the FFN (an expert the router does not pick reads nothing).
     const double pipeline = (active / k) * hw.cluster_sync_us * 1e-6 / s.compute_threads +
-                            (1.0 - served) * (lat + (bw > 0 ? k * static_cast<double>(f.read_bytes) / bw : 0.0));
+                            f.Runs() * (1.0 - served) *
+                                (lat + (bw > 0 ? k * static_cast<double>(f.read_bytes) / bw : 0.0));
     const double t = std::max(compute, io) + pipeline;
     p.ffn_compute_s += compute;
     p.io_s += io;
@@ -303,6 +306,142 @@ int BurstQueueDepth(const HardwareParams& hw, const ModelParams& model, const Pl
   int depth = qd;
   while (depth < kMaxBurstQueueDepth && depth < burst) depth *= 2;
   return std::max(qd, std::min(depth, kMaxBurstQueueDepth));
+}
+
+namespace {
+
+// The upper hull's vertices of `c` (as ConcaveSegments' chain), from (0, 0) when the curve starts elsewhere (a start
+// above 0 is then a first, vertical segment) and on to x = 1 (flat) when it ends earlier.
+std::vector<std::pair<double, double>> HullPoints(const Curve& c) {
+  std::vector<std::pair<double, double>> pts;
+  if (c.x.empty() || c.x.front() > 0 || c.y.front() != 0) pts.push_back({0.0, 0.0});
+  for (size_t i = 0; i < c.x.size(); ++i) {
+    const std::pair<double, double> p = {c.x[i], c.y[i]};
+    while (pts.size() >= 2) {
+      const auto& a = pts[pts.size() - 2];
+      const auto& b = pts.back();
+      if ((b.first - a.first) * (p.second - a.second) - (b.second - a.second) * (p.first - a.first) < 0) break;
+      pts.pop_back();  // b on or below the chord a-p
+    }
+    pts.push_back(p);
+  }
+  if (pts.back().first < 1.0) pts.push_back({1.0, pts.back().second});
+  return pts;
+}
+
+// One layer's curve of `field` merged over its experts `regions`, and the order the segments fill in.
+Curve MergeCurves(const ModelParams& model, const std::vector<size_t>& regions, Curve FfnParams::*field,
+                  std::vector<ExpertLayers::Piece>* order) {
+  struct Segment {
+    size_t region;
+    double neurons, mass, density;
+  };
+  std::vector<Segment> segs;
+  double total_neurons = 0, total_mass = 0;
+  for (size_t r : regions) {
+    const FfnParams& f = model.ffns[r];
+    const double n = static_cast<double>(f.n_neurons), a = ActiveNeurons(f);
+    total_neurons += n;
+    total_mass += a;
+    const std::vector<std::pair<double, double>> pts = HullPoints(f.*field);
+    for (size_t k = 1; k < pts.size(); ++k) {
+      const double dn = (pts[k].first - pts[k - 1].first) * n, dm = std::max(0.0, pts[k].second - pts[k - 1].second) * a;
+      if (dn <= 0 && dm <= 0) continue;
+      segs.push_back({r, dn, dm, dn > 0 ? dm / dn : std::numeric_limits<double>::infinity()});
+    }
+  }
+  std::stable_sort(segs.begin(), segs.end(), [](const Segment& a, const Segment& b) { return a.density > b.density; });
+  Curve out;
+  out.x.push_back(0.0);
+  out.y.push_back(0.0);
+  double n_cum = 0, m_cum = 0;
+  order->clear();
+  for (const Segment& s : segs) {
+    n_cum += s.neurons;
+    m_cum += s.mass;
+    order->push_back({s.region, s.neurons});
+    const double x = total_neurons > 0 ? n_cum / total_neurons : 0.0;
+    const double y = total_mass > 0 ? m_cum / total_mass : 0.0;
+    if (x == out.x.back()) {
+      out.y.back() = y;  // a vertical step (mass at x = 0): the curve starts above 0
+    } else {
+      out.x.push_back(x);
+      out.y.push_back(y);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+bool GroupExpertsByLayer(const ModelParams& model, ExpertLayers* out) {
+  std::vector<std::vector<size_t>> by_layer(static_cast<size_t>(std::max<int64_t>(model.n_layers, 0)));
+  for (size_t r = 0; r < model.ffns.size(); ++r) {
+    const FfnParams& f = model.ffns[r];
+    if (f.expert < 0 || f.layer < 0 || f.layer >= model.n_layers) return false;
+    const std::vector<size_t>& same = by_layer[static_cast<size_t>(f.layer)];
+    if (!same.empty()) {
+      const FfnParams& g = model.ffns[same.front()];
+      if (f.bundle_bytes != g.bundle_bytes || f.ComputeBytes() != g.ComputeBytes() || f.read_bytes != g.read_bytes ||
+          f.slot_bytes != g.slot_bytes || f.HotSlotBytes() != g.HotSlotBytes()) {
+        return false;
+      }
+    }
+    by_layer[static_cast<size_t>(f.layer)].push_back(r);
+  }
+  out->model = model;
+  out->model.ffns.clear();
+  out->hot_order.clear();
+  out->cold_order.clear();
+  for (size_t l = 0; l < by_layer.size(); ++l) {
+    if (by_layer[l].empty()) return false;
+    FfnParams layer = model.ffns[by_layer[l].front()];
+    layer.expert = -1;
+    layer.n_neurons = 0;
+    double mass = 0;
+    for (size_t r : by_layer[l]) {
+      layer.n_neurons += model.ffns[r].n_neurons;
+      mass += ActiveNeurons(model.ffns[r]);
+    }
+    layer.route_fraction = 1;
+    layer.layer_runs = 0;
+    for (size_t r : by_layer[l]) layer.layer_runs += model.ffns[r].Runs();
+    layer.active_fraction = layer.n_neurons > 0 ? mass / static_cast<double>(layer.n_neurons) : 0.0;
+    out->hot_order.emplace_back();
+    out->cold_order.emplace_back();
+    layer.popularity = MergeCurves(model, by_layer[l], &FfnParams::popularity, &out->hot_order.back());
+    layer.lru_hit = MergeCurves(model, by_layer[l], &FfnParams::lru_hit, &out->cold_order.back());
+    out->model.ffns.push_back(std::move(layer));
+  }
+  return true;
+}
+
+PlanSettings SpreadOverExperts(const ModelParams& model, const ExpertLayers& layers, const PlanSettings& per_layer) {
+  PlanSettings s = per_layer;
+  s.hot_neurons.assign(model.ffns.size(), 0);
+  s.cold_slots.assign(model.ffns.size(), 0);
+  auto spread = [&](const std::vector<ExpertLayers::Piece>& order, int64_t count, std::vector<int64_t>* to) {
+    std::vector<double> share(model.ffns.size(), 0.0);
+    double left = static_cast<double>(count);
+    for (const ExpertLayers::Piece& p : order) {
+      if (left <= 0) break;
+      const double take = std::min(left, p.neurons);
+      share[p.region] += take;
+      left -= take;
+    }
+    for (size_t r = 0; r < share.size(); ++r) {
+      (*to)[r] += std::min<int64_t>(model.ffns[r].n_neurons, static_cast<int64_t>(std::floor(share[r] + 1e-6)));
+    }
+  };
+  for (size_t l = 0; l < layers.model.ffns.size(); ++l) {
+    spread(layers.hot_order[l], per_layer.hot_neurons.at(l), &s.hot_neurons);
+    spread(layers.cold_order[l], per_layer.cold_slots.at(l), &s.cold_slots);
+  }
+  // An expert whose hot and cold shares overlap holds at most all its neurons.
+  for (size_t r = 0; r < model.ffns.size(); ++r) {
+    s.cold_slots[r] = std::min(s.cold_slots[r], model.ffns[r].n_neurons - s.hot_neurons[r]);
+  }
+  return s;
 }
 
 }  // namespace nflash::planner

@@ -71,7 +71,12 @@ struct FfnParams {
   uint64_t HotSlotBytes() const { return hot_slot_bytes > 0 ? hot_slot_bytes : slot_bytes; }
   Curve popularity;               // share of activations covered by the hottest x of the neurons
   Curve lru_hit;                  // hit rate of an LRU cache holding x of the neurons
+  // A region that is not one expert: the FFN runs it stands for per token (1 for a dense layer; a layer of grouped
+  // experts, ExpertLayers: its experts used per token). An expert runs route_fraction times per token.
+  double layer_runs = 1;
   uint64_t ComputeBytes() const { return compute_bytes > 0 ? compute_bytes : bundle_bytes; }
+  // FFN runs per token: each waits once for its first reads (the pipeline's exposed latency).
+  double Runs() const { return expert >= 0 ? route_fraction : layer_runs; }
 };
 
 struct ModelParams {
@@ -179,5 +184,35 @@ PlanSettings PureRegionSplits(const ModelParams& model, const PlanSettings& sett
 // shared cold pool (at most every neuron), split over the regions by their active neurons per token (the runtime sums
 // them). Empty cold slots when not even one slot fits.
 PlanSettings SharedPoolSettings(const ModelParams& model, const PlanSettings& knobs, uint64_t memory_bytes);
+
+// Mixture-of-experts models with many experts are beyond Z3's exact simplex as one region per expert (SYNTHETIC
+// qwen3-30b-a3b cut to 8 layers, 1024 regions: no solve in 7 minutes on 2 vCPUs; the whole model has 6144). Above
+// kMaxSolverRegions the solver sees one region per layer instead (ExpertLayers), whose curves merge its experts':
+// each expert's curve, as its upper hull, is a run of segments of constant activation mass per neuron (its share
+// of the curve times its active neurons per token, over its neurons), and the layer's curve takes all of them in
+// decreasing order of that density, which is how a hot (or LRU) budget is best split over the experts when each
+// keeps its own region. The solver's per-layer neurons are then handed out in that same order (SpreadOverExperts)
+// and the plan is evaluated per expert. The merge is exact for the served activations; the layer's time takes
+// max(compute, I/O) once per layer where the per-expert model takes it per expert (an optimistic solver figure; the
+// plan's prediction is Evaluate's, per expert).
+inline constexpr size_t kMaxSolverRegions = 128;
+
+struct ExpertLayers {
+  struct Piece {
+    size_t region;  // index into the per-expert model's ffns
+    double neurons;
+  };
+  ModelParams model;  // the per-expert model with one FFN region per layer
+  // Per layer: the merged popularity and LRU segments, in the order they are filled.
+  std::vector<std::vector<Piece>> hot_order, cold_order;
+};
+
+// The per-layer view of `model` (whose experts of one layer share bundle, read, slot and compute sizes; false
+// otherwise, or for a dense model).
+bool GroupExpertsByLayer(const ModelParams& model, ExpertLayers* out);
+
+// The per-layer plan `per_layer` (ExpertLayers::model's regions) as a per-expert plan of `model`: each layer's hot
+// neurons and cold slots handed to its experts in `layers`' order, whole neurons rounded down (never more memory).
+PlanSettings SpreadOverExperts(const ModelParams& model, const ExpertLayers& layers, const PlanSettings& per_layer);
 
 }  // namespace nflash::planner

@@ -124,7 +124,7 @@ Encoding Encode(z3::context& ctx, Sink& add, const HardwareParams& hw, const Mod
     // Cluster hand-offs, plus the first cluster's reads (one latency, then its bytes), which nothing hides.
     const double latency_us = hw.ReadLatencyUs(f.read_bytes, knobs.queue_depth);
     const z3::expr pipeline = Coef(ctx, active / knobs.cluster * hw.cluster_sync_us / t) +
-                              miss_share * Coef(ctx, latency_us + knobs.cluster * us_per_miss);
+                              miss_share * Coef(ctx, f.Runs() * (latency_us + knobs.cluster * us_per_miss));
     z3::expr layer = ctx.real_const(("layer_us_" + id).c_str());
     add.add(layer >= compute + pipeline);
     add.add(layer >= io + pipeline);
@@ -379,7 +379,15 @@ bool BestSharedPool(const HardwareParams& hw, const ModelParams& model, const st
 
 }  // namespace
 
-Result<SolveResult> SolvePlan(const HardwareParams& hw, const ModelParams& model, const UserLimits& limits) {
+Result<SolveResult> SolvePlan(const HardwareParams& hw, const ModelParams& model_in, const UserLimits& limits) {
+  // Many experts: the solver works on one region per layer (ExpertLayers) and the plan is spread back over them.
+  ExpertLayers layers;
+  const bool grouped = model_in.ffns.size() > kMaxSolverRegions && GroupExpertsByLayer(model_in, &layers);
+  if (grouped) {
+    NF_LOG(Info) << "plan: " << model_in.ffns.size() << " expert regions solved as " << layers.model.ffns.size()
+                 << " layers (their experts' curves merged), then spread over the experts";
+  }
+  const ModelParams& model = grouped ? layers.model : model_in;
   if (hw.cores < 1 || hw.dense_gemv_gbs.empty() || hw.sparse_ffn_gbs.empty() || hw.random_reads.empty()) {
     return Status::InvalidArgument("hardware profile lacks cores, GEMV / sparse FFN throughput or random-read figures");
   }
@@ -398,15 +406,16 @@ Result<SolveResult> SolvePlan(const HardwareParams& hw, const ModelParams& model
     // per-region plan meets the limits.
     PlanSettings shared;
     Prediction shared_p;
-    const bool shared_ok = BestSharedPool(hw, model, candidates, limits, &shared, &shared_p);
+    const bool shared_ok = BestSharedPool(hw, model_in, candidates, limits, &shared, &shared_p);
     if (model.fixed_bytes <= limits.memory_bytes &&
         OptimiseAll(hw, model, candidates, mem_mib, max_token_us, goal, &best, &result.solved)) {
       result.feasible = true;
       result.solver_token_s = best.token_us * 1e-6;
       // The relaxation's mixed splits rest on the LRU curve's concave hull; the plan keeps the solver's memory per
       // region and holds it the way the measured curves serve best (cost_model.h).
-      result.settings = PureRegionSplits(model, best.settings);
-      result.prediction = Evaluate(hw, model, result.settings);
+      const PlanSettings solved = grouped ? SpreadOverExperts(model_in, layers, best.settings) : best.settings;
+      result.settings = PureRegionSplits(model_in, solved);
+      result.prediction = Evaluate(hw, model_in, result.settings);
       if (shared_ok && (goal == Goal::kMemory ? shared_p.memory_bytes < result.prediction.memory_bytes
                                               : shared_p.token_s < result.prediction.token_s)) {
         result.settings = shared;

@@ -165,10 +165,14 @@ TEST(CostModelTest, PredictorAndRouteShareCount) {
   EXPECT_NEAR(p.predictor_s, 500e-6, 1e-12);  // 0.5 MB at 1 GB/s
   EXPECT_NEAR(p.token_s, (1000 + 500 + 2048 + 690.985) * 1e-6, 1e-12);
   m.ffns[0].route_fraction = 0.25;  // 25 active neurons a token, half of them missed
+  m.ffns[0].expert = 0;
   const Prediction q = Evaluate(hw, m, s);
   EXPECT_NEAR(q.ffn_compute_s, 25e-6, 1e-12);
   EXPECT_NEAR(q.reads_per_token, 12.5, 1e-12);
   EXPECT_NEAR(q.io_s, 12.5 * 4096 / 1e8, 1e-12);
+  // The expert runs for a quarter of the tokens: its first cluster's reads are waited for that often,
+  // 25/32 * 5 us + 0.25 * 0.5 * (40 + 1310.72) us.
+  EXPECT_NEAR(q.pipeline_s, (25.0 / 32 * 5 + 0.25 * 0.5 * 1350.72) * 1e-6, 1e-12);
   m.ffns.clear();
   EXPECT_EQ(Evaluate(hw, m, PlanSettings{}).served_fraction, 1.0);
 }
@@ -683,6 +687,112 @@ TEST(PlannerTest, ThirtyTwoLayersSolveQuickly) {
   EXPECT_LE(r->solver_token_s, r->prediction.token_s * (1 + 1e-6));
   RecordProperty("solve_seconds", std::to_string(secs));
   std::printf("32-layer solve: %.2f s\n", secs);
+}
+
+// Two experts of one layer merged, worked by hand: A (100 neurons, routed 0.5, 20% active: 10 active neurons per
+// token) covers 60% of its activations with its hottest 10%, B (100, 0.5, 10%: 5) is flat. Per neuron: A's first
+// segment 6/10 = 0.6, B's 5/100 = 0.05, A's rest 4/90 = 0.044; the layer's curve takes them in that order over 200
+// neurons and 15 active: (0.05, 0.4), (0.55, 11/15), (1, 1). 60 hot neurons are A's 10 and B's 50.
+TEST(PlannerTest, ExpertsMergeIntoTheirLayerByActivationsPerNeuron) {
+  ModelParams m = OneRegion(Curve{{0.0, 0.1, 1.0}, {0.0, 0.6, 1.0}}, Linear());
+  m.ffns[0].expert = 0;
+  m.ffns[0].route_fraction = 0.5;
+  m.ffns[0].active_fraction = 0.2;
+  m.ffns[0].n_neurons = 100;
+  FfnParams b = m.ffns[0];
+  b.expert = 1;
+  b.active_fraction = 0.1;
+  b.popularity = Linear();
+  b.lru_hit = Curve{{0.0, 0.5, 1.0}, {0.0, 0.9, 1.0}};
+  m.ffns.push_back(b);
+  ExpertLayers layers;
+  ASSERT_TRUE(GroupExpertsByLayer(m, &layers));
+  ASSERT_EQ(layers.model.ffns.size(), 1u);
+  const FfnParams& l = layers.model.ffns[0];
+  EXPECT_EQ(l.n_neurons, 200);
+  EXPECT_DOUBLE_EQ(l.route_fraction, 1.0);
+  EXPECT_NEAR(l.active_fraction, 15.0 / 200.0, 1e-12);
+  EXPECT_DOUBLE_EQ(l.Runs(), 1.0);  // 0.5 + 0.5: the layer runs one expert per token
+  const std::vector<double> px = {0.0, 0.05, 0.55, 1.0}, py = {0.0, 0.4, 11.0 / 15.0, 1.0};
+  ASSERT_EQ(l.popularity.x.size(), px.size());
+  for (size_t i = 0; i < px.size(); ++i) {
+    EXPECT_NEAR(l.popularity.x[i], px[i], 1e-12) << i;
+    EXPECT_NEAR(l.popularity.y[i], py[i], 1e-12) << i;
+  }
+  // LRU: A's linear 10/100 = 0.1 per neuron; B's first half 0.9 * 5 / 50 = 0.09, its rest 0.5 / 50 = 0.01.
+  const std::vector<double> lx = {0.0, 0.5, 0.75, 1.0}, ly = {0.0, 10.0 / 15.0, 14.5 / 15.0, 1.0};
+  ASSERT_EQ(l.lru_hit.x.size(), lx.size());
+  for (size_t i = 0; i < lx.size(); ++i) {
+    EXPECT_NEAR(l.lru_hit.x[i], lx[i], 1e-12) << i;
+    EXPECT_NEAR(l.lru_hit.y[i], ly[i], 1e-12) << i;
+  }
+  PlanSettings per_layer = OneRegionSettings(60, 120);
+  const PlanSettings s = SpreadOverExperts(m, layers, per_layer);
+  EXPECT_EQ(s.hot_neurons, (std::vector<int64_t>{10, 50}));
+  // Cold: A's 100 first, then 20 of B's; each expert then holds at most its neurons (A: 10 hot + 90 cold).
+  EXPECT_EQ(s.cold_slots, (std::vector<int64_t>{90, 20}));
+  EXPECT_EQ(s.queue_depth, per_layer.queue_depth);
+  // Experts of different sizes in one layer, or a dense model, are not grouped.
+  ModelParams mixed = m;
+  mixed.ffns[1].read_bytes = 8192;
+  EXPECT_FALSE(GroupExpertsByLayer(mixed, &layers));
+  EXPECT_FALSE(GroupExpertsByLayer(OneRegion(Linear(), Linear()), &layers));
+}
+
+// 4 layers of 64 experts (256 regions, above kMaxSolverRegions) solve as 4 layers: within the memory, in seconds, the
+// solver's figure no slower than the per-expert evaluation, and the neurons held on the experts the router favours
+// (route fractions 1/8 for experts 0-7, 1/1000 for the rest; the same curves): 2400 fit, the favoured have 3200.
+TEST(PlannerTest, ManyExpertsSolveAsTheirLayers) {
+  const HardwareParams hw = Hw();
+  Curve pop;
+  for (int i = 0; i <= 32; ++i) {
+    pop.x.push_back(i / 32.0);
+    pop.y.push_back(std::pow(i / 32.0, 0.3));
+  }
+  const ModelParams one = OneRegion(pop, Zero());
+  ModelParams m;
+  m.n_layers = 4;
+  m.fixed_bytes = one.fixed_bytes;
+  m.dense_bytes_per_token = one.dense_bytes_per_token;
+  for (int l = 0; l < 4; ++l) {
+    for (int e = 0; e < 64; ++e) {
+      FfnParams f = one.ffns[0];
+      f.layer = l;
+      f.expert = e;
+      f.n_neurons = 100;
+      f.route_fraction = e < 8 ? 0.125 : 0.001;
+      m.ffns.push_back(f);
+    }
+  }
+  ASSERT_GT(m.ffns.size(), kMaxSolverRegions);
+  UserLimits limits;
+  limits.memory_bytes = (1u << 20) + 4u * 600u * 4096u;  // 600 neurons a layer: the favoured experts' 800 do not fit
+  const auto start = std::chrono::steady_clock::now();
+  auto r = SolvePlan(hw, m, limits);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(r->feasible) << r->message;
+  std::printf("256-region solve: %.2f s\n", secs);
+  EXPECT_LT(secs, 60);
+  EXPECT_LE(r->prediction.memory_bytes, limits.memory_bytes);
+  EXPECT_GT(r->prediction.memory_bytes, limits.memory_bytes - 4u * 8u * 4096u) << "memory left unused";
+  EXPECT_LE(r->solver_token_s, r->prediction.token_s * (1 + 1e-6));
+  ASSERT_EQ(r->settings.hot_neurons.size(), m.ffns.size());
+  // The layers are alike, so the solver may share the 2400 neurons out unevenly between them (equal optima); within
+  // each, the favoured experts fill first.
+  int64_t favoured = 0, rest = 0;
+  for (int l = 0; l < 4; ++l) {
+    int64_t layer_favoured = 0, layer_rest = 0;
+    for (int e = 0; e < 64; ++e) {
+      const size_t i = static_cast<size_t>(l * 64 + e);
+      (e < 8 ? layer_favoured : layer_rest) += r->settings.hot_neurons[i] + r->settings.cold_slots[i];
+    }
+    if (layer_rest > 0) EXPECT_EQ(layer_favoured, 800) << "layer " << l << ": the others before the favoured";
+    favoured += layer_favoured;
+    rest += layer_rest;
+  }
+  EXPECT_GE(favoured, 2400 - 4 * 8);  // whole neurons per expert: at most one lost to rounding in each
+  EXPECT_EQ(rest, 0);
 }
 
 TEST(CalibrationTest, ScalesTheFiguresAndReproducesTheMeasuredRun) {
