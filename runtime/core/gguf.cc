@@ -814,4 +814,31 @@ Status GgufWriter::Finish() {
   return Status::Ok();
 }
 
+namespace {
+
+// What an allocation of `n` bytes takes from glibc's heap: a chunk of n + 8 bytes rounded up to 16, at least 32.
+uint64_t HeapChunk(uint64_t n) { return n == 0 ? 0 : std::max<uint64_t>(32, (n + 8 + 15) & ~uint64_t{15}); }
+
+// The heap a string's buffer takes when it is not stored inline (libstdc++ keeps 15 characters inline).
+uint64_t StringHeapBytes(const std::string& s) { return s.capacity() > 15 ? HeapChunk(s.capacity() + 1) : 0; }
+
+// The heap `v` holds beyond its own sizeof: a string's buffer, an array's items and theirs.
+uint64_t ValueHeapBytes(const GgufValue& v) {
+  if (const std::string* str = std::get_if<std::string>(&v.v)) return StringHeapBytes(*str);
+  if (const GgufArray* a = std::get_if<GgufArray>(&v.v)) {
+    uint64_t bytes = HeapChunk(a->items.capacity() * sizeof(GgufValue));
+    for (const GgufValue& item : a->items) bytes += ValueHeapBytes(item);
+    return bytes;
+  }
+  return 0;
+}
+
+}  // namespace
+
+uint64_t GgufFile::MetadataHeapBytes() const {
+  uint64_t bytes = HeapChunk(kv_.capacity() * sizeof(kv_[0]));
+  for (const auto& [key, value] : kv_) bytes += StringHeapBytes(key) + ValueHeapBytes(value);
+  return bytes;
+}
+
 }  // namespace nflash

@@ -112,6 +112,9 @@ class GgufFile {
 
   // Metadata in file order.
   const std::vector<std::pair<std::string, GgufValue>>& metadata() const { return kv_; }
+  // The heap the parsed metadata holds (values, strings, arrays: a tokenizer's vocabulary is most of it, ~18 MB for
+  // 151936 tokens), an estimate from the containers' capacities for the sparse runtime's memory accounting.
+  uint64_t MetadataHeapBytes() const;
   const GgufValue* Find(std::string_view key) const;
   // Typed getters: NotFound if absent, Corruption naming key, expected and found type otherwise.
   // Integer getters accept any integer type whose value fits.

@@ -31,8 +31,11 @@ Result<std::unique_ptr<Engine>> OpenDense(const EngineFlags& f) {
 
 Result<std::unique_ptr<Engine>> OpenOffloaded(const EngineFlags& f) {
   auto e = std::make_unique<Engine>();
-  NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::OpenPath(f.runtime.deploy + "/" + packer::kResidentFileName));
-  NF_ASSIGN_OR_RETURN(e->deploy_tokenizer, LoadTokenizer(resident));
+  {
+    // Closed before the runtime opens, so that its metadata is not held twice (sparse/offload_command.cc).
+    NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::OpenPath(f.runtime.deploy + "/" + packer::kResidentFileName));
+    NF_ASSIGN_OR_RETURN(e->deploy_tokenizer, LoadTokenizer(resident));
+  }
   sparse::SparseRuntimeOptions o;
   int threads = 0;
   // -c 0: the model's context, so that any request the model allows fits (the KV cache counts in --memory).

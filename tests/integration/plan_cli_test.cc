@@ -57,7 +57,7 @@ TempDir* PlanCliTest::tmp_ = nullptr;
 
 TEST_F(PlanCliTest, MoreMemoryNeverPlansSlowerAndEveryPlanFits) {
   double last_speed = 0;
-  for (const char* mem : {"2600K", "3M", "4M", "8M"}) {
+  for (const char* mem : {"2800K", "3M", "4M", "8M"}) {
     const std::string out = std::string("plan_") + mem + ".json";
     auto r = Plan(std::string("--memory ") + mem + " --explain", out);
     ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -96,7 +96,7 @@ TEST_F(PlanCliTest, InfeasibleLimitsNameTheConflictAndTheNearestFeasibleLimit) {
   EXPECT_NE(small_ctx.output.find("fixed_part"), std::string::npos) << small_ctx.output;
   EXPECT_EQ(small_ctx.output.find("sized for a context"), std::string::npos) << small_ctx.output;
 
-  auto too_fast = Plan("--memory 2600K --min-speed 1000000", "x.json");
+  auto too_fast = Plan("--memory 2800K --min-speed 1000000", "x.json");
   EXPECT_EQ(too_fast.exit_code, 2) << too_fast.output;
   EXPECT_NE(too_fast.output.find("min_speed"), std::string::npos) << too_fast.output;
   EXPECT_NE(too_fast.output.find("within"), std::string::npos) << too_fast.output;  // the best speed that fits

@@ -1,6 +1,7 @@
 // Tests of the GGUF reader and writer: round trips, a hand-built byte layout, typed getters, writer misuse, and the
 // real llama SPM vocabulary file from ../shared.
 #include <gtest/gtest.h>
+#include <malloc.h>
 
 #include <bit>
 #include <chrono>
@@ -325,6 +326,38 @@ TEST(GgufTest, ZeroSizedTensorIsAcceptedLikeGgml) {
   EXPECT_EQ(g->tensors()[1].offset, 0u);  // a zero-size tensor occupies no padded space
   std::vector<uint8_t> scratch;
   EXPECT_TRUE(g->TensorData(g->tensors()[0], &scratch)->empty());
+}
+
+// The metadata's heap estimate against what glibc's allocator hands out while the file is parsed (mallinfo2, an
+// independent count): a vocabulary-sized array of 100000 strings, half inline (short) and half on the heap, and an
+// array of as many floats, one tensor. The estimate (glibc's chunk sizes) must be the heap's within 2% (it was
+// within 0.01% when written; without the chunk overhead it was 8% short).
+TEST(GgufTest, MetadataHeapEstimateMatchesTheAllocator) {
+  TempDir dir;
+  GgufWriter w;
+  GgufArray tokens, scores;
+  tokens.element_type = GgufType::kString;
+  scores.element_type = GgufType::kFloat32;
+  for (int i = 0; i < 100000; ++i) {
+    tokens.items.emplace_back(i % 2 ? "t" + std::to_string(i) : "a-longer-token-text-" + std::to_string(i));
+    scores.items.emplace_back(static_cast<float>(i));
+  }
+  w.Set("tokenizer.ggml.tokens", GgufValue(std::move(tokens)));
+  w.Set("tokenizer.ggml.scores", GgufValue(std::move(scores)));
+  w.Set("general.name", GgufValue(std::string("heap")));
+  ASSERT_TRUE(w.AddTensor("t", GgmlType::kF32, {8}).ok());
+  ASSERT_TRUE(w.Begin(dir.File("h.gguf"), false).ok());
+  std::vector<uint8_t> data(32, 1);
+  ASSERT_TRUE(w.WriteTensorData("t", data).ok());
+  ASSERT_TRUE(w.Finish().ok());
+  const size_t before = mallinfo2().uordblks;
+  auto g = GgufFile::OpenPathUncached(dir.File("h.gguf"));
+  const size_t after = mallinfo2().uordblks;
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  const double held = static_cast<double>(after - before), estimate = static_cast<double>(g->MetadataHeapBytes());
+  std::printf("metadata heap: estimate %.0f, allocator %.0f bytes\n", estimate, held);
+  EXPECT_GT(estimate, 0.98 * held);
+  EXPECT_LT(estimate, 1.02 * held);
 }
 
 TEST(GgufTest, TypedGetters) {

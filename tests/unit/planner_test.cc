@@ -787,7 +787,9 @@ TEST(PlannerTest, ManyExpertsSolveAsTheirLayers) {
       const size_t i = static_cast<size_t>(l * 64 + e);
       (e < 8 ? layer_favoured : layer_rest) += r->settings.hot_neurons[i] + r->settings.cold_slots[i];
     }
-    if (layer_rest > 0) EXPECT_EQ(layer_favoured, 800) << "layer " << l << ": the others before the favoured";
+    if (layer_rest > 0) {
+      EXPECT_EQ(layer_favoured, 800) << "layer " << l << ": the others before the favoured";
+    }
     favoured += layer_favoured;
     rest += layer_rest;
   }
