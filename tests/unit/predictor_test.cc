@@ -467,21 +467,28 @@ TEST(PredictorTrainTest, SamplesAreMagnitudesInContextSizedWindows) {
   for (float t : profiler::SparsityThresholds(*a, 0.0)) EXPECT_EQ(t, 0.0f);
 }
 
+// The small synthetic model (tests/unit/small_model.h) with 4 experts, F32, written to `dir` and loaded.
+void LoadSmallMoe(const testing::TempDir& dir, std::unique_ptr<Model>* out) {
+  ASSERT_EQ(testing::WriteSmallModel(dir.File("moe.gguf"), GgmlType::kF32, /*experts=*/4), "");
+  auto model = Model::Load(dir.File("moe.gguf"), LoadOptions());
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  ASSERT_EQ((*model)->hparams().n_experts, 4);
+  *out = std::move(model).value();
+}
+
 // An expert the calibration tokens never reached gets its layer's other FFN inputs, taken in turn from each other
 // expert, and its own |relu(gate . x)| on them, summed here in double from the F32 file's rows; the other experts'
 // samples stay as they were.
 TEST(PredictorTrainTest, AnUnroutedExpertBorrowsItsLayersInputs) {
   testing::TempDir dir;
-  ASSERT_EQ(testing::WriteSmallModel(dir.File("moe.gguf"), GgmlType::kF32, /*experts=*/4), "");
-  auto model = Model::Load(dir.File("moe.gguf"), LoadOptions());
-  ASSERT_TRUE(model.ok()) << model.status().ToString();
-  const LlamaHparams& hp = (*model)->hparams();
-  ASSERT_EQ(hp.n_experts, 4);
+  std::unique_ptr<Model> model;
+  ASSERT_NO_FATAL_FAILURE(LoadSmallMoe(dir, &model));
+  const LlamaHparams& hp = model->hparams();
   std::mt19937 rng(5);
   std::vector<int32_t> tokens(40);
   for (int32_t& t : tokens) t = 3 + static_cast<int32_t>(rng() % static_cast<uint32_t>(hp.n_vocab - 3));
   ThreadPool pool(2);
-  auto s = profiler::CollectSamples(**model, tokens, 0, &pool);
+  auto s = profiler::CollectSamples(*model, tokens, 0, &pool);
   ASSERT_TRUE(s.ok()) << s.status().ToString();
   const int64_t layer = 1, expert = 2, g = layer * 4 + expert, dim = hp.dim, n_ff = hp.n_ff;
   const profiler::ActivationSamples before = *s;
@@ -497,10 +504,10 @@ TEST(PredictorTrainTest, AnUnroutedExpertBorrowsItsLayersInputs) {
     }
     ASSERT_TRUE(any) << "40 tokens x 2 experts each fill 30 rows";
   }
-  EXPECT_EQ(profiler::BorrowLayerInputs(**model, &*s, g, 30, &pool), 30);
+  EXPECT_EQ(profiler::BorrowLayerInputs(*model, &*s, g, 30, &pool), 30);
   EXPECT_EQ(s->group_tokens[g], 30);
   EXPECT_EQ(s->x[g], want);
-  const LayerWeights& W = (*model)->layers()[layer];
+  const LayerWeights& W = model->layers()[layer];
   const float* gate = static_cast<const float*>(W.Expert(W.gate, W.expert_stride_gate, expert).data);
   ASSERT_EQ(s->gate_abs[g].size(), static_cast<size_t>(30 * n_ff));
   int64_t active = 0;
@@ -1140,15 +1147,13 @@ TEST(SparseFfnTest, BatchedOraclePrefillEqualsTheTokenPathBitwise) {
 // nothing from any expert, and the other layer's experts all compute something.
 TEST(SparseFfnTest, PerLayerThresholdsApplyToEveryExpertOfTheLayer) {
   testing::TempDir dir;
-  ASSERT_EQ(testing::WriteSmallModel(dir.File("moe.gguf"), GgmlType::kF32, /*experts=*/4), "");
-  auto model = Model::Load(dir.File("moe.gguf"), LoadOptions());
-  ASSERT_TRUE(model.ok()) << model.status().ToString();
-  const LlamaHparams& hp = (*model)->hparams();
-  ASSERT_EQ(hp.n_experts, 4);
+  std::unique_ptr<Model> model;
+  ASSERT_NO_FATAL_FAILURE(LoadSmallMoe(dir, &model));
+  const LlamaHparams& hp = model->hparams();
   ThreadPool pool(1);
   SparseFfnOptions o;
   o.activation_threshold = {0.0f, 1e9f};
-  auto ffn = SparseFfn::Create(**model, nullptr, o, &pool);
+  auto ffn = SparseFfn::Create(*model, nullptr, o, &pool);
   ASSERT_TRUE(ffn.ok()) << ffn.status().ToString();
   std::mt19937 rng(9);
   std::normal_distribution<float> nd(0.0f, 1.0f);
