@@ -29,6 +29,7 @@ struct ChatFlags {
   EngineFlags engine;
   std::string system;
   int64_t max_tokens = 0;  // per reply; 0: until the model ends its turn or the context is full
+  bool no_think = false;   // a template that reads enable_thinking: replies without thinking
   SamplerConfig sampler;
 };
 
@@ -36,6 +37,17 @@ Status RunChat(const ChatFlags& f) {
   NF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, OpenEngine(f.engine, "chat"));
   const ServedModel& m = engine->served;
   if (!m.chat) return Status::InvalidArgument(m.no_chat);
+  ChatOptions chat_options;
+  if (f.no_think) {
+    if (m.chat->thinking != ChatThinking::kSwitch) {
+      return Status::InvalidArgument("--no-think: the model's chat template does not read enable_thinking (Qwen3's "
+                                     "hybrid templates do); this one " +
+                                     std::string(m.chat->thinking == ChatThinking::kForced
+                                                     ? "always opens the reply in <think>"
+                                                     : "has no thinking to turn off"));
+    }
+    chat_options.enable_thinking = false;
+  }
   InferenceContext& ctx = *m.context;
   const Tokenizer& tok = *m.tokenizer;
   NF_LOG(Info) << "chat with " << m.name << " (" << m.description << ", " << ChatFormatName(m.chat->format)
@@ -54,7 +66,8 @@ Status RunChat(const ChatFlags& f) {
     }
     if (!std::getline(std::cin, line)) break;
     messages.push_back({"user", line});
-    auto text = FormatChat(*m.chat, messages, tok.TokenText(tok.bos_id()), tok.TokenText(tok.eos_id()));
+    auto text =
+        FormatChat(*m.chat, messages, tok.TokenText(tok.bos_id()), tok.TokenText(tok.eos_id()), chat_options);
     if (!text.ok()) return text.status();
     const std::vector<int32_t> prompt = tok.Encode(*text, tok.add_bos(), /*parse_special=*/true);
     const int64_t room = ctx.n_ctx() - static_cast<int64_t>(prompt.size());
@@ -95,6 +108,9 @@ void RegisterChatCommand(CLI::App& app, cli::CommandAction* action) {
                   "Tokens per reply at most (0: until the model ends its turn or the context is full)")
       ->check(cli::kNonNegative)
       ->capture_default_str();
+  cmd->add_flag("--no-think", f->no_think,
+                "Reply without thinking (a template that reads enable_thinking, as Qwen3's hybrid models': each reply "
+                "opens with an empty think block)");
   cli::AddSamplerOptions(cmd, &f->sampler);
   cmd->callback([f, action, cmd, runtime_options] {
     NoteRuntimeOnly(cmd, runtime_options, &f->engine);

@@ -1172,6 +1172,22 @@ TEST(ServeChatTest, ReasoningTemplatesSplitTheReply) {
       EXPECT_EQ(reasoning, message.value("reasoning_content", ""));
       EXPECT_EQ(content, message["content"].get<std::string>());
     }
+    // `nflash chat --no-think` writes the same prompt as enable_thinking false (its reply: that prompt's), and is
+    // refused by a template that always thinks.
+    testing::WriteText(dir.File("turn.txt"), "Once upon a time\n");
+    auto chat = testing::RunCommand(Nflash() + " chat -m " + model + " -t 2 --temp 0 -n 30 --no-think < " +
+                                        dir.File("turn.txt") + " 2> " + dir.File("chat.log"),
+                                    false);
+    if (forced) {
+      EXPECT_EQ(chat.exit_code, 2) << chat.output;
+      EXPECT_NE(ReadText(dir.File("chat.log")).find("--no-think: the model's chat template does not read "
+                                                    "enable_thinking"),
+                std::string::npos)
+          << ReadText(dir.File("chat.log"));
+    } else {
+      EXPECT_EQ(chat.exit_code, 0) << ReadText(dir.File("chat.log"));
+      EXPECT_EQ(chat.output, InProcessReply(model, base + "<think>\n\n</think>\n\n", 30, nullptr) + "\n");
+    }
     for (const auto& [kwargs, field] : {std::pair<Json, std::string>{Json(3), "'chat_template_kwargs'"},
                                         {Json({{"enable_thinking", "no"}}), "'chat_template_kwargs.enable_thinking'"}}) {
       auto [status, j] = Post(*c, "/v1/chat/completions", {{"messages", messages}, {"chat_template_kwargs", kwargs}});
