@@ -394,6 +394,7 @@ Result<SolveResult> SolvePlan(const HardwareParams& hw, const ModelParams& model
   const int max_threads = limits.cores > 0 ? std::min(limits.cores, hw.cores) : hw.cores;
   const auto start = std::chrono::steady_clock::now();
   SolveResult result;
+  result.solver_regions = static_cast<int>(model.ffns.size());
   try {
     const double mem_mib = static_cast<double>(limits.memory_bytes) / kMiB;
     const double max_token_us = limits.min_tokens_per_s > 0 ? 1e6 / limits.min_tokens_per_s : 0;

@@ -23,6 +23,7 @@ struct SolveResult {
   double solve_seconds = 0;
   int candidates = 0;               // knob combinations considered (threads x queue depths x cluster sizes, pruned)
   int solved = 0;                   // of which solved exactly by Z3 (the best-ranked; see OptimiseAll)
+  int solver_regions = 0;           // regions in Z3's program: the model's, or its layers for many experts
   // Infeasible: the names of the conflicting constraints (memory_limit, fixed_part, min_speed) and the nearest
   // feasible limits.
   std::vector<std::string> conflict;

@@ -611,10 +611,13 @@ TEST_F(ServeDenseTest, StreamedLogprobsJoinToTheNonStreamed) {
       {"/completion", {{"n_predict", 400}, {"n_probs", 1}}, "completion_probabilities"},  // the model ends it
       {"/v1/completions", {{"max_tokens", 30}, {"logprobs", 2}, {"stop", " in the"}}, "logprobs"},
       {"/v1/completions", {{"max_tokens", 400}, {"logprobs", 0}}, "logprobs"},
+      // A first token with a leading space (" time"): its legacy text keeps it only if the prompt went through the
+      // detokenizer first.
+      {"/v1/completions", {{"max_tokens", 6}, {"logprobs", 1}, {"prompt", "Once upon a"}}, "logprobs"},
   };
   for (const Case& tc : cases) {
     Json req = tc.request;
-    req["prompt"] = kPrompt;
+    if (!req.contains("prompt")) req["prompt"] = kPrompt;
     req["temperature"] = 0;
     req["cache_prompt"] = false;
     auto [status, plain] = Post(*c, tc.route, req);

@@ -732,6 +732,17 @@ TEST(PlannerTest, ExpertsMergeIntoTheirLayerByActivationsPerNeuron) {
   // Cold: A's 100 first, then 20 of B's; each expert then holds at most its neurons (A: 10 hot + 90 cold).
   EXPECT_EQ(s.cold_slots, (std::vector<int64_t>{90, 20}));
   EXPECT_EQ(s.queue_depth, per_layer.queue_depth);
+  // A layer's runs per token are its experts' route fractions summed; a curve that starts above 0 (activations its
+  // hottest neurons cover at once) keeps that mass.
+  ModelParams uneven = m;
+  uneven.ffns[1].route_fraction = 0.25;
+  uneven.ffns[1].popularity = Curve{{0.0, 1.0}, {0.5, 1.0}};
+  ASSERT_TRUE(GroupExpertsByLayer(uneven, &layers));
+  EXPECT_DOUBLE_EQ(layers.model.ffns[0].Runs(), 0.75);
+  // B's 2.5 active: 1.25 at x = 0, 1.25 over its 100 neurons; A's 10 as before: the layer's 12.5 start at 1.25.
+  EXPECT_NEAR(layers.model.ffns[0].popularity.At(0.0), 1.25 / 12.5, 1e-12);
+  EXPECT_NEAR(layers.model.ffns[0].popularity.At(1.0), 1.0, 1e-12);
+  ASSERT_TRUE(GroupExpertsByLayer(m, &layers));
   // Experts of different sizes in one layer, or a dense model, are not grouped.
   ModelParams mixed = m;
   mixed.ffns[1].read_bytes = 8192;
@@ -772,6 +783,7 @@ TEST(PlannerTest, ManyExpertsSolveAsTheirLayers) {
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   ASSERT_TRUE(r->feasible) << r->message;
+  EXPECT_EQ(r->solver_regions, 4);
   std::printf("256-region solve: %.2f s\n", secs);
   EXPECT_LT(secs, 60);
   EXPECT_LE(r->prediction.memory_bytes, limits.memory_bytes);
