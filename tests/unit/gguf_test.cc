@@ -2,9 +2,6 @@
 // real llama SPM vocabulary file from ../shared.
 #include <gtest/gtest.h>
 #include <malloc.h>
-#if defined(__SANITIZE_ADDRESS__)
-#include <sanitizer/allocator_interface.h>
-#endif
 
 #include <bit>
 #include <chrono>
@@ -335,6 +332,12 @@ TEST(GgufTest, ZeroSizedTensorIsAcceptedLikeGgml) {
 // which replaces the allocator and leaves mallinfo2 at 0, ASan's (the bytes asked for, without headers), which the
 // estimate of glibc's chunks exceeds by their headers and rounding (~13% for this test's strings and arrays).
 #if defined(__SANITIZE_ADDRESS__)
+}  // namespace
+}  // namespace nflash
+// The ASan runtime's allocator statistics (sanitizer/allocator_interface.h, which Debian's g++ 12 does not install).
+extern "C" size_t __sanitizer_get_current_allocated_bytes();
+namespace nflash {
+namespace {
 size_t HeapInUse() { return __sanitizer_get_current_allocated_bytes(); }
 constexpr double kHeapLow = 1.0, kHeapHigh = 1.25;
 #else
