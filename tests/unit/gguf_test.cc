@@ -330,7 +330,7 @@ TEST(GgufTest, ZeroSizedTensorIsAcceptedLikeGgml) {
 
 // The heap in use by the allocator's own count: glibc's (mallinfo2, chunks with their headers), or under AddressSanitizer,
 // which replaces the allocator and leaves mallinfo2 at 0, ASan's (the bytes asked for, without headers), which the
-// estimate of glibc's chunks exceeds by their headers and rounding (~13% for this test's strings and arrays).
+// estimate of glibc's chunks exceeds by their headers and rounding (9% for this test's strings and arrays).
 #if defined(__SANITIZE_ADDRESS__)
 }  // namespace
 }  // namespace nflash
