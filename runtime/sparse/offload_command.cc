@@ -305,6 +305,8 @@ Status RunOffload(const OffloadFlags& f) {
       {"prompt_tokens", ids.size()},
       {"generated", out.size()},
       {"prefill_s", prefill_s},
+      {"cold_preloaded_bundles", rt.ffn().preloaded_bundles()},
+      {"cold_preload_s", rt.ffn().preload_seconds()},
       {"warmup_tokens", warmup},
       {"decode_tok_s", lat_ms.empty() ? 0.0 : static_cast<double>(lat_ms.size()) / decode_s},
       {"token_ms_p50", Percentile(lat_ms, 0.5)},
@@ -585,6 +587,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->slot_alignment = f.slot_alignment;
   o->embedding_on_flash = !f.resident_embedding;
   o->cold_overflow = !f.no_cold_overflow;
+  o->preload_cold = !f.no_cold_preload;
   o->cold_protected_fraction = f.cold_protected;
   if (f.two_phase != "on" && f.two_phase != "off" && f.two_phase != "auto") {
     return Status::InvalidArgument("--two-phase " + f.two_phase + ": expected on, off or auto");
@@ -692,6 +695,9 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_flag("--no-cold-overflow", flags->no_cold_overflow,
                 "With per-layer cold partitions (a plan): keep the miss staging as staging instead of a cold overflow "
                 "pool shared by the layers: a comparison only");
+  cmd->add_flag("--no-cold-preload", flags->no_cold_preload,
+                "Start with an empty cold region instead of reading each layer's most popular cold neurons into it "
+                "at load: a comparison only");
   cmd->add_flag("--no-scatter", flags->no_scatter,
                 "Merge only reads whose cache slots are adjacent in memory, not flash neighbours into one scattered "
                 "read (readv): a comparison only");

@@ -273,6 +273,7 @@ Status OffloadFfn::Init() {
   if (!oracle_) options_.predictor->PrepareScratch(&pred_scratch_);
   if (oracle_) NF_RETURN_IF_ERROR(LoadOracleGates());
   if (pinned) NF_RETURN_IF_ERROR(LoadPinnedClusters());
+  if (options_.preload_cold) NF_RETURN_IF_ERROR(LoadColdPrefix());
   if (options_.mode == OffloadMode::kFull) {
     io_ = std::make_unique<IoWorker>(flash_.get());
     warm_cap_ = options_.warm_next_bytes >= 0 ? static_cast<uint64_t>(options_.warm_next_bytes)
@@ -368,6 +369,64 @@ Status OffloadFfn::LoadPinnedClusters() {
   }
   units_.clear();
   hot.ResetCounters();
+  return Status::Ok();
+}
+
+Status OffloadFfn::LoadColdPrefix() {
+  SlotRegion& cold = cache_->cold();
+  if (cold.SlotCount() == 0) return Status::Ok();
+  const uint64_t t0 = SteadyNowNs();
+  const packer::BundleLayout& lay = deploy_.layout();
+  const RegionConfig& cc = cold.config();
+  const SlotRegion& hot = cache_->hot();
+  std::vector<int32_t> slots;
+  for (int64_t g = 0; g < n_groups_; ++g) {
+    const packer::RegionInfo& region = deploy_.manifest().regions[static_cast<size_t>(g)];
+    const int64_t layer = g / n_experts_;
+    const int64_t expert = model_.hparams().n_experts > 0 ? g % n_experts_ : -1;
+    // The first slot the hot region does not serve (HotPath), and the group's share of the cold region.
+    const int64_t first = !pinned_.empty()     ? std::min(region.n_neurons, pinned_[g] * cluster_neurons_)
+                          : hot.SlotCount() > 0 ? region.hot_count
+                                                : 0;
+    const int64_t share = cc.slots_per_group.empty()
+                              ? cc.shared_slots / n_groups_ + (g < cc.shared_slots % n_groups_ ? 1 : 0)
+                              : cc.slots_per_group[static_cast<size_t>(g)];
+    const int64_t end = first + std::clamp<int64_t>(share, 0, region.n_neurons - first);
+    if (end == first) continue;
+    slots.assign(static_cast<size_t>(end - first), -1);
+    for (int64_t s = first; s < end; ++s) {
+      const SlotRegion::Lookup l = cold.Acquire(g, region.neuron_of_slot[s], /*use_overflow=*/false);
+      if (l.slot < 0) break;  // a partition smaller than its share of the region (or every slot taken)
+      slots[static_cast<size_t>(s - first)] = l.slot;
+    }
+    units_.clear();
+    request_builder_.Reset(kPrefillRequestBytes, /*scatter=*/true, gap_sink_, gap_bytes_);
+    for (int64_t s = first; s < end; ++s) {
+      const int32_t slot = slots[static_cast<size_t>(s - first)];
+      if (slot < 0) continue;
+      const uint64_t offset = region.offset + lay.SlotOffset(s);
+      units_.push_back(Unit{offset, static_cast<size_t>(cold_read_), cold.SlotData(slot), slot, false,
+                            region.neuron_of_slot[s], -1, Phase::kWhole, -1});
+      request_builder_.Add(offset, static_cast<size_t>(cold_read_), cold.SlotData(slot));
+    }
+    const Status batch = flash_->ReadBatch(request_builder_.Finish());
+    // Released least popular first (Release makes a slot the most recently used), so that the most popular are the
+    // last to be evicted.
+    for (auto u = units_.rbegin(); u != units_.rend(); ++u) {
+      NF_RETURN_IF_ERROR(CheckArrival(layer, expert, region, *u, batch).WithContext("preloading the cold region"));
+      cold.Release(u->cache_slot);
+    }
+    preloaded_bundles_ += static_cast<int64_t>(units_.size());
+    stats_[static_cast<size_t>(g)].retries = 0;  // load-time retries are not decode statistics
+  }
+  units_.clear();
+  cold.ResetCounters();
+  preload_s_ = static_cast<double>(SteadyNowNs() - t0) * 1e-9;
+  if (preloaded_bundles_ > 0) {
+    NF_LOG(Info) << "cold region: " << preloaded_bundles_ << " of its " << cold.SlotCount()
+                 << " slots preloaded with the layers' most popular cold neurons in " << preload_s_
+                 << " s (--no-cold-preload: start empty)";
+  }
   return Status::Ok();
 }
 

@@ -203,6 +203,12 @@ struct OffloadOptions {
   // "Warming the next weights while waiting"). -1: half the last-level cache (LastLevelCacheBytes; off when unknown),
   // 0: off.
   int64_t warm_next_bytes = -1;
+  // At Create, the cold region is filled with the bundles that follow each group's hot ones in the layout (the
+  // packer's most popular first, then its co-activation chains, which start from the most popular cold neurons): each
+  // partition up to its size, a shared pool an equal share per group, read in large sequential requests scattered
+  // into the slots (LoadColdPrefix). Decode then starts from the popular neurons instead of an empty region, as the
+  // pinned hot region does. false: the cold region starts empty (a comparison).
+  bool preload_cold = true;
   // Full mode: whether the caller, the pool's workers and the I/O thread are pinned to CPUs for each Eval
   // (runtime/core/thread_placement.h; auto: when the compute threads take every CPU the process may use).
   PinThreads pin_threads = PinThreads::kAuto;
@@ -458,6 +464,9 @@ class OffloadFfn : public FfnBackend {
   // Batched prefill runs in cold slots lent for the prompt (OffloadOptions::prefill_in_cache).
   bool prefill_in_cache() const { return prefill_in_cache_; }
   const OffloadPrefillStats& prefill_stats() const { return prefill_stats_; }
+  // Cold bundles read into the cold region at Create (OffloadOptions::preload_cold), and the time it took.
+  int64_t preloaded_bundles() const { return preloaded_bundles_; }
+  double preload_seconds() const { return preload_s_; }
   // Per layer (MoE: per expert pass), the last batched prefill: of a prompt longer than the context's max_batch, its
   // last chunk (empty when prefill ran token by token).
   const std::vector<PrefillLayerTiming>& prefill_layers() const { return prefill_layers_; }
@@ -485,6 +494,8 @@ class OffloadFfn : public FfnBackend {
   // kPinned: sizes pinned_ from the options and reads every pinned cluster into its slot (batched, verified, each bad
   // cluster read again once, then an error naming it).
   Status LoadPinnedClusters();
+  // OffloadOptions::preload_cold.
+  Status LoadColdPrefix();
   // Batched dense prefill of a layer's FFN, or of an MoE expert's tokens (offload_prefill.cc).
   Status ForwardBatch(int64_t layer, int64_t expert, const Activation& x, float* out);
   // The group whose region batched prefill reads after (layer, expert)'s, or -1 (see NextBatchGroup in
@@ -807,6 +818,8 @@ class OffloadFfn : public FfnBackend {
   float* pf_gate_ = nullptr;              // kPrefillTokenTile x n_ff, slot-view order (see ForwardBatch)
   float* pf_up_ = nullptr;
   OffloadPrefillStats prefill_stats_;
+  int64_t preloaded_bundles_ = 0;
+  double preload_s_ = 0.0;
   OffloadPrefillStats prefill_batch_start_;  // at the current prompt's first batched FFN (for the per-prompt log line)
   bool prefill_batch_begins_ = true;         // set by BeforeAttention of layer 0 for a batch
   bool in_batch_ = false;                    // the engine's current Eval has more than one token (BeforeAttention)

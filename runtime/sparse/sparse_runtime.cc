@@ -219,6 +219,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.cluster_groups = options.cluster_groups;
   oo.chunk_requests = options.chunk_requests;
   oo.scatter_reads = options.scatter_reads;
+  oo.preload_cold = options.preload_cold;
   oo.cold_protected_fraction = options.cold_protected_fraction;
   oo.batched_prefill = batched_prefill;
   oo.prefill_in_cache = prefill_in_cache;

@@ -59,6 +59,8 @@ struct SparseRuntimeOptions {
   int64_t chunk_requests = 16;
   // OffloadOptions::scatter_reads.
   bool scatter_reads = true;
+  // OffloadOptions::preload_cold.
+  bool preload_cold = true;
   // With per-layer cold partitions: the staging memory serves as the cold region's overflow pool
   // (OffloadOptions::cold_overflow_slots); false: it stays staging (a comparison).
   bool cold_overflow = true;

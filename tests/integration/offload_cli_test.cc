@@ -334,7 +334,8 @@ TEST_F(OffloadCliTest, FfnStepsAccountForTheTokenPath) {
 TEST_F(OffloadCliTest, LookaheadReplayReadsAheadWhatTheTraceSaw) {
   const std::string trace = dir_->File("replay.txt");
   const std::string base = Nflash() + " -q offload -d " + Deploy() +
-                           " --active-set oracle --memory 3M --json -n 24 --warmup 4 --lookahead 64 -t 1";
+                           " --active-set oracle --memory 3M --json -n 24 --warmup 4 --lookahead 64 -t 1"
+                           " --no-cold-preload";  // preloaded, 3M would hold every bundle from the start
   auto run = [&](const std::string& flags) {
     auto r = testing::RunCommand(base + " " + flags, /*capture_stderr=*/false);
     EXPECT_EQ(r.exit_code, 0) << r.output;
@@ -397,7 +398,8 @@ TEST_F(OffloadCliTest, LookaheadReplayReadsAheadWhatTheTraceSaw) {
 TEST_F(OffloadCliTest, TraceEventsTimeTheDecode) {
   const std::string path = dir_->File("events.json");
   const int n = 12;
-  auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n " +
+  auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
+                                   " --active-set oracle --memory 3M --no-cold-preload --json -n " +
                                    std::to_string(n) + " --trace-events " + path,
                                /*capture_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -526,10 +528,33 @@ TEST_F(OffloadCliTest, DecodeRateCountsTheMeasuredTokensOnly) {
   EXPECT_LE(decode_s, 2 * sum_ms / 1e3 + 0.5) << "and little else";
 }
 
+// The cold region is preloaded by default: at 3M every bundle of stories260K-relu fits, so the decode reads nothing
+// that --no-cold-preload reads, and writes the same text.
+TEST_F(OffloadCliTest, ColdPreloadChangesReadsNotText) {
+  auto run = [&](const std::string& flags) {
+    auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n 16" +
+                                     flags,
+                                 /*capture_stderr=*/false);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return nlohmann::json::parse(r.output, nullptr, false);
+  };
+  const auto preloaded = run("");
+  const auto empty = run(" --no-cold-preload");
+  ASSERT_FALSE(preloaded.is_discarded() || empty.is_discarded());
+  EXPECT_EQ(preloaded["text"], empty["text"]);
+  EXPECT_GT(preloaded["cold_preloaded_bundles"].get<int64_t>(), 0);
+  EXPECT_GT(preloaded["cold_preload_s"].get<double>(), 0.0);
+  EXPECT_EQ(empty["cold_preloaded_bundles"].get<int64_t>(), 0);
+  EXPECT_GT(empty["requests_per_token"].get<double>(), 0.0);
+  EXPECT_EQ(preloaded["requests_per_token"].get<double>(), 0.0);
+  EXPECT_EQ(preloaded["miss_rate_mean"].get<double>(), 0.0);
+}
+
 TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {
   const std::string trace = dir_->File("active.txt");
   const int n = 12;
-  auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n " +
+  auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
+                                   " --active-set oracle --memory 3M --no-cold-preload --json -n " +
                                    std::to_string(n) + " --trace-active " + trace,
                                /*capture_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.output;

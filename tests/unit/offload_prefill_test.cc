@@ -341,6 +341,7 @@ TEST_F(OffloadPrefillTest, PrefillWarmsTheCachesWithTheLastTokensNeurons) {
     o.hot_policy = HotPolicy::kLru;
     o.cluster_groups = 2;  // clusters of 10 neurons (two pages of 5 bundles): several per layer's hot prefix
     o.cold_slots = cold_slots;  // one pool, shared out evenly over the layers
+    o.preload_cold = false;     // what the prefill puts in, alone
     auto rt = SparseRuntime::Open(deploy, o, pool_);
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
     ASSERT_TRUE((*rt)->context().Eval(prompt, false).ok());

@@ -371,6 +371,7 @@ TEST_F(OffloadTest, LookaheadChangesReadsNotResults) {
     SparseRuntimeOptions o;
     o.active_set = c.predictor ? ActiveSetSource::kAuto : ActiveSetSource::kOracle;
     o.lookahead_slots = c.lookahead;
+    o.preload_cold = false;  // the reads counted below start from an empty cold region
     o.chunk_requests = c.chunk;
     if (c.slow) {
       o.wrap_flash = [](std::shared_ptr<const ReadableFile> base) -> std::shared_ptr<const ReadableFile> {
@@ -729,7 +730,15 @@ TEST_F(OffloadTest, MissesNeverEvictTheSameTokensHits) {
                              dir_->File("misses-trace.txt"));
   ASSERT_TRUE(traced.ok()) << traced.status().ToString();
 
+  // The cold region starts preloaded (OffloadOptions::preload_cold): with no hot region, each partition holds the
+  // region's first kPartition neurons in layout order, the first of them the most recently used.
   std::map<int64_t, std::vector<int64_t>> lru;  // per group, least recently used first
+  const packer::Manifest& manifest = (*rt)->deployment().manifest();
+  for (int64_t g = 0; g < 5; ++g) {
+    const packer::RegionInfo& region = manifest.regions[static_cast<size_t>(g)];
+    for (int64_t s = kPartition - 1; s >= 0; --s) lru[g].push_back(region.neuron_of_slot[static_cast<size_t>(s)]);
+  }
+  EXPECT_EQ((*rt)->ffn().preloaded_bundles(), 5 * kPartition);
   std::map<int64_t, CacheCounters> expect;
   int steps = 0, steps_with_held_active_at_head = 0;
   for (const auto& [g, active] : *traced) {
@@ -845,36 +854,44 @@ TEST_F(OffloadTest, PinnedClustersAreDealtEvenlyOverTheLayers) {
 // fails the opening with a message naming what was being loaded.
 TEST_F(OffloadTest, FaultsWhileOpeningAreRetriedOnceThenReported) {
   ASSERT_TRUE(sparse_ && predicted_);
-  for (bool pinned : {false, true}) {
+  enum class First { kGateRows, kPinned, kColdPreload };
+  for (First first : {First::kGateRows, First::kPinned, First::kColdPreload}) {
+    const bool pinned = first == First::kPinned;
+    const char* what = first == First::kGateRows ? "oracle gate rows"
+                       : pinned                  ? "loading the pinned hot region"
+                                                 : "preloading the cold region";
     for (auto fault : {FaultInjectingFile::Fault::kBitFlip, FaultInjectingFile::Fault::kEio}) {
       for (int count : {1, -1}) {
-        SCOPED_TRACE(std::string(pinned ? "pinned hot region" : "oracle gate rows") + " fault " +
-                     std::to_string(static_cast<int>(fault)) + (count < 0 ? " persistent" : " once"));
+        SCOPED_TRACE(std::string(what) + " fault " + std::to_string(static_cast<int>(fault)) +
+                     (count < 0 ? " persistent" : " once"));
         FaultInjectingFile* fi = nullptr;
         SparseRuntimeOptions o;
-        // The pinned region with the predictor (no gate rows to read first); the gate rows with the oracle.
-        o.active_set = pinned ? ActiveSetSource::kPredictor : ActiveSetSource::kOracle;
+        // The pinned region with the predictor (no gate rows to read first); the gate rows with the oracle; the cold
+        // preload with the predictor and an LRU hot region (nothing else read at Open).
+        o.active_set = first == First::kGateRows ? ActiveSetSource::kOracle : ActiveSetSource::kPredictor;
         o.hot_policy = pinned ? HotPolicy::kPinned : HotPolicy::kLru;
         o.batched_prefill = false;
         o.hot_slots = pinned ? 1000 : 1;
         o.cold_slots = 60;
         o.wrap_flash = WrapWithFaults(&fi, FaultInjectingFile::Rule{fault, 0, UINT64_MAX, count});  // from the first read on
-        auto rt = SparseRuntime::Open(pinned ? dir_->File("deploy-pred") : DeployDir(), o, pool_);
+        auto rt = SparseRuntime::Open(first != First::kGateRows ? dir_->File("deploy-pred") : DeployDir(), o, pool_);
         if (count < 0) {
           ASSERT_FALSE(rt.ok());
           const std::string msg = rt.status().message();
           EXPECT_EQ(rt.status().code(),
                     fault == FaultInjectingFile::Fault::kEio ? StatusCode::kIOError : StatusCode::kCorruption)
               << msg;
-          EXPECT_NE(msg.find(pinned ? "loading the pinned hot region" : "oracle gate rows"), std::string::npos) << msg;
+          EXPECT_NE(msg.find(what), std::string::npos) << msg;
           EXPECT_NE(msg.find(pinned ? "hot cluster 0" : "layer 0"), std::string::npos) << msg;
+          if (first == First::kColdPreload) EXPECT_NE(msg.find("neuron "), std::string::npos) << msg;
           continue;
         }
         ASSERT_TRUE(rt.ok()) << rt.status().ToString();
         ASSERT_NE(fi, nullptr);
         EXPECT_EQ(fi->InjectedCount(), 1);
         EXPECT_EQ((*rt)->ffn().TotalStats().retries, 0) << "load-time retries are not decode statistics";
-        const GreedyRun& ref = pinned ? *predicted_ : *sparse_;
+        if (first == First::kColdPreload) EXPECT_GT((*rt)->ffn().preloaded_bundles(), 0);
+        const GreedyRun& ref = first != First::kGateRows ? *predicted_ : *sparse_;
         auto run = Greedy((*rt)->context(), n_vocab_, 8);
         ASSERT_TRUE(run.ok()) << run.status().ToString();
         ASSERT_TRUE(SameLogits(*run, ref));
