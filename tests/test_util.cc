@@ -15,7 +15,23 @@
 #include <sstream>
 #include <stdexcept>
 
+#if defined(__SANITIZE_ADDRESS__)
+// The ASan runtime's allocator statistics (sanitizer/allocator_interface.h, which Debian's g++ 12 does not install).
+extern "C" size_t __sanitizer_get_current_allocated_bytes();
+#else
+#include <malloc.h>
+#endif
+
 namespace nflash::testing {
+
+#if defined(__SANITIZE_ADDRESS__)
+size_t HeapInUse() { return __sanitizer_get_current_allocated_bytes(); }
+#else
+size_t HeapInUse() {
+  const struct mallinfo2 m = mallinfo2();
+  return m.uordblks + m.hblkhd;  // chunks in the heap, and the large ones glibc maps on their own
+}
+#endif
 
 TempDir::TempDir() {
   const char* base = std::getenv("TMPDIR");

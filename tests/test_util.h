@@ -88,4 +88,17 @@ std::vector<float> ReadNpyF32(const std::string& path, size_t expected);
 // The lines of `text`, without their line breaks (an unterminated last line included).
 std::vector<std::string> Lines(const std::string& text);
 
+// The heap in use by the allocator's own count: glibc's (mallinfo2, chunks with their headers, mapped ones too), or
+// under AddressSanitizer, which replaces the allocator and leaves mallinfo2 at 0, ASan's (the bytes asked for, without
+// headers). An estimate in glibc's chunks (runtime/core/heap_bytes.h) of what a step allocates must lie within
+// [kHeapEstimateLow, kHeapEstimateHigh] x the count's growth over it: 2% either way with glibc; under ASan the
+// estimate exceeds the bytes asked for by the chunks' headers and rounding, by up to 2x for requests of 16 bytes or
+// more (9% for the GGUF test's strings and arrays).
+size_t HeapInUse();
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr double kHeapEstimateLow = 1.0, kHeapEstimateHigh = 2.0;
+#else
+inline constexpr double kHeapEstimateLow = 0.98, kHeapEstimateHigh = 1.02;
+#endif
+
 }  // namespace nflash::testing

@@ -66,7 +66,6 @@ struct Engine {
   cli::LoadedModel dense;                        // dense modes
   std::unique_ptr<InferenceContext> dense_ctx;   // dense modes
   std::unique_ptr<sparse::SparseRuntime> rt;     // sparse modes
-  std::unique_ptr<Tokenizer> sparse_tokenizer;   // sparse modes
   InferenceContext* ctx = nullptr;
   const Tokenizer* tokenizer = nullptr;
   int64_t n_vocab = 0;
@@ -158,10 +157,8 @@ Status OpenEngine(const RowSpec& s, int64_t n_ctx, Engine* e, std::string* unava
     return Status::InvalidArgument("the test needs " + std::to_string(n_ctx) + " positions; " + s.deploy +
                                    " has a context of " + std::to_string(hp.context_length));
   }
-  auto tok = LoadTokenizer(e->rt->model().gguf());
-  if (tok.ok()) e->sparse_tokenizer = std::move(tok).value();
   e->ctx = &e->rt->context();
-  e->tokenizer = e->sparse_tokenizer.get();
+  e->tokenizer = e->rt->tokenizer();  // the runtime's (counted in its budget; nullptr without a vocabulary)
   e->n_vocab = hp.n_vocab;
   return Status::Ok();
 }

@@ -411,6 +411,7 @@ Status RunPerplexity(const PplFlags& f) {
   NF_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWholeFile(f.text_file));
   std::string text(bytes.begin(), bytes.end());
   std::vector<int32_t> ids = tok.Encode(text, true);
+  deploy_tok.reset();  // not held beside the runtime's own tokenizer, which its memory budget counts
   if (f.ctx < 2 || f.ctx > hp.context_length) {
     return Status::InvalidArgument("--ctx " + std::to_string(f.ctx) + " must be in [2, " +
                                    std::to_string(hp.context_length) + "]");

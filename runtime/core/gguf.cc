@@ -10,6 +10,7 @@
 #include <new>
 #include <stdexcept>
 
+#include "runtime/core/heap_bytes.h"
 #include "runtime/core/round.h"
 
 namespace nflash {
@@ -815,12 +816,6 @@ Status GgufWriter::Finish() {
 }
 
 namespace {
-
-// What an allocation of `n` bytes takes from glibc's heap: a chunk of n + 8 bytes rounded up to 16, at least 32.
-uint64_t HeapChunk(uint64_t n) { return n == 0 ? 0 : std::max<uint64_t>(32, (n + 8 + 15) & ~uint64_t{15}); }
-
-// The heap a string's buffer takes when it is not stored inline (libstdc++ keeps 15 characters inline).
-uint64_t StringHeapBytes(const std::string& s) { return s.capacity() > 15 ? HeapChunk(s.capacity() + 1) : 0; }
 
 // The heap `v` holds beyond its own sizeof: a string's buffer, an array's items and theirs.
 uint64_t ValueHeapBytes(const GgufValue& v) {

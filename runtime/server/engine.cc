@@ -31,11 +31,6 @@ Result<std::unique_ptr<Engine>> OpenDense(const EngineFlags& f) {
 
 Result<std::unique_ptr<Engine>> OpenOffloaded(const EngineFlags& f) {
   auto e = std::make_unique<Engine>();
-  {
-    // Closed before the runtime opens, so that its metadata is not held twice (sparse/offload_command.cc).
-    NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::OpenPath(f.runtime.deploy + "/" + packer::kResidentFileName));
-    NF_ASSIGN_OR_RETURN(e->deploy_tokenizer, LoadTokenizer(resident));
-  }
   sparse::SparseRuntimeOptions o;
   int threads = 0;
   // -c 0: the model's context, so that any request the model allows fits (the KV cache counts in --memory).
@@ -45,7 +40,12 @@ Result<std::unique_ptr<Engine>> OpenOffloaded(const EngineFlags& f) {
   e->pool = std::make_unique<ThreadPool>(threads);
   NF_ASSIGN_OR_RETURN(e->offloaded, sparse::OpenRuntime(f.runtime, o, e->pool.get()));
   e->served.context = &e->offloaded->context();
-  e->served.tokenizer = e->deploy_tokenizer.get();
+  // The runtime's tokenizer, which its memory budget counts.
+  e->served.tokenizer = e->offloaded->tokenizer();
+  if (e->served.tokenizer == nullptr) {
+    return Status::InvalidArgument(f.runtime.deploy + "/" + packer::kResidentFileName +
+                                   ": no vocabulary (tokenizer.ggml.tokens): the server needs a tokenizer");
+  }
   e->served.description = "offloaded sparse runtime (" + f.runtime.mode + ", " +
                    (e->offloaded->predictor() ? "predictor" : "oracle") + ")";
   return e;

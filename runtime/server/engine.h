@@ -31,7 +31,6 @@ struct Engine {
   std::unique_ptr<ThreadPool> pool;
   cli::LoadedModel dense;
   std::unique_ptr<InferenceContext> dense_ctx;
-  std::unique_ptr<Tokenizer> deploy_tokenizer;
   std::unique_ptr<sparse::SparseRuntime> offloaded;
   ServedModel served;  // name: the file or directory, without its folders; description: the engine
 };

@@ -107,16 +107,16 @@ Status RunOffload(const OffloadFlags& f) {
   using Clock = std::chrono::steady_clock;
   // The tokenizer and the context size first (the KV cache is part of the fixed memory): -c 0 means prompt +
   // max tokens, as `nflash run` does, capped at the model's context length.
-  std::unique_ptr<Tokenizer> tok;
   LlamaHparams rhp;
+  std::vector<int32_t> ids;
   {
-    // Closed before the runtime opens: its metadata (the vocabulary's arrays: 18 MB for a 151936-token vocabulary)
-    // is not held twice beside the runtime's own copy, outside the budget's accounting.
+    // Closed before the runtime opens: its metadata and this tokenizer (the vocabulary's arrays and strings: 18 MB
+    // each for a 151936-token vocabulary) are not held twice beside the runtime's own, which its budget counts.
     NF_ASSIGN_OR_RETURN(GgufFile resident, GgufFile::OpenPathUncached(f.deploy + "/" + packer::kResidentFileName));
-    NF_ASSIGN_OR_RETURN(tok, LoadTokenizer(resident));
+    NF_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> prompt_tok, LoadTokenizer(resident));
     NF_ASSIGN_OR_RETURN(rhp, ReadLlamaHparams(resident));
+    ids = prompt_tok->Encode(f.prompt, prompt_tok->add_bos());
   }
-  std::vector<int32_t> ids = tok->Encode(f.prompt, tok->add_bos());
   if (ids.empty()) return Status::InvalidArgument("the prompt is empty and the model adds no BOS token: pass -p");
   // The per-token A/B switch, if any: its seed, its JSON key and its name.
   struct AbSwitch {
@@ -150,6 +150,8 @@ Status RunOffload(const OffloadFlags& f) {
   ThreadPool pool(threads);
   NF_ASSIGN_OR_RETURN(std::unique_ptr<SparseRuntime> opened, OpenRuntime(f, o, &pool));
   SparseRuntime& rt = *opened;
+  if (rt.tokenizer() == nullptr) return Status::Internal(f.deploy + ": the runtime loaded no tokenizer");
+  const Tokenizer* tok = rt.tokenizer();
   if (f.lookahead_input_ab != 0 && rt.lookahead_input() != LookaheadInput::kProjected) {
     return Status::InvalidArgument("--lookahead-input-ab: the run guesses from " +
                                    std::string(LookaheadInputName(rt.lookahead_input())) + ", expected projected (" +

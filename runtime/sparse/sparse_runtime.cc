@@ -32,6 +32,9 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   lo.external_ffn = true;
   NF_ASSIGN_OR_RETURN(rt->model_, Model::FromGguf(d.resident_shared(), lo));
   const LlamaHparams& hp = rt->model_->hparams();
+  if (d.resident().Find("tokenizer.ggml.tokens") != nullptr) {
+    NF_ASSIGN_OR_RETURN(rt->tokenizer_, LoadTokenizer(d.resident()));
+  }
 
   const std::string pred_path = d.predictor_path();
   bool oracle = options.active_set == ActiveSetSource::kOracle;
@@ -87,6 +90,8 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   f.scratch += static_cast<uint64_t>(d.manifest().regions.size()) * static_cast<uint64_t>(hp.n_ff) * 24;
   // The resident image's parsed metadata, held with the model (the vocabulary's arrays: 18 MB of a 151936-token one).
   f.scratch += d.resident().MetadataHeapBytes();
+  // The tokenizer: the vocabulary again as strings, its lookup table and merges (18 MB for 151936 tokens).
+  if (rt->tokenizer_) f.scratch += rt->tokenizer_->HeapBytes();
   f.predictor = oracle ? OffloadFfn::EstimateOracleBytes(d, true) : rt->predictor_->PredictorBytes();
   // The lookahead table, when the guess it serves runs (kProjected; otherwise, or without the file, kHits' rule).
   rt->lookahead_input_ = options.lookahead_input;

@@ -19,6 +19,7 @@
 #include "runtime/sparse/flash_embedding.h"
 #include "runtime/sparse/memory_budget.h"
 #include "runtime/sparse/offload_ffn.h"
+#include "runtime/text/tokenizer.h"
 
 namespace nflash::sparse {
 
@@ -135,6 +136,8 @@ class SparseRuntime {
   InferenceContext& context() { return *ctx_; }
   OffloadFfn& ffn() { return *ffn_; }
   const Predictor* predictor() const { return predictor_.get(); }
+  // The model's tokenizer (from resident.gguf; nullptr when it has no vocabulary), counted in the fixed part.
+  const Tokenizer* tokenizer() const { return tokenizer_.get(); }
   LookaheadInput lookahead_input() const { return lookahead_input_; }
   // nullptr when the flash file is not read through io_uring.
   const io::DirectReader* reader() const { return reader_; }
@@ -153,6 +156,7 @@ class SparseRuntime {
   std::unique_ptr<packer::Deployment> deploy_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<Predictor> predictor_;
+  std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<packer::LookaheadTable> lookahead_table_;  // kProjected's table (nullptr: not used)
   LookaheadInput lookahead_input_ = LookaheadInput::kHits;  // what the lookahead really guesses from
   std::shared_ptr<const ReadableFile> flash_;

@@ -7,6 +7,7 @@
 #include <variant>
 
 #include "runtime/core/file.h"
+#include "runtime/core/heap_bytes.h"
 #include "runtime/text/tokenizer_internal.h"
 
 namespace nflash {
@@ -253,6 +254,22 @@ int32_t Tokenizer::FindToken(std::string_view piece) const {
 }
 
 int Tokenizer::ByteValue(int32_t id) const { return id >= 0 && id < n_vocab() ? byte_value_[id] : -1; }
+
+uint64_t Tokenizer::HeapBytes() const {
+  uint64_t bytes = DerivedHeapBytes();
+  for (const std::string* s : {&vocab_.model, &vocab_.pre, &vocab_.chat_template, &vocab_.source}) {
+    bytes += StringHeapBytes(*s);
+  }
+  for (const std::vector<std::string>* v : {&vocab_.tokens, &vocab_.merges}) {
+    bytes += VectorHeapBytes(*v);
+    for (const std::string& s : *v) bytes += StringHeapBytes(s);
+  }
+  bytes += VectorHeapBytes(vocab_.scores) + VectorHeapBytes(vocab_.types);
+  bytes += HashNodesHeapBytes(piece_to_id_, /*cached_hash=*/true);  // std::hash<string_view> is not "fast"
+  bytes += VectorHeapBytes(end_of_generation_) + VectorHeapBytes(special_by_byte_) + VectorHeapBytes(byte_value_);
+  for (const std::vector<int32_t>& v : special_by_byte_) bytes += VectorHeapBytes(v);
+  return bytes;
+}
 
 std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_bos, bool parse_special) const {
   std::vector<int32_t> out;

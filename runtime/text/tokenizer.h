@@ -133,6 +133,9 @@ class Tokenizer {
   // The id of a piece, or -1.
   int32_t FindToken(std::string_view piece) const;
   const VocabData& vocab() const { return vocab_; }
+  // The heap this tokenizer holds, itself included, in glibc's chunks (runtime/core/heap_bytes.h): what a runtime
+  // holding it counts in its memory budget (18 MB for a 151936-token vocabulary with its merges).
+  uint64_t HeapBytes() const;
 
   // Checks what every model needs: tokens present, scores/token_type lengths equal to the token count, token types
   // in 0..6 and byte tokens spelled "<0xXX>", special ids in range. Errors name the tokenizer.ggml.* key.
@@ -147,6 +150,8 @@ class Tokenizer {
   virtual std::string PieceBytes(int32_t id) const = 0;
   // Byte token id -> its byte value (0..255) or -1.
   int ByteValue(int32_t id) const;
+  // HeapBytes' share of the derived class: its object and what its own members hold.
+  virtual uint64_t DerivedHeapBytes() const = 0;
 
   VocabData vocab_;
   std::unordered_map<std::string_view, int32_t> piece_to_id_;  // views into vocab_.tokens (first id wins)

@@ -6,6 +6,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "runtime/core/heap_bytes.h"
 #include "runtime/text/tokenizer.h"
 #include "runtime/text/tokenizer_internal.h"
 
@@ -78,6 +79,11 @@ class BpeTokenizer final : public Tokenizer {
  protected:
   void EncodeFragment(std::string_view text, bool after_special, std::vector<int32_t>* out) const override;
   std::string PieceBytes(int32_t id) const override;
+  uint64_t DerivedHeapBytes() const override {
+    uint64_t bytes = HeapChunk(sizeof(*this)) + HashNodesHeapBytes(merge_rank_, /*cached_hash=*/true);
+    for (const auto& [merge, rank] : merge_rank_) bytes += StringHeapBytes(merge);
+    return bytes;
+  }
 
  private:
   void EncodeWord(std::string_view word, std::vector<int32_t>* out) const;

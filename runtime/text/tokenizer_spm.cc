@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/core/heap_bytes.h"
 #include "runtime/text/tokenizer.h"
 #include "runtime/text/tokenizer_internal.h"
 
@@ -27,6 +28,7 @@ class SpmTokenizer final : public Tokenizer {
  protected:
   void EncodeFragment(std::string_view text, bool after_special, std::vector<int32_t>* out) const override;
   std::string PieceBytes(int32_t id) const override;
+  uint64_t DerivedHeapBytes() const override { return HeapChunk(sizeof(*this)); }
 
  private:
   // The id of a piece the merges may produce or the output may use as is: normal, user-defined and undefined

@@ -532,8 +532,8 @@ TEST_F(OffloadCliTest, DecodeRateCountsTheMeasuredTokensOnly) {
 // that --no-cold-preload reads, and writes the same text.
 TEST_F(OffloadCliTest, ColdPreloadChangesReadsNotText) {
   auto run = [&](const std::string& flags) {
-    auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n 16" +
-                                     flags,
+    auto r = testing::RunCommand(
+        Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n 16" + flags,
                                  /*capture_stderr=*/false);
     EXPECT_EQ(r.exit_code, 0) << r.output;
     return nlohmann::json::parse(r.output, nullptr, false);

@@ -1,7 +1,6 @@
 // Tests of the GGUF reader and writer: round trips, a hand-built byte layout, typed getters, writer misuse, and the
 // real llama SPM vocabulary file from ../shared.
 #include <gtest/gtest.h>
-#include <malloc.h>
 
 #include <bit>
 #include <chrono>
@@ -328,23 +327,6 @@ TEST(GgufTest, ZeroSizedTensorIsAcceptedLikeGgml) {
   EXPECT_TRUE(g->TensorData(g->tensors()[0], &scratch)->empty());
 }
 
-// The heap in use by the allocator's own count: glibc's (mallinfo2, chunks with their headers), or under AddressSanitizer,
-// which replaces the allocator and leaves mallinfo2 at 0, ASan's (the bytes asked for, without headers), which the
-// estimate of glibc's chunks exceeds by their headers and rounding (9% for this test's strings and arrays).
-#if defined(__SANITIZE_ADDRESS__)
-}  // namespace
-}  // namespace nflash
-// The ASan runtime's allocator statistics (sanitizer/allocator_interface.h, which Debian's g++ 12 does not install).
-extern "C" size_t __sanitizer_get_current_allocated_bytes();
-namespace nflash {
-namespace {
-size_t HeapInUse() { return __sanitizer_get_current_allocated_bytes(); }
-constexpr double kHeapLow = 1.0, kHeapHigh = 1.25;
-#else
-size_t HeapInUse() { return mallinfo2().uordblks; }
-constexpr double kHeapLow = 0.98, kHeapHigh = 1.02;
-#endif
-
 // The metadata's heap estimate against what the allocator hands out while the file is parsed (an independent count):
 // a vocabulary-sized array of 100000 strings, half inline (short) and half on the heap, and an array of as many floats,
 // one tensor. With glibc the estimate (its chunk sizes) must be the heap's within 2% (it was within 0.01% when written;
@@ -367,14 +349,14 @@ TEST(GgufTest, MetadataHeapEstimateMatchesTheAllocator) {
   std::vector<uint8_t> data(32, 1);
   ASSERT_TRUE(w.WriteTensorData("t", data).ok());
   ASSERT_TRUE(w.Finish().ok());
-  const size_t before = HeapInUse();
+  const size_t before = testing::HeapInUse();
   auto g = GgufFile::OpenPathUncached(dir.File("h.gguf"));
-  const size_t after = HeapInUse();
+  const size_t after = testing::HeapInUse();
   ASSERT_TRUE(g.ok()) << g.status().ToString();
   const double held = static_cast<double>(after - before), estimate = static_cast<double>(g->MetadataHeapBytes());
   std::printf("metadata heap: estimate %.0f, allocator %.0f bytes\n", estimate, held);
-  EXPECT_GT(estimate, kHeapLow * held);
-  EXPECT_LT(estimate, kHeapHigh * held);
+  EXPECT_GT(estimate, testing::kHeapEstimateLow * held);
+  EXPECT_LT(estimate, testing::kHeapEstimateHigh * held);
 }
 
 TEST(GgufTest, TypedGetters) {

@@ -332,7 +332,8 @@ TEST_F(OffloadTwoPhaseTest, BitwiseEqualToInMemorySparseForEveryCacheSize) {
   for (const Config& c : configs) {
     for (auto [two_phase, align, preload] :
          {std::tuple{true, kPage, false}, std::tuple{false, kPage, false}, std::tuple{true, uint64_t{512}, false},
-          std::tuple{false, uint64_t{512}, false}, std::tuple{true, kPage, true}, std::tuple{true, uint64_t{512}, true}}) {
+          std::tuple{false, uint64_t{512}, false}, std::tuple{true, kPage, true},
+          std::tuple{true, uint64_t{512}, true}}) {
       SCOPED_TRACE(std::string(OffloadModeName(c.mode)) + " hot " + std::to_string(c.hot) + " cold " +
                    std::to_string(c.cold) + " chunk " + std::to_string(c.chunk) + " two-phase " +
                    (two_phase ? "on" : "off") + " slot alignment " + std::to_string(align) +

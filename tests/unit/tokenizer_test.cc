@@ -109,6 +109,52 @@ void CheckVocabVectors(const std::string& vocab_file) {
 
 TEST(TokenizerVocab, LlamaSpm) { CheckVocabVectors("models/vocab/ggml-vocab-llama-spm.gguf"); }
 
+// A tokenizer's heap estimate (what the offloaded runtime counts in its memory budget) against the allocator's own
+// count of what building it kept (testing::HeapInUse): llama's SPM vocabulary from ../shared (32000 tokens, read from
+// its GGUF), and a BPE vocabulary of 60000 tokens and merges, half of them too long to be stored inline.
+TEST(TokenizerVocab, HeapEstimateMatchesTheAllocator) {
+  auto file = GgufFile::OpenPathUncached(testing::SharedPath("models/vocab/ggml-vocab-llama-spm.gguf"));
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  size_t before = testing::HeapInUse();
+  auto spm = LoadTokenizer(*file);
+  size_t after = testing::HeapInUse();
+  ASSERT_TRUE(spm.ok()) << spm.status().ToString();
+  ASSERT_EQ((*spm)->n_vocab(), 32000);
+  double held = static_cast<double>(after - before), estimate = static_cast<double>((*spm)->HeapBytes());
+  std::printf("SPM tokenizer heap: estimate %.0f, allocator %.0f bytes\n", estimate, held);
+  EXPECT_GT(estimate, testing::kHeapEstimateLow * held);
+  EXPECT_LT(estimate, testing::kHeapEstimateHigh * held);
+
+  before = testing::HeapInUse();
+  std::unique_ptr<Tokenizer> bpe;
+  {
+    VocabData v;
+    v.model = "gpt2";
+    v.pre = "qwen2";
+    v.source = "generated";
+    for (int b = 0; b < 256; ++b) v.tokens.push_back(text_internal::ByteToUnicode(static_cast<uint8_t>(b)));
+    for (int i = 0; i < 60000; ++i) {
+      const std::string left = i % 2 ? "a" + std::to_string(i) : "a-longer-left-part-" + std::to_string(i);
+      const std::string right = "b" + std::to_string(i % 977);
+      v.merges.push_back(left + " " + right);
+      v.tokens.push_back(left + right);
+    }
+    v.tokens.push_back("<|im_end|>");
+    v.types.assign(v.tokens.size(), TokenType::kNormal);
+    v.types.back() = TokenType::kControl;
+    v.eos_id = static_cast<int32_t>(v.tokens.size()) - 1;
+    auto made = MakeTokenizer(std::move(v));
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    bpe = std::move(made).value();
+  }
+  after = testing::HeapInUse();
+  held = static_cast<double>(after - before);
+  estimate = static_cast<double>(bpe->HeapBytes());
+  std::printf("BPE tokenizer heap: estimate %.0f, allocator %.0f bytes\n", estimate, held);
+  EXPECT_GT(estimate, testing::kHeapEstimateLow * held);
+  EXPECT_LT(estimate, testing::kHeapEstimateHigh * held);
+}
+
 TEST(SpmTokenizer, SpecialTokensOnlyWhenParsed) {
   std::unique_ptr<Tokenizer> tok = LoadGgufTokenizer(SharedPath("models/vocab/ggml-vocab-llama-spm.gguf"));
   ASSERT_NE(tok, nullptr);
