@@ -89,6 +89,7 @@ Status ApplyPlan(const std::string& plan_path, const std::string& deploy_dir, Sp
   }
   o->shared_cold_pool = o->shared_cold_pool || plan.shared_cold_pool;
   o->memory_budget = plan.memory_limit_bytes;
+  o->plan_fixed_bytes = plan.fixed_bytes;
   o->n_ctx = plan.n_ctx;
   NF_ASSIGN_OR_RETURN(o->kv_type, ParseKvType(plan.kv_type));
   o->io.queue_depth = static_cast<unsigned>(plan.queue_depth);

@@ -174,7 +174,13 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
                                        FormatBytes(f.Total()) + ") need " + FormatBytes(total) + " (" +
                                        std::to_string(total) + " B), over the memory budget " +
                                        FormatBytes(options.memory_budget) + " (" +
-                                       std::to_string(options.memory_budget) + " B); fixed part: " + f.Describe());
+                                       std::to_string(options.memory_budget) + " B); fixed part: " + f.Describe() +
+                                       (options.plan_fixed_bytes > 0 && options.plan_fixed_bytes < f.Total()
+                                            ? "; the plan was made for a fixed part of " +
+                                                  FormatBytes(options.plan_fixed_bytes) + " (" +
+                                                  std::to_string(options.plan_fixed_bytes) +
+                                                  " B): make it again with this nflash (nflash plan)"
+                                            : ""));
       }
       rt->split_.unused_bytes = options.memory_budget - total;
       rt->budget_ = options.memory_budget;

@@ -35,6 +35,9 @@ struct SparseRuntimeOptions {
   std::vector<float> activation_threshold;  // per layer; empty: predictor's / 0
   // Everything the process holds (0: no budget; the caches get hot_slots / cold_slots).
   uint64_t memory_budget = 0;
+  // The fixed part the plan that gave the cache sizes was made for (plan.json `fixed_bytes`; 0: no plan): named when
+  // this runtime's fixed part has grown since and the sizes no longer fit.
+  uint64_t plan_fixed_bytes = 0;
   double hot_fraction = kDefaultHotFraction;
   int64_t hot_slots = 0, cold_slots = 0;
   // Cold slots per layer/expert (manifest region order), e.g. from a plan: replaces cold_slots. With a memory budget

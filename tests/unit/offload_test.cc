@@ -1057,6 +1057,15 @@ TEST_F(OffloadTest, OpenRefusesCacheShapesItCannotHonour) {
   ASSERT_FALSE(rt.ok());
   EXPECT_NE(rt.status().message().find("(" + std::to_string(need) + " B), over the memory budget"), std::string::npos)
       << rt.status().ToString();
+  EXPECT_EQ(rt.status().message().find("the plan was made for"), std::string::npos) << "no plan, no hint";
+  // Sizes from a plan made when the fixed part was counted smaller (an older nflash): the refusal says so.
+  o.plan_fixed_bytes = 1000;
+  rt = Open(o);
+  ASSERT_FALSE(rt.ok());
+  EXPECT_NE(rt.status().message().find("the plan was made for a fixed part of 1000 B (1000 B): make it again"),
+            std::string::npos)
+      << rt.status().ToString();
+  o.plan_fixed_bytes = 0;
   o.memory_budget = need;
   rt = Open(o);
   ASSERT_TRUE(rt.ok()) << rt.status().ToString();
