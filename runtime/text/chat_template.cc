@@ -21,12 +21,18 @@ constexpr std::array<FormatName, 6> kFormats = {{{ChatFormat::kChatMl, "chatml"}
 
 bool Has(std::string_view s, std::string_view part) { return s.find(part) != std::string_view::npos; }
 
-// Python's str.strip() and Jinja's trim over ASCII whitespace.
-std::string Strip(std::string_view s) {
-  constexpr std::string_view kSpace = " \t\n\r\f\v";
-  const size_t first = s.find_first_not_of(kSpace);
-  if (first == std::string_view::npos) return "";
-  return std::string(s.substr(first, s.find_last_not_of(kSpace) - first + 1));
+// Python's str.lstrip / rstrip / strip of the characters `chars`; Strip's default, ASCII whitespace, is also Jinja's
+// trim.
+constexpr std::string_view kAsciiSpace = " \t\n\r\f\v";
+std::string_view LStrip(std::string_view s, std::string_view chars) {
+  return s.substr(std::min(s.size(), s.find_first_not_of(chars)));
+}
+std::string_view RStrip(std::string_view s, std::string_view chars) {
+  const size_t last = s.find_last_not_of(chars);
+  return last == std::string_view::npos ? std::string_view() : s.substr(0, last + 1);
+}
+std::string_view Strip(std::string_view s, std::string_view chars = kAsciiSpace) {
+  return RStrip(LStrip(s, chars), chars);
 }
 
 // The text of a literal system turn in a ChatML template (the system message it writes when the conversation has none,
@@ -57,14 +63,6 @@ std::string DateString(std::string_view jinja) {
   return "26 Jul 2024";
 }
 
-// Python's str.lstrip('\n') / rstrip('\n') / strip('\n').
-std::string_view LStripNl(std::string_view s) { return s.substr(std::min(s.size(), s.find_first_not_of('\n'))); }
-std::string_view RStripNl(std::string_view s) {
-  const size_t last = s.find_last_not_of('\n');
-  return last == std::string_view::npos ? std::string_view() : s.substr(0, last + 1);
-}
-std::string_view StripNl(std::string_view s) { return RStripNl(LStripNl(s)); }
-
 constexpr std::string_view kThinkOpen = "<think>", kThinkClose = "</think>";
 
 // Qwen3's templates on an assistant message: content.split('</think>')[-1].lstrip('\n') and, as its reasoning,
@@ -73,11 +71,11 @@ constexpr std::string_view kThinkOpen = "<think>", kThinkClose = "</think>";
 ReasoningSplit HistorySplit(std::string_view content) {
   const size_t first = content.find(kThinkClose);
   if (first == std::string_view::npos) return {"", std::string(content)};
-  std::string_view before = RStripNl(content.substr(0, first));
+  std::string_view before = RStrip(content.substr(0, first), "\n");
   const size_t open = before.rfind(kThinkOpen);
   if (open != std::string_view::npos) before = before.substr(open + kThinkOpen.size());
   const size_t last = content.rfind(kThinkClose);
-  return {std::string(LStripNl(before)), std::string(LStripNl(content.substr(last + kThinkClose.size())))};
+  return {std::string(LStrip(before, "\n")), std::string(LStrip(content.substr(last + kThinkClose.size()), "\n"))};
 }
 
 Status BadMessage(size_t i, const std::string& what) {
@@ -186,8 +184,8 @@ Result<std::string> FormatChat(const ChatTemplate& chat, std::span<const ChatMes
         }
         const ReasoningSplit r = HistorySplit(m.content);
         if (i > last_query && (i + 1 == messages.size() || !r.reasoning.empty())) {
-          out += "<|im_start|>assistant\n<think>\n" + std::string(StripNl(r.reasoning)) + "\n</think>\n\n" +
-                 std::string(LStripNl(r.content)) + "<|im_end|>\n";
+          out += "<|im_start|>assistant\n<think>\n" + std::string(Strip(r.reasoning, "\n")) + "\n</think>\n\n" +
+                 std::string(LStrip(r.content, "\n")) + "<|im_end|>\n";
         } else {
           out += "<|im_start|>assistant\n" + r.content + "<|im_end|>\n";
         }
@@ -199,10 +197,11 @@ Result<std::string> FormatChat(const ChatTemplate& chat, std::span<const ChatMes
     }
     case ChatFormat::kLlama3:
       if (!chat.system_preamble.empty()) {
-        out += "<|start_header_id|>system<|end_header_id|>\n\n" + chat.system_preamble + Strip(system) + "<|eot_id|>";
+        out += "<|start_header_id|>system<|end_header_id|>\n\n" + chat.system_preamble + std::string(Strip(system)) +
+               "<|eot_id|>";
       }
       for (const ChatMessage& m : chat.system_preamble.empty() ? messages : turns) {
-        out += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n" + Strip(m.content) + "<|eot_id|>";
+        out += "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n" + std::string(Strip(m.content)) + "<|eot_id|>";
       }
       out += "<|start_header_id|>assistant<|end_header_id|>\n\n";
       break;
@@ -218,12 +217,12 @@ Result<std::string> FormatChat(const ChatTemplate& chat, std::span<const ChatMes
       // Every user turn begins with BOS, the first one's from the tokenizer; the system prompt opens the first.
       for (size_t i = 0; i < turns.size(); ++i) {
         if (turns[i].role == "assistant") {
-          out += " " + Strip(turns[i].content) + " " + std::string(eos);
+          out += " " + std::string(Strip(turns[i].content)) + " " + std::string(eos);
           continue;
         }
         const std::string content =
             i == 0 && has_system ? "<<SYS>>\n" + system + "\n<</SYS>>\n\n" + turns[i].content : turns[i].content;
-        out += (i == 0 ? std::string() : std::string(bos)) + "[INST] " + Strip(content) + " [/INST]";
+        out += (i == 0 ? std::string() : std::string(bos)) + "[INST] " + std::string(Strip(content)) + " [/INST]";
       }
       break;
     case ChatFormat::kMistral:
@@ -248,8 +247,9 @@ ReasoningSplit SplitReasoning(std::string_view reply, bool opened) {
     s = t.substr(kThinkOpen.size());
   }
   const size_t close = s.find(kThinkClose);
-  if (close == std::string_view::npos) return {std::string(StripNl(s)), ""};
-  return {std::string(StripNl(s.substr(0, close))), std::string(LStripNl(s.substr(close + kThinkClose.size())))};
+  if (close == std::string_view::npos) return {std::string(Strip(s, "\n")), ""};
+  return {std::string(Strip(s.substr(0, close), "\n")),
+          std::string(LStrip(s.substr(close + kThinkClose.size()), "\n"))};
 }
 
 ReasoningSplit ReasoningStream::Push(std::string_view piece) {
@@ -272,7 +272,7 @@ ReasoningSplit ReasoningStream::Push(std::string_view piece) {
   if (state_ == State::kThinking) {
     const size_t close = held_.find(kThinkClose);
     if (close != std::string::npos) {
-      out.reasoning = RStripNl(std::string_view(held_).substr(0, close));
+      out.reasoning = RStrip(std::string_view(held_).substr(0, close), "\n");
       held_.erase(0, close + kThinkClose.size());
       state_ = State::kAfter;
     } else {
@@ -284,7 +284,7 @@ ReasoningSplit ReasoningStream::Push(std::string_view piece) {
       out.reasoning = held_.substr(0, cut);
       held_.erase(0, cut);
     }
-    if (!started_) out.reasoning = std::string(LStripNl(out.reasoning));
+    if (!started_) out.reasoning = std::string(LStrip(out.reasoning, "\n"));
     started_ = started_ || !out.reasoning.empty();
   }
   if (state_ == State::kAfter) {
@@ -307,8 +307,8 @@ ReasoningSplit ReasoningStream::Finish() {
   ReasoningSplit out;
   if (state_ == State::kStart) out.content = std::move(held_);  // whitespace, or a beginning of "<think>": content
   if (state_ == State::kThinking) {
-    out.reasoning = RStripNl(held_);
-    if (!started_) out.reasoning = std::string(LStripNl(out.reasoning));
+    out.reasoning = RStrip(held_, "\n");
+    if (!started_) out.reasoning = std::string(LStrip(out.reasoning, "\n"));
   }
   held_.clear();
   return out;
