@@ -48,6 +48,108 @@ void LogDone(const std::string& what, const GenerateResult& g) {
                << g.generated_tokens << " generated (" << StopReasonField(g.reason) << ") in " << g.decode_ms << " ms";
 }
 
+// One streamed completion's events (Server-Sent Events: `data: JSON`): each piece of text becomes an event in the
+// route's format; with log-probabilities each event carries those of the tokens sampled since the previous one (the
+// last event the rest: tokens that spelled a stop string), so that the events' lists joined are the non-streamed
+// response's; a reasoning template's reply becomes deltas of reasoning_content, then of content (text that may be
+// the start of a think tag waits for the next piece). Send and the event methods return false once a write fails
+// (the client went away).
+class EventStream {
+ public:
+  EventStream(httplib::DataSink& sink, const CompletionRequest& request, const Tokenizer& tokenizer, std::string id,
+              int64_t created, std::string model_name)
+      : sink_(sink),
+        request_(request),
+        style_(request.style),
+        id_(std::move(id)),
+        created_(created),
+        model_name_(std::move(model_name)),
+        probs_(request, tokenizer, nullptr),
+        reasoning_(request.reasoning_opened) {}
+
+  bool Send(const std::string& data) {
+    const std::string event = "data: " + data + "\n\n";
+    return sink_.write(event.data(), event.size());
+  }
+  // The generation's options, collecting the sampled tokens' log-probabilities for the next event when asked for.
+  GenerateOptions Options() {
+    GenerateOptions options = request_.options;
+    if (options.top_logprobs >= 0) options.on_logprob = [this](const TokenLogprob& t) { pending_.push_back(t); };
+    return options;
+  }
+  // A chat stream opens with the assistant's role, as OpenAI's does.
+  bool Open() {
+    return style_ != ApiStyle::kOpenAiChat ||
+           Send(Dump(OpenAiChatCompletion(id_, created_, model_name_, "", nullptr, /*stream=*/true, /*first=*/true)));
+  }
+  bool Piece(std::string_view piece) {
+    if (request_.split_reasoning) {
+      const ReasoningSplit part = reasoning_.Push(piece);
+      return part.reasoning.empty() && part.content.empty() ? true : ReasoningEvent(part);
+    }
+    const std::string text(piece);
+    nlohmann::json event = style_ == ApiStyle::kLlamaCpp ? nlohmann::json{{"content", text}, {"stop", false}}
+                           : style_ == ApiStyle::kOpenAi
+                               ? OpenAiCompletion(id_, created_, model_name_, text, nullptr)
+                               : OpenAiChatCompletion(id_, created_, model_name_, text, nullptr, true, false);
+    Attach(&event);
+    return Send(Dump(event));
+  }
+  // The held-back reasoning text, the summary, and OpenAI's [DONE].
+  void Finish(const GenerateResult& g) {
+    if (style_ == ApiStyle::kLlamaCpp) {
+      nlohmann::json last = LlamaCppSummary(request_, g, model_name_);
+      last["content"] = "";
+      Attach(&last);
+      Send(Dump(last));
+      return;
+    }
+    if (request_.split_reasoning) {
+      const ReasoningSplit rest = reasoning_.Finish();
+      if (!rest.reasoning.empty() || !rest.content.empty()) ReasoningEvent(rest);
+    }
+    nlohmann::json last = style_ == ApiStyle::kOpenAi
+                              ? OpenAiCompletion(id_, created_, model_name_, "", &g)
+                              : OpenAiChatCompletion(id_, created_, model_name_, "", &g, /*stream=*/true,
+                                                     /*first=*/false);
+    Attach(&last);
+    Send(Dump(last));
+    Send("[DONE]");
+  }
+
+ private:
+  // The event's log-probabilities: those of the tokens not sent yet.
+  void Attach(nlohmann::json* event) {
+    if (request_.options.top_logprobs < 0) return;
+    probs_.Add(pending_);
+    pending_.clear();
+    if (style_ == ApiStyle::kLlamaCpp) {
+      (*event)["completion_probabilities"] = probs_.Take();
+    } else {
+      (*event)["choices"][0]["logprobs"] = probs_.Take();
+    }
+  }
+  bool ReasoningEvent(const ReasoningSplit& part) {
+    nlohmann::json event = OpenAiChatCompletion(id_, created_, model_name_, "", nullptr, true, false);
+    nlohmann::json& delta = event["choices"][0]["delta"];
+    delta = nlohmann::json::object();
+    if (!part.reasoning.empty()) delta["reasoning_content"] = part.reasoning;
+    if (!part.content.empty()) delta["content"] = part.content;
+    Attach(&event);
+    return Send(Dump(event));
+  }
+
+  httplib::DataSink& sink_;
+  const CompletionRequest& request_;
+  ApiStyle style_;
+  std::string id_;
+  int64_t created_;
+  std::string model_name_;
+  LogprobsWriter probs_;
+  std::vector<TokenLogprob> pending_;  // sampled since the last event
+  ReasoningStream reasoning_;
+};
+
 }  // namespace
 
 struct CompletionServer::Impl {
@@ -214,74 +316,23 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
     return SendJson(res, 200, body);
   }
 
-  // Server-Sent Events: one `data: JSON` event per piece of text, then the summary (and OpenAI's [DONE]). httplib
-  // calls the provider once the headers are out; generation runs inside it, so each event is written as its token
-  // is produced, and a failed write (the client went away) ends the generation. With log-probabilities each event
-  // carries those of the tokens sampled since the previous one (the last event the rest: tokens that spelled a stop
-  // string), so that the events' lists joined are the non-streamed response's.
+  // Server-Sent Events (EventStream). httplib calls the provider once the headers are out; generation runs inside
+  // it, so each event is written as its token is produced, and a failed write (the client went away) ends the
+  // generation.
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
-      "text/event-stream", [this, request, id, created, style, what](size_t, httplib::DataSink& sink) {
-        auto send = [&sink](const std::string& data) {
-          const std::string event = "data: " + data + "\n\n";
-          return sink.write(event.data(), event.size());
-        };
+      "text/event-stream", [this, request, id, created, what](size_t, httplib::DataSink& sink) {
+        EventStream events(sink, *request, *model.tokenizer, id, created, model.name);
         std::unique_lock<std::mutex> lock(generate_mu);
         if (stopping) {
-          send(Dump(ErrorBody(503, "the server is shutting down")));
+          events.Send(Dump(ErrorBody(503, "the server is shutting down")));
           sink.done();
           return true;
         }
-        // A chat stream opens with the assistant's role, as OpenAI's does.
-        if (style == ApiStyle::kOpenAiChat &&
-            !send(Dump(OpenAiChatCompletion(id, created, model.name, "", nullptr, /*stream=*/true, /*first=*/true)))) {
-          return false;
-        }
-        GenerateOptions options = request->options;
-        const bool logprobs = options.top_logprobs >= 0;
-        LogprobsWriter probs(*request, *model.tokenizer, nullptr);
-        std::vector<TokenLogprob> pending;  // sampled since the last event
-        if (logprobs) options.on_logprob = [&pending](const TokenLogprob& t) { pending.push_back(t); };
-        // The event's log-probabilities: those of the tokens not sent yet.
-        auto attach = [&](nlohmann::json* event) {
-          if (!logprobs) return;
-          probs.Add(pending);
-          pending.clear();
-          if (style == ApiStyle::kLlamaCpp) {
-            (*event)["completion_probabilities"] = probs.Take();
-          } else {
-            (*event)["choices"][0]["logprobs"] = probs.Take();
-          }
-        };
-        // A reasoning template's reply: deltas of reasoning_content, then of content (text that may be the start of
-        // a think tag waits for the next piece).
-        ReasoningStream reasoning(request->reasoning_opened);
-        auto reasoning_event = [&](const ReasoningSplit& part) {
-          nlohmann::json event = OpenAiChatCompletion(id, created, model.name, "", nullptr, true, false);
-          nlohmann::json& delta = event["choices"][0]["delta"];
-          delta = nlohmann::json::object();
-          if (!part.reasoning.empty()) delta["reasoning_content"] = part.reasoning;
-          if (!part.content.empty()) delta["content"] = part.content;
-          attach(&event);
-          return send(Dump(event));
-        };
+        if (!events.Open()) return false;
         auto g = GenerateCached(*model.context, &held, request->cache_prompt, *model.tokenizer, request->prompt_ids,
-                                options, [&](std::string_view piece) {
-                                  if (stopping) return false;
-                                  if (request->split_reasoning) {
-                                    const ReasoningSplit part = reasoning.Push(piece);
-                                    return part.reasoning.empty() && part.content.empty() ? true
-                                                                                          : reasoning_event(part);
-                                  }
-                                  const std::string text(piece);
-                                  nlohmann::json event =
-                                      style == ApiStyle::kLlamaCpp ? nlohmann::json{{"content", text}, {"stop", false}}
-                                      : style == ApiStyle::kOpenAi
-                                          ? OpenAiCompletion(id, created, model.name, text, nullptr)
-                                          : OpenAiChatCompletion(id, created, model.name, text, nullptr, true, false);
-                                  attach(&event);
-                                  return send(Dump(event));
-                                });
+                                events.Options(),
+                                [&](std::string_view piece) { return !stopping && events.Piece(piece); });
         // How the generation ended is logged before the next completion may start, so that the line precedes
         // anything the next request logs.
         if (g.ok() && g->cancelled) {
@@ -293,27 +344,9 @@ void CompletionServer::Impl::Completion(const httplib::Request& req, httplib::Re
         lock.unlock();
         if (!g.ok()) {
           NF_LOG(Error) << what << ": " << g.status().ToString();
-          send(Dump(ErrorBody(500, g.status().ToString())));
-          sink.done();
-          return true;
-        }
-        if (style == ApiStyle::kLlamaCpp) {
-          nlohmann::json last = LlamaCppSummary(*request, *g, model.name);
-          last["content"] = "";
-          attach(&last);
-          send(Dump(last));
+          events.Send(Dump(ErrorBody(500, g.status().ToString())));
         } else {
-          if (request->split_reasoning) {
-            const ReasoningSplit rest = reasoning.Finish();
-            if (!rest.reasoning.empty() || !rest.content.empty()) reasoning_event(rest);
-          }
-          nlohmann::json last = style == ApiStyle::kOpenAi
-                                    ? OpenAiCompletion(id, created, model.name, "", &*g)
-                                    : OpenAiChatCompletion(id, created, model.name, "", &*g, /*stream=*/true,
-                                                           /*first=*/false);
-          attach(&last);
-          send(Dump(last));
-          send("[DONE]");
+          events.Finish(*g);
         }
         sink.done();
         return true;
