@@ -91,6 +91,7 @@ std::string FixedMemory::Describe() const {
                   ", scratch " + FormatBytes(scratch);
   if (predictor > 0) s += ", predictor " + FormatBytes(predictor);
   if (lookahead > 0) s += ", lookahead table " + FormatBytes(lookahead);
+  if (vocabulary > 0) s += ", metadata and tokenizer " + FormatBytes(vocabulary);
   return s;
 }
 
@@ -144,6 +145,7 @@ std::string DescribeAccounting(uint64_t budget, const FixedMemory& fixed, const 
   s += row("scratch", fixed.scratch);
   s += row("predictor", fixed.predictor);
   if (fixed.lookahead > 0) s += row("lookahead table", fixed.lookahead);
+  if (fixed.vocabulary > 0) s += row("metadata, tokenizer", fixed.vocabulary);
   s += row("hot region", split.hot_bytes);
   s += row("cold region", split.cold_bytes);
   s += row("total", fixed.Total() + split.hot_bytes + split.cold_bytes);

@@ -31,8 +31,9 @@ struct FixedMemory {
   uint64_t scratch = 0;           // activations, logits, per-token read buffers for misses that get no cache slot
   uint64_t predictor = 0;         // predictor weights (0 in oracle mode)
   uint64_t lookahead = 0;         // the lookahead projection table (lookahead.gguf; 0 when not used)
-  uint64_t Total() const { return resident_weights + kv_cache + scratch + predictor + lookahead; }
-  // "resident weights A, KV cache B, scratch C[, predictor D][, lookahead table E]"
+  uint64_t vocabulary = 0;        // resident.gguf's parsed metadata and the tokenizer built from it (heap estimates)
+  uint64_t Total() const { return resident_weights + kv_cache + scratch + predictor + lookahead + vocabulary; }
+  // "resident weights A, KV cache B, scratch C[, predictor D][, lookahead table E][, metadata and tokenizer F]"
   std::string Describe() const;
 };
 

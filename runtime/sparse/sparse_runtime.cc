@@ -88,10 +88,9 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
               (rt->embedding_ ? rt->embedding_->memory_bytes() : 0);
   // Index tables of every region: slot_of_neuron, neuron_of_slot (4 bytes each), two hashes (8 bytes each).
   f.scratch += static_cast<uint64_t>(d.manifest().regions.size()) * static_cast<uint64_t>(hp.n_ff) * 24;
-  // The resident image's parsed metadata, held with the model (the vocabulary's arrays: 18 MB of a 151936-token one).
-  f.scratch += d.resident().MetadataHeapBytes();
-  // The tokenizer: the vocabulary again as strings, its lookup table and merges (18 MB for 151936 tokens).
-  if (rt->tokenizer_) f.scratch += rt->tokenizer_->HeapBytes();
+  // The resident image's parsed metadata, held with the model (the vocabulary's arrays: 18 MB of a 151936-token one),
+  // and the tokenizer (the vocabulary again as strings, its lookup table and merges: 18 MB more).
+  f.vocabulary = d.resident().MetadataHeapBytes() + (rt->tokenizer_ ? rt->tokenizer_->HeapBytes() : 0);
   f.predictor = oracle ? OffloadFfn::EstimateOracleBytes(d, true) : rt->predictor_->PredictorBytes();
   // The lookahead table, when the guess it serves runs (kProjected; otherwise, or without the file, kHits' rule).
   rt->lookahead_input_ = options.lookahead_input;

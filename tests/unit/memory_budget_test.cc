@@ -89,6 +89,14 @@ TEST(MemoryBudgetTest, RefusesWithTheMinimum) {
   EXPECT_NE(s.message().find("predictor 1.00 MiB, lookahead table 2.00 MiB); the minimum is 1.50 GiB (1613758464 bytes)"),
             std::string::npos)
       << s.message();
+  // So are the parsed metadata and the tokenizer.
+  f.vocabulary = 4ull << 20;
+  EXPECT_EQ(f.Total(), 1610612736ull + (7ull << 20));
+  s = CheckFixedFits(1ull << 30, f);
+  EXPECT_NE(s.message().find("lookahead table 2.00 MiB, metadata and tokenizer 4.00 MiB); the minimum is 1.51 GiB "
+                             "(1617952768 bytes)"),
+            std::string::npos)
+      << s.message();
 }
 
 TEST(MemoryBudgetTest, DefaultSplitHotFirstThenCold) {

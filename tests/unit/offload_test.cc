@@ -1016,6 +1016,24 @@ TEST_F(OffloadTest, MemoryBudgetRefusesBelowTheFixedPart) {
 // naming what it got: a slot alignment that is not a power of two up to 4 KiB, per-layer slot lists of another length
 // than the deployment's layers, explicit cache sizes that with the fixed part exceed the budget (and the same sizes
 // within a budget that holds them open).
+// The fixed part counts resident.gguf's parsed metadata and the runtime's tokenizer, whose estimates are checked
+// against the allocator in gguf_tests and text_tests: recomputed here from the file, opened and built again.
+TEST_F(OffloadTest, FixedPartCountsTheMetadataAndTheTokenizer) {
+  SparseRuntimeOptions o;
+  o.active_set = ActiveSetSource::kOracle;
+  auto rt = Open(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  ASSERT_NE((*rt)->tokenizer(), nullptr);
+  EXPECT_EQ((*rt)->tokenizer()->n_vocab(), n_vocab_);
+  auto resident = GgufFile::OpenPathUncached(DeployDir() + "/" + packer::kResidentFileName);
+  ASSERT_TRUE(resident.ok()) << resident.status().ToString();
+  auto tok = LoadTokenizer(*resident);
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  EXPECT_GT((*tok)->HeapBytes(), static_cast<uint64_t>(n_vocab_) * 8);
+  EXPECT_EQ((*rt)->fixed().vocabulary, resident->MetadataHeapBytes() + (*tok)->HeapBytes());
+  EXPECT_NE((*rt)->Accounting().find("metadata, tokenizer"), std::string::npos) << (*rt)->Accounting();
+}
+
 TEST_F(OffloadTest, OpenRefusesCacheShapesItCannotHonour) {
   SparseRuntimeOptions o;
   o.active_set = ActiveSetSource::kOracle;
