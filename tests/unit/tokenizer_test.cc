@@ -111,46 +111,17 @@ TEST(TokenizerVocab, LlamaSpm) { CheckVocabVectors("models/vocab/ggml-vocab-llam
 
 // A tokenizer's heap estimate (what the offloaded runtime counts in its memory budget) against the allocator's own
 // count of what building it kept (testing::HeapInUse): llama's SPM vocabulary from ../shared (32000 tokens, read from
-// its GGUF), and a BPE vocabulary of 60000 tokens and merges, half of them too long to be stored inline.
-TEST(TokenizerVocab, HeapEstimateMatchesTheAllocator) {
+// its GGUF); a BPE one below (BpeTokenizer.HeapEstimateMatchesTheAllocator).
+TEST(SpmTokenizer, HeapEstimateMatchesTheAllocator) {
   auto file = GgufFile::OpenPathUncached(testing::SharedPath("models/vocab/ggml-vocab-llama-spm.gguf"));
   ASSERT_TRUE(file.ok()) << file.status().ToString();
-  size_t before = testing::HeapInUse();
+  const size_t before = testing::HeapInUse();
   auto spm = LoadTokenizer(*file);
-  size_t after = testing::HeapInUse();
+  const size_t after = testing::HeapInUse();
   ASSERT_TRUE(spm.ok()) << spm.status().ToString();
   ASSERT_EQ((*spm)->n_vocab(), 32000);
-  double held = static_cast<double>(after - before), estimate = static_cast<double>((*spm)->HeapBytes());
+  const double held = static_cast<double>(after - before), estimate = static_cast<double>((*spm)->HeapBytes());
   std::printf("SPM tokenizer heap: estimate %.0f, allocator %.0f bytes\n", estimate, held);
-  EXPECT_GT(estimate, testing::kHeapEstimateLow * held);
-  EXPECT_LT(estimate, testing::kHeapEstimateHigh * held);
-
-  before = testing::HeapInUse();
-  std::unique_ptr<Tokenizer> bpe;
-  {
-    VocabData v;
-    v.model = "gpt2";
-    v.pre = "qwen2";
-    v.source = "generated";
-    for (int b = 0; b < 256; ++b) v.tokens.push_back(text_internal::ByteToUnicode(static_cast<uint8_t>(b)));
-    for (int i = 0; i < 60000; ++i) {
-      const std::string left = i % 2 ? "a" + std::to_string(i) : "a-longer-left-part-" + std::to_string(i);
-      const std::string right = "b" + std::to_string(i % 977);
-      v.merges.push_back(left + " " + right);
-      v.tokens.push_back(left + right);
-    }
-    v.tokens.push_back("<|im_end|>");
-    v.types.assign(v.tokens.size(), TokenType::kNormal);
-    v.types.back() = TokenType::kControl;
-    v.eos_id = static_cast<int32_t>(v.tokens.size()) - 1;
-    auto made = MakeTokenizer(std::move(v));
-    ASSERT_TRUE(made.ok()) << made.status().ToString();
-    bpe = std::move(made).value();
-  }
-  after = testing::HeapInUse();
-  held = static_cast<double>(after - before);
-  estimate = static_cast<double>(bpe->HeapBytes());
-  std::printf("BPE tokenizer heap: estimate %.0f, allocator %.0f bytes\n", estimate, held);
   EXPECT_GT(estimate, testing::kHeapEstimateLow * held);
   EXPECT_LT(estimate, testing::kHeapEstimateHigh * held);
 }
@@ -585,6 +556,28 @@ VocabData HandBuiltBpe(const std::vector<std::pair<std::string, std::string>>& m
 }
 
 const std::string kG = "\xC4\xA0";  // 'Ġ', the space byte
+
+// As SpmTokenizer.HeapEstimateMatchesTheAllocator, for a BPE vocabulary of 60000 merges and their tokens, half of
+// them too long to be stored inline, counted from before the vocabulary is built.
+TEST(BpeTokenizer, HeapEstimateMatchesTheAllocator) {
+  const size_t before = testing::HeapInUse();
+  std::unique_ptr<Tokenizer> bpe;
+  {
+    std::vector<std::pair<std::string, std::string>> merges;
+    for (int i = 0; i < 60000; ++i) {
+      merges.emplace_back(i % 2 ? "a" + std::to_string(i) : "a-longer-left-part-" + std::to_string(i),
+                          "b" + std::to_string(i % 977));
+    }
+    auto made = MakeTokenizer(HandBuiltBpe(merges, "qwen2"));
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    bpe = std::move(made).value();
+  }
+  const size_t after = testing::HeapInUse();
+  const double held = static_cast<double>(after - before), estimate = static_cast<double>(bpe->HeapBytes());
+  std::printf("BPE tokenizer heap: estimate %.0f, allocator %.0f bytes\n", estimate, held);
+  EXPECT_GT(estimate, testing::kHeapEstimateLow * held);
+  EXPECT_LT(estimate, testing::kHeapEstimateHigh * held);
+}
 
 TEST(BpeTokenizer, HandBuiltMerges) {
   auto tok = MakeTokenizer(HandBuiltBpe({{"h", "e"},         // 256
