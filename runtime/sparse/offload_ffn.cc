@@ -379,6 +379,13 @@ Status OffloadFfn::LoadColdPrefix() {
   const packer::BundleLayout& lay = deploy_.layout();
   const RegionConfig& cc = cold.config();
   const SlotRegion& hot = cache_->hot();
+  const std::vector<int64_t>& weights = options_.preload_weights;
+  if (!weights.empty() && static_cast<int64_t>(weights.size()) != n_groups_) {
+    return Status::InvalidArgument("preload_weights has " + std::to_string(weights.size()) +
+                                   " entries, expected one per layer/expert (" + std::to_string(n_groups_) + ")");
+  }
+  long double weight_sum = 0;
+  for (int64_t w : weights) weight_sum += static_cast<long double>(std::max<int64_t>(0, w));
   std::vector<int32_t> slots;
   for (int64_t g = 0; g < n_groups_; ++g) {
     const packer::RegionInfo& region = deploy_.manifest().regions[static_cast<size_t>(g)];
@@ -388,9 +395,13 @@ Status OffloadFfn::LoadColdPrefix() {
     const int64_t first = !pinned_.empty()     ? std::min(region.n_neurons, pinned_[g] * cluster_neurons_)
                           : hot.SlotCount() > 0 ? region.hot_count
                                                 : 0;
-    const int64_t share = cc.slots_per_group.empty()
-                              ? cc.shared_slots / n_groups_ + (g < cc.shared_slots % n_groups_ ? 1 : 0)
-                              : cc.slots_per_group[static_cast<size_t>(g)];
+    const int64_t share =
+        !cc.slots_per_group.empty() ? cc.slots_per_group[static_cast<size_t>(g)]
+        : weight_sum > 0
+            ? static_cast<int64_t>(static_cast<long double>(cc.shared_slots) *
+                                   static_cast<long double>(std::max<int64_t>(0, weights[static_cast<size_t>(g)])) /
+                                   weight_sum)
+            : cc.shared_slots / n_groups_ + (g < cc.shared_slots % n_groups_ ? 1 : 0);
     const int64_t end = first + std::clamp<int64_t>(share, 0, region.n_neurons - first);
     if (end == first) continue;
     slots.assign(static_cast<size_t>(end - first), -1);

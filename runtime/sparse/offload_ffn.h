@@ -209,6 +209,9 @@ struct OffloadOptions {
   // into the slots (LoadColdPrefix). Decode then starts from the popular neurons instead of an empty region, as the
   // pinned hot region does. false: the cold region starts empty (a comparison).
   bool preload_cold = true;
+  // With one shared pool: each group's share of the preload in proportion to these (n_groups entries, e.g. a plan's
+  // per-region cold slots, which weigh the experts a router picks more often); empty: equal shares.
+  std::vector<int64_t> preload_weights;
   // Full mode: whether the caller, the pool's workers and the I/O thread are pinned to CPUs for each Eval
   // (runtime/core/thread_placement.h; auto: when the compute threads take every CPU the process may use).
   PinThreads pin_threads = PinThreads::kAuto;

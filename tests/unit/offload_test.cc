@@ -787,6 +787,44 @@ TEST_F(OffloadTest, MissesNeverEvictTheSameTokensHits) {
   }
 }
 
+// The preload of one shared pool: without weights each layer gets an equal share (the first layers one more while a
+// remainder lasts); with a plan's per-layer cold slots run as one pool, a share in proportion to them (rounded down).
+// Each share is the layer's first cold neurons in layout order (no hot region here: from slot 0).
+TEST_F(OffloadTest, SharedPoolPreloadIsSharedOutByThePlansSizes) {
+  auto d = packer::Deployment::Open(DeployDir());
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  const std::vector<int64_t> weights = {10, 20, 30, 40, 50};
+  for (bool weighted : {false, true}) {
+    SCOPED_TRACE(weighted ? "weighted" : "equal shares");
+    SparseRuntimeOptions o;
+    o.active_set = ActiveSetSource::kOracle;
+    o.hot_slots = 0;
+    if (weighted) {
+      o.cold_slots_per_group = weights;
+      o.shared_cold_pool = true;
+    } else {
+      o.cold_slots = 151;
+    }
+    auto rt = Open(o);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    const SlotRegion& cold = (*rt)->ffn().cache().cold();
+    const int64_t pool = cold.SlotCount();
+    ASSERT_GE(pool, 150);  // the weights' sum, or 151 and the staging a shared pool takes in
+    int64_t total = 0;
+    for (int64_t g = 0; g < 5; ++g) {
+      const int64_t share = weighted ? pool * weights[static_cast<size_t>(g)] / 150 : pool / 5 + (g < pool % 5 ? 1 : 0);
+      ASSERT_LT(share, 172) << "a share below the layer's neurons, so that the next one is not held";
+      const packer::RegionInfo& region = (*d)->manifest().regions[static_cast<size_t>(g)];
+      for (int64_t s = 0; s <= share; ++s) {
+        EXPECT_EQ(cold.Find(g, region.neuron_of_slot[static_cast<size_t>(s)]) >= 0, s < share)
+            << "layer " << g << " slot " << s << " share " << share;
+      }
+      total += share;
+    }
+    EXPECT_EQ((*rt)->ffn().preloaded_bundles(), total);
+  }
+}
+
 // Pinned hot clusters without a plan: hot_slots is split evenly over the layers, one more for the first layers while
 // a remainder lasts, and never more than a layer has (its clusters); a plan's per-layer counts are clamped the same
 // way. Counted here by dealing the clusters out one at a time, layer after layer.
