@@ -44,7 +44,8 @@ Result<std::unique_ptr<Engine>> OpenOffloaded(const EngineFlags& f) {
   e->served.tokenizer = e->offloaded->tokenizer();
   if (e->served.tokenizer == nullptr) {
     return Status::InvalidArgument(f.runtime.deploy + "/" + packer::kResidentFileName +
-                                   ": no vocabulary (tokenizer.ggml.tokens): the server needs a tokenizer");
+                                   ": no tokenizer (no tokenizer.ggml.tokens, or one nflash cannot read: see the "
+                                   "warning above); the server needs one");
   }
   e->served.description = "offloaded sparse runtime (" + f.runtime.mode + ", " +
                    (e->offloaded->predictor() ? "predictor" : "oracle") + ")";

@@ -32,8 +32,15 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   lo.external_ffn = true;
   NF_ASSIGN_OR_RETURN(rt->model_, Model::FromGguf(d.resident_shared(), lo));
   const LlamaHparams& hp = rt->model_->hparams();
+  // The tokenizer, for the commands that take and give text (a vocabulary nflash cannot build leaves it null: the
+  // runtime still computes tokens, e.g. for `nflash plan` and `bench`).
   if (d.resident().Find("tokenizer.ggml.tokens") != nullptr) {
-    NF_ASSIGN_OR_RETURN(rt->tokenizer_, LoadTokenizer(d.resident()));
+    Result<std::unique_ptr<Tokenizer>> tok = LoadTokenizer(d.resident());
+    if (tok.ok()) {
+      rt->tokenizer_ = std::move(tok).value();
+    } else {
+      NF_LOG(Warning) << d.resident_path() << ": no tokenizer: " << tok.status().ToString();
+    }
   }
 
   const std::string pred_path = d.predictor_path();

@@ -139,7 +139,8 @@ class SparseRuntime {
   InferenceContext& context() { return *ctx_; }
   OffloadFfn& ffn() { return *ffn_; }
   const Predictor* predictor() const { return predictor_.get(); }
-  // The model's tokenizer (from resident.gguf; nullptr when it has no vocabulary), counted in the fixed part.
+  // The model's tokenizer (from resident.gguf; nullptr when it has no vocabulary or one LoadTokenizer refuses, which
+  // Open logs), counted in the fixed part.
   const Tokenizer* tokenizer() const { return tokenizer_.get(); }
   LookaheadInput lookahead_input() const { return lookahead_input_; }
   // nullptr when the flash file is not read through io_uring.
