@@ -60,7 +60,6 @@ class EventStream {
               int64_t created, std::string model_name)
       : sink_(sink),
         request_(request),
-        style_(request.style),
         id_(std::move(id)),
         created_(created),
         model_name_(std::move(model_name)),
@@ -79,7 +78,7 @@ class EventStream {
   }
   // A chat stream opens with the assistant's role, as OpenAI's does.
   bool Open() {
-    return style_ != ApiStyle::kOpenAiChat ||
+    return request_.style != ApiStyle::kOpenAiChat ||
            Send(Dump(OpenAiChatCompletion(id_, created_, model_name_, "", nullptr, /*stream=*/true, /*first=*/true)));
   }
   bool Piece(std::string_view piece) {
@@ -88,8 +87,8 @@ class EventStream {
       return part.reasoning.empty() && part.content.empty() ? true : ReasoningEvent(part);
     }
     const std::string text(piece);
-    nlohmann::json event = style_ == ApiStyle::kLlamaCpp ? nlohmann::json{{"content", text}, {"stop", false}}
-                           : style_ == ApiStyle::kOpenAi
+    nlohmann::json event = request_.style == ApiStyle::kLlamaCpp ? nlohmann::json{{"content", text}, {"stop", false}}
+                           : request_.style == ApiStyle::kOpenAi
                                ? OpenAiCompletion(id_, created_, model_name_, text, nullptr)
                                : OpenAiChatCompletion(id_, created_, model_name_, text, nullptr, true, false);
     Attach(&event);
@@ -97,7 +96,7 @@ class EventStream {
   }
   // The held-back reasoning text, the summary, and OpenAI's [DONE].
   void Finish(const GenerateResult& g) {
-    if (style_ == ApiStyle::kLlamaCpp) {
+    if (request_.style == ApiStyle::kLlamaCpp) {
       nlohmann::json last = LlamaCppSummary(request_, g, model_name_);
       last["content"] = "";
       Attach(&last);
@@ -108,7 +107,7 @@ class EventStream {
       const ReasoningSplit rest = reasoning_.Finish();
       if (!rest.reasoning.empty() || !rest.content.empty()) ReasoningEvent(rest);
     }
-    nlohmann::json last = style_ == ApiStyle::kOpenAi
+    nlohmann::json last = request_.style == ApiStyle::kOpenAi
                               ? OpenAiCompletion(id_, created_, model_name_, "", &g)
                               : OpenAiChatCompletion(id_, created_, model_name_, "", &g, /*stream=*/true,
                                                      /*first=*/false);
@@ -123,7 +122,7 @@ class EventStream {
     if (request_.options.top_logprobs < 0) return;
     probs_.Add(pending_);
     pending_.clear();
-    if (style_ == ApiStyle::kLlamaCpp) {
+    if (request_.style == ApiStyle::kLlamaCpp) {
       (*event)["completion_probabilities"] = probs_.Take();
     } else {
       (*event)["choices"][0]["logprobs"] = probs_.Take();
@@ -141,7 +140,6 @@ class EventStream {
 
   httplib::DataSink& sink_;
   const CompletionRequest& request_;
-  ApiStyle style_;
   std::string id_;
   int64_t created_;
   std::string model_name_;

@@ -386,7 +386,6 @@ Status OffloadFfn::LoadColdPrefix() {
   }
   long double weight_sum = 0;
   for (int64_t w : weights) weight_sum += static_cast<long double>(std::max<int64_t>(0, w));
-  std::vector<int32_t> slots;
   for (int64_t g = 0; g < n_groups_; ++g) {
     const packer::RegionInfo& region = deploy_.manifest().regions[static_cast<size_t>(g)];
     const int64_t layer = g / n_experts_;
@@ -404,21 +403,15 @@ Status OffloadFfn::LoadColdPrefix() {
             : cc.shared_slots / n_groups_ + (g < cc.shared_slots % n_groups_ ? 1 : 0);
     const int64_t end = first + std::clamp<int64_t>(share, 0, region.n_neurons - first);
     if (end == first) continue;
-    slots.assign(static_cast<size_t>(end - first), -1);
-    for (int64_t s = first; s < end; ++s) {
-      const SlotRegion::Lookup l = cold.Acquire(g, region.neuron_of_slot[s], /*use_overflow=*/false);
-      if (l.slot < 0) break;  // a partition smaller than its share of the region (or every slot taken)
-      slots[static_cast<size_t>(s - first)] = l.slot;
-    }
     units_.clear();
     request_builder_.Reset(kPrefillRequestBytes, /*scatter=*/true, gap_sink_, gap_bytes_);
-    for (int64_t s = first; s < end; ++s) {
-      const int32_t slot = slots[static_cast<size_t>(s - first)];
-      if (slot < 0) continue;
+    for (int64_t s = first; s < end; ++s) {  // in file order, as the builder wants
+      const SlotRegion::Lookup l = cold.Acquire(g, region.neuron_of_slot[s], /*use_overflow=*/false);
+      if (l.slot < 0) break;  // a partition smaller than its share of the region (or every slot taken)
       const uint64_t offset = region.offset + lay.SlotOffset(s);
-      units_.push_back(Unit{offset, static_cast<size_t>(cold_read_), cold.SlotData(slot), slot, false,
+      units_.push_back(Unit{offset, static_cast<size_t>(cold_read_), cold.SlotData(l.slot), l.slot, false,
                             region.neuron_of_slot[s], -1, Phase::kWhole, -1});
-      request_builder_.Add(offset, static_cast<size_t>(cold_read_), cold.SlotData(slot));
+      request_builder_.Add(offset, static_cast<size_t>(cold_read_), cold.SlotData(l.slot));
     }
     const Status batch = flash_->ReadBatch(request_builder_.Finish());
     // Released least popular first (Release makes a slot the most recently used), so that the most popular are the

@@ -175,18 +175,19 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
       NF_RETURN_IF_ERROR(CheckFixedFits(options.memory_budget, f));
       const uint64_t total = f.Total() + rt->split_.hot_bytes + rt->split_.cold_bytes;
       if (total > options.memory_budget) {
+        const bool stale_plan = options.plan_fixed_bytes > 0 && options.plan_fixed_bytes < f.Total();
+        const std::string hint = !stale_plan ? std::string()
+                                             : "; the plan was made for a fixed part of " +
+                                                   FormatBytes(options.plan_fixed_bytes) + " (" +
+                                                   std::to_string(options.plan_fixed_bytes) +
+                                                   " B): make it again with this nflash (nflash plan)";
         return Status::InvalidArgument("the cache sizes given (hot " + FormatBytes(rt->split_.hot_bytes) + ", cold " +
                                        FormatBytes(rt->split_.cold_bytes) + ") and the fixed part (" +
                                        FormatBytes(f.Total()) + ") need " + FormatBytes(total) + " (" +
                                        std::to_string(total) + " B), over the memory budget " +
                                        FormatBytes(options.memory_budget) + " (" +
                                        std::to_string(options.memory_budget) + " B); fixed part: " + f.Describe() +
-                                       (options.plan_fixed_bytes > 0 && options.plan_fixed_bytes < f.Total()
-                                            ? "; the plan was made for a fixed part of " +
-                                                  FormatBytes(options.plan_fixed_bytes) + " (" +
-                                                  std::to_string(options.plan_fixed_bytes) +
-                                                  " B): make it again with this nflash (nflash plan)"
-                                            : ""));
+                                       hint);
       }
       rt->split_.unused_bytes = options.memory_budget - total;
       rt->budget_ = options.memory_budget;
