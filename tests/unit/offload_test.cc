@@ -791,8 +791,6 @@ TEST_F(OffloadTest, MissesNeverEvictTheSameTokensHits) {
 // remainder lasts); with a plan's per-layer cold slots run as one pool, a share in proportion to them (rounded down).
 // Each share is the layer's first cold neurons in layout order (no hot region here: from slot 0).
 TEST_F(OffloadTest, SharedPoolPreloadIsSharedOutByThePlansSizes) {
-  auto d = packer::Deployment::Open(DeployDir());
-  ASSERT_TRUE(d.ok()) << d.status().ToString();
   const std::vector<int64_t> weights = {10, 20, 30, 40, 50};
   for (bool weighted : {false, true}) {
     SCOPED_TRACE(weighted ? "weighted" : "equal shares");
@@ -814,7 +812,7 @@ TEST_F(OffloadTest, SharedPoolPreloadIsSharedOutByThePlansSizes) {
     for (int64_t g = 0; g < 5; ++g) {
       const int64_t share = weighted ? pool * weights[static_cast<size_t>(g)] / 150 : pool / 5 + (g < pool % 5 ? 1 : 0);
       ASSERT_LT(share, 172) << "a share below the layer's neurons, so that the next one is not held";
-      const packer::RegionInfo& region = (*d)->manifest().regions[static_cast<size_t>(g)];
+      const packer::RegionInfo& region = (*rt)->deployment().manifest().regions[static_cast<size_t>(g)];
       for (int64_t s = 0; s <= share; ++s) {
         EXPECT_EQ(cold.Find(g, region.neuron_of_slot[static_cast<size_t>(s)]) >= 0, s < share)
             << "layer " << g << " slot " << s << " share " << share;
@@ -921,14 +919,18 @@ TEST_F(OffloadTest, FaultsWhileOpeningAreRetriedOnceThenReported) {
               << msg;
           EXPECT_NE(msg.find(what), std::string::npos) << msg;
           EXPECT_NE(msg.find(pinned ? "hot cluster 0" : "layer 0"), std::string::npos) << msg;
-          if (first == First::kColdPreload) EXPECT_NE(msg.find("neuron "), std::string::npos) << msg;
+          if (first == First::kColdPreload) {
+            EXPECT_NE(msg.find("neuron "), std::string::npos) << msg;
+          }
           continue;
         }
         ASSERT_TRUE(rt.ok()) << rt.status().ToString();
         ASSERT_NE(fi, nullptr);
         EXPECT_EQ(fi->InjectedCount(), 1);
         EXPECT_EQ((*rt)->ffn().TotalStats().retries, 0) << "load-time retries are not decode statistics";
-        if (first == First::kColdPreload) EXPECT_GT((*rt)->ffn().preloaded_bundles(), 0);
+        if (first == First::kColdPreload) {
+          EXPECT_GT((*rt)->ffn().preloaded_bundles(), 0);
+        }
         const GreedyRun& ref = first != First::kGateRows ? *predicted_ : *sparse_;
         auto run = Greedy((*rt)->context(), n_vocab_, 8);
         ASSERT_TRUE(run.ok()) << run.status().ToString();
