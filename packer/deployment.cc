@@ -161,6 +161,7 @@ std::string ManifestToJson(const Manifest& m) {
     regions.push_back({{"layer", r.layer}, {"expert", r.expert}, {"n_neurons", r.n_neurons},
                        {"hot_count", r.hot_count}, {"offset", r.offset}, {"size", r.size},
                        {"hot_bytes", r.hot_bytes}});
+    if (r.active_per_token >= 0) regions.back()["active_per_token"] = r.active_per_token;
   }
   j["regions"] = std::move(regions);
   return j.dump(1) + "\n";
@@ -272,6 +273,8 @@ Result<Manifest> ParseManifest(const std::string& text, const std::string& sourc
     NF_RETURN_IF_ERROR(rj.Get("offset", &r.offset));
     NF_RETURN_IF_ERROR(rj.Get("size", &r.size));
     NF_RETURN_IF_ERROR(rj.Get("hot_bytes", &r.hot_bytes));
+    // Optional: manifests packed before it have none (-1).
+    if (rj.Has("active_per_token")) NF_RETURN_IF_ERROR(rj.Get("active_per_token", &r.active_per_token));
     const int64_t want_layer = static_cast<int64_t>(i) / per_layer;
     const int64_t want_expert = m.n_experts > 0 ? static_cast<int64_t>(i) % per_layer : -1;
     if (r.layer != want_layer || r.expert != want_expert) {
@@ -282,6 +285,11 @@ Result<Manifest> ParseManifest(const std::string& text, const std::string& sourc
       return Status::Corruption(where + ": n_neurons " + std::to_string(r.n_neurons) + " (expected n_ff " +
                                 std::to_string(m.n_ff) + "), hot_count " + std::to_string(r.hot_count) +
                                 " must be in [0, n_neurons]");
+    }
+    if (rj.Has("active_per_token") &&
+        !(r.active_per_token >= 0 && r.active_per_token <= static_cast<double>(r.n_neurons))) {
+      return Status::Corruption(where + ": active_per_token " + Json(r.active_per_token).dump() +
+                                " must be in [0, n_neurons " + std::to_string(r.n_neurons) + "]");
     }
     if (r.offset % kDeployAlignment != 0 || r.offset < end_prev) {
       return Status::Corruption(where + ": offset " + std::to_string(r.offset) + " is not a multiple of " +

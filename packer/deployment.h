@@ -113,6 +113,10 @@ struct RegionInfo {
   uint64_t offset = 0;      // in ffn.bin, multiple of kDeployAlignment
   uint64_t size = 0;        // layout.RegionBytes(n_neurons)
   uint64_t hot_bytes = 0;   // bytes of the groups that hold the hot slots (the region's prefix read as one run)
+  // Neurons the profile found active per calibration token (MoE: times the share of tokens routed to the expert): what
+  // one shared cold pool is shared out by when no plan says otherwise. -1: unknown (manifests packed before the field
+  // existed; JSON "active_per_token", optional).
+  double active_per_token = -1.0;
   // Index tables (from resident.gguf), n_neurons each.
   std::vector<int32_t> slot_of_neuron;
   std::vector<int32_t> neuron_of_slot;

@@ -273,6 +273,7 @@ Status OffloadFfn::Init() {
   if (!oracle_) options_.predictor->PrepareScratch(&pred_scratch_);
   if (oracle_) NF_RETURN_IF_ERROR(LoadOracleGates());
   if (pinned) NF_RETURN_IF_ERROR(LoadPinnedClusters());
+  NF_RETURN_IF_ERROR(ShareOutColdRegion());
   if (options_.preload_cold) NF_RETURN_IF_ERROR(LoadColdPrefix());
   if (options_.mode == OffloadMode::kFull) {
     io_ = std::make_unique<IoWorker>(flash_.get());
@@ -372,20 +373,41 @@ Status OffloadFfn::LoadPinnedClusters() {
   return Status::Ok();
 }
 
+Status OffloadFfn::ShareOutColdRegion() {
+  const RegionConfig& cc = cache_->cold().config();
+  if (!cc.slots_per_group.empty()) {
+    cold_share_ = cc.slots_per_group;
+    return Status::Ok();
+  }
+  std::vector<double> weights = options_.cold_share_weights;
+  if (!weights.empty() && static_cast<int64_t>(weights.size()) != n_groups_) {
+    return Status::InvalidArgument("cold_share_weights has " + std::to_string(weights.size()) +
+                                   " entries, expected one per layer/expert (" + std::to_string(n_groups_) + ")");
+  }
+  if (weights.empty()) {
+    for (const packer::RegionInfo& r : deploy_.manifest().regions) weights.push_back(r.active_per_token);
+    if (std::any_of(weights.begin(), weights.end(), [](double w) { return w < 0; })) weights.clear();  // unknown
+  }
+  long double sum = 0;
+  for (double w : weights) sum += std::max(0.0, w);
+  // In proportion to the weights, rounded down; equal shares (the remainder to the first groups) without them.
+  const int64_t pool = cc.shared_slots;
+  cold_share_.assign(static_cast<size_t>(n_groups_), 0);
+  for (int64_t g = 0; g < n_groups_; ++g) {
+    cold_share_[static_cast<size_t>(g)] =
+        sum > 0 ? static_cast<int64_t>(static_cast<long double>(pool) *
+                                       static_cast<long double>(std::max(0.0, weights[static_cast<size_t>(g)])) / sum)
+                : pool / n_groups_ + (g < pool % n_groups_ ? 1 : 0);
+  }
+  return Status::Ok();
+}
+
 Status OffloadFfn::LoadColdPrefix() {
   SlotRegion& cold = cache_->cold();
   if (cold.SlotCount() == 0) return Status::Ok();
   const uint64_t t0 = SteadyNowNs();
   const packer::BundleLayout& lay = deploy_.layout();
-  const RegionConfig& cc = cold.config();
   const SlotRegion& hot = cache_->hot();
-  const std::vector<int64_t>& weights = options_.preload_weights;
-  if (!weights.empty() && static_cast<int64_t>(weights.size()) != n_groups_) {
-    return Status::InvalidArgument("preload_weights has " + std::to_string(weights.size()) +
-                                   " entries, expected one per layer/expert (" + std::to_string(n_groups_) + ")");
-  }
-  long double weight_sum = 0;
-  for (int64_t w : weights) weight_sum += static_cast<long double>(std::max<int64_t>(0, w));
   for (int64_t g = 0; g < n_groups_; ++g) {
     const packer::RegionInfo& region = deploy_.manifest().regions[static_cast<size_t>(g)];
     const int64_t layer = g / n_experts_;
@@ -394,13 +416,7 @@ Status OffloadFfn::LoadColdPrefix() {
     const int64_t first = !pinned_.empty()     ? std::min(region.n_neurons, pinned_[g] * cluster_neurons_)
                           : hot.SlotCount() > 0 ? region.hot_count
                                                 : 0;
-    const int64_t share =
-        !cc.slots_per_group.empty() ? cc.slots_per_group[static_cast<size_t>(g)]
-        : weight_sum > 0
-            ? static_cast<int64_t>(static_cast<long double>(cc.shared_slots) *
-                                   static_cast<long double>(std::max<int64_t>(0, weights[static_cast<size_t>(g)])) /
-                                   weight_sum)
-            : cc.shared_slots / n_groups_ + (g < cc.shared_slots % n_groups_ ? 1 : 0);
+    const int64_t share = ColdShare(g);
     const int64_t end = first + std::clamp<int64_t>(share, 0, region.n_neurons - first);
     if (end == first) continue;
     units_.clear();

@@ -205,13 +205,15 @@ struct OffloadOptions {
   int64_t warm_next_bytes = -1;
   // At Create, the cold region is filled with the bundles that follow each group's hot ones in the layout (the
   // packer's most popular first, then its co-activation chains, which start from the most popular cold neurons): each
-  // partition up to its size, a shared pool an equal share per group, read in large sequential requests scattered
-  // into the slots (LoadColdPrefix). Decode then starts from the popular neurons instead of an empty region, as the
-  // pinned hot region does. false: the cold region starts empty (a comparison).
+  // partition up to its size, a shared pool up to each group's share (ColdShare), read in large sequential requests
+  // scattered into the slots (LoadColdPrefix). Decode then starts from the popular neurons instead of an empty region,
+  // as the pinned hot region does. false: the cold region starts empty (a comparison).
   bool preload_cold = true;
-  // With one shared pool: each group's share of the preload in proportion to these (n_groups entries, e.g. a plan's
-  // per-region cold slots, which weigh the experts a router picks more often); empty: equal shares.
-  std::vector<int64_t> preload_weights;
+  // With one shared pool: each group's share of it, for the preload and for the prefill's warming, in proportion to
+  // these (n_groups entries, e.g. a plan's per-region cold slots); empty: in proportion to the deployment's
+  // per-region active_per_token (the profile's active neurons per token, routing included, so experts a router picks
+  // more often get more) when every region has one, else equal shares.
+  std::vector<double> cold_share_weights;
   // Full mode: whether the caller, the pool's workers and the I/O thread are pinned to CPUs for each Eval
   // (runtime/core/thread_placement.h; auto: when the compute threads take every CPU the process may use).
   PinThreads pin_threads = PinThreads::kAuto;
@@ -469,6 +471,8 @@ class OffloadFfn : public FfnBackend {
   const OffloadPrefillStats& prefill_stats() const { return prefill_stats_; }
   // Cold bundles read into the cold region at Create (OffloadOptions::preload_cold), and the time it took.
   int64_t preloaded_bundles() const { return preloaded_bundles_; }
+  // Group g's cold partition, or its share of the shared pool (OffloadOptions::cold_share_weights).
+  int64_t ColdShare(int64_t g) const { return cold_share_[static_cast<size_t>(g)]; }
   double preload_seconds() const { return preload_s_; }
   // Per layer (MoE: per expert pass), the last batched prefill: of a prompt longer than the context's max_batch, its
   // last chunk (empty when prefill ran token by token).
@@ -497,6 +501,8 @@ class OffloadFfn : public FfnBackend {
   // kPinned: sizes pinned_ from the options and reads every pinned cluster into its slot (batched, verified, each bad
   // cluster read again once, then an error naming it).
   Status LoadPinnedClusters();
+  // Fills cold_share_ (OffloadOptions::cold_share_weights).
+  Status ShareOutColdRegion();
   // OffloadOptions::preload_cold.
   Status LoadColdPrefix();
   // Batched dense prefill of a layer's FFN, or of an MoE expert's tokens (offload_prefill.cc).
@@ -822,6 +828,9 @@ class OffloadFfn : public FfnBackend {
   float* pf_up_ = nullptr;
   OffloadPrefillStats prefill_stats_;
   int64_t preloaded_bundles_ = 0;
+  // Per group: its cold partition, or its share of one shared pool (ShareOutColdRegion); what the preload and the
+  // prefill's warming fill at most.
+  std::vector<int64_t> cold_share_;
   double preload_s_ = 0.0;
   OffloadPrefillStats prefill_batch_start_;  // at the current prompt's first batched FFN (for the per-prompt log line)
   bool prefill_batch_begins_ = true;         // set by BeforeAttention of layer 0 for a batch

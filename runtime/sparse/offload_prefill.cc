@@ -264,9 +264,7 @@ Status OffloadFfn::FinishRegionRead(int64_t group, int buf) {
 void OffloadFfn::WarmColdRegion(int64_t group, const packer::RegionInfo& region, const uint8_t* buf) {
   SlotRegion& cold = cache_->cold();
   if (cold.SlotCount() == 0) return;
-  const RegionConfig& cc = cold.config();
-  const int64_t room = cc.slots_per_group.empty() ? cc.shared_slots / std::max<int64_t>(1, n_groups_)
-                                                  : cc.slots_per_group[static_cast<size_t>(group)];
+  const int64_t room = ColdShare(group);
   // Newest token first, up to the partition's size; then acquired in the reverse order (oldest first).
   warm_rows_.clear();
   const auto n_ff = static_cast<int32_t>(warm_age_.size());

@@ -238,8 +238,10 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.chunk_requests = options.chunk_requests;
   oo.scatter_reads = options.scatter_reads;
   oo.preload_cold = options.preload_cold;
-  // A plan's per-region cold slots run as one pool: they still say how to share out its preload.
-  if (options.shared_cold_pool) oo.preload_weights = options.cold_slots_per_group;
+  // A plan's per-region cold slots run as one pool: they still say how to share it out (preload, prefill warming).
+  if (options.shared_cold_pool) {
+    oo.cold_share_weights.assign(options.cold_slots_per_group.begin(), options.cold_slots_per_group.end());
+  }
   oo.cold_protected_fraction = options.cold_protected_fraction;
   oo.batched_prefill = batched_prefill;
   oo.prefill_in_cache = prefill_in_cache;

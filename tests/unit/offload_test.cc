@@ -4,9 +4,13 @@
 // reported with layer, neuron and offset.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -33,6 +37,8 @@
 
 namespace nflash::sparse {
 namespace {
+
+namespace fs = std::filesystem;
 
 // models/stories260K-relu/README.md: prompt "Once upon a time" with BOS, and the first 40 of its 100 greedy tokens.
 const std::vector<int32_t> kPrompt = {1, 403, 407, 261, 378};
@@ -138,6 +144,10 @@ class OffloadTest : public ::testing::Test {
     ASSERT_TRUE(dense.ok()) << dense.status().ToString();
     dense_ = new GreedyRun(std::move(*dense));
     prof.tokens = prof.ffns[0].tokens;
+    for (profiler::FfnProfile& f : prof.ffns) {  // as the profiler derives it: the mean over tokens of the active share
+      const double active = std::accumulate(f.count_bs1.begin(), f.count_bs1.end(), 0.0);
+      f.mean_active_fraction = active / static_cast<double>(f.tokens * hp.n_ff);
+    }
 
     packer::PackOptions po;
     po.hot_fraction = 0.3;  // a real hot region (the flat popularity of this model would give a tiny one)
@@ -790,29 +800,53 @@ TEST_F(OffloadTest, MissesNeverEvictTheSameTokensHits) {
 // The preload of one shared pool: without weights each layer gets an equal share (the first layers one more while a
 // remainder lasts); with a plan's per-layer cold slots run as one pool, a share in proportion to them (rounded down).
 // Each share is the layer's first cold neurons in layout order (no hot region here: from slot 0).
+// One shared cold pool is shared out (what the preload fills per layer) in proportion to a plan's per-region sizes;
+// without a plan, to the deployment's active neurons per token (read here from manifest.json); for a deployment packed
+// before that figure existed, equally.
 TEST_F(OffloadTest, SharedPoolPreloadIsSharedOutByThePlansSizes) {
-  const std::vector<int64_t> weights = {10, 20, 30, 40, 50};
-  for (bool weighted : {false, true}) {
-    SCOPED_TRACE(weighted ? "weighted" : "equal shares");
+  const std::vector<int64_t> plan_weights = {10, 20, 30, 40, 50};
+  const nlohmann::json manifest = nlohmann::json::parse(nflash::testing::ReadText(DeployDir() + "/manifest.json"));
+  std::vector<double> active;
+  for (const auto& r : manifest["regions"]) active.push_back(r["active_per_token"].get<double>());
+  ASSERT_EQ(active.size(), 5u);
+  ASSERT_NE(*std::min_element(active.begin(), active.end()), *std::max_element(active.begin(), active.end()))
+      << "the test needs layers of different activity";
+  // The same deployment without the figure.
+  const std::string old_dir = dir_->File("deploy-no-active");
+  if (!fs::exists(old_dir)) {
+    fs::copy(DeployDir(), old_dir, fs::copy_options::recursive);
+    nlohmann::json old = manifest;
+    for (auto& r : old["regions"]) r.erase("active_per_token");
+    nflash::testing::WriteText(old_dir + "/manifest.json", old.dump(1) + "\n");
+  }
+  enum class Source { kPlan, kManifest, kEqual };
+  for (Source source : {Source::kPlan, Source::kManifest, Source::kEqual}) {
+    SCOPED_TRACE(source == Source::kPlan ? "plan" : source == Source::kManifest ? "manifest" : "equal shares");
     SparseRuntimeOptions o;
     o.active_set = ActiveSetSource::kOracle;
     o.hot_slots = 0;
-    if (weighted) {
-      o.cold_slots_per_group = weights;
+    if (source == Source::kPlan) {
+      o.cold_slots_per_group = plan_weights;
       o.shared_cold_pool = true;
     } else {
       o.cold_slots = 151;
     }
-    auto rt = Open(o);
+    auto rt = SparseRuntime::Open(source == Source::kEqual ? old_dir : DeployDir(), o, pool_);
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
     const SlotRegion& cold = (*rt)->ffn().cache().cold();
     const int64_t pool = cold.SlotCount();
     ASSERT_GE(pool, 150);  // the weights' sum, or 151 and the staging a shared pool takes in
+    const double active_sum = std::accumulate(active.begin(), active.end(), 0.0);
     int64_t total = 0;
     for (int64_t g = 0; g < 5; ++g) {
-      const int64_t share = weighted ? pool * weights[static_cast<size_t>(g)] / 150 : pool / 5 + (g < pool % 5 ? 1 : 0);
+      const auto i = static_cast<size_t>(g);
+      const int64_t share = source == Source::kPlan       ? pool * plan_weights[i] / 150
+                            : source == Source::kManifest ? static_cast<int64_t>(std::floor(
+                                                                static_cast<double>(pool) * active[i] / active_sum))
+                                                          : pool / 5 + (g < pool % 5 ? 1 : 0);
       ASSERT_LT(share, 172) << "a share below the layer's neurons, so that the next one is not held";
-      const packer::RegionInfo& region = (*rt)->deployment().manifest().regions[static_cast<size_t>(g)];
+      EXPECT_EQ((*rt)->ffn().ColdShare(g), share) << "layer " << g;
+      const packer::RegionInfo& region = (*rt)->deployment().manifest().regions[i];
       for (int64_t s = 0; s <= share; ++s) {
         EXPECT_EQ(cold.Find(g, region.neuron_of_slot[static_cast<size_t>(s)]) >= 0, s < share)
             << "layer " << g << " slot " << s << " share " << share;

@@ -243,6 +243,31 @@ TEST(PackerTest, MoeExpertsAreSeparateRegions) {
   EXPECT_EQ((*d)->Region(1, -1), nullptr);
 }
 
+// An expert's active neurons per token count the tokens routed to it: an expert that 250 of 1000 tokens ran, with 20%
+// of its 96 neurons active on each, expects 0.25 * 0.2 * 96 = 4.8 per token of the model.
+TEST(PackerTest, MoeActivePerTokenCountsTheRouting) {
+  TempDir tmp;
+  ThreadPool pool(2);
+  const std::string model = tmp.File("moe.gguf");
+  ASSERT_EQ(WriteModel(model, GgmlType::kQ8_0, 4), "");
+  profiler::ModelProfile prof = MakeProfile(model, 4, 7);
+  const int64_t routed[4] = {250, 1000, 0, 600};
+  const double fraction[4] = {0.2, 0.05, 0.5, 0.125};
+  for (profiler::FfnProfile& f : prof.ffns) {
+    f.tokens = routed[f.expert];
+    f.mean_active_fraction = fraction[f.expert];
+  }
+  PackOptions o;
+  o.progress = false;
+  ASSERT_TRUE(PackDeployment(model, prof, "x", tmp.File("d"), o, &pool).ok());
+  auto d = Deployment::Open(tmp.File("d"));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  const double expected[4] = {4.8, 4.8, 0.0, 7.2};
+  for (const RegionInfo& r : (*d)->manifest().regions) {
+    EXPECT_NEAR(r.active_per_token, expected[r.expert], 1e-12) << "layer " << r.layer << " expert " << r.expert;
+  }
+}
+
 // --- corrupt / truncated / mismatched deployments ---------------------------------------------------------------
 
 void FlipByte(const std::string& path, uint64_t offset) {
@@ -896,6 +921,9 @@ TEST(PackerTest, ManifestFiguresFollowTheProfileAndTheLayout) {
   EXPECT_DOUBLE_EQ(m.mean_active_fraction, 0.2);
   EXPECT_DOUBLE_EQ(m.expected_bytes_per_token, (0.1 * 96 + 0.3 * 96) * 768);
   EXPECT_DOUBLE_EQ(m.read_amplification, 4096.0 / (5 * 768));
+  // Active neurons per token, per region: the profile's mean active fraction times n_ff (a dense FFN runs every token).
+  EXPECT_DOUBLE_EQ(m.regions.at(0).active_per_token, 0.1 * 96);
+  EXPECT_DOUBLE_EQ(m.regions.at(1).active_per_token, 0.3 * 96);
   const uint64_t groups = 2 * ((96 + 4) / 5);  // 20 groups per region
   EXPECT_EQ(m.flash_bytes, groups * 4096);
   EXPECT_EQ(m.padding_bytes, groups * 4096 - 2 * 96 * 768);
@@ -1045,6 +1073,12 @@ TEST(PackerCorruptionTest, EachManifestFieldIsCheckedByName) {
        {"regions[1]: size " + std::to_string(region_size + 4096) + " (expected " + std::to_string(region_size) + ")"}},
       {"past flash_bytes", [&](nlohmann::json* m) { (*m)["regions"][1]["offset"] = r1_offset + 4096; },
        {"regions[1]", "does not fit in flash_bytes"}},
+      {"active_per_token < 0", [](nlohmann::json* m) { (*m)["regions"][1]["active_per_token"] = -0.5; },
+       {"regions[1]: active_per_token -0.5", "must be in [0, n_neurons 96]"}},
+      {"active_per_token > n_neurons", [](nlohmann::json* m) { (*m)["regions"][0]["active_per_token"] = 97; },
+       {"regions[0]: active_per_token 97", "must be in [0, n_neurons 96]"}},
+      {"active_per_token not a number", [](nlohmann::json* m) { (*m)["regions"][0]["active_per_token"] = "many"; },
+       {"active_per_token"}},
       {"hot_bytes", [](nlohmann::json* m) { (*m)["regions"][0]["hot_bytes"] = (*m)["regions"][0]["hot_bytes"].get<uint64_t>() + 4096; },
        {"regions[0]: hot_bytes", "expected"}},
       {"padding_bytes", [](nlohmann::json* m) { (*m)["padding_bytes"] = (*m)["padding_bytes"].get<uint64_t>() + 1; },
@@ -1065,6 +1099,16 @@ TEST(PackerCorruptionTest, EachManifestFieldIsCheckedByName) {
   }
   WriteText(a.dir + "/manifest.json", good.dump(1) + "\n");
   EXPECT_TRUE(Deployment::Open(a.dir).ok());
+  // Optional: a manifest packed before active_per_token existed opens with the figure unknown (-1).
+  nlohmann::json old_manifest = good;
+  for (auto& r : old_manifest["regions"]) {
+    ASSERT_TRUE(r.contains("active_per_token"));
+    r.erase("active_per_token");
+  }
+  WriteText(a.dir + "/manifest.json", old_manifest.dump(1) + "\n");
+  auto old_d = Deployment::Open(a.dir);
+  ASSERT_TRUE(old_d.ok()) << old_d.status().ToString();
+  EXPECT_EQ((*old_d)->manifest().regions.at(0).active_per_token, -1.0);
   auto none = Deployment::Open(tmp.path());
   ASSERT_FALSE(none.ok());
   EXPECT_EQ(none.status().code(), StatusCode::kNotFound);
