@@ -31,6 +31,18 @@ int64_t ClusterGroups(const packer::BundleLayout& layout, int64_t cluster_groups
 
 int64_t Groups(const packer::Manifest& m) { return m.n_layers * std::max<int64_t>(1, m.n_experts); }
 
+// Each region's active neurons per token (packer::RegionInfo::active_per_token), or empty when a region lacks the
+// figure (packed before it existed) or every one is 0.
+std::vector<double> ActivityWeights(const packer::Manifest& m) {
+  std::vector<double> w;
+  for (const packer::RegionInfo& r : m.regions) {
+    if (r.active_per_token < 0) return {};
+    w.push_back(r.active_per_token);
+  }
+  if (std::all_of(w.begin(), w.end(), [](double x) { return x <= 0; })) return {};
+  return w;
+}
+
 }  // namespace
 
 const char* OffloadModeName(OffloadMode mode) { return mode == OffloadMode::kFull ? "full" : "llmflash"; }
@@ -384,10 +396,7 @@ Status OffloadFfn::ShareOutColdRegion() {
     return Status::InvalidArgument("cold_share_weights has " + std::to_string(weights.size()) +
                                    " entries, expected one per layer/expert (" + std::to_string(n_groups_) + ")");
   }
-  if (weights.empty()) {
-    for (const packer::RegionInfo& r : deploy_.manifest().regions) weights.push_back(r.active_per_token);
-    if (std::any_of(weights.begin(), weights.end(), [](double w) { return w < 0; })) weights.clear();  // unknown
-  }
+  if (weights.empty()) weights = ActivityWeights(deploy_.manifest());
   long double sum = 0;
   for (double w : weights) sum += std::max(0.0, w);
   // In proportion to the weights, rounded down; equal shares (the remainder to the first groups) without them.
