@@ -146,9 +146,10 @@ struct Manifest {
   std::string order;           // "hotness" or "coactivation"
   double hot_fraction = 0.0;   // requested share of hot neurons per region (-1: 50%-of-activations rule)
   uint64_t padding_bytes = 0;  // ffn.bin bytes that belong to no bundle
-  // Mean (over regions, weighted by neurons) of the profile's active fraction, and what that means per token:
-  // expected_bytes_per_token = sum over regions of mean_active_fraction * n_neurons * bundle_bytes (bundle bytes
-  // needed if no neuron is cached); read amplification = group_bytes / (slots_per_group * bundle_bytes) for a
+  // Mean (over regions, weighted by neurons) of the profile's active fraction (per run of each FFN), and what that
+  // means per token: expected_bytes_per_token = sum over regions of active_per_token * bundle_bytes (bundle bytes
+  // needed if no neuron is cached; an expert counts only the tokens routed to it since session 46, before which an
+  // MoE's figure counted every expert on every token); read amplification = group_bytes / (slots_per_group * bundle_bytes) for a
   // reader that reads whole groups.
   double mean_active_fraction = 0.0;
   double expected_bytes_per_token = 0.0;

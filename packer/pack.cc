@@ -411,7 +411,8 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
     std::vector<uint64_t> gate_hash, updown_hash;
   };
   std::vector<Tables> tables(n_regions);
-  double active_weighted = 0.0;
+  double active_weighted = 0.0;  // sum of the regions' active fraction x n_ff (per run of each FFN)
+  double active_per_token = 0.0;  // sum of the regions' active_per_token (routing included)
   PackStats stats;
   bool chained = false;  // some region's cold neurons were chained (its profile has co-activation partners)
   for (size_t i = 0; i < n_regions; ++i) {
@@ -458,6 +459,7 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
       NF_RETURN_IF_ERROR(lookahead->WriteLayer(layer, norm_next.data(), column, pool));
     }
     active_weighted += fp.mean_active_fraction * static_cast<double>(hp.n_ff);
+    active_per_token += r.active_per_token;
     stats.hot_neurons += r.hot_count;
     stats.neurons += r.n_neurons;
     m.regions.push_back(r);
@@ -510,7 +512,7 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
   const uint64_t bundles = static_cast<uint64_t>(stats.neurons);
   m.padding_bytes = m.flash_bytes - bundles * layout.bundle_bytes;
   m.mean_active_fraction = stats.neurons > 0 ? active_weighted / static_cast<double>(stats.neurons) : 0.0;
-  m.expected_bytes_per_token = active_weighted * static_cast<double>(layout.bundle_bytes);
+  m.expected_bytes_per_token = active_per_token * static_cast<double>(layout.bundle_bytes);
   m.read_amplification = static_cast<double>(layout.group_bytes) /
                          static_cast<double>(static_cast<uint64_t>(layout.slots_per_group) * layout.bundle_bytes);
   {

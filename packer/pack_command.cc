@@ -156,10 +156,10 @@ Status InspectDeployment(const std::string& dir) {
   std::printf("  order            %s; hot neurons %lld of %lld (%.1f%%), hot regions %s\n", m.order.c_str(),
               static_cast<long long>(hot), static_cast<long long>(neurons),
               neurons ? 100.0 * static_cast<double>(hot) / static_cast<double>(neurons) : 0.0, Mib(hot_bytes).c_str());
-  std::printf("  per token        mean active fraction %.4f -> %.1f KiB of bundles per token with no cache "
+  std::printf("  per token        mean active fraction %.4f%s -> %.1f KiB of bundles per token with no cache "
               "(%.1f KiB read at the group granularity)\n",
-              m.mean_active_fraction, m.expected_bytes_per_token / 1024.0,
-              m.expected_bytes_per_token * m.read_amplification / 1024.0);
+              m.mean_active_fraction, m.n_experts > 0 ? " of an expert's neurons when routed" : "",
+              m.expected_bytes_per_token / 1024.0, m.expected_bytes_per_token * m.read_amplification / 1024.0);
   return Status::Ok();
 }
 

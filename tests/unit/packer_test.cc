@@ -266,6 +266,9 @@ TEST(PackerTest, MoeActivePerTokenCountsTheRouting) {
   for (const RegionInfo& r : (*d)->manifest().regions) {
     EXPECT_NEAR(r.active_per_token, expected[r.expert], 1e-12) << "layer " << r.layer << " expert " << r.expert;
   }
+  // The bundles a token needs with no cache: 2 layers of 16.8 routed active neurons, not every expert's fraction.
+  const Manifest& m = (*d)->manifest();
+  EXPECT_NEAR(m.expected_bytes_per_token, 2 * 16.8 * static_cast<double>(m.layout.bundle_bytes), 1e-9);
 }
 
 // --- corrupt / truncated / mismatched deployments ---------------------------------------------------------------
