@@ -399,15 +399,18 @@ Status OffloadFfn::ShareOutColdRegion() {
   if (weights.empty()) weights = ActivityWeights(deploy_.manifest());
   long double sum = 0;
   for (double w : weights) sum += std::max(0.0, w);
-  // In proportion to the weights, rounded down; equal shares (the remainder to the first groups) without them.
+  // In proportion to the weights (equal without them), rounded down; what rounding leaves, a slot each to the first
+  // groups, so that the shares add up to the pool (as the planner's SharedPoolSettings deals its remainder).
   const int64_t pool = cc.shared_slots;
   cold_share_.assign(static_cast<size_t>(n_groups_), 0);
+  int64_t given = 0;
   for (int64_t g = 0; g < n_groups_; ++g) {
-    cold_share_[static_cast<size_t>(g)] =
-        sum > 0 ? static_cast<int64_t>(static_cast<long double>(pool) *
-                                       static_cast<long double>(std::max(0.0, weights[static_cast<size_t>(g)])) / sum)
-                : pool / n_groups_ + (g < pool % n_groups_ ? 1 : 0);
+    int64_t& share = cold_share_[static_cast<size_t>(g)];
+    const long double w = sum > 0 ? std::max(0.0, weights[static_cast<size_t>(g)]) : 0.0;
+    share = sum > 0 ? static_cast<int64_t>(static_cast<long double>(pool) * w / sum) : pool / n_groups_;
+    given += share;
   }
+  for (int64_t g = 0; g < n_groups_ && given < pool; ++g, ++given) ++cold_share_[static_cast<size_t>(g)];
   return Status::Ok();
 }
 

@@ -6,10 +6,13 @@
 // to token by token; the hot region is warmed by prefill.
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -82,7 +85,7 @@ void PackFrom(const std::string& model_path, const std::vector<int32_t>& prompt,
   InferenceContext ctx(**model, pool, 0);
   ctx.SetFfnObserver(CountActivations(&prof, hp.n_ff));
   ASSERT_TRUE(ctx.Eval(prompt, false).ok());
-  prof.tokens = prof.ffns[0].tokens;
+  FinishCounts(&prof);
   packer::PackOptions po;
   po.hot_fraction = 0.3;
   po.progress = false;
@@ -293,7 +296,8 @@ TEST_F(OffloadPrefillTest, Stories260KReluF32) {
 
 // Decode starts warm, by a rule the test replays from the dense engine's activations: for each layer, the cold region
 // gets the neurons (h != 0) of the last prompt tokens, newest token first and within a token in index order, up to the
-// layer's share of the cold slots, leaving out the neurons of the hot prefix when there is a hot region; they are
+// layer's share of the cold slots (in proportion to its active neurons per token in manifest.json, what rounding
+// leaves to the first layers), leaving out the neurons of the hot prefix when there is a hot region; they are
 // acquired oldest first, so the last token's are the most recently used; the hot region gets each layer's most popular
 // clusters, an equal share of its slots per layer (the first layers take the remainder); none of it counts as a
 // token's lookups.
@@ -330,8 +334,18 @@ TEST_F(OffloadPrefillTest, PrefillWarmsTheCachesWithTheLastTokensNeurons) {
   });
   ASSERT_TRUE(dctx.Eval(prompt, false).ok());
 
-  // Shares of 8 (a pool of 40; with and without a hot region), and of every neuron (the last 8 tokens' all fit).
-  for (auto [hot_slots, cold_slots] : {std::pair<int64_t, int64_t>{0, 40}, {7, 40}, {0, 5 * 172}}) {
+  // The layers' activity, read from the deployment's manifest; the shares must differ from equal ones.
+  const nlohmann::json manifest = nlohmann::json::parse(testing::ReadText(deploy + "/manifest.json"));
+  std::vector<double> active;
+  for (const auto& r : manifest["regions"]) active.push_back(r["active_per_token"].get<double>());
+  const double active_sum = std::accumulate(active.begin(), active.end(), 0.0);
+  ASSERT_NE(static_cast<int64_t>(std::floor(40 * active[0] / active_sum)), 40 / n_layers)
+      << "the test needs uneven layers";
+  // Shares of a pool of 40 (with and without a hot region), and a pool in which each layer's share holds all its
+  // neurons (the last 8 tokens' all fit).
+  const int64_t every = static_cast<int64_t>(
+      std::ceil(static_cast<double>(n_ff) * active_sum / *std::min_element(active.begin(), active.end())));
+  for (auto [hot_slots, cold_slots] : {std::pair<int64_t, int64_t>{0, 40}, {7, 40}, {0, every}}) {
     SCOPED_TRACE("hot slots " + std::to_string(hot_slots) + ", cold slots " + std::to_string(cold_slots));
     SparseRuntimeOptions o;
     o.mode = OffloadMode::kLlmFlash;
@@ -340,7 +354,7 @@ TEST_F(OffloadPrefillTest, PrefillWarmsTheCachesWithTheLastTokensNeurons) {
     o.hot_slots = hot_slots;
     o.hot_policy = HotPolicy::kLru;
     o.cluster_groups = 2;  // clusters of 10 neurons (two pages of 5 bundles): several per layer's hot prefix
-    o.cold_slots = cold_slots;  // one pool, shared out evenly over the layers
+    o.cold_slots = cold_slots;  // one pool, shared out over the layers by their activity
     o.preload_cold = false;     // what the prefill puts in, alone
     auto rt = SparseRuntime::Open(deploy, o, pool_);
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
@@ -349,12 +363,18 @@ TEST_F(OffloadPrefillTest, PrefillWarmsTheCachesWithTheLastTokensNeurons) {
     const SlotRegion& hot = (*rt)->ffn().cache().hot();
     ASSERT_EQ(cold.SlotCount(), cold_slots);
     ASSERT_TRUE(cold.config().slots_per_group.empty());
-    const int64_t room = cold_slots / n_layers;
+    // The layers' shares: rounded down, then what is left a slot each to the first layers.
+    std::vector<int64_t> rooms;
+    for (double a : active) {
+      rooms.push_back(static_cast<int64_t>(std::floor(static_cast<double>(cold_slots) * a / active_sum)));
+    }
+    for (int64_t& r : rooms) r += std::accumulate(rooms.begin(), rooms.end(), int64_t{0}) < cold_slots ? 1 : 0;
     uint64_t warmed = 0;
     std::vector<std::vector<int32_t>> expected(static_cast<size_t>(n_layers));
     int checked = 0;
     for (int64_t l = 0; l < n_layers; ++l) {
       const packer::RegionInfo& region = *(*d)->Region(l, -1);
+      const int64_t room = rooms[static_cast<size_t>(l)];
       std::vector<int32_t>& e = expected[static_cast<size_t>(l)];
       std::vector<bool> taken(static_cast<size_t>(n_ff), false);
       for (size_t back = 1; back <= kWarmTokens && static_cast<int64_t>(e.size()) < room; ++back) {
@@ -399,7 +419,7 @@ TEST_F(OffloadPrefillTest, PrefillWarmsTheCachesWithTheLastTokensNeurons) {
     EXPECT_GE(checked, 3) << "too many layers with a gate near 0 to check";
     ASSERT_EQ(hot.SlotCount(), hot_slots);
     // Acquired layer by layer, each layer's list oldest first: the least recently used is layer 0's last.
-    if (!ambiguous[0] && room < n_ff) {
+    if (!ambiguous[0] && cold_slots < n_ff) {
       const int32_t victim = cold.NextVictim(0);
       ASSERT_GE(victim, 0);
       EXPECT_EQ(cold.GroupOf(victim), 0);

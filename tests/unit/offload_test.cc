@@ -143,11 +143,7 @@ class OffloadTest : public ::testing::Test {
     auto dense = Greedy(ctx, hp.n_vocab, kGolden.size());
     ASSERT_TRUE(dense.ok()) << dense.status().ToString();
     dense_ = new GreedyRun(std::move(*dense));
-    prof.tokens = prof.ffns[0].tokens;
-    for (profiler::FfnProfile& f : prof.ffns) {  // as the profiler derives it: the mean over tokens of the active share
-      const double active = std::accumulate(f.count_bs1.begin(), f.count_bs1.end(), 0.0);
-      f.mean_active_fraction = active / static_cast<double>(f.tokens * hp.n_ff);
-    }
+    FinishCounts(&prof);
 
     packer::PackOptions po;
     po.hot_fraction = 0.3;  // a real hot region (the flat popularity of this model would give a tiny one)
@@ -837,13 +833,20 @@ TEST_F(OffloadTest, SharedPoolPreloadIsSharedOutByThePlansSizes) {
     const int64_t pool = cold.SlotCount();
     ASSERT_GE(pool, 150);  // the weights' sum, or 151 and the staging a shared pool takes in
     const double active_sum = std::accumulate(active.begin(), active.end(), 0.0);
+    // Rounded down, then what is left a slot each to the first layers.
+    std::vector<int64_t> shares;
+    for (size_t i = 0; i < 5; ++i) {
+      const double by_activity = std::floor(static_cast<double>(pool) * active[i] / active_sum);
+      shares.push_back(source == Source::kPlan       ? pool * plan_weights[i] / 150
+                       : source == Source::kManifest ? static_cast<int64_t>(by_activity)
+                                                     : pool / 5);
+    }
+    for (int64_t& s : shares) s += std::accumulate(shares.begin(), shares.end(), int64_t{0}) < pool ? 1 : 0;
+    ASSERT_EQ(std::accumulate(shares.begin(), shares.end(), int64_t{0}), pool);
     int64_t total = 0;
     for (int64_t g = 0; g < 5; ++g) {
       const auto i = static_cast<size_t>(g);
-      const int64_t share = source == Source::kPlan       ? pool * plan_weights[i] / 150
-                            : source == Source::kManifest ? static_cast<int64_t>(std::floor(
-                                                                static_cast<double>(pool) * active[i] / active_sum))
-                                                          : pool / 5 + (g < pool % 5 ? 1 : 0);
+      const int64_t share = shares[i];
       ASSERT_LT(share, 172) << "a share below the layer's neurons, so that the next one is not held";
       EXPECT_EQ((*rt)->ffn().ColdShare(g), share) << "layer " << g;
       const packer::RegionInfo& region = (*rt)->deployment().manifest().regions[i];

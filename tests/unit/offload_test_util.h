@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <string>
@@ -118,6 +119,16 @@ inline FfnObserver CountActivations(profiler::ModelProfile* prof, int64_t n_ff) 
       f.tokens += 1;
     }
   };
+}
+
+// After CountActivations: the profile's token count and each FFN's mean active fraction, as the profiler derives it
+// (the mean over tokens of the active share).
+inline void FinishCounts(profiler::ModelProfile* prof) {
+  prof->tokens = prof->ffns.at(0).tokens;
+  for (profiler::FfnProfile& f : prof->ffns) {
+    const double active = std::accumulate(f.count_bs1.begin(), f.count_bs1.end(), 0.0);
+    f.mean_active_fraction = f.tokens > 0 ? active / static_cast<double>(f.tokens * f.n_neurons) : 0.0;
+  }
 }
 
 }  // namespace nflash::sparse

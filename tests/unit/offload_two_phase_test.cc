@@ -115,7 +115,7 @@ class OffloadTwoPhaseTest : public ::testing::Test {
       ctx.SetFfnObserver(CountActivations(&prof, hp.n_ff));
       ASSERT_TRUE(ctx.Eval(prompt_, false).ok());
     }
-    prof.tokens = prof.ffns[0].tokens;
+    FinishCounts(&prof);
     packer::PackOptions po;
     po.hot_fraction = 0.3;
     po.progress = false;
