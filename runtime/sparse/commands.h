@@ -41,6 +41,7 @@ struct RuntimeFlags {
   bool resident_embedding = false;
   bool no_cold_overflow = false;
   bool no_cold_preload = false;
+  bool no_sibling_readahead = false;
   double cold_protected = kDefaultColdProtectedFraction;
   std::string two_phase = "off";
   int64_t lookahead = kLookaheadNotGiven;
@@ -67,7 +68,7 @@ inline constexpr int64_t kDefaultChunkRequests = 16;
 // Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
 // --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter, --slot-alignment, --resident-embedding,
 // --two-phase, --lookahead, --lookahead-keep, --warm-next, --pin-threads, --cold-pool, --cold-protected,
-// --no-cold-overflow, --no-cold-preload, --kv-type and --plan (and the A/B switches --warm-next-ab and
+// --no-cold-overflow, --no-cold-preload, --no-sibling-readahead, --kv-type and --plan (and the A/B switches --warm-next-ab and
 // --pin-threads-ab, which only
 // `nflash offload` uses).
 void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);

@@ -591,6 +591,7 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   o->embedding_on_flash = !f.resident_embedding;
   o->cold_overflow = !f.no_cold_overflow;
   o->preload_cold = !f.no_cold_preload;
+  o->sibling_readahead = !f.no_sibling_readahead;
   o->cold_protected_fraction = f.cold_protected;
   if (f.two_phase != "on" && f.two_phase != "off" && f.two_phase != "auto") {
     return Status::InvalidArgument("--two-phase " + f.two_phase + ": expected on, off or auto");
@@ -701,6 +702,9 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_flag("--no-cold-preload", flags->no_cold_preload,
                 "Start with an empty cold region instead of reading each layer's most popular cold neurons into it "
                 "at load: a comparison only");
+  cmd->add_flag("--no-sibling-readahead", flags->no_sibling_readahead,
+                "MoE decode: let each routed expert read its own misses when it runs, instead of reading the layer's "
+                "other experts' misses (their exact active sets) at its first expert: a comparison only");
   cmd->add_flag("--no-scatter", flags->no_scatter,
                 "Merge only reads whose cache slots are adjacent in memory, not flash neighbours into one scattered "
                 "read (readv): a comparison only");

@@ -886,10 +886,13 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
   if (warm_cap_ > 0 && FirstFfnOfLayer(layer, expert)) ArmWarming(in_batch_ ? -1 : layer, group);
   // This layer's lookahead (read during the previous layer) serves its misses; any other is stale.
   if (la_slots_ > 0 && !la_on_ && layer == 0 && FirstFfnOfLayer(layer, expert)) WatchTokenStart();
-  if (la_slots_ > 0) {
+  if (la_slots_ > 0 || la_siblings_) {
     // At the layer's first FFN (MoE: its first routed expert; the next layer's guesses are issued after its last one)
     // every set but this layer's is stale.
-    if (FirstFfnOfLayer(layer, expert)) DropLookahead(layer);
+    if (FirstFfnOfLayer(layer, expert)) {
+      DropLookahead(layer);
+      std::fill(sib_group_.begin(), sib_group_.end(), -1);  // sets of an earlier token (one that failed) are stale
+    }
     la_current_ = -1;
     const int first = static_cast<int>((layer % 2) * la_per_layer_);
     for (int b = first; b < first + la_per_layer_; ++b) {
@@ -907,7 +910,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
       ActivateNeuron(hp.activation, gate_all_[i], 0.0f, &ga);
       if (std::fabs(ga) > thr) active_.push_back(static_cast<int32_t>(i));
     }
-  } else {
+  } else if (!TakeSiblingSet(group)) {
     options_.predictor->Predict(group, x, 0, &pred_scratch_, &active_, pool_);
   }
 
@@ -959,6 +962,10 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
                        LastFfnOfLayer(layer, expert);
     const bool after_hits = guess && GuessAfterHits(layer, residual);
     if (guess && !after_hits) IssueLookahead(layer, x);
+    // MoE, one token: the layer's other experts' reads behind this one's.
+    if (la_siblings_ && moe_one_token_ && moe_layer_ == layer && x.n() == 1 && FirstFfnOfLayer(layer, expert)) {
+      IssueSiblings(layer, expert, x);
+    }
     step_done(3);
     ComputeItems(ready_items_, x, thr);  // cache hits: while the first reads are in flight
     step_done(4);

@@ -186,6 +186,11 @@ struct OffloadOptions {
   // window, which warms the cache, is not judged). For a machine whose compute threads take every core, where the
   // lookahead's CPU (a second predictor pass per layer, more requests) only pays when reads keep the compute waiting.
   bool lookahead_adaptive = false;
+  // MoE decode, full mode, whole-bundle reads, no next-layer lookahead (lookahead_slots 0 or the MoE default): at a
+  // layer's first routed expert the other routed experts' active sets are predicted from the same input (what their
+  // own steps would predict: no guess; kept for them) and their misses read at once through the lookahead's sets, so
+  // that each expert's reads overlap the experts computed before it instead of each waiting for its own.
+  bool sibling_readahead = true;
   LookaheadSource lookahead_source = LookaheadSource::kNextLayer;
   LookaheadInput lookahead_input = LookaheadInput::kHits;
   // kProjected's table (owned by the caller; nullptr: kProjected guesses as kHits).
@@ -588,8 +593,15 @@ class OffloadFfn : public FfnBackend {
   // picks on that input. `t0`: when the caller started (lookahead_ns).
   void IssueGuess(int64_t next, int64_t current, const float* input, uint64_t t0);
   // One group's guess from la_act_ into lookahead set `b`: slots, requests, submission.
-  // `predicted`: la_rows_ and pred_scratch_.logits already hold the predictor's guess (kProjected).
-  void GuessGroup(int64_t group, int b, uint64_t t0, bool predicted = false);
+  // `predicted`: la_rows_ and pred_scratch_.logits already hold the predictor's guess (kProjected, siblings).
+  // `exact`: the set is the group's own active set (siblings), so every candidate is read (no lookahead_keep share,
+  // no replay), up to half the group's partition.
+  void GuessGroup(int64_t group, int b, uint64_t t0, bool predicted = false, bool exact = false);
+  // OffloadOptions::sibling_readahead: at layer `layer`'s first routed expert `expert` (one token), the other routed
+  // experts' active sets from x into sib_active_, their misses into this layer's lookahead sets.
+  void IssueSiblings(int64_t layer, int64_t expert, const Activation& x);
+  // The active set IssueSiblings predicted for `group` into active_ (true), or false.
+  bool TakeSiblingSet(int64_t group);
   // kProjected: the guess's predictor pass from the table into la_rows_; false when the layer has no ratio yet.
   bool PredictProjected(int64_t layer, const float* residual);
   // kProjected: after layer `layer`'s FFN, its rms(residual + out) / rms(residual) for the next token's guess.
@@ -744,6 +756,10 @@ class OffloadFfn : public FfnBackend {
   // and cold slot of each of its bundles (file order; slot -1 once settled), the reverse map (n_ff, -1), its
   // requests and chunk ends, and per bundle the item of the current token that took it (-1: none).
   int64_t la_slots_ = 0;
+  bool la_siblings_ = false;      // OffloadOptions::sibling_readahead in effect (the sets exist with la_slots_ 0)
+  // Per routed sibling j: its group (-1: none) and the active set predicted for it (IssueSiblings).
+  std::vector<int64_t> sib_group_;
+  std::vector<std::vector<int32_t>> sib_active_;
   bool la_on_ = true;             // false while an adaptive lookahead waits for its trigger
   int64_t la_tokens_ = 0;         // tokens whose last layer ran while it watched
   int64_t la_started_token_ = 0;  // la_tokens_ when it turned on
@@ -842,6 +858,7 @@ class OffloadFfn : public FfnBackend {
   int64_t moe_layer_ = -1;
   std::vector<int64_t> moe_batched_;
   std::vector<int64_t> moe_routed_;  // the experts with tokens, ascending
+  bool moe_one_token_ = false;       // the routing is one token's (decode): every routed expert gets the same input
   std::vector<PrefillLayerTiming> prefill_layers_;  // the current prompt's batched FFN passes, every chunk's
   uint64_t last_region_read_ns_ = 0;                // set by FinishRegionRead
 };

@@ -40,8 +40,14 @@ int64_t OffloadFfn::LookaheadSlots(const packer::Deployment& d, const OffloadOpt
 Status OffloadFfn::InitLookahead() {
   la_slots_ = LookaheadSlots(deploy_, options_);
   la_on_ = !options_.lookahead_adaptive;
-  if (la_slots_ == 0 || cache_->cold().SlotCount() == 0) {
+  const LlamaHparams& hp = model_.hparams();
+  // Siblings use the lookahead's sets when next-layer guesses do not (LookaheadSlots' conditions but the guess).
+  la_siblings_ = options_.sibling_readahead && la_slots_ == 0 && hp.n_experts > 1 && hp.n_experts_used > 1 &&
+                 options_.mode == OffloadMode::kFull && !options_.two_phase && options_.lookahead_replay.empty() &&
+                 cache_->cold().SlotCount() > 0;
+  if ((la_slots_ == 0 && !la_siblings_) || cache_->cold().SlotCount() == 0) {
     la_slots_ = 0;
+    la_siblings_ = false;
     if (!options_.lookahead_replay.empty()) {
       return Status::InvalidArgument("--lookahead-replay " + options_.lookahead_replay +
                                      ": the run has no lookahead (full mode, whole-bundle reads, cold slots and "
@@ -50,9 +56,13 @@ Status OffloadFfn::InitLookahead() {
     return Status::Ok();
   }
   if (!options_.lookahead_replay.empty()) NF_RETURN_IF_ERROR(LoadLookaheadReplay(options_.lookahead_replay));
-  const LlamaHparams& hp = model_.hparams();
   const size_t dim = static_cast<size_t>(hp.dim);
-  const size_t n = static_cast<size_t>(la_slots_);
+  const size_t n = static_cast<size_t>(la_siblings_ ? hp.n_ff : la_slots_);
+  if (la_siblings_) {
+    sib_group_.assign(static_cast<size_t>(hp.n_experts_used), -1);
+    sib_active_.resize(static_cast<size_t>(hp.n_experts_used));
+    for (auto& a : sib_active_) a.reserve(static_cast<size_t>(hp.n_ff));
+  }
   // Two layers' sets (the one being used, the one being read), k guessed experts each for MoE.
   la_per_layer_ = hp.n_experts > 0 ? std::max<int64_t>(1, hp.n_experts_used) : 1;
   const size_t sets = static_cast<size_t>(2 * la_per_layer_);
@@ -363,7 +373,7 @@ void OffloadFfn::IssueGuess(int64_t next, int64_t current, const float* input, u
   }
 }
 
-void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0, bool predicted) {
+void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0, bool predicted, bool exact) {
   const LlamaHparams& hp = model_.hparams();
   const int64_t next = GroupLayer(g), expert = GroupExpert(g);
   SlotRegion& cold = cache_->cold();
@@ -371,7 +381,7 @@ void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0, bool predicted) {
   // for the bundles it will hit, which a wrong guess would otherwise evict.
   const RegionConfig& cc = cold.config();
   const int64_t partition = cc.slots_per_group.empty() ? cc.shared_slots : cc.slots_per_group[static_cast<size_t>(g)];
-  const int64_t limit = std::min(la_slots_, partition / 2);
+  const int64_t limit = std::min(exact ? hp.n_ff : la_slots_, partition / 2);
   if (limit <= 0) return;
   const packer::RegionInfo& region = *deploy_.Region(next, expert);
   const packer::BundleLayout& lay = deploy_.layout();
@@ -385,7 +395,7 @@ void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0, bool predicted) {
     for (int32_t n = 0; n < hp.n_ff; ++n) {
       if (cold_candidate(n)) la_rows_.push_back(n);
     }
-    if (static_cast<int64_t>(la_rows_.size()) > limit * kRowsPerGuessedBundle) return;
+    if (!exact && static_cast<int64_t>(la_rows_.size()) > limit * kRowsPerGuessedBundle) return;
     GemvRows(oracle_gate_[static_cast<size_t>(g)], la_rows_, la_act_, la_score_.data(), pool_);
     for (size_t j = 0; j < la_rows_.size(); ++j) {
       float ga = 0.0f;
@@ -408,7 +418,8 @@ void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0, bool predicted) {
     // The likeliest share of them (largest logits; ties to the smaller index), at most `limit`.
     const auto keep = std::min<size_t>(
         static_cast<size_t>(limit),
-        static_cast<size_t>(std::ceil(options_.lookahead_keep * static_cast<double>(la_pick_.size()))));
+        exact ? la_pick_.size()
+              : static_cast<size_t>(std::ceil(options_.lookahead_keep * static_cast<double>(la_pick_.size()))));
     if (keep < la_pick_.size()) {
       const float* logit = pred_scratch_.logits.data();
       std::nth_element(la_pick_.begin(), la_pick_.begin() + static_cast<std::ptrdiff_t>(keep), la_pick_.end(),
@@ -418,7 +429,7 @@ void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0, bool predicted) {
   }
   // Replay: the guess above was made (its time counts), but the next step's actual set is read instead.
   const size_t next_step = static_cast<size_t>(replay_step_ + 1);
-  if (replay_on_ && next_step < replay_group_.size() && replay_group_[next_step] == g) {
+  if (!exact && replay_on_ && next_step < replay_group_.size() && replay_group_[next_step] == g) {
     la_pick_.clear();
     for (int32_t n : replay_set_[next_step]) {
       if (static_cast<int64_t>(la_pick_.size()) == limit) break;
@@ -468,6 +479,40 @@ void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0, bool predicted) {
   la_first_chunk_[b] = SubmitReads(reqs, ends, "reads ahead");
   la_group_[b] = g;
   io_open_ = true;
+}
+
+void OffloadFfn::IssueSiblings(int64_t layer, int64_t expert, const Activation& x) {
+  const uint64_t t0 = SteadyNowNs();
+  const LlamaHparams& hp = model_.hparams();
+  std::fill(sib_group_.begin(), sib_group_.end(), -1);
+  la_act_.Set(x.f32(), 1, hp.dim);
+  const int first = static_cast<int>((layer % 2) * la_per_layer_);
+  size_t j = 0;
+  for (int64_t e : moe_routed_) {
+    if (e == expert) continue;
+    if (j == sib_group_.size()) break;
+    const int64_t g = layer * n_experts_ + e;
+    const int b = first + static_cast<int>(j);
+    if (la_group_[static_cast<size_t>(b)] >= 0) continue;  // not expected: each sibling settles its set
+    if (!oracle_) {
+      // The sibling's own step would make the same call on the same input: its result is kept for it.
+      options_.predictor->Predict(g, la_act_, 0, &pred_scratch_, &sib_active_[j], pool_);
+      sib_group_[j] = g;
+      la_rows_.assign(sib_active_[j].begin(), sib_active_[j].end());
+    }
+    GuessGroup(g, b, t0, /*predicted=*/!oracle_, /*exact=*/true);
+    ++j;
+  }
+}
+
+bool OffloadFfn::TakeSiblingSet(int64_t group) {
+  for (size_t j = 0; j < sib_group_.size(); ++j) {
+    if (sib_group_[j] != group) continue;
+    sib_group_[j] = -1;
+    active_.swap(sib_active_[j]);
+    return true;
+  }
+  return false;
 }
 
 Status OffloadFfn::SettleLookahead(int b) {
@@ -547,6 +592,7 @@ void OffloadFfn::ForgetLookahead() {
     }
     la_group_[b] = -1;
   }
+  std::fill(sib_group_.begin(), sib_group_.end(), -1);
   la_current_ = -1;
   io_open_ = false;
 }

@@ -323,14 +323,18 @@ void OffloadFfn::BeforeExperts(int64_t layer, std::span<const int64_t> tokens_pe
   moe_layer_ = layer;
   moe_batched_.clear();
   moe_routed_.clear();
+  int64_t routings = 0;
   for (size_t e = 0; e < tokens_per_expert.size(); ++e) {
     const int64_t n = tokens_per_expert[e];
+    routings += n;
     if (n > 0) moe_routed_.push_back(static_cast<int64_t>(e));
     // Forward's rule: an expert's tokens go through ForwardBatch iff they are more than one and at least the minimum.
     if (batched_prefill() && n > 1 && n >= options_.batched_prefill_min_tokens) {
       moe_batched_.push_back(static_cast<int64_t>(e));
     }
   }
+  // One token routes to n_experts_used experts once each; more tokens route more often.
+  moe_one_token_ = routings == model_.hparams().n_experts_used;
 }
 
 int64_t OffloadFfn::NextBatchGroup(int64_t layer, int64_t expert) const {
@@ -352,7 +356,7 @@ Status OffloadFfn::ForwardBatch(int64_t layer, int64_t expert, const Activation&
   const packer::RegionInfo* region = deploy_.Region(layer, expert);
   if (region == nullptr) return Status::Internal("deployment has no region for " + GroupName(group));
   // The I/O thread is this prefill's now, and the lookahead's pins would keep cold slots from being lent.
-  if (la_slots_ > 0) DropLookahead(-1);
+  if (la_slots_ > 0 || la_siblings_) DropLookahead(-1);
   NF_RETURN_IF_ERROR(LendPrefillMemory());
   if (prefill_batch_begins_) {  // the batch's first batched FFN (BeforeAttention of layer 0 set the flag)
     prefill_batch_begins_ = false;

@@ -238,6 +238,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   oo.chunk_requests = options.chunk_requests;
   oo.scatter_reads = options.scatter_reads;
   oo.preload_cold = options.preload_cold;
+  oo.sibling_readahead = options.sibling_readahead;
   // A plan's per-region cold slots run as one pool: they still say how to share it out (preload, prefill warming).
   if (options.shared_cold_pool) {
     oo.cold_share_weights.assign(options.cold_slots_per_group.begin(), options.cold_slots_per_group.end());

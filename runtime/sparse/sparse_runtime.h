@@ -65,6 +65,8 @@ struct SparseRuntimeOptions {
   bool scatter_reads = true;
   // OffloadOptions::preload_cold.
   bool preload_cold = true;
+  // OffloadOptions::sibling_readahead.
+  bool sibling_readahead = true;
   // With per-layer cold partitions: the staging memory serves as the cold region's overflow pool
   // (OffloadOptions::cold_overflow_slots); false: it stays staging (a comparison).
   bool cold_overflow = true;

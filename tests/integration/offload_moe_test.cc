@@ -53,6 +53,28 @@ SparseRuntimeOptions SmallCaches(OffloadMode mode) {
   return o;
 }
 
+// The runtimes each library test compares with the in-memory sparse FFN: full mode with the next-layer lookahead
+// (SmallCaches), full mode with the MoE default (no lookahead: the layer's other routed experts' misses read at its
+// first expert, OffloadOptions::sibling_readahead), full mode with each expert reading its own misses, and llmflash.
+struct Variant {
+  const char* name;
+  OffloadMode mode;
+  int64_t lookahead_slots;
+  bool siblings;
+};
+const Variant kVariants[] = {{"full, next-layer lookahead", OffloadMode::kFull, 16, true},
+                             {"full, sibling read-ahead", OffloadMode::kFull, -1, true},
+                             {"full, each expert its own reads", OffloadMode::kFull, -1, false},
+                             {"llmflash", OffloadMode::kLlmFlash, 16, true}};
+SparseRuntimeOptions Options(const Variant& v) {
+  SparseRuntimeOptions o = SmallCaches(v.mode);
+  o.lookahead_slots = v.lookahead_slots;
+  o.sibling_readahead = v.siblings;
+  return o;
+}
+// Sibling read-ahead reads exactly the misses of experts the router picked, each bundle for the expert that uses it.
+bool SiblingsRead(const Variant& v) { return v.mode == OffloadMode::kFull && v.lookahead_slots < 0 && v.siblings; }
+
 class OffloadMoeTest : public ::testing::TestWithParam<std::string> {
  protected:
   static void SetUpTestSuite() {
@@ -210,16 +232,16 @@ TEST_P(OffloadMoeTest, ReadsOnlyForRoutedExpertsAndLogitsEqualSparseFfn) {
     EXPECT_EQ(d->tokens, ref->tokens);
   }
 
-  for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
-    SCOPED_TRACE(OffloadModeName(mode));
-    auto rt = SparseRuntime::Open(Deploy(type), SmallCaches(mode), &pool);
+  for (const Variant& v : kVariants) {
+    SCOPED_TRACE(v.name);
+    auto rt = SparseRuntime::Open(Deploy(type), Options(v), &pool);
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
     OffloadFfn& ffn = (*rt)->ffn();
     ASSERT_EQ(static_cast<int64_t>(ffn.stats().size()), hp.n_layers * kExperts);
     InferenceContext& ctx = (*rt)->context();
     ASSERT_TRUE(ctx.Eval(kPrompt, false).ok());
     std::vector<OffloadGroupStats> before = ffn.stats();
-    int64_t reads = 0, lookahead_used = 0;
+    int64_t reads = 0, lookahead_used = 0, read_ahead = 0;
     for (int i = 0; i < kGenerate; ++i) {
       const float* l = ctx.logits();
       const int32_t next = static_cast<int32_t>(std::max_element(l, l + hp.n_vocab) - l);
@@ -245,17 +267,25 @@ TEST_P(OffloadMoeTest, ReadsOnlyForRoutedExpertsAndLogitsEqualSparseFfn) {
                 << at;
             EXPECT_EQ(now[g].active, before[g].active) << at;
           }
+          if (SiblingsRead(v)) {
+            EXPECT_EQ(now[g].prefetch_used - before[g].prefetch_used, now[g].prefetched - before[g].prefetched)
+                << at << ": a sibling's bundle read ahead and not used";
+            if (!selected) {
+              EXPECT_EQ(now[g].bytes_read, before[g].bytes_read) << at;
+            }
+          }
           lookahead_used += now[g].prefetch_used - before[g].prefetch_used;
+          read_ahead += now[g].prefetched - before[g].prefetched;
           reads += now[g].requests - before[g].requests;
         }
       }
       before = now;
     }
     EXPECT_GT(reads, kGenerate) << "the small caches should make most steps read";
-    if (mode == OffloadMode::kFull) {
-      EXPECT_GT(lookahead_used, 0) << "the MoE lookahead read nothing the next layer used";
+    if (v.mode == OffloadMode::kFull && v.siblings) {
+      EXPECT_GT(lookahead_used, 0) << "nothing read ahead was used";
     } else {
-      EXPECT_EQ(lookahead_used, 0);
+      EXPECT_EQ(read_ahead, 0);
     }
     // Over the whole run (prompt included): every group saw exactly the tokens routed to it, and a group no token was
     // routed to read nothing.
@@ -460,9 +490,9 @@ TEST_F(OffloadMoeTest, PerExpertPredictorsPredictOnlyRoutedExpertsAndOffloadEqua
   auto ref = SparseReference(**model, predictor->get(), &pool);
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
 
-  for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
-    SCOPED_TRACE(OffloadModeName(mode));
-    SparseRuntimeOptions o = SmallCaches(mode);
+  for (const Variant& v : kVariants) {
+    SCOPED_TRACE(v.name);
+    SparseRuntimeOptions o = Options(v);
     o.active_set = ActiveSetSource::kPredictor;
     o.batched_prefill = false;  // the reference ran the prompt through the predictor too
     auto rt = SparseRuntime::Open(deploy, o, &pool);
@@ -472,6 +502,7 @@ TEST_F(OffloadMoeTest, PerExpertPredictorsPredictOnlyRoutedExpertsAndOffloadEqua
     InferenceContext& ctx = (*rt)->context();
     ASSERT_TRUE(ctx.Eval(kPrompt, false).ok());
     std::vector<OffloadGroupStats> before = ffn.stats();
+    int64_t read_ahead = 0;
     for (int i = 0; i < kGenerate; ++i) {
       const float* l = ctx.logits();
       ASSERT_TRUE(std::equal(l, l + hp.n_vocab, ref->logits[static_cast<size_t>(i)].begin()))
@@ -488,11 +519,23 @@ TEST_F(OffloadMoeTest, PerExpertPredictorsPredictOnlyRoutedExpertsAndOffloadEqua
           if (!selected) {  // demand reads only there (the lookahead's are counted apart)
             EXPECT_EQ(now[g].bytes_read - before[g].bytes_read, now[g].prefetch_bytes - before[g].prefetch_bytes);
           }
+          if (SiblingsRead(v)) {  // the predicted set, read for the expert that uses it, all of it used
+            EXPECT_EQ(now[g].prefetch_used - before[g].prefetch_used, now[g].prefetched - before[g].prefetched);
+            if (!selected) {
+              EXPECT_EQ(now[g].bytes_read, before[g].bytes_read);
+            }
+          }
+          read_ahead += now[g].prefetched - before[g].prefetched;
         }
       }
       before = now;
     }
     EXPECT_GT(ffn.TotalStats().bytes_read, 0u);
+    if (v.mode == OffloadMode::kFull && v.siblings) {
+      EXPECT_GT(read_ahead, 0);
+    } else {
+      EXPECT_EQ(read_ahead, 0) << "no read-ahead asked for";
+    }
   }
   // The CLI agrees: offload in predictor mode prints the in-memory predictor run's text.
   const std::string common = " -p \"" + std::string(kPromptText) + "\" -n 24 -t 1 --json";
