@@ -807,17 +807,24 @@ TEST_F(OffloadTest, SharedPoolPreloadIsSharedOutByThePlansSizes) {
   ASSERT_EQ(active.size(), 5u);
   ASSERT_NE(*std::min_element(active.begin(), active.end()), *std::max_element(active.begin(), active.end()))
       << "the test needs layers of different activity";
-  // The same deployment without the figure.
-  const std::string old_dir = dir_->File("deploy-no-active");
-  if (!fs::exists(old_dir)) {
-    fs::copy(DeployDir(), old_dir, fs::copy_options::recursive);
+  // The same deployment without the figure, and with it for all regions but the first (a hand-edited manifest: the
+  // figures that are there do not say how to share with the one that is not).
+  const std::string old_dir = dir_->File("deploy-no-active"), partial_dir = dir_->File("deploy-partial-active");
+  for (const std::string& dir : {old_dir, partial_dir}) {
+    if (fs::exists(dir)) continue;
+    fs::copy(DeployDir(), dir, fs::copy_options::recursive);
     nlohmann::json old = manifest;
-    for (auto& r : old["regions"]) r.erase("active_per_token");
-    nflash::testing::WriteText(old_dir + "/manifest.json", old.dump(1) + "\n");
+    for (auto& r : old["regions"]) {
+      if (dir == old_dir || &r == &old["regions"][0]) r.erase("active_per_token");
+    }
+    nflash::testing::WriteText(dir + "/manifest.json", old.dump(1) + "\n");
   }
-  enum class Source { kPlan, kManifest, kEqual };
-  for (Source source : {Source::kPlan, Source::kManifest, Source::kEqual}) {
-    SCOPED_TRACE(source == Source::kPlan ? "plan" : source == Source::kManifest ? "manifest" : "equal shares");
+  enum class Source { kPlan, kManifest, kEqual, kPartial };
+  for (Source source : {Source::kPlan, Source::kManifest, Source::kEqual, Source::kPartial}) {
+    SCOPED_TRACE(source == Source::kPlan       ? "plan"
+                 : source == Source::kManifest ? "manifest"
+                 : source == Source::kEqual    ? "equal shares"
+                                               : "equal shares (a region without the figure)");
     SparseRuntimeOptions o;
     o.active_set = ActiveSetSource::kOracle;
     o.hot_slots = 0;
@@ -827,7 +834,10 @@ TEST_F(OffloadTest, SharedPoolPreloadIsSharedOutByThePlansSizes) {
     } else {
       o.cold_slots = 151;
     }
-    auto rt = SparseRuntime::Open(source == Source::kEqual ? old_dir : DeployDir(), o, pool_);
+    auto rt = SparseRuntime::Open(source == Source::kEqual     ? old_dir
+                                  : source == Source::kPartial ? partial_dir
+                                                               : DeployDir(),
+                                  o, pool_);
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
     const SlotRegion& cold = (*rt)->ffn().cache().cold();
     const int64_t pool = cold.SlotCount();
