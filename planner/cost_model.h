@@ -74,9 +74,13 @@ struct FfnParams {
   // A region that is not one expert: the FFN runs it stands for per token (1 for a dense layer; a layer of grouped
   // experts, ExpertLayers: its experts used per token). An expert runs route_fraction times per token.
   double layer_runs = 1;
+  // An expert: the share of its runs that wait for their own first reads. The runtime reads a layer's routed
+  // experts' misses at its first one (sibling read-ahead, since session 46), so about one wait per layer: 1 /
+  // experts used per token (ModelParamsFromDeployment); 1: every run waits.
+  double first_read_share = 1;
   uint64_t ComputeBytes() const { return compute_bytes > 0 ? compute_bytes : bundle_bytes; }
-  // FFN runs per token: each waits once for its first reads (the pipeline's exposed latency).
-  double Runs() const { return expert >= 0 ? route_fraction : layer_runs; }
+  // FFN runs per token that wait for their first reads (the pipeline's exposed latency).
+  double Runs() const { return expert >= 0 ? route_fraction * first_read_share : layer_runs; }
 };
 
 struct ModelParams {

@@ -105,6 +105,8 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
     f.route_fraction = (r.expert >= 0 && profile.tokens > 0)
                            ? static_cast<double>(fp->tokens) / static_cast<double>(profile.tokens)
                            : 1.0;
+    // Decode waits about once per layer for its experts' first reads (the runtime's sibling read-ahead).
+    if (r.expert >= 0 && hp.n_experts_used > 1) f.first_read_share = 1.0 / static_cast<double>(hp.n_experts_used);
     f.bundle_bytes = layout.bundle_bytes;
     // Without a predictor the runtime's oracle already has every gate value (its dense GEMV over the gate rows,
     // counted in predictor_bytes below): per active neuron it computes only up and down.

@@ -211,6 +211,9 @@ TEST(ModelParamsTest, ExpertsCostTheirRouteShare) {
   uint64_t gate_bytes = 0;
   for (const FfnParams& f : m->ffns) {
     EXPECT_DOUBLE_EQ(f.route_fraction, 0.1 * static_cast<double>(f.expert + 1)) << f.layer << "/" << f.expert;
+    // 2 experts per token: one wait for first reads per layer, shared by the two (sibling read-ahead).
+    EXPECT_DOUBLE_EQ(f.first_read_share, 0.5);
+    EXPECT_DOUBLE_EQ(f.Runs(), 0.05 * static_cast<double>(f.expert + 1));
     gate_bytes += static_cast<uint64_t>(96.0 * static_cast<double>(in->deployment->layout().gate_bytes) *
                                         f.route_fraction);
   }

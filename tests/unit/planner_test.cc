@@ -173,6 +173,11 @@ TEST(CostModelTest, PredictorAndRouteShareCount) {
   // The expert runs for a quarter of the tokens: its first cluster's reads are waited for that often,
   // 25/32 * 5 us + 0.25 * 0.5 * (40 + 1310.72) us.
   EXPECT_NEAR(q.pipeline_s, (25.0 / 32 * 5 + 0.25 * 0.5 * 1350.72) * 1e-6, 1e-12);
+  // With 4 experts a token read ahead at the layer's first (first_read_share 1/4), a quarter of those waits.
+  m.ffns[0].first_read_share = 0.25;
+  const Prediction r = Evaluate(hw, m, s);
+  EXPECT_NEAR(r.pipeline_s, (25.0 / 32 * 5 + 0.25 * 0.25 * 0.5 * 1350.72) * 1e-6, 1e-12);
+  EXPECT_NEAR(r.io_s, q.io_s, 1e-15);  // the reads themselves are the same
   m.ffns.clear();
   EXPECT_EQ(Evaluate(hw, m, PlanSettings{}).served_fraction, 1.0);
 }
