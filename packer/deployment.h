@@ -149,8 +149,8 @@ struct Manifest {
   // Mean (over regions, weighted by neurons) of the profile's active fraction (per run of each FFN), and what that
   // means per token: expected_bytes_per_token = sum over regions of active_per_token * bundle_bytes (bundle bytes
   // needed if no neuron is cached; an expert counts only the tokens routed to it since session 46, before which an
-  // MoE's figure counted every expert on every token); read amplification = group_bytes / (slots_per_group * bundle_bytes) for a
-  // reader that reads whole groups.
+  // MoE's figure counted every expert on every token); read amplification = group_bytes / (slots_per_group *
+  // bundle_bytes) for a reader that reads whole groups.
   double mean_active_fraction = 0.0;
   double expected_bytes_per_token = 0.0;
   double read_amplification = 1.0;

@@ -434,10 +434,8 @@ Result<PackStats> PackDeployment(const std::string& model_path, const profiler::
     r.offset = flash->Offset();
     r.size = region_bytes;
     r.hot_bytes = layout.RegionBytes(r.hot_count);
-    const double routed = expert < 0 || profile.tokens <= 0
-                              ? 1.0
-                              : static_cast<double>(fp.tokens) / static_cast<double>(profile.tokens);
-    r.active_per_token = std::min(1.0, routed) * fp.mean_active_fraction * static_cast<double>(hp.n_ff);
+    r.active_per_token =
+        std::min(1.0, profile.RoutedShare(fp)) * fp.mean_active_fraction * static_cast<double>(hp.n_ff);
     const std::vector<int32_t> neuron_of_slot = OrderNeurons(fp, r.hot_count, options.order);
     chained = chained || EffectiveOrder(fp, options.order) == NeuronOrder::kCoactivation;
     Tables& tb = tables[i];

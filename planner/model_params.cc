@@ -102,9 +102,7 @@ Result<ModelParams> ModelParamsFromDeployment(const packer::Deployment& deployme
     f.expert = r.expert;
     f.n_neurons = r.n_neurons;
     f.active_fraction = computed_fraction(*fp);
-    f.route_fraction = (r.expert >= 0 && profile.tokens > 0)
-                           ? static_cast<double>(fp->tokens) / static_cast<double>(profile.tokens)
-                           : 1.0;
+    f.route_fraction = profile.RoutedShare(*fp);
     // Decode waits about once per layer for its experts' first reads (the runtime's sibling read-ahead).
     if (r.expert >= 0 && hp.n_experts_used > 1) f.first_read_share = 1.0 / static_cast<double>(hp.n_experts_used);
     f.bundle_bytes = layout.bundle_bytes;

@@ -80,6 +80,11 @@ struct ModelProfile {
   std::vector<float> lru_hit_rate_shared;
   // The FFN of (layer, expert), or nullptr.
   const FfnProfile* Find(int64_t layer, int64_t expert = -1) const;
+  // The share of the calibration tokens that ran `f`: an expert's tokens over the profile's; 1 for a dense FFN (or
+  // a profile of no tokens).
+  double RoutedShare(const FfnProfile& f) const {
+    return f.expert >= 0 && tokens > 0 ? static_cast<double>(f.tokens) / static_cast<double>(tokens) : 1.0;
+  }
 };
 
 // Writes atomically (temporary name, rename); refuses to overwrite unless `overwrite`.

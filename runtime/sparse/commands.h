@@ -66,11 +66,10 @@ struct RuntimeFlags {
 inline constexpr int64_t kDefaultChunkRequests = 16;
 
 // Adds --mode, --memory, --active-set, --hot-slots, --cold-slots, --hot-fraction, --hot-policy, --cluster-groups,
-// --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter, --slot-alignment, --resident-embedding,
-// --two-phase, --lookahead, --lookahead-keep, --warm-next, --pin-threads, --cold-pool, --cold-protected,
-// --no-cold-overflow, --no-cold-preload, --no-sibling-readahead, --kv-type and --plan (and the A/B switches --warm-next-ab and
-// --pin-threads-ab, which only
-// `nflash offload` uses).
+// --chunk-requests, --queue-depth, --buffered, --token-prefill, --prefill-in-cache, --prefill-batch-min, --no-scatter,
+// --slot-alignment, --resident-embedding, --two-phase, --lookahead, --lookahead-keep, --warm-next, --pin-threads,
+// --cold-pool, --cold-protected, --no-cold-overflow, --no-cold-preload, --no-sibling-readahead, --kv-type and --plan
+// (and the A/B switches --warm-next-ab and --pin-threads-ab, which only `nflash offload` uses).
 void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);
 
 // The options of SparseRuntime::Open for `f`: the context is f.ctx, or `default_ctx` when f.ctx is 0 (<= 0: the

@@ -963,9 +963,7 @@ Status OffloadFfn::ForwardToken(int64_t group, int64_t layer, int64_t expert, co
     const bool after_hits = guess && GuessAfterHits(layer, residual);
     if (guess && !after_hits) IssueLookahead(layer, x);
     // MoE, one token: the layer's other experts' reads behind this one's.
-    if (la_siblings_ && moe_one_token_ && moe_layer_ == layer && x.n() == 1 && FirstFfnOfLayer(layer, expert)) {
-      IssueSiblings(layer, expert, x);
-    }
+    if (la_siblings_ && moe_one_token_ && FirstFfnOfLayer(layer, expert)) IssueSiblings(layer, expert, x);
     step_done(3);
     ComputeItems(ready_items_, x, thr);  // cache hits: while the first reads are in flight
     step_done(4);

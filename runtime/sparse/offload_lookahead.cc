@@ -484,8 +484,7 @@ void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0, bool predicted, bool 
 void OffloadFfn::IssueSiblings(int64_t layer, int64_t expert, const Activation& x) {
   const uint64_t t0 = SteadyNowNs();
   const LlamaHparams& hp = model_.hparams();
-  std::fill(sib_group_.begin(), sib_group_.end(), -1);
-  la_act_.Set(x.f32(), 1, hp.dim);
+  la_act_.Set(x.f32(), 1, hp.dim);  // sib_group_ was cleared at this expert's start (ForwardToken)
   const int first = static_cast<int>((layer % 2) * la_per_layer_);
   size_t j = 0;
   for (int64_t e : moe_routed_) {
