@@ -355,6 +355,8 @@ Status RunOffload(const OffloadFlags& f) {
       {"two_phase", rt.ffn().two_phase()},
       {"lookahead_slots", rt.ffn().lookahead_slots()},
       {"lookahead_started_token", rt.ffn().lookahead_started_token()},
+      // MoE decode: a layer's routed experts' misses read at its first expert (prefetched_per_token counts them).
+      {"sibling_readahead", rt.ffn().sibling_readahead()},
       {"lookahead_source", LookaheadSourceName(rt.ffn().options().lookahead_source)},
       {"lookahead_input", LookaheadInputName(rt.lookahead_input())},
       {"lookahead_replay", rt.ffn().options().lookahead_replay.empty()

@@ -442,6 +442,8 @@ class OffloadFfn : public FfnBackend {
   // Bundles read ahead per layer at most that `options` give for this deployment (0 when lookahead does not apply).
   static int64_t LookaheadSlots(const packer::Deployment& deployment, const OffloadOptions& options);
   int64_t lookahead_slots() const { return la_slots_; }
+  // The sibling read-ahead is in effect (MoE decode; OffloadOptions::sibling_readahead without next-layer lookahead).
+  bool sibling_readahead() const { return la_siblings_; }
   // Bytes streamed through the caches per layer wait at most (OffloadOptions::warm_next_bytes resolved); 0: off.
   uint64_t warm_next_cap() const { return warm_cap_; }
   // Switches the warming off (and on again) from the next layer on, e.g. per token for an A/B comparison inside one
