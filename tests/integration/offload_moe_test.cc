@@ -19,6 +19,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -27,6 +28,7 @@
 #include "runtime/engine/model.h"
 #include "runtime/engine/predictor.h"
 #include "runtime/engine/sparse_ffn.h"
+#include "runtime/sparse/event_trace.h"
 #include "runtime/sparse/sparse_runtime.h"
 #include "tests/test_util.h"
 #include "tests/unit/offload_test_util.h"
@@ -511,6 +513,9 @@ TEST_F(OffloadMoeTest, PerExpertPredictorsPredictOnlyRoutedExpertsAndOffloadEqua
     }
     std::vector<OffloadGroupStats> before = ffn.stats();
     int64_t read_ahead = 0;
+    EventTrace trace;  // the decode's I/O streams
+    ffn.SetEventTrace(&trace);
+    const int64_t prefetch_requests0 = ffn.TotalStats().prefetch_requests;
     for (int i = 0; i < kGenerate; ++i) {
       const float* l = ctx.logits();
       ASSERT_TRUE(std::equal(l, l + hp.n_vocab, ref->logits[static_cast<size_t>(i)].begin()))
@@ -544,6 +549,21 @@ TEST_F(OffloadMoeTest, PerExpertPredictorsPredictOnlyRoutedExpertsAndOffloadEqua
     } else {
       EXPECT_EQ(read_ahead, 0) << "no read-ahead asked for";
     }
+    // A layer's reads ahead (its siblings' sets, or the next layer's guessed experts' sets) go to the I/O thread as
+    // one stream, never a stream per expert (the I/O thread reads one to its end before it starts the next).
+    const int64_t prefetch_requests = ffn.TotalStats().prefetch_requests - prefetch_requests0;
+    rt->reset();  // joins the I/O thread: every stream's span is in
+    int64_t streams = 0, streamed = 0;
+    for (const TraceSpan& span : trace.Spans()) {
+      if (span.lane != TraceLane::kIo) continue;
+      EXPECT_STRNE(span.name, "reads ahead") << "an expert's set read as a stream of its own";
+      if (std::string_view(span.name) == "experts' reads ahead") {
+        ++streams;
+        streamed += span.count;
+      }
+    }
+    EXPECT_EQ(streamed, prefetch_requests);
+    EXPECT_LE(streams, kGenerate * kLayers) << "more than one stream of reads ahead per layer and step";
   }
   // A token that fails at a layer's first routed expert, after its sibling's set was predicted and read ahead: the
   // runtime stays usable (issue 6: no silent wrong output). Layer 0's first routed expert in the first decode step
