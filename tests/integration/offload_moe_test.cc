@@ -699,6 +699,67 @@ TEST_F(OffloadMoeTest, FaultsInASiblingsReadAheadAreRetriedOnceThenReported) {
   }
 }
 
+// A wider routing (8 experts, top 4: three siblings per layer) in oracle mode: the siblings' sets of a layer are read
+// as one I/O stream (the I/O thread reads a submission to its end before the next, so a stream per sibling would keep
+// one expert's reads in flight at a time), each set waits for its own chunks (no read retried in a fault-free run:
+// a bundle used before it arrived fails its checksum and is read again), and the logits equal the in-memory sparse
+// FFN's at every step.
+TEST_F(OffloadMoeTest, WiderRoutingReadsALayersSiblingsInOneStream) {
+  const std::string model_path = dir_->File("top4.gguf"), prof = dir_->File("top4.prof"),
+                    deploy = dir_->File("top4-deploy");
+  auto r = testing::RunCommand(Nflash() + " -q synth --shape custom --dim 128 --ffn 384 --heads 4 --layers " +
+                               std::to_string(kLayers) + " --experts 8 --top-k 4 --vocab 512 --type f32 --threads 1 -o " +
+                               model_path);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = testing::RunCommand(Nflash() + " -q profile -m " + model_path + " -f " +
+                          testing::SharedPath("text/tinystories_calib.txt") + " --tokens 2000 -t 1 -o " + prof);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = testing::RunCommand(Nflash() + " -q pack -m " + model_path + " -p " + prof + " -o " + deploy);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+
+  ThreadPool pool(2);
+  auto model = nflash::Model::Load(model_path, LoadOptions{});
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  const LlamaHparams& hp = (*model)->hparams();
+  ASSERT_EQ(hp.n_experts_used, 4);
+  auto ref = SparseReference(**model, nullptr, &pool);
+  ASSERT_TRUE(ref.ok()) << ref.status().ToString();
+
+  auto rt = SparseRuntime::Open(deploy, Options(kVariants[1]), &pool);  // sibling read-ahead
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  OffloadFfn& ffn = (*rt)->ffn();
+  ASSERT_TRUE(ffn.sibling_readahead());
+  InferenceContext& ctx = (*rt)->context();
+  ASSERT_TRUE(ctx.Eval(kPrompt, false).ok());
+  EventTrace trace;
+  ffn.SetEventTrace(&trace);
+  const OffloadGroupStats before = ffn.TotalStats();
+  for (int i = 0; i < kGenerate; ++i) {
+    const float* l = ctx.logits();
+    ASSERT_TRUE(std::equal(l, l + hp.n_vocab, ref->logits[static_cast<size_t>(i)].begin()))
+        << "logits differ from the in-memory sparse FFN at step " << i;
+    ASSERT_TRUE(ctx.Eval(std::vector<int32_t>{ref->tokens[static_cast<size_t>(i)]}, false).ok());
+  }
+  const OffloadGroupStats after = ffn.TotalStats();
+  EXPECT_GT(after.prefetched - before.prefetched, 0) << "nothing was read ahead for a sibling";
+  EXPECT_EQ(after.prefetch_used - before.prefetch_used, after.prefetched - before.prefetched);
+  EXPECT_EQ(after.retries, 0) << "a sibling's bundle was used before it arrived";
+  const int64_t prefetch_requests = after.prefetch_requests - before.prefetch_requests;
+  rt->reset();  // joins the I/O thread: every stream's span is in
+  int64_t streams = 0, streamed = 0;
+  for (const TraceSpan& span : trace.Spans()) {
+    if (span.lane != TraceLane::kIo) continue;
+    EXPECT_STRNE(span.name, "reads ahead") << "a sibling's set read as a stream of its own";
+    if (std::string_view(span.name) == "experts' reads ahead") {
+      ++streams;
+      streamed += span.count;
+    }
+  }
+  EXPECT_EQ(streamed, prefetch_requests);
+  EXPECT_GT(streams, 0);
+  EXPECT_LE(streams, kGenerate * kLayers) << "more than one stream of siblings' reads per layer and step";
+}
+
 INSTANTIATE_TEST_SUITE_P(Types, OffloadMoeTest, ::testing::Values("f32", "q8_0", "q4_0"));
 
 }  // namespace
