@@ -47,12 +47,15 @@ def main():
     tokens = sorted(by_name.get("token", []))[args.skip:]
     if not tokens:
         sys.exit(f"{args.trace}: no token spans after --skip {args.skip}")
-    io = union([(a, b) for name in ("reads", "reads ahead") for a, b, _ in by_name.get(name, [])])
+    # Reads ahead: the lookahead's guesses ("reads ahead"), or a layer's MoE experts' sets read as one stream
+    # ("experts' reads ahead": the siblings' sets, or an MoE guess's).
+    ahead_names = ("reads ahead", "experts' reads ahead")
+    io = union([(a, b) for name in ("reads",) + ahead_names for a, b, _ in by_name.get(name, [])])
     attention = sorted((a, b) for a, b, _ in by_name.get("attention", []))
     ffn = sorted((a, b) for a, b, _ in by_name.get("ffn", []))
     wait = sorted((a, b) for a, b, _ in by_name.get("wait", []))
     reads = sorted(by_name.get("reads", []))
-    ahead = sorted(by_name.get("reads ahead", []))
+    ahead = sorted(span for name in ahead_names for span in by_name.get(name, []))
     rows = {k: 0.0 for k in ("token", "attention", "ffn", "wait", "io", "io_attention", "io_ffn", "requests",
                              "requests_ahead", "streams", "ahead_in_ffn")}
     for lo, hi, _ in tokens:
