@@ -604,8 +604,8 @@ class OffloadFfn : public FfnBackend {
   void IssueSiblings(int64_t layer, int64_t expert, const Activation& x);
   // The active set IssueSiblings predicted for `group` into active_ (true), or false.
   bool TakeSiblingSet(int64_t group);
-  // The reads of the sets GuessGroup prepared while defer_sets_ was set, as one submission (deferred_requests_).
-  void SubmitDeferredSets();
+  // The reads of the sets GuessGroup prepared for `layer` while defer_sets_ was set, as one submission.
+  void SubmitDeferredSets(int64_t layer);
   // kProjected: the guess's predictor pass from the table into la_rows_; false when the layer has no ratio yet.
   bool PredictProjected(int64_t layer, const float* residual);
   // kProjected: after layer `layer`'s FFN, its rms(residual + out) / rms(residual) for the next token's guess.
@@ -765,11 +765,12 @@ class OffloadFfn : public FfnBackend {
   std::vector<int64_t> sib_group_;
   std::vector<std::vector<int32_t>> sib_active_;
   // While IssueSiblings or an MoE guess runs: GuessGroup leaves its set's submission to SubmitDeferredSets, which
-  // reads every deferred set's requests (copied in set order, chunk ends shifted) as one stream.
+  // reads every deferred set's requests (copied in set order, chunk ends shifted) as one stream; per layer parity,
+  // like the sets, so that a stream still in flight is never rewritten.
   bool defer_sets_ = false;
   std::vector<int> deferred_sets_;
-  std::vector<ReadRequest> deferred_requests_;
-  std::vector<size_t> deferred_chunk_ends_;
+  std::vector<ReadRequest> deferred_requests_[2];
+  std::vector<size_t> deferred_chunk_ends_[2];
   bool la_on_ = true;             // false while an adaptive lookahead waits for its trigger
   int64_t la_tokens_ = 0;         // tokens whose last layer ran while it watched
   int64_t la_started_token_ = 0;  // la_tokens_ when it turned on

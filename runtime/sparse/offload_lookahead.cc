@@ -373,7 +373,7 @@ void OffloadFfn::IssueGuess(int64_t next, int64_t current, const float* input, u
     GuessGroup(next * n_experts_ + la_experts_[static_cast<size_t>(j)], first + static_cast<int>(j), t0);
   }
   defer_sets_ = false;
-  SubmitDeferredSets();
+  SubmitDeferredSets(next);
 }
 
 void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0, bool predicted, bool exact) {
@@ -488,19 +488,24 @@ void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0, bool predicted, bool 
   io_open_ = true;
 }
 
-void OffloadFfn::SubmitDeferredSets() {
-  deferred_requests_.clear();
-  deferred_chunk_ends_.clear();
+void OffloadFfn::SubmitDeferredSets(int64_t layer) {
+  // The buffers of the sets' layer parity: the I/O thread may still read the other parity's stream (an MoE guess's
+  // sets for the layer now running, which its unrouted experts leave unsettled until the next layer starts); this
+  // parity's sets, two layers back, have all been settled (consumed, or dropped by DropLookahead / IssueGuess).
+  std::vector<ReadRequest>& requests = deferred_requests_[static_cast<size_t>(layer % 2)];
+  std::vector<size_t>& chunk_ends = deferred_chunk_ends_[static_cast<size_t>(layer % 2)];
+  requests.clear();
+  chunk_ends.clear();
   for (int b : deferred_sets_) {
-    const size_t base = deferred_requests_.size();
-    deferred_requests_.insert(deferred_requests_.end(), la_requests_[b].begin(), la_requests_[b].end());
-    for (size_t end : la_chunk_ends_[b]) deferred_chunk_ends_.push_back(base + end);
+    const size_t base = requests.size();
+    requests.insert(requests.end(), la_requests_[b].begin(), la_requests_[b].end());
+    for (size_t end : la_chunk_ends_[b]) chunk_ends.push_back(base + end);
   }
-  if (!deferred_requests_.empty()) {
+  if (!requests.empty()) {
     // One stream: the I/O thread reads a submission's requests to the end before it starts the next one's, so a
     // submission per expert would keep only one expert's handful of reads in flight at a time (SYNTHETIC
     // qwen3-30b-a3b, 8 layers, top 8 at 1200M: ~6 reads per expert; 38.2 -> 42.7 tok/s, docs/runtime.md "MoE").
-    size_t first = SubmitReads(deferred_requests_, deferred_chunk_ends_, "experts' reads ahead");
+    size_t first = SubmitReads(requests, chunk_ends, "experts' reads ahead");
     for (int b : deferred_sets_) {
       la_first_chunk_[b] = first;
       first += la_chunk_ends_[b].size();
@@ -533,7 +538,7 @@ void OffloadFfn::IssueSiblings(int64_t layer, int64_t expert, const Activation& 
     ++j;
   }
   defer_sets_ = false;
-  SubmitDeferredSets();
+  SubmitDeferredSets(layer);
 }
 
 bool OffloadFfn::TakeSiblingSet(int64_t group) {
