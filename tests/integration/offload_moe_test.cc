@@ -204,6 +204,24 @@ Result<Run> SparseReference(const nflash::Model& model, const Predictor* predict
   return r;
 }
 
+// The I/O streams of the layers' experts' reads ahead in a decode's trace: how many, and their requests. A stream of
+// one expert's set alone (labelled "reads ahead", as a dense model's guess is) fails the test.
+struct Streams {
+  int64_t count = 0, requests = 0;
+};
+Streams ExpertReadAheadStreams(const EventTrace& trace) {
+  Streams s;
+  for (const TraceSpan& span : trace.Spans()) {
+    if (span.lane != TraceLane::kIo) continue;
+    EXPECT_STRNE(span.name, "reads ahead") << "an expert's set read as a stream of its own";
+    if (std::string_view(span.name) == "experts' reads ahead") {
+      ++s.count;
+      s.requests += span.count;
+    }
+  }
+  return s;
+}
+
 TEST_P(OffloadMoeTest, ReadsOnlyForRoutedExpertsAndLogitsEqualSparseFfn) {
   const std::string type = GetParam();
   ThreadPool pool(2);
@@ -555,19 +573,11 @@ TEST_F(OffloadMoeTest, PerExpertPredictorsPredictOnlyRoutedExpertsAndOffloadEqua
     // one stream, never a stream per expert (the I/O thread reads one to its end before it starts the next).
     const int64_t prefetch_requests = ffn.TotalStats().prefetch_requests - prefetch_requests0;
     rt->reset();  // joins the I/O thread: every stream's span is in
-    int64_t streams = 0, streamed = 0;
-    for (const TraceSpan& span : trace.Spans()) {
-      if (span.lane != TraceLane::kIo) continue;
-      EXPECT_STRNE(span.name, "reads ahead") << "an expert's set read as a stream of its own";
-      if (std::string_view(span.name) == "experts' reads ahead") {
-        ++streams;
-        streamed += span.count;
-      }
-    }
-    EXPECT_EQ(streamed, prefetch_requests);
+    const Streams streams = ExpertReadAheadStreams(trace);
+    EXPECT_EQ(streams.requests, prefetch_requests);
     // Siblings: at most one stream per layer and step; next-layer guesses: only layer 1 is guessed (from layer 0),
     // for its 2 likeliest experts, in one stream per step.
-    EXPECT_LE(streams, kGenerate * (v.lookahead_slots > 0 ? kLayers - 1 : kLayers))
+    EXPECT_LE(streams.count, kGenerate * (v.lookahead_slots > 0 ? kLayers - 1 : kLayers))
         << "more than one stream of reads ahead per layer and step";
   }
   // A token that fails at a layer's first routed expert, after its sibling's set was predicted and read ahead: the
@@ -746,18 +756,10 @@ TEST_F(OffloadMoeTest, WiderRoutingReadsALayersSiblingsInOneStream) {
   EXPECT_EQ(after.retries, 0) << "a sibling's bundle was used before it arrived";
   const int64_t prefetch_requests = after.prefetch_requests - before.prefetch_requests;
   rt->reset();  // joins the I/O thread: every stream's span is in
-  int64_t streams = 0, streamed = 0;
-  for (const TraceSpan& span : trace.Spans()) {
-    if (span.lane != TraceLane::kIo) continue;
-    EXPECT_STRNE(span.name, "reads ahead") << "a sibling's set read as a stream of its own";
-    if (std::string_view(span.name) == "experts' reads ahead") {
-      ++streams;
-      streamed += span.count;
-    }
-  }
-  EXPECT_EQ(streamed, prefetch_requests);
-  EXPECT_GT(streams, 0);
-  EXPECT_LE(streams, kGenerate * kLayers) << "more than one stream of siblings' reads per layer and step";
+  const Streams streams = ExpertReadAheadStreams(trace);
+  EXPECT_EQ(streams.requests, prefetch_requests);
+  EXPECT_GT(streams.count, 0);
+  EXPECT_LE(streams.count, kGenerate * kLayers) << "more than one stream of siblings' reads per layer and step";
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, OffloadMoeTest, ::testing::Values("f32", "q8_0", "q4_0"));
