@@ -594,7 +594,8 @@ class OffloadFfn : public FfnBackend {
   // (current's FFN or attention input, dim floats) rescaled by la_scale_; MoE: for the top-k experts next's router
   // picks on that input. `t0`: when the caller started (lookahead_ns).
   void IssueGuess(int64_t next, int64_t current, const float* input, uint64_t t0);
-  // One group's guess from la_act_ into lookahead set `b`: slots, requests, submission.
+  // One group's guess from la_act_ into lookahead set `b`: slots, requests, submission (MoE: left to the caller's
+  // SubmitDeferredSets, which reads the layer's experts' sets as one stream).
   // `predicted`: la_rows_ and pred_scratch_.logits already hold the predictor's guess (kProjected, siblings).
   // `exact`: the set is the group's own active set (siblings), so every candidate is read (no lookahead_keep share,
   // no replay), up to half the group's partition.
@@ -604,7 +605,7 @@ class OffloadFfn : public FfnBackend {
   void IssueSiblings(int64_t layer, int64_t expert, const Activation& x);
   // The active set IssueSiblings predicted for `group` into active_ (true), or false.
   bool TakeSiblingSet(int64_t group);
-  // The reads of the sets GuessGroup prepared for `layer` while defer_sets_ was set, as one submission.
+  // The reads of the MoE sets GuessGroup prepared for `layer` since the last call, as one submission.
   void SubmitDeferredSets(int64_t layer);
   // kProjected: the guess's predictor pass from the table into la_rows_; false when the layer has no ratio yet.
   bool PredictProjected(int64_t layer, const float* residual);
@@ -764,10 +765,8 @@ class OffloadFfn : public FfnBackend {
   // Per routed sibling j: its group (-1: none) and the active set predicted for it (IssueSiblings).
   std::vector<int64_t> sib_group_;
   std::vector<std::vector<int32_t>> sib_active_;
-  // While IssueSiblings or an MoE guess runs: GuessGroup leaves its set's submission to SubmitDeferredSets, which
-  // reads every deferred set's requests (copied in set order, chunk ends shifted) as one stream; per layer parity,
-  // like the sets, so that a stream still in flight is never rewritten.
-  bool defer_sets_ = false;
+  // MoE: the sets GuessGroup prepared and SubmitDeferredSets reads as one stream (their requests copied in set order,
+  // chunk ends shifted), per layer parity like the sets, so that a stream still in flight is never rewritten.
   std::vector<int> deferred_sets_;
   std::vector<ReadRequest> deferred_requests_[2];
   std::vector<size_t> deferred_chunk_ends_[2];

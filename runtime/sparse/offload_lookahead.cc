@@ -368,11 +368,9 @@ void OffloadFfn::IssueGuess(int64_t next, int64_t current, const float* input, u
   Gemv(lw.router, la_act_, la_router_.data(), nullptr);
   la_experts_.resize(static_cast<size_t>(hp.n_experts));
   TopExperts(la_router_.data(), la_per_layer_, la_experts_);
-  defer_sets_ = true;
   for (int64_t j = 0; j < la_per_layer_; ++j) {
     GuessGroup(next * n_experts_ + la_experts_[static_cast<size_t>(j)], first + static_cast<int>(j), t0);
   }
-  defer_sets_ = false;
   SubmitDeferredSets(next);
 }
 
@@ -480,8 +478,8 @@ void OffloadFfn::GuessGroup(int64_t g, int b, uint64_t t0, bool predicted, bool 
     st.prefetch_bytes += r.size;
   }
   la_group_[b] = g;
-  if (defer_sets_) {
-    deferred_sets_.push_back(b);  // submitted with the layer's other experts' sets (SubmitDeferredSets)
+  if (hp.n_experts > 0) {
+    deferred_sets_.push_back(b);  // the caller submits it with the layer's other experts' sets (SubmitDeferredSets)
     return;
   }
   la_first_chunk_[b] = SubmitReads(reqs, ends, "reads ahead");
@@ -521,7 +519,6 @@ void OffloadFfn::IssueSiblings(int64_t layer, int64_t expert, const Activation& 
   la_act_.Set(x.f32(), 1, hp.dim);  // sib_group_ was cleared at this expert's start (ForwardToken)
   const int first = static_cast<int>((layer % 2) * la_per_layer_);
   size_t j = 0;
-  defer_sets_ = true;
   for (int64_t e : moe_routed_) {
     if (e == expert) continue;
     if (j == sib_group_.size()) break;
@@ -537,7 +534,6 @@ void OffloadFfn::IssueSiblings(int64_t layer, int64_t expert, const Activation& 
     GuessGroup(g, b, t0, /*predicted=*/!oracle_, /*exact=*/true);
     ++j;
   }
-  defer_sets_ = false;
   SubmitDeferredSets(layer);
 }
 
