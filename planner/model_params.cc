@@ -14,7 +14,6 @@
 #include "runtime/engine/predictor.h"
 
 namespace nflash::planner {
-namespace {
 
 Curve CurveFrom(const std::vector<float>& y) {
   Curve c;
@@ -24,8 +23,6 @@ Curve CurveFrom(const std::vector<float>& y) {
   }
   return c;
 }
-
-}  // namespace
 
 Curve PlanningPopularity(const profiler::FfnProfile& fp) {
   // The in-sample curve counts each neuron on the tokens that ranked it, which overstates coverage when the counts

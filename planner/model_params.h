@@ -19,6 +19,9 @@ struct NeuronSizes {
   uint64_t read = 0;       // bytes a cold miss reads
 };
 
+// A profile curve's points y_i at x = i / (points - 1), clamped to [0, 1].
+Curve CurveFrom(const std::vector<float>& y);
+
 // The popularity curve a region is planned with: the profile's held-out curve when it has one (what pinning the
 // hottest neurons serves on tokens the profile did not see), else its in-sample curve; x = i / (points - 1).
 Curve PlanningPopularity(const profiler::FfnProfile& fp);

@@ -27,7 +27,7 @@ struct RuntimeFlags {
   std::string memory;
   std::string active_set = "auto";
   int64_t hot_slots = 0, cold_slots = 0;
-  double hot_fraction = kDefaultHotFraction;
+  std::string hot_fraction = "auto";  // "auto" (kAutoHotFraction) or a share in [0, 1]
   int64_t cluster_groups = 0;
   int64_t chunk_requests = 0;  // 0: not given (kDefaultChunkRequests, or the plan's)
   unsigned queue_depth = 0;     // 0: not given (io::kDefaultQueueDepth, or the plan's)

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -383,6 +384,11 @@ Status RunOffload(const OffloadFlags& f) {
       {"accounted_bytes", rt.fixed().Total() + rt.split().hot_bytes + rt.split().cold_bytes},
       {"hot_slots", rt.split().hot_slots},
       {"cold_slots", rt.split().cold_slots},
+      // The budget's cache split without a plan (-1: sizes given) and why; the profile's served shares (-1: none).
+      {"hot_fraction", rt.hot_split().hot_fraction},
+      {"hot_fraction_why", rt.hot_split().why},
+      {"served_pinned_predicted", rt.hot_split().served_pinned},
+      {"served_lru_predicted", rt.hot_split().served_lru},
       {"cold_slot_bytes", rt.cold_slot_bytes()},
       // One LRU pool for every layer/expert, or a partition each (a plan's regions, plus their overflow pool).
       {"cold_pool", rt.ffn().options().cold_slots_per_group.empty() ? "shared" : "per-layer"},
@@ -579,7 +585,16 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   }
   o->hot_slots = f.hot_slots;
   o->cold_slots = f.cold_slots;
-  o->hot_fraction = f.hot_fraction;
+  if (f.hot_fraction == "auto") {
+    o->hot_fraction = kAutoHotFraction;
+  } else {
+    char* end = nullptr;
+    const double v = std::strtod(f.hot_fraction.c_str(), &end);
+    if (f.hot_fraction.empty() || *end != '\0' || !(v >= 0.0 && v <= 1.0)) {
+      return Status::InvalidArgument("--hot-fraction " + f.hot_fraction + ": expected auto or a share in [0, 1]");
+    }
+    o->hot_fraction = v;
+  }
   o->cluster_groups = f.cluster_groups;
   o->chunk_requests = f.chunk_requests > 0 ? f.chunk_requests : kDefaultChunkRequests;
   o->io.queue_depth = f.queue_depth > 0 ? f.queue_depth : io::kDefaultQueueDepth;
@@ -666,7 +681,10 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_option("--active-set", flags->active_set, "auto, predictor or oracle (exact; gate rows held in memory)");
   cmd->add_option("--hot-slots", flags->hot_slots, "Without --memory: hot cluster slots");
   cmd->add_option("--cold-slots", flags->cold_slots, "Without --memory: cold neuron slots");
-  cmd->add_option("--hot-fraction", flags->hot_fraction, "With --memory: share of the cache budget for hot clusters");
+  cmd->add_option("--hot-fraction", flags->hot_fraction,
+                  "With --memory and no plan: share of the cache budget for pinned hot clusters, or auto (all pinned or "
+                  "all one LRU pool, whichever the deployment's profile serves more with)")
+      ->capture_default_str();
   cmd->add_option("--hot-policy", flags->hot_policy,
                   "Hot region: pinned (each layer's hottest clusters loaded at start, never evicted) or lru (one "
                   "pool, LRU per cluster, filled on demand)")

@@ -65,12 +65,36 @@ uint64_t OffloadFfn::HotSlotBytes(const packer::Deployment& d, int64_t cluster_g
 }
 
 int64_t OffloadFfn::HotClusterCount(const packer::Deployment& d, int64_t cluster_groups, HotPolicy policy) {
-  const int64_t c = ClusterGroups(d.layout(), cluster_groups) * d.layout().slots_per_group;
+  const int64_t c = HotClusterNeurons(d, cluster_groups);
   int64_t n = 0;
   for (const auto& r : d.manifest().regions) {
     n += ((policy == HotPolicy::kPinned ? r.n_neurons : r.hot_count) + c - 1) / c;
   }
   return n;
+}
+
+int64_t OffloadFfn::HotClusterNeurons(const packer::Deployment& d, int64_t cluster_groups) {
+  return ClusterGroups(d.layout(), cluster_groups) * d.layout().slots_per_group;
+}
+
+std::vector<int64_t> OffloadFfn::SpreadPinnedClusters(int64_t clusters, const std::vector<int64_t>& cap) {
+  std::vector<int64_t> pinned(cap.size(), 0);
+  int64_t left = std::max<int64_t>(0, clusters);
+  for (bool progress = true; left > 0 && progress;) {
+    progress = false;
+    int64_t open = 0;
+    for (size_t g = 0; g < cap.size(); ++g) open += pinned[g] < cap[g] ? 1 : 0;
+    if (open == 0) break;
+    const int64_t share = std::max<int64_t>(1, left / open);
+    for (size_t g = 0; g < cap.size() && left > 0; ++g) {
+      const int64_t add = std::min({share, cap[g] - pinned[g], left});
+      if (add <= 0) continue;
+      pinned[g] += add;
+      left -= add;
+      progress = true;
+    }
+  }
+  return pinned;
 }
 
 int64_t OffloadFfn::StagingSlots(int64_t n_ff, int64_t cold_slots, const std::vector<int64_t>& cold_slots_per_group) {
@@ -186,21 +210,7 @@ Status OffloadFfn::Init() {
     if (!options_.hot_slots_per_group.empty()) {
       for (int64_t g = 0; g < n_groups_; ++g) pinned_[g] = std::clamp<int64_t>(options_.hot_slots_per_group[g], 0, cap[g]);
     } else {
-      int64_t left = std::max<int64_t>(0, options_.hot_slots);
-      for (bool progress = true; left > 0 && progress;) {
-        progress = false;
-        int64_t open = 0;
-        for (int64_t g = 0; g < n_groups_; ++g) open += pinned_[g] < cap[g] ? 1 : 0;
-        if (open == 0) break;
-        const int64_t share = std::max<int64_t>(1, left / open);
-        for (int64_t g = 0; g < n_groups_ && left > 0; ++g) {
-          const int64_t add = std::min({share, cap[g] - pinned_[g], left});
-          if (add <= 0) continue;
-          pinned_[g] += add;
-          left -= add;
-          progress = true;
-        }
-      }
+      pinned_ = SpreadPinnedClusters(options_.hot_slots, cap);
     }
   }
 

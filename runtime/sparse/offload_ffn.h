@@ -433,6 +433,11 @@ class OffloadFfn : public FfnBackend {
   // pinned: slots are in popularity order).
   static int64_t HotClusterCount(const packer::Deployment& deployment, int64_t cluster_groups,
                                  HotPolicy policy = HotPolicy::kLru);
+  // Neurons of one hot cluster for `cluster_groups` (0: default).
+  static int64_t HotClusterNeurons(const packer::Deployment& deployment, int64_t cluster_groups);
+  // kPinned without per-group counts: `clusters` pinned clusters split evenly over the groups, each capped at its
+  // `cap` (what a small group cannot take goes to the others, in group order).
+  static std::vector<int64_t> SpreadPinnedClusters(int64_t clusters, const std::vector<int64_t>& cap);
   // Cold slot memory that doubles as staging: misses with no cold slot are read into staging (n_ff slots minus the
   // smallest cold partition, since one group's misses are pinned at a time).
   static int64_t StagingSlots(int64_t n_ff, int64_t cold_slots, const std::vector<int64_t>& cold_slots_per_group);

@@ -157,15 +157,42 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
   if (batched_prefill && !prefill_in_cache) f.scratch += OffloadFfn::PrefillBufferBytes(d);
   const uint64_t full_staging = static_cast<uint64_t>(hp.n_ff) * shape.cold_slot_bytes;  // counted in f.scratch
   if (options.memory_budget > 0 && !explicit_split) {
-    NF_ASSIGN_OR_RETURN(rt->split_, SplitBudget(options.memory_budget, f, shape, options.hot_fraction));
-    rt->budget_ = options.memory_budget;
     // The staging a whole layer of misses could need was reserved in the fixed part; with one cold pool shared by
     // every layer, that memory serves better as cold slots (a layer's misses then always find a slot: staging 0).
-    const int64_t extra = std::min<int64_t>(hp.n_ff, shape.cold_neurons - rt->split_.cold_slots);
-    if (extra > 0) {
-      rt->split_.cold_slots += extra;
-      rt->split_.cold_bytes += static_cast<uint64_t>(extra) * shape.cold_slot_bytes;
+    auto split = [&](double hot_fraction) -> Result<CacheSplit> {
+      NF_ASSIGN_OR_RETURN(CacheSplit s, SplitBudget(options.memory_budget, f, shape, hot_fraction));
+      const int64_t extra = std::min<int64_t>(hp.n_ff, shape.cold_neurons - s.cold_slots);
+      if (extra > 0) {
+        s.cold_slots += extra;
+        s.cold_bytes += static_cast<uint64_t>(extra) * shape.cold_slot_bytes;
+      }
+      return s;
+    };
+    rt->hot_split_.hot_fraction = options.hot_fraction;
+    rt->hot_split_.why = "--hot-fraction given";
+    if (options.hot_fraction == kAutoHotFraction) {
+      if (options.hot_policy != HotPolicy::kPinned) {
+        rt->hot_split_.hot_fraction = kDefaultHotFraction;
+        rt->hot_split_.why = "an LRU hot region (the profile's curves describe a pinned one): the default hot fraction";
+      } else {
+        // The two pure ways this budget allows: all pinned (clusters spread over the groups as OffloadFfn does) and
+        // all one cold pool.
+        NF_ASSIGN_OR_RETURN(const CacheSplit all_hot, split(1.0));
+        NF_ASSIGN_OR_RETURN(const CacheSplit all_cold, split(0.0));
+        const int64_t cluster = OffloadFfn::HotClusterNeurons(d, options.cluster_groups);
+        std::vector<int64_t> cap;
+        for (const packer::RegionInfo& r : d.manifest().regions) cap.push_back((r.n_neurons + cluster - 1) / cluster);
+        std::vector<int64_t> pinned = OffloadFfn::SpreadPinnedClusters(all_hot.hot_slots, cap);
+        for (size_t g = 0; g < pinned.size(); ++g) {
+          pinned[g] = std::min(d.manifest().regions[g].n_neurons, pinned[g] * cluster);
+        }
+        const bool every_neuron = oracle && hp.activation == FfnActivation::kSilu;
+        rt->hot_split_ = AutoHotSplit(d, pinned, all_cold.cold_slots, every_neuron);
+      }
+      NF_LOG(Info) << "cache split: " << rt->hot_split_.why;
     }
+    NF_ASSIGN_OR_RETURN(rt->split_, split(rt->hot_split_.hot_fraction));
+    rt->budget_ = options.memory_budget;
   } else {
     rt->split_.hot_slots = asked_hot;
     rt->split_.cold_slots = asked_cold;

@@ -17,6 +17,7 @@
 #include "runtime/engine/predictor.h"
 #include "runtime/io/direct_reader.h"
 #include "runtime/sparse/flash_embedding.h"
+#include "runtime/sparse/hot_split.h"
 #include "runtime/sparse/memory_budget.h"
 #include "runtime/sparse/offload_ffn.h"
 #include "runtime/text/tokenizer.h"
@@ -38,7 +39,9 @@ struct SparseRuntimeOptions {
   // The fixed part the plan that gave the cache sizes was made for (plan.json `fixed_bytes`; 0: no plan): named when
   // this runtime's fixed part has grown since and the sizes no longer fit.
   uint64_t plan_fixed_bytes = 0;
-  double hot_fraction = kDefaultHotFraction;
+  // With memory_budget and no per-group sizes: the share of the cache bytes for the pinned hot region (SplitBudget),
+  // or kAutoHotFraction: all pinned or all one LRU pool by the deployment's profile (hot_split.h).
+  double hot_fraction = kAutoHotFraction;
   int64_t hot_slots = 0, cold_slots = 0;
   // Cold slots per layer/expert (manifest region order), e.g. from a plan: replaces cold_slots. With a memory budget
   // as well, these sizes are used as given and checked against the budget (no SplitBudget).
@@ -149,6 +152,8 @@ class SparseRuntime {
   const io::DirectReader* reader() const { return reader_; }
   const FixedMemory& fixed() const { return fixed_; }
   const CacheSplit& split() const { return split_; }
+  // How the budget's cache bytes were shared out (a budget without per-group sizes; otherwise hot_fraction -1).
+  const HotSplitChoice& hot_split() const { return hot_split_; }
   // Token embedding rows read from flash; nullptr when token_embd is in memory.
   const FlashEmbedding* embedding() const { return embedding_.get(); }
   // Bytes of one cold slot (OffloadFfn::ColdSlotBytes at the alignment in effect).
@@ -174,6 +179,7 @@ class SparseRuntime {
   std::unique_ptr<OffloadFfn> ffn_;
   FixedMemory fixed_;
   CacheSplit split_;
+  HotSplitChoice hot_split_{.hot_fraction = -1.0, .why = "sizes given"};
   uint64_t budget_ = 0;
 };
 

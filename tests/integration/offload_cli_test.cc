@@ -26,6 +26,10 @@ namespace {
 
 std::string Nflash() { return testing::NflashBinary(); }
 
+// A 3 MB budget split half pinned hot, half LRU: a cache that misses, for the tests of reads, traces and timing. (At
+// 3M the profile's choice, --hot-fraction auto, pins every neuron of this model: no reads.)
+const std::string kMixedCache = " --memory 3M --hot-fraction 0.5";
+
 using testing::ReadText;
 
 class OffloadCliTest : public ::testing::Test {
@@ -108,6 +112,52 @@ TEST_F(OffloadCliTest, BudgetBelowTheFixedPartIsAUsageError) {
   EXPECT_NE(r.output.find("unknown unit"), std::string::npos) << r.output;
   r = testing::RunCommand(Nflash() + " offload -d " + Deploy() + " --mode dense");
   EXPECT_EQ(r.exit_code, 2) << r.output;
+}
+
+// Without a plan the budget's cache is all pinned or all one LRU pool, whichever the deployment's profile says serves
+// more (--hot-fraction auto, the default). At 2.6M the pinned region holds 13 of this model's 15 clusters. The
+// choice is checked against the measured miss rates of every fixed split (decode is deterministic), not the
+// profile's prediction: auto must miss no more than any of them, and must be the split it names.
+TEST_F(OffloadCliTest, AutoSplitMissesNoMoreThanAnyFixedSplit) {
+  auto run = [&](const std::string& fraction) {
+    auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 2.6M" +
+                                     " --json -n 40 --warmup 4 --hot-fraction " + fraction,
+                                 /*capture_stderr=*/false);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return nlohmann::json::parse(r.output, nullptr, false);
+  };
+  const auto a = run("auto");
+  ASSERT_FALSE(a.is_discarded());
+  const double chosen = a["hot_fraction"].get<double>();
+  ASSERT_TRUE(chosen == 0.0 || chosen == 1.0) << a["hot_fraction_why"];
+  EXPECT_NE(a["hot_fraction_why"].get<std::string>().find("by the profile"), std::string::npos) << a["hot_fraction_why"];
+  for (const char* key : {"served_pinned_predicted", "served_lru_predicted"}) {
+    EXPECT_GE(a[key].get<double>(), 0.0) << key;
+    EXPECT_LE(a[key].get<double>(), 1.0) << key;
+  }
+  EXPECT_EQ(chosen == 1.0, a["served_pinned_predicted"].get<double>() >= a["served_lru_predicted"].get<double>());
+  for (const char* fraction : {"0", "0.5", "1"}) {
+    SCOPED_TRACE(std::string("--hot-fraction ") + fraction);
+    const auto f = run(fraction);
+    ASSERT_FALSE(f.is_discarded());
+    EXPECT_EQ(f["hot_fraction_why"], "--hot-fraction given");
+    EXPECT_EQ(f["text"], a["text"]) << "the split changes reads, never the text";
+    EXPECT_LE(a["miss_rate_mean"].get<double>(), f["miss_rate_mean"].get<double>());
+    if (std::stod(fraction) == chosen) {
+      EXPECT_EQ(f["hot_slots"], a["hot_slots"]);
+      EXPECT_EQ(f["cold_slots"], a["cold_slots"]);
+      EXPECT_EQ(f["miss_rate_mean"], a["miss_rate_mean"]);
+    }
+  }
+  // Which split 0.5 is, measured: this model's pinned split misses less than it (so auto is not 0.5 by accident).
+  EXPECT_LT(a["miss_rate_mean"].get<double>(), run("0.5")["miss_rate_mean"].get<double>());
+  for (const char* bad : {"1.5", "-0.1", "half", "0.5x", ""}) {
+    auto r = testing::RunCommand(Nflash() + " offload -d " + Deploy() + " --memory 3M -n 1 --hot-fraction '" + bad + "'");
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("--hot-fraction " + std::string(bad) + ": expected auto or a share in [0, 1]"),
+              std::string::npos)
+        << r.output;
+  }
 }
 
 // The memory budget bounds what the process holds (issue 6: peak RSS within budget + 64 MiB), as the kernel measures
@@ -196,7 +246,7 @@ std::vector<int> CheckAbGroups(const nlohmann::json& j, const char* key, uint64_
 // another seed draws other tokens.
 TEST_F(OffloadCliTest, WarmNextAbSwitchesPerToken) {
   auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
-                                   " --active-set oracle --memory 3M --json -n 40 --warmup 4 --warm-next-ab 5",
+                                   " --active-set oracle" + kMixedCache + " --json -n 40 --warmup 4 --warm-next-ab 5",
                                /*capture_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output, nullptr, false);
@@ -212,7 +262,7 @@ TEST_F(OffloadCliTest, WarmNextAbSwitchesPerToken) {
     EXPECT_GE(mb[i], 0.0);
   }
   auto r2 = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
-                                    " --active-set oracle --memory 3M --json -n 40 --warmup 4 --warm-next-ab 6",
+                                    " --active-set oracle" + kMixedCache + " --json -n 40 --warmup 4 --warm-next-ab 6",
                                 /*capture_stderr=*/false);
   ASSERT_EQ(r2.exit_code, 0) << r2.output;
   const auto j2 = nlohmann::json::parse(r2.output, nullptr, false);
@@ -226,7 +276,7 @@ TEST_F(OffloadCliTest, PinThreadsPlacesThreadsWithoutChangingResults) {
   const std::vector<int> allowed = ThreadCpus(pthread_self());
   ASSERT_FALSE(allowed.empty());
   const std::string base =
-      Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n 40 --warmup 4";
+      Nflash() + " -q offload -d " + Deploy() + " --active-set oracle" + kMixedCache + " --json -n 40 --warmup 4";
   auto run = [&](const std::string& flags) {
     auto r = testing::RunCommand(base + " " + flags, /*capture_stderr=*/false);
     EXPECT_EQ(r.exit_code, 0) << r.output;
@@ -300,8 +350,8 @@ TEST_F(OffloadCliTest, FfnStepsAccountForTheTokenPath) {
   const char* names[] = {"predict", "lookup_misses", "pin_hits", "guess_next", "hits", "lookahead_wait", "reads",
                          "down", "release"};
   for (const char* mode : {"full", "llmflash"}) {
-    auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json" +
-                                     " -n 40 --warmup 4 --mode " + mode,
+    auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle" + kMixedCache +
+                                     " --json -n 40 --warmup 4 --mode " + mode,
                                  /*capture_stderr=*/false);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const auto j = nlohmann::json::parse(r.output, nullptr, false);
@@ -334,7 +384,7 @@ TEST_F(OffloadCliTest, FfnStepsAccountForTheTokenPath) {
 TEST_F(OffloadCliTest, LookaheadReplayReadsAheadWhatTheTraceSaw) {
   const std::string trace = dir_->File("replay.txt");
   const std::string base = Nflash() + " -q offload -d " + Deploy() +
-                           " --active-set oracle --memory 3M --json -n 24 --warmup 4 --lookahead 64 -t 1"
+                           " --active-set oracle" + kMixedCache + " --json -n 24 --warmup 4 --lookahead 64 -t 1"
                            " --no-cold-preload";  // preloaded, 3M would hold every bundle from the start
   auto run = [&](const std::string& flags) {
     auto r = testing::RunCommand(base + " " + flags, /*capture_stderr=*/false);
@@ -385,7 +435,7 @@ TEST_F(OffloadCliTest, LookaheadReplayReadsAheadWhatTheTraceSaw) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("neuron 999999, expected below n_ff = 172"), std::string::npos) << r.output;
   r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
-                              " --active-set oracle --memory 3M -n 4 --lookahead 0 --lookahead-replay " + trace,
+                              " --active-set oracle" + kMixedCache + " -n 4 --lookahead 0 --lookahead-replay " + trace,
                           /*capture_stderr=*/true);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("the run has no lookahead"), std::string::npos) << r.output;
@@ -399,7 +449,7 @@ TEST_F(OffloadCliTest, TraceEventsTimeTheDecode) {
   const std::string path = dir_->File("events.json");
   const int n = 12;
   auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
-                                   " --active-set oracle --memory 3M --no-cold-preload --json -n " +
+                                   " --active-set oracle" + kMixedCache + " --no-cold-preload --json -n " +
                                    std::to_string(n) + " --trace-events " + path,
                                /*capture_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -498,8 +548,8 @@ TEST_F(OffloadCliTest, TraceEventsTimeTheDecode) {
   EXPECT_NEAR(std::stod(m[1].str()) + std::stod(m[2].str()), j["requests_per_token"].get<double>(), 0.1);
   // Its directory must exist: an error before the run, no file.
   const std::string bad = dir_->File("no-such-dir/events.json");
-  auto e = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M -n 2 " +
-                               "--trace-events " + bad);
+  auto e = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " --active-set oracle" + kMixedCache +
+                               " -n 2 --trace-events " + bad);
   EXPECT_NE(e.exit_code, 0);
   EXPECT_NE(e.output.find("no-such-dir"), std::string::npos) << e.output;
   EXPECT_FALSE(std::filesystem::exists(bad));
@@ -511,7 +561,7 @@ TEST_F(OffloadCliTest, TraceEventsTimeTheDecode) {
 // measured time's tokens into it, below the latencies' sum.
 TEST_F(OffloadCliTest, DecodeRateCountsTheMeasuredTokensOnly) {
   auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
-                                   " --active-set oracle --memory 3M --json -n 16 --warmup 4",
+                                   " --active-set oracle" + kMixedCache + " --json -n 16 --warmup 4",
                                /*capture_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output, nullptr, false);
@@ -533,7 +583,7 @@ TEST_F(OffloadCliTest, DecodeRateCountsTheMeasuredTokensOnly) {
 TEST_F(OffloadCliTest, ColdPreloadChangesReadsNotText) {
   auto run = [&](const std::string& flags) {
     auto r = testing::RunCommand(
-        Nflash() + " -q offload -d " + Deploy() + " --active-set oracle --memory 3M --json -n 16" + flags,
+        Nflash() + " -q offload -d " + Deploy() + " --active-set oracle" + kMixedCache + " --json -n 16" + flags,
                                  /*capture_stderr=*/false);
     EXPECT_EQ(r.exit_code, 0) << r.output;
     return nlohmann::json::parse(r.output, nullptr, false);
@@ -554,7 +604,7 @@ TEST_F(OffloadCliTest, TraceActiveWritesEveryActiveSet) {
   const std::string trace = dir_->File("active.txt");
   const int n = 12;
   auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() +
-                                   " --active-set oracle --memory 3M --no-cold-preload --json -n " +
+                                   " --active-set oracle" + kMixedCache + " --no-cold-preload --json -n " +
                                    std::to_string(n) + " --trace-active " + trace,
                                /*capture_stderr=*/false);
   ASSERT_EQ(r.exit_code, 0) << r.output;

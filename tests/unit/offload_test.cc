@@ -1099,6 +1099,48 @@ TEST_F(OffloadTest, MemoryBudgetRefusesBelowTheFixedPart) {
   EXPECT_NE((*rt)->Accounting().find("cold region"), std::string::npos);
 }
 
+// Without per-group sizes the budget's cache split is chosen by the deployment's profile (hot_split.h), but only by
+// the profile it was packed from: this fixture packs with a placeholder hash, so the runtime says why it cannot
+// trust profile.gguf and splits by the fixed default, exactly as --hot-fraction 0.5 does.
+TEST_F(OffloadTest, AutoSplitFallsBackWithoutTheProfileThePackUsed) {
+  SparseRuntimeOptions o;
+  o.active_set = ActiveSetSource::kOracle;
+  o.memory_budget = 8u << 20;
+  ASSERT_EQ(o.hot_fraction, kAutoHotFraction) << "auto is the default";
+  auto rt = Open(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  const HotSplitChoice& c = (*rt)->hot_split();
+  EXPECT_EQ(c.hot_fraction, kDefaultHotFraction);
+  EXPECT_EQ(c.served_pinned, -1.0);
+  EXPECT_NE(c.why.find("no " + DeployDir() + "/profile.gguf"), std::string::npos) << c.why;
+  // A profile.gguf that is not the one packed from (the manifest names a placeholder hash): not used either.
+  const std::string copy = dir_->File("deploy-other-profile");
+  std::filesystem::copy(DeployDir(), copy);
+  {
+    std::ofstream(copy + "/profile.gguf") << "not the profile";
+  }
+  auto other = SparseRuntime::Open(copy, o, pool_);
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  EXPECT_EQ((*other)->hot_split().hot_fraction, kDefaultHotFraction);
+  EXPECT_NE((*other)->hot_split().why.find("manifest.json field 'profile_hash' is 0000000000000000"),
+            std::string::npos)
+      << (*other)->hot_split().why;
+  o.hot_fraction = kDefaultHotFraction;
+  auto fixed = Open(o);
+  ASSERT_TRUE(fixed.ok()) << fixed.status().ToString();
+  EXPECT_EQ((*fixed)->hot_split().why, "--hot-fraction given");
+  EXPECT_EQ((*fixed)->split().hot_slots, (*rt)->split().hot_slots);
+  EXPECT_EQ((*fixed)->split().cold_slots, (*rt)->split().cold_slots);
+  EXPECT_GT((*rt)->split().hot_slots, 0);
+  // Sizes given (no budget to split): nothing chosen.
+  o.memory_budget = 0;
+  o.hot_slots = 2;
+  o.cold_slots = 30;
+  auto sized = Open(o);
+  ASSERT_TRUE(sized.ok()) << sized.status().ToString();
+  EXPECT_EQ((*sized)->hot_split().hot_fraction, -1.0);
+}
+
 // The cache sizes and slot shapes Open is given are checked against the deployment and the budget, each refusal
 // naming what it got: a slot alignment that is not a power of two up to 4 KiB, per-layer slot lists of another length
 // than the deployment's layers, explicit cache sizes that with the fixed part exceed the budget (and the same sizes
