@@ -548,6 +548,18 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
       // The lookahead's pins leave this miss no slot: settle it (its unused bundles become evictable) first.
       NF_RETURN_IF_ERROR(SettleLookahead(la_current_));
     }
+    if (!cold.CanPlace(group) && staging_used >= staging_slots_ && cold.config().slots_per_group.empty()) {
+      // One pool for every group, and the sets other groups read ahead (an MoE layer's later siblings, a guess) pin
+      // what this miss needs: they give way, settled now (their bundles stay cached, first in line for eviction,
+      // and their groups read again what is evicted). Without this an expert whose own set the pool's half-share
+      // cut short found neither slot nor staging after a later sibling's set took the other half (SYNTHETIC
+      // qwen3-30b-a3b, 8 layers, 1200M, --hot-fraction 1: an internal error).
+      for (size_t o = 0; o < la_group_.size() && !cold.CanPlace(group); ++o) {
+        if (la_group_[o] >= 0 && static_cast<int>(o) != la_current_) {
+          NF_RETURN_IF_ERROR(SettleLookahead(static_cast<int>(o)));
+        }
+      }
+    }
     for (int32_t v = cold.NextVictim(group); v >= 0 && touches < active_.size() && cold.GroupOf(v) == group &&
                                              active_flag_[static_cast<size_t>(cold.UnitOf(v))] != 0;
          v = cold.NextVictim(group)) {
