@@ -69,6 +69,17 @@ TEST(HotSplitTest, PinsWhenThePopularityCurveServesMore) {
   EXPECT_NE(c->why.find("per-layer curves"), std::string::npos) << c->why;
 }
 
+TEST(HotSplitTest, TiesGoToPinning) {
+  profiler::ModelProfile p = TwoLayers();
+  // An LRU curve of 0.625 x: at x 0.5 it serves 0.3125, what pinning serves in the case above (the planner's rule:
+  // ties to the hot region, which needs no bookkeeping per hit).
+  for (auto& f : p.ffns) f.lru_hit_rate = Points(profiler::kCurvePoints, [](double x) { return 0.625 * x; });
+  auto c = ChooseHotSplit(p, ManifestOf(p), {40, 20}, 160, false);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_EQ(c->served_pinned, c->served_lru);
+  EXPECT_EQ(c->hot_fraction, 1.0);
+}
+
 TEST(HotSplitTest, OneLruPoolWhenItsCurveServesMore) {
   profiler::ModelProfile p = TwoLayers();
   // LRU curves that beat pinning: hit rate sqrt(x) per layer; at x = 0.5 the interpolation between the points
