@@ -114,6 +114,21 @@ class OffloadMoeTest : public ::testing::TestWithParam<std::string> {
     }
     return j;
   }
+  // A top-4-of-8 MoE (three siblings per routed expert), f32: dir_/NAME.gguf, profiled on `tokens` calibration
+  // tokens, packed into dir_/NAME-deploy; `synth_flags` are added to synth's. "" when made, else what failed.
+  static std::string MakeTop4Deployment(const std::string& name, const std::string& synth_flags, int tokens) {
+    const std::string model = dir_->File(name + ".gguf"), prof = dir_->File(name + ".prof");
+    for (const std::string& c :
+         {Nflash() + " -q synth --shape custom --dim 128 --ffn 384 --heads 4 --layers " + std::to_string(kLayers) +
+              " --experts 8 --top-k 4 --vocab 512 --type f32 --threads 1" + synth_flags + " -o " + model,
+          Nflash() + " -q profile -m " + model + " -f " + testing::SharedPath("text/tinystories_calib.txt") +
+              " --tokens " + std::to_string(tokens) + " -t 1 -o " + prof,
+          Nflash() + " -q pack -m " + model + " -p " + prof + " -o " + dir_->File(name + "-deploy")}) {
+      auto r = testing::RunCommand(c);
+      if (r.exit_code != 0) return c + "\n" + r.output;
+    }
+    return "";
+  }
   // The "text" field of a command's --json output.
   static std::string JsonText(const std::string& command) { return JsonOf(command).value("text", std::string()); }
 
@@ -715,17 +730,9 @@ TEST_F(OffloadMoeTest, FaultsInASiblingsReadAheadAreRetriedOnceThenReported) {
 // a bundle used before it arrived fails its checksum and is read again), and the logits equal the in-memory sparse
 // FFN's at every step.
 TEST_F(OffloadMoeTest, WiderRoutingReadsALayersSiblingsInOneStream) {
-  const std::string model_path = dir_->File("top4.gguf"), prof = dir_->File("top4.prof"),
-                    deploy = dir_->File("top4-deploy");
-  auto r = testing::RunCommand(Nflash() + " -q synth --shape custom --dim 128 --ffn 384 --heads 4 --layers " +
-                               std::to_string(kLayers) + " --experts 8 --top-k 4 --vocab 512 --type f32 --threads 1 -o " +
-                               model_path);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = testing::RunCommand(Nflash() + " -q profile -m " + model_path + " -f " +
-                          testing::SharedPath("text/tinystories_calib.txt") + " --tokens 2000 -t 1 -o " + prof);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = testing::RunCommand(Nflash() + " -q pack -m " + model_path + " -p " + prof + " -o " + deploy);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string model_path = dir_->File("top4.gguf"), deploy = dir_->File("top4-deploy");
+  const std::string failed = MakeTop4Deployment("top4", "", 2000);
+  ASSERT_EQ(failed, "") << failed;
 
   ThreadPool pool(2);
   auto model = nflash::Model::Load(model_path, LoadOptions{});
@@ -770,18 +777,9 @@ TEST_F(OffloadMoeTest, WiderRoutingReadsALayersSiblingsInOneStream) {
 // a pool of 400 slots for 384-neuron experts, and half the experts pinned whole in the hot region, so that the
 // first routed expert often pins no cold slot and leaves the whole pool to its siblings' sets.
 TEST_F(OffloadMoeTest, SiblingsSetsGiveWayToAnExpertsMisses) {
-  const std::string model_path = dir_->File("dense-ish.gguf"), prof = dir_->File("dense-ish.prof"),
-                    deploy = dir_->File("dense-ish-deploy");
-  auto r = testing::RunCommand(Nflash() + " -q synth --shape custom --dim 128 --ffn 384 --heads 4 --layers " +
-                               std::to_string(kLayers) +
-                               " --experts 8 --top-k 4 --vocab 512 --type f32 --threads 1 --sparsity 0.02 -o " +
-                               model_path);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = testing::RunCommand(Nflash() + " -q profile -m " + model_path + " -f " +
-                          testing::SharedPath("text/tinystories_calib.txt") + " --tokens 500 -t 1 -o " + prof);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = testing::RunCommand(Nflash() + " -q pack -m " + model_path + " -p " + prof + " -o " + deploy);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string model_path = dir_->File("dense-ish.gguf"), deploy = dir_->File("dense-ish-deploy");
+  const std::string failed = MakeTop4Deployment("dense-ish", " --sparsity 0.02", 500);
+  ASSERT_EQ(failed, "") << failed;
 
   ThreadPool pool(2);
   auto model = nflash::Model::Load(model_path, LoadOptions{});
