@@ -173,7 +173,8 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
     if (options.hot_fraction == kAutoHotFraction) {
       if (options.hot_policy != HotPolicy::kPinned) {
         rt->hot_split_.hot_fraction = kDefaultHotFraction;
-        rt->hot_split_.why = "an LRU hot region (the profile's curves describe a pinned one): the default hot fraction";
+        rt->hot_split_.why = "an LRU hot region (the profile's curves describe a pinned one): the default hot fraction " +
+                             std::to_string(kDefaultHotFraction).substr(0, 5);
       } else {
         // The two pure ways this budget allows: all pinned (clusters spread over the groups as OffloadFfn does) and
         // all one cold pool.
