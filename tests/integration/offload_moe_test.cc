@@ -788,32 +788,39 @@ TEST_F(OffloadMoeTest, SiblingsSetsGiveWayToAnExpertsMisses) {
   auto ref = SparseReference(**model, nullptr, &pool);
   ASSERT_TRUE(ref.ok()) << ref.status().ToString();
 
-  SparseRuntimeOptions o = Options(kVariants[1]);  // sibling read-ahead
-  o.hot_policy = HotPolicy::kPinned;
-  o.hot_slots = 0;
-  o.hot_slots_per_group.assign(static_cast<size_t>(hp.n_layers * hp.n_experts), 0);
-  for (size_t g = 0; g < o.hot_slots_per_group.size(); g += 2) o.hot_slots_per_group[g] = 1 << 20;  // capped: whole
-  o.cold_slots = 400;
-  auto rt = SparseRuntime::Open(deploy, o, &pool);
-  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
-  OffloadFfn& ffn = (*rt)->ffn();
-  ASSERT_TRUE(ffn.sibling_readahead());
-  ASSERT_EQ(ffn.cache().cold().SlotCount(), 400) << "no staging: the pool holds an expert's misses";
-  InferenceContext& ctx = (*rt)->context();
-  ASSERT_TRUE(ctx.Eval(kPrompt, false).ok());
-  const OffloadGroupStats before = ffn.TotalStats();
-  for (int i = 0; i < kGenerate; ++i) {
-    const float* l = ctx.logits();
-    ASSERT_TRUE(std::equal(l, l + hp.n_vocab, ref->logits[static_cast<size_t>(i)].begin()))
-        << "logits differ from the in-memory sparse FFN at step " << i;
-    const Status st = ctx.Eval(std::vector<int32_t>{ref->tokens[static_cast<size_t>(i)]}, false);
-    ASSERT_TRUE(st.ok()) << "step " << i << ": " << st.ToString();
+  // The siblings' sets, and the next layer's guessed experts' sets (--lookahead 16: the same overflow, found by a
+  // run of flag combinations, /work/notes/run48/config_matrix.py).
+  for (const Variant* v : {&kVariants[1], &kVariants[0]}) {
+    SCOPED_TRACE(v->name);
+    SparseRuntimeOptions o = Options(*v);
+    o.hot_policy = HotPolicy::kPinned;
+    o.hot_slots = 0;
+    o.hot_slots_per_group.assign(static_cast<size_t>(hp.n_layers * hp.n_experts), 0);
+    for (size_t g = 0; g < o.hot_slots_per_group.size(); g += 2) o.hot_slots_per_group[g] = 1 << 20;  // capped
+    o.cold_slots = 400;
+    auto rt = SparseRuntime::Open(deploy, o, &pool);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    OffloadFfn& ffn = (*rt)->ffn();
+    ASSERT_EQ(ffn.sibling_readahead(), SiblingsRead(*v));
+    ASSERT_EQ(ffn.cache().cold().SlotCount(), 400) << "no staging: the pool holds an expert's misses";
+    InferenceContext& ctx = (*rt)->context();
+    ASSERT_TRUE(ctx.Eval(kPrompt, false).ok());
+    const OffloadGroupStats before = ffn.TotalStats();
+    for (int i = 0; i < kGenerate; ++i) {
+      const float* l = ctx.logits();
+      ASSERT_TRUE(std::equal(l, l + hp.n_vocab, ref->logits[static_cast<size_t>(i)].begin()))
+          << "logits differ from the in-memory sparse FFN at step " << i;
+      const Status st = ctx.Eval(std::vector<int32_t>{ref->tokens[static_cast<size_t>(i)]}, false);
+      ASSERT_TRUE(st.ok()) << "step " << i << ": " << st.ToString();
+    }
+    const OffloadGroupStats after = ffn.TotalStats();
+    EXPECT_GT(after.prefetched - before.prefetched, 0) << "nothing was read ahead";
+    if (SiblingsRead(*v)) {  // (a guess's sets are also left unused when it guessed wrong)
+      EXPECT_LT(after.prefetch_used - before.prefetch_used, after.prefetched - before.prefetched)
+          << "no sibling's set gave way: the case this test is for did not happen";
+    }
+    EXPECT_EQ(after.retries, 0);
   }
-  const OffloadGroupStats after = ffn.TotalStats();
-  EXPECT_GT(after.prefetched - before.prefetched, 0) << "nothing was read ahead for a sibling";
-  EXPECT_LT(after.prefetch_used - before.prefetch_used, after.prefetched - before.prefetched)
-      << "no sibling's set gave way: the case this test is for did not happen";
-  EXPECT_EQ(after.retries, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Types, OffloadMoeTest, ::testing::Values("f32", "q8_0", "q4_0"));
