@@ -224,7 +224,13 @@ Status SaveProfile(const ModelProfile& p, const std::string& path, bool overwrit
 }
 
 Result<ModelProfile> LoadProfile(const std::string& path) {
-  NF_ASSIGN_OR_RETURN(GgufFile g, GgufFile::OpenPath(path));
+  NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, OpenMmapFile(path));
+  return LoadProfile(std::shared_ptr<const ReadableFile>(std::move(file)));
+}
+
+Result<ModelProfile> LoadProfile(std::shared_ptr<const ReadableFile> file) {
+  const std::string path = file->Path();
+  NF_ASSIGN_OR_RETURN(GgufFile g, GgufFile::Open(std::move(file)));
   auto type = g.GetString("general.type");
   if (!type.ok() || *type != "nflash-profile") {
     return Status::InvalidArgument(path + " is not an nflash profile (general.type is " +

@@ -5,9 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "runtime/core/file.h"
 #include "runtime/core/status.h"
 
 namespace nflash::profiler {
@@ -91,6 +93,8 @@ struct ModelProfile {
 Status SaveProfile(const ModelProfile& profile, const std::string& path, bool overwrite);
 // Reads and validates (schema version, array sizes); errors name the file and the field.
 Result<ModelProfile> LoadProfile(const std::string& path);
+// The same from a file already open (messages name file->Path()), e.g. one read into memory without the page cache.
+Result<ModelProfile> LoadProfile(std::shared_ptr<const ReadableFile> file);
 // Error (naming both hashes) unless the profile was made from the model whose hash is `model_hash`.
 Status CheckProfileForModel(const ModelProfile& profile, const std::string& model_hash, const std::string& model_path);
 

@@ -3,9 +3,11 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 
 #include "planner/model_params.h"
 #include "runtime/core/checksum.h"
+#include "runtime/core/file.h"
 #include "runtime/sparse/memory_budget.h"
 
 namespace nflash::sparse {
@@ -92,13 +94,19 @@ HotSplitChoice AutoHotSplit(const packer::Deployment& deployment, const std::vec
   };
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return fallback("no " + path + " to choose the cache split by");
-  Result<uint64_t> hash = HashFile(path);
-  if (!hash.ok()) return fallback(hash.status().ToString());
-  if (HashToHex(*hash) != deployment.manifest().profile_hash) {
-    return fallback(path + " hashes to " + HashToHex(*hash) + ", manifest.json field 'profile_hash' is " +
+  // Read once, hashed and parsed from memory, and never through the page cache: nothing of the deployment is kept
+  // there (it would be memory outside the budget; docs/runtime.md "Memory budget").
+  Result<std::unique_ptr<ReadableFile>> uncached = OpenUncachedPreadFile(path);
+  if (!uncached.ok()) return fallback(uncached.status().ToString());
+  std::vector<uint8_t> bytes(static_cast<size_t>((*uncached)->Size()));
+  if (Status read = (*uncached)->ReadAt(0, bytes.size(), bytes.data()); !read.ok()) return fallback(read.ToString());
+  const std::string hash = HashToHex(Xxh64(bytes.data(), bytes.size()));  // HashFile's value
+  if (hash != deployment.manifest().profile_hash) {
+    return fallback(path + " hashes to " + hash + ", manifest.json field 'profile_hash' is " +
                     deployment.manifest().profile_hash);
   }
-  Result<profiler::ModelProfile> profile = profiler::LoadProfile(path);
+  Result<profiler::ModelProfile> profile =
+      profiler::LoadProfile(std::make_shared<const MemoryFile>(path, std::move(bytes)));
   if (!profile.ok()) return fallback(profile.status().ToString());
   Result<HotSplitChoice> c = ChooseHotSplit(*profile, deployment.manifest(), pinned_neurons, lru_slots, every_neuron);
   if (!c.ok()) return fallback(path + ": " + c.status().ToString());
