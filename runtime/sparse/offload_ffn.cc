@@ -567,6 +567,14 @@ Status OffloadFfn::Resolve(int64_t group, const packer::RegionInfo& region) {
       ++touches;
     }
     SlotRegion::Lookup l = cold.Acquire(group, n);
+    if (l.slot < 0 && staging_used >= staging_slots_ && prefill_lent_first_ >= 0) {
+      // A batch's FFN on the token path (an MoE expert with fewer tokens than the batched minimum, or a dense chunk
+      // of a long prompt below it) while the batch's prefill buffers hold lent cold slots: the buffers give them
+      // back (the prefetched region is dropped; the batch's next batched FFN lends and reads again). Without this a
+      // cold region barely larger than the buffers left such a miss neither slot nor staging (an internal error).
+      ReclaimPrefillMemory();
+      l = cold.Acquire(group, n);
+    }
     int32_t acq = -1;
     if (l.slot >= 0) {
       acquired_cold_.push_back(l.slot);
