@@ -5,6 +5,7 @@
 #include <cstring>
 #include <span>
 #include <string_view>
+#include <unordered_set>
 #include <utility>
 
 #include "runtime/core/checksum.h"
@@ -372,6 +373,19 @@ Result<ModelProfile> LoadProfile(std::shared_ptr<const ReadableFile> file) {
     p.lru_hit_rate_shared.resize(kSharedCurvePoints);
     std::memcpy(p.lru_hit_rate_shared.data(), bytes.data(), bytes.size());
     data_hash = Xxh64(bytes.data(), bytes.size(), data_hash);
+  }
+  // Every tensor must be one read above: the checksum covers only those, so another one (a newer nflash's field, or
+  // a damaged name) would otherwise fail it as a corrupt file without saying which.
+  std::unordered_set<std::string> known;
+  for (const FfnProfile& f : p.ffns) {
+    for (const FieldView& v : Fields(f)) known.insert(TensorName(f, v.name));
+  }
+  if (!p.lru_hit_rate_shared.empty()) known.insert(kSharedLruTensor);
+  for (const GgufTensorInfo& t : g.tensors()) {
+    if (known.count(t.name) == 0) {
+      return Status::Corruption(path + ": tensor " + t.name + " is not one this nflash reads (a profile written by a " +
+                                "newer nflash, or a damaged name): make it again with this nflash's `nflash profile`");
+    }
   }
   if (data_hash != expected_hash) {
     return Status::Corruption(path + ": profile data checksum mismatch (stored " + HashToHex(expected_hash) +

@@ -325,6 +325,10 @@ TEST(ProfileFile, EachStructuralCheckNamesTheField) {
        "tensor prof.blk.0.exp.1.popularity has type i32"},
       {"shared curve type", "", GgufValue(uint8_t{0}), "prof.lru_hit_rate_shared", "", GgmlType::kF16,
        "tensor prof.lru_hit_rate_shared has type f16"},
+      // An optional tensor under a name this reader does not know (a newer writer's field, say): named, not reported
+      // as a checksum mismatch.
+      {"unknown tensor", "", GgufValue(uint8_t{0}), "prof.lru_hit_rate_shared", "prof.lru_served_mixed", {},
+       "tensor prof.lru_served_mixed is not one this nflash reads"},
   };
   for (const Case& c : cases) {
     const std::string bad = dir.File("bad.prof");
