@@ -22,6 +22,13 @@ std::string Share(double v) {
 
 }  // namespace
 
+HotSplitChoice DefaultHotSplit(const std::string& reason) {
+  HotSplitChoice c;
+  c.hot_fraction = kDefaultHotFraction;
+  c.why = reason + ": the default hot fraction " + Share(kDefaultHotFraction);
+  return c;
+}
+
 Result<HotSplitChoice> ChooseHotSplit(const profiler::ModelProfile& profile, const packer::Manifest& manifest,
                                       const std::vector<int64_t>& pinned_neurons, int64_t lru_slots,
                                       bool every_neuron) {
@@ -60,12 +67,8 @@ Result<HotSplitChoice> ChooseHotSplit(const profiler::ModelProfile& profile, con
     pinned += active * (every_neuron ? x_pinned : planner::PlanningPopularity(*fp).At(x_pinned));
     lru_own += active * (every_neuron ? std::min(1.0, x_lru) : lru.At(x_lru));
   }
+  if (weight <= 0) return DefaultHotSplit("the profile counts no active neurons");
   HotSplitChoice c;
-  if (weight <= 0) {
-    c.why = "the profile counts no active neurons: the default hot fraction " + Share(kDefaultHotFraction);
-    c.hot_fraction = kDefaultHotFraction;
-    return c;
-  }
   c.served_pinned = pinned / weight;
   const bool shared = !every_neuron && profile.lru_hit_rate_shared.size() >= 2;
   if (shared) {
@@ -86,30 +89,26 @@ Result<HotSplitChoice> ChooseHotSplit(const profiler::ModelProfile& profile, con
 HotSplitChoice AutoHotSplit(const packer::Deployment& deployment, const std::vector<int64_t>& pinned_neurons,
                             int64_t lru_slots, bool every_neuron) {
   const std::string path = deployment.dir() + "/" + packer::kProfileFileName;
-  auto fallback = [&](const std::string& reason) {
-    HotSplitChoice c;
-    c.hot_fraction = kDefaultHotFraction;
-    c.why = reason + ": the default hot fraction " + Share(kDefaultHotFraction);
-    return c;
-  };
   std::error_code ec;
-  if (!std::filesystem::exists(path, ec)) return fallback("no " + path + " to choose the cache split by");
+  if (!std::filesystem::exists(path, ec)) return DefaultHotSplit("no " + path + " to choose the cache split by");
   // Read once, hashed and parsed from memory, and never through the page cache: nothing of the deployment is kept
   // there (it would be memory outside the budget; docs/runtime.md "Memory budget").
   Result<std::unique_ptr<ReadableFile>> uncached = OpenUncachedPreadFile(path);
-  if (!uncached.ok()) return fallback(uncached.status().ToString());
+  if (!uncached.ok()) return DefaultHotSplit(uncached.status().ToString());
   std::vector<uint8_t> bytes(static_cast<size_t>((*uncached)->Size()));
-  if (Status read = (*uncached)->ReadAt(0, bytes.size(), bytes.data()); !read.ok()) return fallback(read.ToString());
+  if (Status read = (*uncached)->ReadAt(0, bytes.size(), bytes.data()); !read.ok()) {
+    return DefaultHotSplit(read.ToString());
+  }
   const std::string hash = HashToHex(Xxh64(bytes.data(), bytes.size()));  // HashFile's value
   if (hash != deployment.manifest().profile_hash) {
-    return fallback(path + " hashes to " + hash + ", manifest.json field 'profile_hash' is " +
+    return DefaultHotSplit(path + " hashes to " + hash + ", manifest.json field 'profile_hash' is " +
                     deployment.manifest().profile_hash);
   }
   Result<profiler::ModelProfile> profile =
       profiler::LoadProfile(std::make_shared<const MemoryFile>(path, std::move(bytes)));
-  if (!profile.ok()) return fallback(profile.status().ToString());
+  if (!profile.ok()) return DefaultHotSplit(profile.status().ToString());
   Result<HotSplitChoice> c = ChooseHotSplit(*profile, deployment.manifest(), pinned_neurons, lru_slots, every_neuron);
-  if (!c.ok()) return fallback(path + ": " + c.status().ToString());
+  if (!c.ok()) return DefaultHotSplit(path + ": " + c.status().ToString());
   return *c;
 }
 

@@ -41,6 +41,9 @@ struct HotSplitChoice {
 Result<HotSplitChoice> ChooseHotSplit(const profiler::ModelProfile& profile, const packer::Manifest& manifest,
                                       const std::vector<int64_t>& pinned_neurons, int64_t lru_slots, bool every_neuron);
 
+// The fixed kDefaultHotFraction, with `why` = `reason` and the fraction (every case where the profile cannot decide).
+HotSplitChoice DefaultHotSplit(const std::string& reason);
+
 // ChooseHotSplit with the deployment's own profile.gguf; without one (or one that is not the profile the deployment
 // was packed from, or unreadable), the fixed 0.5 of kDefaultHotFraction and a `why` that says so.
 HotSplitChoice AutoHotSplit(const packer::Deployment& deployment, const std::vector<int64_t>& pinned_neurons,

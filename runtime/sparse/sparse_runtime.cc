@@ -172,9 +172,7 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
     rt->hot_split_.why = "--hot-fraction given";
     if (options.hot_fraction == kAutoHotFraction) {
       if (options.hot_policy != HotPolicy::kPinned) {
-        rt->hot_split_.hot_fraction = kDefaultHotFraction;
-        rt->hot_split_.why = "an LRU hot region (the profile's curves describe a pinned one): the default hot fraction " +
-                             std::to_string(kDefaultHotFraction).substr(0, 5);
+        rt->hot_split_ = DefaultHotSplit("an LRU hot region (the profile's curves describe a pinned one)");
       } else {
         // The two pure ways this budget allows: all pinned (clusters spread over the groups as OffloadFfn does) and
         // all one cold pool.
