@@ -303,6 +303,7 @@ Result<ModelProfile> LoadProfile(std::shared_ptr<const ReadableFile> file) {
   NF_ASSIGN_OR_RETURN(uint64_t expected_hash, g.GetUint(Key("data_xxh64")));
 
   uint64_t data_hash = kDataHashSeed;
+  size_t tensors_read = 0;
   std::vector<uint8_t> scratch;
   p.ffns.resize(n);
   for (size_t i = 0; i < n; ++i) {
@@ -357,6 +358,7 @@ Result<ModelProfile> LoadProfile(std::shared_ptr<const ReadableFile> file) {
       // An empty field (no report sparsities, say) has no storage: memcpy's pointers must not be null even for 0.
       if (v.bytes > 0) std::memcpy(const_cast<void*>(v.data), bytes.data(), v.bytes);
       data_hash = Xxh64(bytes.data(), bytes.size(), data_hash);
+      ++tensors_read;
     }
   }
   if (const GgufTensorInfo* t = g.FindTensor(kSharedLruTensor); t != nullptr) {
@@ -373,18 +375,22 @@ Result<ModelProfile> LoadProfile(std::shared_ptr<const ReadableFile> file) {
     p.lru_hit_rate_shared.resize(kSharedCurvePoints);
     std::memcpy(p.lru_hit_rate_shared.data(), bytes.data(), bytes.size());
     data_hash = Xxh64(bytes.data(), bytes.size(), data_hash);
+    ++tensors_read;
   }
   // Every tensor must be one read above: the checksum covers only those, so another one (a newer nflash's field, or
-  // a damaged name) would otherwise fail it as a corrupt file without saying which.
-  std::unordered_set<std::string> known;
-  for (const FfnProfile& f : p.ffns) {
-    for (const FieldView& v : Fields(f)) known.insert(TensorName(f, v.name));
-  }
-  if (!p.lru_hit_rate_shared.empty()) known.insert(kSharedLruTensor);
-  for (const GgufTensorInfo& t : g.tensors()) {
-    if (known.count(t.name) == 0) {
-      return Status::Corruption(path + ": tensor " + t.name + " is not one this nflash reads (a profile written by a " +
-                                "newer nflash, or a damaged name): make it again with this nflash's `nflash profile`");
+  // a damaged name) would otherwise fail it as a corrupt file without saying which. Which one is looked up only then.
+  if (tensors_read != g.tensors().size()) {
+    std::unordered_set<std::string> known;
+    for (const FfnProfile& f : p.ffns) {
+      for (const FieldView& v : Fields(f)) known.insert(TensorName(f, v.name));
+    }
+    if (!p.lru_hit_rate_shared.empty()) known.insert(kSharedLruTensor);
+    for (const GgufTensorInfo& t : g.tensors()) {
+      if (known.count(t.name) == 0) {
+        return Status::Corruption(path + ": tensor " + t.name + " is not one this nflash reads (a profile written by " +
+                                  "a newer nflash, or a damaged name): make it again with this nflash's `nflash " +
+                                  "profile`");
+      }
     }
   }
   if (data_hash != expected_hash) {
