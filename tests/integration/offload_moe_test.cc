@@ -417,6 +417,15 @@ TEST_P(OffloadMoeTest, BatchedExpertPrefillEqualsInMemoryAndReadsWholeRegions) {
     }
   }
 
+  // Every prompt position's logits, and every greedy step's after it, bitwise the in-memory run's.
+  auto expect_reference = [&](const std::vector<std::vector<float>>& got) {
+    ASSERT_EQ(got.size(), ref.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(0, std::memcmp(got[i].data(), ref[i].data(), sizeof(float) * got[i].size()))
+          << (static_cast<int64_t>(i) < kPromptTokens ? "prompt position " : "decode step ")
+          << (static_cast<int64_t>(i) < kPromptTokens ? i : i - kPromptTokens);
+    }
+  };
   for (OffloadMode mode : {OffloadMode::kFull, OffloadMode::kLlmFlash}) {
     SCOPED_TRACE(OffloadModeName(mode));
     SparseRuntimeOptions o = SmallCaches(mode);
@@ -439,13 +448,7 @@ TEST_P(OffloadMoeTest, BatchedExpertPrefillEqualsInMemoryAndReadsWholeRegions) {
     }
     ASSERT_GT(passes, 0) << "the prompt should give some expert " << kMinTokens << " tokens of a chunk";
     const uint64_t state_before = ctx.state_bytes();
-    const std::vector<std::vector<float>> got = run(ctx, nullptr, nullptr);
-    ASSERT_EQ(got.size(), ref.size());
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_EQ(0, std::memcmp(got[i].data(), ref[i].data(), sizeof(float) * got[i].size()))
-          << (static_cast<int64_t>(i) < kPromptTokens ? "prompt position " : "decode step ")
-          << (static_cast<int64_t>(i) < kPromptTokens ? i : i - kPromptTokens);
-    }
+    ASSERT_NO_FATAL_FAILURE(expect_reference(run(ctx, nullptr, nullptr)));
     const OffloadPrefillStats& ps = (*rt)->ffn().prefill_stats();
     EXPECT_EQ(ps.layers, passes);
     // Besides, regions read ahead for a pass that did not come (a wrong guess for the next layer), counted apart.
@@ -511,13 +514,7 @@ TEST_P(OffloadMoeTest, BatchedExpertPrefillEqualsInMemoryAndReadsWholeRegions) {
     ASSERT_TRUE(rt.ok()) << rt.status().ToString();
     ASSERT_TRUE((*rt)->ffn().prefill_in_cache());
     ASSERT_EQ((*rt)->ffn().cache().cold().SlotCount(), lent + 2);
-    const std::vector<std::vector<float>> got = run((*rt)->context(), nullptr, nullptr);
-    ASSERT_EQ(got.size(), ref.size());
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_EQ(0, std::memcmp(got[i].data(), ref[i].data(), sizeof(float) * got[i].size()))
-          << (static_cast<int64_t>(i) < kPromptTokens ? "prompt position " : "decode step ")
-          << (static_cast<int64_t>(i) < kPromptTokens ? i : i - kPromptTokens);
-    }
+    ASSERT_NO_FATAL_FAILURE(expect_reference(run((*rt)->context(), nullptr, nullptr)));
     EXPECT_GT((*rt)->ffn().prefill_stats().layers, 0);
     EXPECT_EQ((*rt)->ffn().cache().cold().lent_count(), 0);
   }
