@@ -9,7 +9,9 @@
 # (without the rotation the first one always did, and lost 0.07-0.24 of its ratio there: twenty-sixth run). Prints
 # each round's tok/s (decode after WARMUP tokens), each configuration's I/O wait per token and ratio to that round's
 # in-memory run, and the median ratios (the lower middle for an even count). The same prompt, token count and threads
-# everywhere.
+# everywhere. Each run's text is compared with its round's in-memory run (issue 6: at temperature 0 `full` and
+# llmflash equal the in-memory sparse run with the same predictor): a round that differs is marked TEXT DIFFERS, and
+# the summary counts the equal rounds, so that a speed is never quoted for a run that computed something else.
 # Usage: [ROUNDS=6] [TOKENS=40] [WARMUP=8] [THREADS=2] [HW=hw.json] [LLMFLASH=1] scripts/ab_offload.sh MODEL.gguf
 #        DEPLOY_DIR:PLAN.json [DEPLOY_DIR:PLAN.json ...]
 # Extra offload flags per configuration: DEPLOY_DIR:PLAN.json:--flag,value (commas become spaces).
@@ -21,7 +23,7 @@
 # Needs build/runtime/cli/nflash (or $NFLASH) and python3 (to read JSON; not the product).
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  sed -n '2,15p' "$0" >&2
+  sed -n '2,18p' "$0" >&2
   exit 2
 fi
 MODEL=$1
@@ -34,7 +36,7 @@ FIRST_DEPLOY=${1%%:*}
 inmem() {
   "$NF" -q run -m "$MODEL" -n "$TOKENS" --temp 0 -t "$THREADS" --json -p "$PROMPT" --sparse predictor \
     --predictor "$FIRST_DEPLOY/predictor.gguf" --skip-predictor-hash --no-mmap |
-    python3 -c 'import json,sys; l=json.load(sys.stdin)["token_latencies_ms"][int(sys.argv[1]):]; print("%.2f" % (1000*len(l)/sum(l)))' \
+    python3 -c 'import hashlib,json,sys; d=json.load(sys.stdin); l=d["token_latencies_ms"][int(sys.argv[1]):]; print("%.2f %s" % (1000*len(l)/sum(l), hashlib.sha1(d["text"].encode()).hexdigest()[:12]))' \
       "$WARMUP"
 }
 offload() {  # DEPLOY PLAN [flags]
@@ -43,7 +45,7 @@ offload() {  # DEPLOY PLAN [flags]
   local hw=()
   if [ -n "$HW" ]; then hw=(--hw "$HW"); fi
   "$NF" -q offload -d "$deploy" --plan "$plan" -n "$TOKENS" --warmup "$WARMUP" -p "$PROMPT" --json "${hw[@]}" "$@" |
-    python3 -c 'import json,sys; d=json.load(sys.stdin); print("%.2f %.1f %.3f %.3f" % (d["decode_tok_s"], d["io_wait_ms_per_token"], d.get("floor_ratio", 0.0), d.get("floor_compute_ms", 0.0)))'
+    python3 -c 'import hashlib,json,sys; d=json.load(sys.stdin); print("%.2f %.1f %.3f %.3f %s" % (d["decode_tok_s"], d["io_wait_ms_per_token"], d.get("floor_ratio", 0.0), d.get("floor_compute_ms", 0.0), hashlib.sha1(d["text"].encode()).hexdigest()[:12]))'
 }
 
 RESULTS=$(mktemp)
@@ -66,7 +68,7 @@ for r in $(seq "$ROUNDS"); do
   first=$((((r - 1) / 2) % N_CFGS))
   order=$(for i in $(seq 0 $((N_CFGS - 1))); do echo $(((first + i) % N_CFGS)); done)
   if [ $((r % 2)) -eq 1 ]; then
-    base=$(inmem)
+    read -r base base_text <<< "$(inmem)"
   else
     order=$(echo "$order" | tac)
   fi
@@ -76,12 +78,12 @@ for r in $(seq "$ROUNDS"); do
     # shellcheck disable=SC2086
     got[c]=$(offload "$deploy" "$plan" ${extra//,/ })
   done
-  if [ $((r % 2)) -eq 0 ]; then base=$(inmem); fi
+  if [ $((r % 2)) -eq 0 ]; then read -r base base_text <<< "$(inmem)"; fi
   line="$r  $base"
   if [ -n "$HW" ]; then
     # The in-memory run against the first configuration's compute floor (the same tokens, predicted sets and dense
     # work): a floor must not exceed it, so a ratio below 1 says the profile underrates this machine's kernels.
-    read -r _ _ _ floor_c <<< "${got[0]}"
+    read -r _ _ _ floor_c _ <<< "${got[0]}"
     base_floor=$(python3 -c "print('%.3f' % (1000.0 / $base / $floor_c if $floor_c > 0 else 0.0))")
     line="$line (x$base_floor compute floor)"
     echo "inmem $base_floor" >> "$RESULTS"
@@ -89,16 +91,19 @@ for r in $(seq "$ROUNDS"); do
   lf_speed=0
   if [ "$LLMFLASH" = 1 ]; then read -r lf_speed _ <<< "${got[$LF]}"; fi
   for c in $(seq 0 $((${#CFGS[@]} - 1))); do
-    read -r speed wait floor _ <<< "${got[$c]}"
+    read -r speed wait floor _ text <<< "${got[$c]}"
     ratio=$(python3 -c "print('%.3f' % ($speed / $base))")
+    same=1
+    if [ "$text" != "$base_text" ]; then same=0; fi
     line="$line  | $speed tok/s, wait $wait ms, x$ratio"
+    if [ "$same" = 0 ]; then line="$line, TEXT DIFFERS"; fi
     if [ -n "$HW" ]; then line="$line, floor x$floor"; fi
     vs_lf=0
     if [ "$LLMFLASH" = 1 ] && [ "$c" != "$LF" ]; then
       vs_lf=$(python3 -c "print('%.3f' % ($speed / $lf_speed))")
       line="$line, x$vs_lf llmflash"
     fi
-    echo "$c $ratio $speed $floor $vs_lf" >> "$RESULTS"
+    echo "$c $ratio $speed $floor $vs_lf $same" >> "$RESULTS"
   done
   echo "$line"
 done
@@ -127,5 +132,7 @@ for c, name in enumerate(names):
     if lf >= 0 and c != lf:
         m, lo, hi = med(r[3] for r in rows)
         out += "; x%.3f llmflash (%.3f-%.3f), >= 3 in %d" % (m, lo, hi, sum(r[3] >= 3 for r in rows))
+    same = sum(r[4] == 1 for r in rows)
+    out += "; text equal to the in-memory run's in %d of %d" % (same, len(rows))
     print(out)
 PY
