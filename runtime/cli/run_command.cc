@@ -30,6 +30,7 @@
 #include "runtime/engine/generate.h"
 #include "runtime/engine/predictor.h"
 #include "runtime/engine/sparse_ffn.h"
+#include "runtime/sparse/commands.h"
 #include "runtime/sparse/sparse_runtime.h"
 #include "runtime/text/sampler.h"
 
@@ -370,6 +371,7 @@ Result<std::unique_ptr<sparse::SparseRuntime>> OpenDeployment(const PplFlags& f,
   o.active_set = f.active_set == "oracle"      ? sparse::ActiveSetSource::kOracle
                  : f.active_set == "predictor" ? sparse::ActiveSetSource::kPredictor
                                                : sparse::ActiveSetSource::kAuto;
+  NF_RETURN_IF_ERROR(sparse::CheckCacheSizeFlags(f.memory, f.hot_slots, f.cold_slots));
   if (!f.memory.empty()) {
     auto budget = sparse::ParseMemorySize(f.memory);
     if (!budget.ok()) return budget.status().WithContext("--memory");

@@ -28,6 +28,7 @@ struct RuntimeFlags {
   std::string active_set = "auto";
   int64_t hot_slots = 0, cold_slots = 0;
   std::string hot_fraction = "auto";  // "auto" (kAutoHotFraction) or a share in [0, 1]
+  bool hot_fraction_given = false;    // on the command line (only a --memory budget without a plan uses it)
   int64_t cluster_groups = 0;
   int64_t chunk_requests = 0;  // 0: not given (kDefaultChunkRequests, or the plan's)
   unsigned queue_depth = 0;     // 0: not given (io::kDefaultQueueDepth, or the plan's)
@@ -72,10 +73,16 @@ inline constexpr int64_t kDefaultChunkRequests = 16;
 // (and the A/B switches --warm-next-ab and --pin-threads-ab, which only `nflash offload` uses).
 void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags);
 
+// The cache is sized one way: by a plan, by a --memory budget the runtime splits (--hot-fraction), or by --hot-slots
+// and --cold-slots without a budget. InvalidArgument naming the flags when a command line gives --memory with either
+// slot count, which the runtime would otherwise ignore.
+Status CheckCacheSizeFlags(const std::string& memory, int64_t hot_slots, int64_t cold_slots);
+
 // The options of SparseRuntime::Open for `f`: the context is f.ctx, or `default_ctx` when f.ctx is 0 (<= 0: the
 // model's), unless --plan sets it; `*threads` becomes f.threads or the plan's compute threads. With --plan, -t,
 // --queue-depth and --chunk-requests, when given, replace the plan's values (logged); InvalidArgument for a bad flag
-// value or --plan combined with the memory, cache-size or context flags.
+// value, --plan combined with the memory, cache-size, --hot-fraction or context flags, or cache-size flags that
+// conflict (CheckCacheSizeFlags; --hot-fraction without --memory).
 Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRuntimeOptions* o, int* threads);
 
 // SparseRuntime::Open(f.deploy, o, pool), warning when --two-phase on does not apply.

@@ -558,6 +558,15 @@ Status RunOffload(const OffloadFlags& f) {
 
 }  // namespace
 
+Status CheckCacheSizeFlags(const std::string& memory, int64_t hot_slots, int64_t cold_slots) {
+  if (!memory.empty() && (hot_slots > 0 || cold_slots > 0)) {
+    return Status::InvalidArgument("--memory " + memory +
+                                   " is split into the cache regions by the runtime: drop --hot-slots and --cold-slots "
+                                   "(or drop --memory to give the regions' sizes without a budget)");
+  }
+  return Status::Ok();
+}
+
 Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRuntimeOptions* o, int* threads) {
   if (f.mode == "full") {
     o->mode = OffloadMode::kFull;
@@ -595,6 +604,14 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
     }
     o->hot_fraction = v;
   }
+  if (f.plan.empty()) {
+    NF_RETURN_IF_ERROR(CheckCacheSizeFlags(f.memory, f.hot_slots, f.cold_slots));
+    if (f.memory.empty() && f.hot_fraction_given) {
+      return Status::InvalidArgument("--hot-fraction " + f.hot_fraction +
+                                     " shares a --memory budget's cache between pinned hot clusters and LRU slots: "
+                                     "give --memory (without a budget the regions are --hot-slots and --cold-slots)");
+    }
+  }
   o->cluster_groups = f.cluster_groups;
   o->chunk_requests = f.chunk_requests > 0 ? f.chunk_requests : kDefaultChunkRequests;
   o->io.queue_depth = f.queue_depth > 0 ? f.queue_depth : io::kDefaultQueueDepth;
@@ -628,9 +645,9 @@ Status MakeRuntimeOptions(const RuntimeFlags& f, int64_t default_ctx, SparseRunt
   *threads = f.threads;
   int64_t lookahead_flag = f.lookahead == kLookaheadNotGiven ? -1 : f.lookahead;
   if (!f.plan.empty()) {
-    if (!f.memory.empty() || f.hot_slots > 0 || f.cold_slots > 0 || f.ctx > 0) {
+    if (!f.memory.empty() || f.hot_slots > 0 || f.cold_slots > 0 || f.hot_fraction_given || f.ctx > 0) {
       return Status::InvalidArgument("--plan sets the memory, cache sizes and context: drop --memory, --hot-slots, "
-                                     "--cold-slots and --ctx");
+                                     "--cold-slots, --hot-fraction and --ctx");
     }
     const KvType asked = o->kv_type;
     int64_t plan_lookahead = -1;
@@ -684,7 +701,8 @@ void AddRuntimeOptions(CLI::App* cmd, RuntimeFlags* flags) {
   cmd->add_option("--hot-fraction", flags->hot_fraction,
                   "With --memory and no plan: share of the cache budget for pinned hot clusters, or auto (all pinned or "
                   "all one LRU pool, whichever the deployment's profile serves more with)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->each([flags](const std::string&) { flags->hot_fraction_given = true; });
   cmd->add_option("--hot-policy", flags->hot_policy,
                   "Hot region: pinned (each layer's hottest clusters loaded at start, never evicted) or lru (one "
                   "pool, LRU per cluster, filled on demand)")

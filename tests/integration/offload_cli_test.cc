@@ -160,6 +160,35 @@ TEST_F(OffloadCliTest, AutoSplitMissesNoMoreThanAnyFixedSplit) {
   }
 }
 
+// The cache is sized one way: a --memory budget the runtime splits (--hot-fraction), or --hot-slots and --cold-slots
+// without one (a plan: PlanCliTest). A command line that mixes them would have one of them ignored without a word
+// (before session 50 each of these ran, with the slot counts or the fraction dropped): a usage error naming the flags,
+// in `offload`, `perplexity --deploy` and `serve -d` alike.
+TEST_F(OffloadCliTest, CacheSizeFlagsThatWouldBeIgnoredAreUsageErrors) {
+  const std::string text = " -f " + testing::SharedPath("text/tinystories_cased_197K.txt") + " --ctx 64";
+  const std::string kSlotsIgnored = "--memory 3M is split into the cache regions by the runtime: drop --hot-slots";
+  const std::string kFractionIgnored = "shares a --memory budget's cache between pinned hot clusters and LRU slots";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"offload -d " + Deploy() + " -n 2 --memory 3M --hot-slots 2", kSlotsIgnored},
+      {"offload -d " + Deploy() + " -n 2 --memory 3M --cold-slots 64", kSlotsIgnored},
+      {"offload -d " + Deploy() + " -n 2 --hot-slots 1 --cold-slots 64 --hot-fraction 0.5", kFractionIgnored},
+      {"offload -d " + Deploy() + " -n 2 --hot-fraction auto", kFractionIgnored},
+      {"perplexity --deploy " + Deploy() + " --memory 3M --cold-slots 64" + text, kSlotsIgnored},
+      {"serve -d " + Deploy() + " --memory 3M --hot-slots 1 --port 0", kSlotsIgnored},
+  };
+  for (const auto& [args, message] : cases) {
+    // `timeout`: a server that started instead of refusing would otherwise run until killed.
+    auto r = testing::RunCommand("timeout 60 " + Nflash() + " -q " + args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << args << ": " << r.output;
+  }
+  // Each way alone still runs.
+  for (const char* ok : {" --memory 3M --hot-fraction 0.5", " --hot-slots 1 --cold-slots 64"}) {
+    auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " -n 2" + ok);
+    EXPECT_EQ(r.exit_code, 0) << ok << ": " << r.output;
+  }
+}
+
 // The memory budget bounds what the process holds (issue 6: peak RSS within budget + 64 MiB), as the kernel measures
 // it (`peak_rss_bytes`: the process's VmHWM), on a SYNTHETIC model whose FFN (192 MiB on flash) and resident weights
 // (57 MiB) could not be held within that bound: a runtime whose caches grew past their share would exceed it. Both

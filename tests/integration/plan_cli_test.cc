@@ -219,6 +219,14 @@ TEST_F(PlanCliTest, TheRuntimeFollowsThePlanAndRefusesOneForAnotherDeployment) {
   // --plan with --memory: conflicting settings.
   auto both = RunCommand(Nflash() + " offload -d " + tmp_->File("deploy") + " --plan " + plan + " --memory 3M -n 4");
   EXPECT_EQ(both.exit_code, 2) << both.output;
+  // --plan with --hot-fraction: the plan sizes the regions, so the fraction would be ignored (it ran so before
+  // session 50); refused by name.
+  auto fraction = RunCommand(Nflash() + " offload -d " + tmp_->File("deploy") + " --plan " + plan +
+                             " --hot-fraction 0.3 -n 4");
+  EXPECT_EQ(fraction.exit_code, 2) << fraction.output;
+  EXPECT_NE(fraction.output.find("drop --memory, --hot-slots, --cold-slots, --hot-fraction and --ctx"),
+            std::string::npos)
+      << fraction.output;
 }
 
 // --kv-type f16: the plan counts half the KV cache in its fixed part (the cache of 512 positions here is the largest
