@@ -331,19 +331,23 @@ void RegisterPlanCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("-o,--output", flags->output, "plan.json to write")->required();
   cmd->add_flag("--explain", flags->explain, "Print the per-token time breakdown as a table");
   cmd->add_flag("--force", flags->force, "Overwrite the output if it exists");
-  cmd->add_flag("--calibrate", flags->calibrate,
+  CLI::Option* calibrate = cmd->add_flag("--calibrate", flags->calibrate,
                 "Run the plan (`nflash offload`, a few seconds), fit the cost model's compute and I/O factors to the "
                 "measured decode and plan again with them (recorded in plan.json)");
+  // Without --calibrate these would be ignored: CLI11 refuses them (a usage error naming --calibrate).
   cmd->add_option("--calibrate-tokens", flags->calibrate_tokens, "Measured decode tokens of --calibrate")
       ->check(cli::kPositive)
-      ->capture_default_str();
+      ->capture_default_str()
+      ->needs(calibrate);
   cmd->add_option("--calibrate-warmup", flags->calibrate_warmup, "Warm-up tokens of --calibrate (not measured)")
       ->check(cli::kNonNegative)
-      ->capture_default_str();
+      ->capture_default_str()
+      ->needs(calibrate);
   cmd->add_option("--calibrate-runs", flags->calibrate_runs,
                   "Runs of --calibrate; the fit uses the one with the median time per token")
       ->check(cli::kPositive)
-      ->capture_default_str();
+      ->capture_default_str()
+      ->needs(calibrate);
   cmd->add_option("--calibration", flags->calibration,
                   "Reuse the calibration recorded in this plan.json (made with --calibrate for the same deployment "
                   "and hw.json, e.g. at another memory limit)")

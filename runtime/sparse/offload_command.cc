@@ -689,6 +689,16 @@ Result<std::unique_ptr<SparseRuntime>> OpenRuntime(const RuntimeFlags& f, const 
   if (f.two_phase == "on" && !rt->ffn().two_phase()) {
     NF_LOG(Warning) << "--two-phase on: not applicable to this run (see the log line above); whole bundles are read";
   }
+  // Flags of full mode's pipeline that this run cannot use: said, not dropped without a word.
+  if (f.lookahead > 0 && rt->ffn().lookahead_slots() == 0) {
+    NF_LOG(Warning) << "--lookahead " << f.lookahead
+                    << ": not applicable to this run (reads ahead need full mode, whole-bundle reads, two layers or "
+                       "more and cold slots); nothing is read ahead";
+  }
+  if (f.warm_next_mib > 0 && rt->ffn().warm_next_cap() == 0) {
+    NF_LOG(Warning) << "--warm-next " << f.warm_next_mib
+                    << ": not applicable to this run (warming needs full mode's I/O thread); nothing is warmed";
+  }
   return rt;
 }
 

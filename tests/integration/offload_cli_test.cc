@@ -189,6 +189,28 @@ TEST_F(OffloadCliTest, CacheSizeFlagsThatWouldBeIgnoredAreUsageErrors) {
   }
 }
 
+// Full mode's reads ahead and cache warming asked for in a run that cannot use them (llmflash reads block, one by one,
+// without an I/O thread) are said to be off, not dropped without a word (before session 50 they were); in full mode
+// with cold slots both apply and nothing is said.
+TEST_F(OffloadCliTest, PipelineFlagsARunCannotUseAreWarnedAbout) {
+  const std::string flags = " -n 2 --lookahead 16 --warm-next 1" + kMixedCache;
+  const std::string kLookahead = "warning: --lookahead 16: not applicable to this run";
+  const std::string kWarm = "warning: --warm-next 1: not applicable to this run";
+  auto llmflash = testing::RunCommand(Nflash() + " offload -d " + Deploy() + " --mode llmflash" + flags);
+  ASSERT_EQ(llmflash.exit_code, 0) << llmflash.output;
+  EXPECT_NE(llmflash.output.find(kLookahead), std::string::npos) << llmflash.output;
+  EXPECT_NE(llmflash.output.find(kWarm), std::string::npos) << llmflash.output;
+  auto full = testing::RunCommand(Nflash() + " offload -d " + Deploy() + " --mode full --json" + flags);
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  EXPECT_EQ(full.output.find(kLookahead), std::string::npos) << full.output;
+  EXPECT_EQ(full.output.find(kWarm), std::string::npos) << full.output;
+  // The JSON (the last line of the output) shows both in use, so the silence above is earned.
+  const nlohmann::json j = nlohmann::json::parse(full.output.substr(full.output.rfind("\n{") + 1), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << full.output;
+  EXPECT_EQ(j["lookahead_slots"], 16);
+  EXPECT_EQ(j["warm_next_bytes"], 1048576);
+}
+
 // The memory budget bounds what the process holds (issue 6: peak RSS within budget + 64 MiB), as the kernel measures
 // it (`peak_rss_bytes`: the process's VmHWM), on a SYNTHETIC model whose FFN (192 MiB on flash) and resident weights
 // (57 MiB) could not be held within that bound: a runtime whose caches grew past their share would exceed it. Both

@@ -286,6 +286,14 @@ TEST_F(PlanCliTest, CalibrateFitsAMeasuredRunAndIsReusable) {
   EXPECT_NE(again_no_force.output.find(tmp_->File("cal.json") + " exists; pass --force to overwrite"), std::string::npos)
       << again_no_force.output;
   EXPECT_EQ(again_no_force.output.find("calibrat"), std::string::npos) << again_no_force.output;
+  // The calibration's settings without --calibrate would be ignored (a plan made without the runs they ask for; so
+  // before session 50): a usage error naming the flag they need, and no plan written.
+  for (const char* setting : {"--calibrate-tokens 8", "--calibrate-warmup 4", "--calibrate-runs 3"}) {
+    auto alone = Plan(std::string("--memory 3M --ctx 128 ") + setting, "cal_alone.json");
+    EXPECT_EQ(alone.exit_code, 2) << setting << ": " << alone.output;
+    EXPECT_NE(alone.output.find("requires --calibrate"), std::string::npos) << setting << ": " << alone.output;
+    EXPECT_FALSE(std::filesystem::exists(tmp_->File("cal_alone.json"))) << setting;
+  }
   // The runs as logged ("calibration run N: T ms/token, ..." and, since the plan reads ahead (172 / 8 bundles per
   // layer), "calibration run N without lookahead: T ms/token, ..." after each): the plan keeps the kind with the lower
   // median and the fit uses that kind's median run.
