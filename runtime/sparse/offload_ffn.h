@@ -444,8 +444,12 @@ class OffloadFfn : public FfnBackend {
   // What batched prefill needs: two buffers of the largest region, the gate/up outputs of a token tile and the compact
   // down rows of one layer, each kSlotAlignment-aligned.
   static uint64_t PrefillBufferBytes(const packer::Deployment& deployment);
-  // Bundles read ahead per layer at most that `options` give for this deployment (0 when lookahead does not apply).
+  // Bundles read ahead per layer at most that `options` give for this deployment (0 when lookahead does not apply;
+  // two-phase loading, which turns it off, only where TwoPhaseUnusable allows it).
   static int64_t LookaheadSlots(const packer::Deployment& deployment, const OffloadOptions& options);
+  // Why two-phase loading cannot run on `deployment` (empty: it can): the oracle's active set (`oracle`), or a layout
+  // without a gate page of its own for the cold bundles read at `dio_alignment` (ColdReadBytes).
+  static std::string TwoPhaseUnusable(const packer::Deployment& deployment, bool oracle, uint64_t dio_alignment);
   int64_t lookahead_slots() const { return la_slots_; }
   // The sibling read-ahead is in effect (MoE decode; OffloadOptions::sibling_readahead without next-layer lookahead).
   bool sibling_readahead() const { return la_siblings_; }

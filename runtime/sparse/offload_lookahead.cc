@@ -28,7 +28,9 @@ constexpr int64_t kRowsPerGuessedBundle = 64;
 
 int64_t OffloadFfn::LookaheadSlots(const packer::Deployment& d, const OffloadOptions& options) {
   const packer::Manifest& m = d.manifest();
-  if (options.mode != OffloadMode::kFull || options.two_phase || m.n_layers < 2) return 0;
+  const bool two_phase =
+      options.two_phase && TwoPhaseUnusable(d, options.predictor == nullptr, options.dio_alignment).empty();
+  if (options.mode != OffloadMode::kFull || two_phase || m.n_layers < 2) return 0;
   // MoE: only when asked for. Measured (SYNTHETIC mixtral-8x7b shape, Q4_0, predictor, 2 vCPUs, ~71k-IOPS disk):
   // +6-20% on 2 layers at 1.6G, but -2% on 4 layers at 1.9G, where the reads already keep the disk busy and half of
   // what is read ahead (a wrong expert, or a wrong neuron) goes unused (docs/results.md, fifteenth run).

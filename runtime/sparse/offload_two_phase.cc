@@ -12,27 +12,35 @@
 
 namespace nflash::sparse {
 
+std::string OffloadFfn::TwoPhaseUnusable(const packer::Deployment& deployment, bool oracle, uint64_t dio_alignment) {
+  const packer::BundleLayout& lay = deployment.layout();
+  if (oracle) {
+    return "the oracle's active set holds only neurons whose exact gate passes: every one needs its up+down part";
+  }
+  if (lay.slots_per_group != 1) {
+    return std::to_string(lay.slots_per_group) + " bundles of " + std::to_string(lay.bundle_bytes) +
+           " bytes share each flash page, so a gate part has no page of its own";
+  }
+  if (lay.gate_offset + lay.gate_bytes > kTwoPhasePageBytes) {
+    return "the gate part (" + std::to_string(lay.gate_bytes) + " bytes) does not fit the group's first page";
+  }
+  if (ColdReadBytes(lay, dio_alignment) <= kTwoPhasePageBytes) {
+    return "a whole bundle (" + std::to_string(lay.bundle_bytes) + " bytes) is one page: the gate page is the bundle";
+  }
+  return "";
+}
+
 void OffloadFfn::InitTwoPhase() {
   two_phase_ = false;
   if (!options_.two_phase) return;
-  const packer::BundleLayout& lay = deploy_.layout();
-  std::string why;
-  if (oracle_) {
-    why = "the oracle's active set holds only neurons whose exact gate passes: every one needs its up+down part";
-  } else if (lay.slots_per_group != 1) {
-    why = std::to_string(lay.slots_per_group) + " bundles of " + std::to_string(lay.bundle_bytes) +
-          " bytes share each flash page, so a gate part has no page of its own";
-  } else if (lay.gate_offset + lay.gate_bytes > kTwoPhasePageBytes) {
-    why = "the gate part (" + std::to_string(lay.gate_bytes) + " bytes) does not fit the group's first page";
-  } else if (cold_read_ <= kTwoPhasePageBytes) {
-    why = "a whole bundle (" + std::to_string(lay.bundle_bytes) + " bytes) is one page: the gate page is the bundle";
-  } else {
-    two_phase_ = true;
-    NF_LOG(Info) << "two-phase loading: gate page " << kTwoPhasePageBytes << " bytes, then up+down "
-                 << cold_read_ - kTwoPhasePageBytes << " bytes for neurons whose gate passes";
+  const std::string why = TwoPhaseUnusable(deploy_, oracle_, options_.dio_alignment);
+  if (!why.empty()) {
+    NF_LOG(Info) << "two-phase loading off (whole bundles are read): " << why;
     return;
   }
-  NF_LOG(Info) << "two-phase loading off (whole bundles are read): " << why;
+  two_phase_ = true;
+  NF_LOG(Info) << "two-phase loading: gate page " << kTwoPhasePageBytes << " bytes, then up+down "
+               << cold_read_ - kTwoPhasePageBytes << " bytes for neurons whose gate passes";
 }
 
 void OffloadFfn::MarkComplete(const Unit& u) {

@@ -105,6 +105,8 @@ Result<std::unique_ptr<SparseRuntime>> SparseRuntime::Open(const std::string& de
     OffloadOptions lookahead;  // what OffloadFfn::LookaheadSlots decides the lookahead from
     lookahead.mode = options.mode;
     lookahead.two_phase = options.two_phase;
+    lookahead.predictor = rt->predictor_.get();  // TwoPhaseUnusable: null for the oracle
+    lookahead.dio_alignment = dio_alignment;
     lookahead.lookahead_slots = options.lookahead_slots;
     const bool usable = !oracle && hp.n_experts == 0 && !d.lookahead_path().empty() &&
                         options.lookahead_source == LookaheadSource::kNextLayer &&

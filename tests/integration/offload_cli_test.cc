@@ -211,6 +211,29 @@ TEST_F(OffloadCliTest, PipelineFlagsARunCannotUseAreWarnedAbout) {
   EXPECT_EQ(j["warm_next_bytes"], 1048576);
 }
 
+// Two-phase loading asked for where it cannot run (here: the oracle, whose active neurons all need their up+down
+// part) reads whole bundles, and so must read ahead as a run without it does: before session 50, `--two-phase auto`
+// or `on` turned the lookahead off all the same, without a word (0 bundles against n_ff / 8 = 21).
+TEST_F(OffloadCliTest, TwoPhaseThatCannotRunLeavesTheLookaheadAsItIs) {
+  auto run = [&](const std::string& two_phase) {
+    auto r = testing::RunCommand(Nflash() + " -q offload -d " + Deploy() + " -n 16 --json --two-phase " + two_phase +
+                                     kMixedCache,
+                                 /*capture_stderr=*/false);
+    EXPECT_EQ(r.exit_code, 0) << two_phase << ": " << r.output;
+    return nlohmann::json::parse(r.output, nullptr, false);
+  };
+  const nlohmann::json off = run("off");
+  ASSERT_FALSE(off.is_discarded());
+  ASSERT_GT(off["lookahead_slots"].get<int64_t>(), 0) << off.dump();
+  for (const char* two_phase : {"auto", "on"}) {
+    const nlohmann::json j = run(two_phase);
+    ASSERT_FALSE(j.is_discarded()) << two_phase;
+    EXPECT_FALSE(j["two_phase"].get<bool>()) << two_phase;
+    EXPECT_EQ(j["lookahead_slots"], off["lookahead_slots"]) << two_phase;
+    EXPECT_EQ(j["text"], off["text"]) << two_phase;
+  }
+}
+
 // The memory budget bounds what the process holds (issue 6: peak RSS within budget + 64 MiB), as the kernel measures
 // it (`peak_rss_bytes`: the process's VmHWM), on a SYNTHETIC model whose FFN (192 MiB on flash) and resident weights
 // (57 MiB) could not be held within that bound: a runtime whose caches grew past their share would exceed it. Both
