@@ -110,4 +110,8 @@ void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mma
   sub->add_flag("--no-mmap", *no_mmap, "Read the weights into memory instead of mapping the file");
 }
 
+void ExcludeModelOnlyOptions(CLI::App* sub, CLI::Option* deploy) {
+  for (const char* name : {"--tokenizer", "--activation", "--no-mmap"}) sub->get_option(name)->excludes(deploy);
+}
+
 }  // namespace nflash::cli

@@ -35,6 +35,10 @@ Result<LoadedModel> LoadModelForInference(const ModelSource& source);
 // The options of a command that loads a model this way: -m (required or not), --tokenizer, --activation, -t (compute
 // threads) and --no-mmap.
 void AddModelOptions(CLI::App* sub, ModelSource* src, int* threads, bool* no_mmap, bool model_required = true);
+// Refuses AddModelOptions' -m-only options (--tokenizer, --activation, --no-mmap) beside `deploy`, the option of a
+// deployment directory, which brings its own tokenizer and activation and reads its weights itself: CLI11 names both
+// ("--no-mmap excludes --deploy"), where the options were ignored before.
+void ExcludeModelOnlyOptions(CLI::App* sub, CLI::Option* deploy);
 
 // --kv-type (KvType: f32 or f16, ParseKvType's names) with `what` ahead of the shared explanation; callers chain
 // capture_default_str() when their default is a type rather than "not given".

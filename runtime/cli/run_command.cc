@@ -54,21 +54,42 @@ struct SparseFlags {
   int64_t prefill_batch_min = kDefaultBatchedPrefillMinTokens;
 };
 
-void AddSparseOptions(CLI::App* sub, SparseFlags* s) {
-  sub->add_option("--sparse", s->mode, "Sparse FFN: oracle (exact active set) or predictor (predicted set)")
-      ->check(CLI::IsMember({"oracle", "predictor"}));
-  sub->add_option("--predictor", s->predictor, "Predictor file (train-predictor); its activation thresholds apply")
-      ->check(CLI::ExistingFile);
-  sub->add_option("--activation-thresholds", s->thresholds,
-                  "Per-layer active thresholds on |act(gate)|, comma-separated (default: the predictor's, or 0)");
-  sub->add_option("--target-sparsity", s->target_sparsity,
-                  "SiLU: thresholds for this inactive fraction, calibrated on --calib-text");
-  sub->add_option("--calib-text", s->calib_text, "Calibration text for --target-sparsity")->check(CLI::ExistingFile);
-  sub->add_option("--calib-tokens", s->calib_tokens, "Calibration tokens for --target-sparsity");
-  sub->add_flag("--measure-recall", s->measure_recall,
-                "Predictor mode: also compute every gate row to report recall (slower)");
-  sub->add_flag("--skip-predictor-hash", s->skip_hash,
-                "Accept a predictor recorded for another file of the same shape (e.g. the GGUF of the same weights)");
+// The options AddSparseOptions registers, for the commands that refuse some of them beside others.
+struct SparseOptions {
+  CLI::Option* sparse = nullptr;
+  std::vector<CLI::Option*> model_only;  // every one but --sparse: settings of the in-memory sparse FFN of -m
+};
+
+SparseOptions AddSparseOptions(CLI::App* sub, SparseFlags* s) {
+  SparseOptions out;
+  out.sparse = sub->add_option("--sparse", s->mode, "Sparse FFN: oracle (exact active set) or predictor (predicted set)")
+                   ->check(CLI::IsMember({"oracle", "predictor"}));
+  CLI::Option* predictor =
+      sub->add_option("--predictor", s->predictor, "Predictor file (train-predictor); its activation thresholds apply")
+          ->check(CLI::ExistingFile);
+  CLI::Option* thresholds =
+      sub->add_option("--activation-thresholds", s->thresholds,
+                      "Per-layer active thresholds on |act(gate)|, comma-separated (default: the predictor's, or 0)");
+  CLI::Option* target = sub->add_option("--target-sparsity", s->target_sparsity,
+                                        "SiLU: thresholds for this inactive fraction, calibrated on --calib-text");
+  // Settings of one way only, refused by CLI11 without it (a usage error naming what they need): before session 50
+  // they were ignored without a word.
+  thresholds->excludes(target);
+  CLI::Option* calib_text =
+      sub->add_option("--calib-text", s->calib_text, "Calibration text for --target-sparsity")
+          ->check(CLI::ExistingFile)
+          ->needs(target);
+  CLI::Option* calib_tokens =
+      sub->add_option("--calib-tokens", s->calib_tokens, "Calibration tokens for --target-sparsity")->needs(target);
+  CLI::Option* recall = sub->add_flag("--measure-recall", s->measure_recall,
+                                      "Predictor mode: also compute every gate row to report recall (slower)")
+                            ->needs(out.sparse);
+  CLI::Option* skip_hash =
+      sub->add_flag("--skip-predictor-hash", s->skip_hash,
+                    "Accept a predictor recorded for another file of the same shape (e.g. the GGUF of the same weights)")
+          ->needs(predictor);
+  out.model_only = {predictor, thresholds, target, calib_text, calib_tokens, recall, skip_hash};
+  return out;
 }
 
 struct SparseSetup {
@@ -91,6 +112,9 @@ Result<SparseSetup> SetupSparse(const SparseFlags& s, const ModelSource& src, co
   o.sparse_prefill = sparse_prefill;
   o.batched_prefill_min_tokens = s.prefill_batch_min;
   o.measure_recall = s.measure_recall;
+  if (s.measure_recall && o.mode == SparseMode::kOracle) {
+    NF_LOG(Warning) << "--measure-recall: the oracle's active set is the exact one (recall 1); nothing to measure";
+  }
   if (o.mode == SparseMode::kPredictor && s.predictor.empty()) {
     return Status::InvalidArgument("--sparse predictor needs --predictor FILE");
   }
@@ -496,13 +520,14 @@ void RegisterRunCommand(CLI::App& app, CommandAction* action) {
   AddSamplerOptions(sub, &f->sampler);
   sub->add_option("--stop", f->stop, "Stop when the text contains this string (repeatable)");
   sub->add_flag("--json", f->json, "Print a JSON summary (with the text) instead of streaming");
-  AddSparseOptions(sub, &f->sparse);
+  const SparseOptions sparse = AddSparseOptions(sub, &f->sparse);
   sub->add_option("--prefill-batch-min", f->sparse.prefill_batch_min,
                   "--sparse oracle: prompts of at least this many tokens prefill by GEMM over every neuron, shorter "
                   "ones token by token (as `nflash offload --prefill-batch-min`, same default; the same logits either "
                   "way); --sparse predictor prefills token by token")
       ->check(cli::kPositive)
-      ->capture_default_str();
+      ->capture_default_str()
+      ->needs(sparse.sparse);
   AddBatchOption(sub, &f->max_batch, "; the same default as `nflash offload --batch`");
   sub->add_option("--pin-threads", f->pin_threads,
                   "auto, on or off: pin the calling thread and each pool worker to a CPU each, fastest CPUs first "
@@ -522,18 +547,24 @@ void RegisterPerplexityCommand(CLI::App& app, CommandAction* action) {
   AddKvTypeOption(sub, &f->kv_type, "KV cache element type")->capture_default_str();
   sub->add_option("--max-windows", f->max_windows, "Evaluate only the first N windows (0: all)");
   sub->add_flag("--json", f->json, "Print a JSON summary");
-  AddSparseOptions(sub, &f->sparse);
+  const SparseOptions sparse = AddSparseOptions(sub, &f->sparse);
   // The offloaded engine (docs/runtime.md): same windows, the FFN read from the deployment's flash image.
-  sub->add_option("--deploy", f->deploy, "Instead of -m: a deployment directory (nflash pack), run through the "
-                                         "offloaded sparse runtime")
-      ->check(CLI::ExistingDirectory);
+  CLI::Option* deploy = sub->add_option("--deploy", f->deploy, "Instead of -m: a deployment directory (nflash pack), "
+                                                               "run through the offloaded sparse runtime")
+                            ->check(CLI::ExistingDirectory);
+  // Each engine's own settings are refused beside the other's (CLI11 names both), where they were ignored before.
+  for (CLI::Option* o : sparse.model_only) o->excludes(deploy);
+  ExcludeModelOnlyOptions(sub, deploy);
   sub->add_option("--mode", f->offload_mode, "--deploy: full (io_uring, pipelined) or llmflash (blocking reads)")
-      ->check(CLI::IsMember({"full", "llmflash"}));
+      ->check(CLI::IsMember({"full", "llmflash"}))
+      ->needs(deploy);
   sub->add_option("--active-set", f->active_set, "--deploy: auto, predictor or oracle")
-      ->check(CLI::IsMember({"auto", "predictor", "oracle"}));
-  sub->add_option("--memory", f->memory, "--deploy: memory budget for everything the process holds, e.g. 2M");
-  sub->add_option("--hot-slots", f->hot_slots, "--deploy without --memory: hot cluster slots");
-  sub->add_option("--cold-slots", f->cold_slots, "--deploy without --memory: cold neuron slots");
+      ->check(CLI::IsMember({"auto", "predictor", "oracle"}))
+      ->needs(deploy);
+  sub->add_option("--memory", f->memory, "--deploy: memory budget for everything the process holds, e.g. 2M")
+      ->needs(deploy);
+  sub->add_option("--hot-slots", f->hot_slots, "--deploy without --memory: hot cluster slots")->needs(deploy);
+  sub->add_option("--cold-slots", f->cold_slots, "--deploy without --memory: cold neuron slots")->needs(deploy);
   sub->callback([f, action] { *action = [f] { return RunPerplexity(*f); }; });
 }
 

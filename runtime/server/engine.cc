@@ -92,9 +92,11 @@ Status ResolveChat(const std::string& flag, const std::string& command, ServedMo
 
 RuntimeOptionRange AddEngineOptions(CLI::App* cmd, EngineFlags* f, const std::string& ctx_help) {
   cli::AddModelOptions(cmd, &f->source, &f->runtime.threads, &f->no_mmap, /*model_required=*/false);
-  cmd->add_option("-d,--deploy", f->runtime.deploy, "Instead of -m: a deployment directory (nflash pack), run "
-                                                    "through the offloaded sparse runtime (FFN on flash)")
-      ->check(CLI::ExistingDirectory);
+  CLI::Option* deploy =
+      cmd->add_option("-d,--deploy", f->runtime.deploy, "Instead of -m: a deployment directory (nflash pack), run "
+                                                        "through the offloaded sparse runtime (FFN on flash)")
+          ->check(CLI::ExistingDirectory);
+  cli::ExcludeModelOnlyOptions(cmd, deploy);
   cmd->add_option("-c,--ctx", f->runtime.ctx, ctx_help);
   cmd->add_option("--chat-template", f->chat_template,
                   "Format chat messages are written in: " + ChatFormatNames() +

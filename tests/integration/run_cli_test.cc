@@ -268,6 +268,52 @@ TEST(RunCliTest, SparseAndPerplexityFlagsAreChecked) {
 // close: Q8_0 within 1% of F32 (issue target). Q4_0: the issue's target is 5%; this dim-64 model (two Q4_0 blocks per
 // row) measures +5.1% with error-minimising scales (+5.9% with ggml's reference rounding), so the bound asserted here
 // is 6% and the miss is reported in the issue note rather than hidden.
+// Settings that apply only beside another flag are refused without it, by name, where `run` and `perplexity` ignored
+// them without a word before session 50: calibration settings without --target-sparsity, recall and the predictor's
+// hash check without what they need, the two ways of choosing thresholds together, and each engine's own flags
+// beside the other engine (-m's sparse FFN and model loading beside --deploy, the runtime's beside -m). The combinations
+// that make sense still run.
+TEST(RunCliTest, FlagsThatWouldBeIgnoredAreUsageErrors) {
+  testing::TempDir dir;
+  const std::string calib = testing::SharedPath("text/tinystories_calib.txt");
+  const std::string run = Nflash() + " run -m " + Stories() + " -n 4 ";
+  const std::string ppl = Nflash() + " perplexity -f " + HeldOut() + " --ctx 32 --max-windows 1 ";
+  const std::string m = ppl + "-m " + Stories() + " ";
+  const std::string deploy = ppl + "--deploy " + dir.path() + " ";
+  for (const auto& [command, message] : std::vector<std::pair<std::string, std::string>>{
+           {run + "--sparse oracle --calib-text " + calib, "--calib-text requires --target-sparsity"},
+           {run + "--sparse oracle --calib-tokens 100", "--calib-tokens requires --target-sparsity"},
+           {run + "--measure-recall", "--measure-recall requires --sparse"},
+           {run + "--skip-predictor-hash", "--skip-predictor-hash requires --predictor"},
+           {run + "--prefill-batch-min 1", "--prefill-batch-min requires --sparse"},
+           {run + "--sparse oracle --activation-thresholds 0.1 --target-sparsity 0.5 --calib-text " + calib,
+            "--activation-thresholds excludes --target-sparsity"},
+           {m + "--mode llmflash", "--mode requires --deploy"},
+           {m + "--active-set oracle", "--active-set requires --deploy"},
+           {m + "--memory 2M", "--memory requires --deploy"},
+           {m + "--hot-slots 3", "--hot-slots requires --deploy"},
+           {m + "--cold-slots 5", "--cold-slots requires --deploy"},
+           {deploy + "--predictor " + Stories(), "--predictor excludes --deploy"},
+           {deploy + "--activation-thresholds 0.5", "--activation-thresholds excludes --deploy"},
+           {deploy + "--measure-recall", "--measure-recall requires --sparse"},  // which --deploy refuses
+           {deploy + "--no-mmap", "--no-mmap excludes --deploy"},
+           {deploy + "--activation relu", "--activation excludes --deploy"},
+           {deploy + "--tokenizer " + Stories(), "--tokenizer excludes --deploy"}}) {
+    EXPECT_TRUE(testing::FailsAsUsageError(command, message)) << command;
+  }
+  for (const std::string& ok :
+       {run + "--sparse oracle --target-sparsity 0.5 --calib-text " + calib + " --calib-tokens 100",
+        run + "--sparse oracle --measure-recall --prefill-batch-min 1", m + "--no-mmap"}) {
+    auto r = testing::RunCommand(ok);
+    EXPECT_EQ(r.exit_code, 0) << ok << ": " << r.output;
+  }
+  // Recall of the oracle is 1 by construction: run, with a warning that there is nothing to measure.
+  auto recall = testing::RunCommand(run + "--sparse oracle --measure-recall");
+  EXPECT_NE(recall.output.find("warning: --measure-recall: the oracle's active set is the exact one"),
+            std::string::npos)
+      << recall.output;
+}
+
 TEST(RunCliTest, PerplexityMatchesPublishedValueAndQuantizationBounds) {
   testing::TempDir dir;
   double ppl[3];

@@ -792,6 +792,19 @@ TEST(ServeCliTest, UsageErrors) {
   auto r = testing::RunCommand(Nflash() + " serve -m " + Stories() + " --memory 3M");
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("--memory applies to -d"), std::string::npos) << r.output;
+  // The other way: -m's model-loading options beside -d, which brings its own tokenizer and activation and reads its
+  // weights itself (ignored without a word before session 50; `timeout`: a server that started would run on). Both
+  // commands share the options.
+  testing::TempDir dir;
+  for (const char* command : {" serve --port 0 -d ", " chat -d "}) {
+    for (const std::string& flag :
+         {std::string("--no-mmap"), std::string("--activation relu"), "--tokenizer " + Stories()}) {
+      r = testing::RunCommand("timeout 60 " + Nflash() + command + dir.path() + " " + flag + " </dev/null");
+      EXPECT_EQ(r.exit_code, 2) << command << flag << ": " << r.output;
+      EXPECT_NE(r.output.find(flag.substr(0, flag.find(' ')) + " excludes --deploy"), std::string::npos)
+          << command << flag << ": " << r.output;
+    }
+  }
   EXPECT_EQ(testing::RunCommand(Nflash() + " serve -m " + Stories() + " --port 70000").exit_code, 2);
   r = testing::RunCommand(Nflash() + " serve -m " + Stories() + " --ctx -1");
   EXPECT_EQ(r.exit_code, 2) << r.output;
