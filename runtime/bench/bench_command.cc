@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,7 @@ struct BenchFlags {
   bool verbose_rows = false;
   double row_timeout = 0;
   std::string hw;
+  std::set<std::string> given;  // the options on the command line (by their long name), for the warnings below
 };
 
 Status RunBench(const BenchFlags& f) {
@@ -132,6 +134,28 @@ Status RunBench(const BenchFlags& f) {
         }
       }
     }
+  }
+
+  // Flags no row of this grid uses: said, not dropped without a word (before session 50 they were; the JSON even
+  // recorded --prompt-tokens and --lookahead for rows that never read them).
+  const auto any_row = [&](auto pred) { return std::any_of(specs.begin(), specs.end(), pred); };
+  const auto offloaded = [](const RowSpec& s) {
+    return s.mode != BenchMode::kInMemory && s.mode != BenchMode::kDenseMmap;
+  };
+  const auto unused = [&](const std::string& flag, bool used, const std::string& why) {
+    if (f.given.count(flag) > 0 && !used) NF_LOG(Warning) << flag << ": no row of this grid uses it (" << why << ")";
+  };
+  const bool budgets_used = any_row([](const RowSpec& s) { return s.memory_budget > 0; });
+  unused("--memory", budgets_used, "in-memory rows run without a budget");
+  unused("--offload", budgets_used, "in-memory rows run without a budget");
+  unused("--prompt-tokens", any_row([](const RowSpec& s) { return s.test.decode; }), "only tg tests prefill a prompt");
+  unused("--lookahead", any_row([](const RowSpec& s) { return s.mode == BenchMode::kFull; }), "full mode only");
+  unused("--deploy", any_row(offloaded), "only full, llmflash and bundles rows read a deployment");
+  unused("--hw", any_row([&](const RowSpec& s) { return offloaded(s) && s.test.decode; }),
+         "floors are reported for the offloaded modes' tg rows");
+  for (const char* flag : {"--tokenizer", "--activation"}) {
+    unused(flag, any_row([&](const RowSpec& s) { return !offloaded(s); }),
+           "offloaded rows read the deployment's tokenizer and activation");
   }
 
   const CgroupSupport cgroups = DetectMemoryCgroup();
@@ -229,7 +253,12 @@ void RegisterBenchCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--hw", f->hw, "Hardware profile (nflash profile-hw): sparse tg rows also report the compute and I/O "
                                  "floors per token and the measured time's ratio to them (docs/planner.md, Floors)")
       ->check(CLI::ExistingFile);
-  cmd->callback([f, action] { *action = [f] { return RunBench(*f); }; });
+  cmd->callback([f, action, cmd] {
+    for (const CLI::Option* o : cmd->get_options()) {
+      if (o->count() > 0) f->given.insert(o->get_name());
+    }
+    *action = [f] { return RunBench(*f); };
+  });
 
   auto spec = std::make_shared<std::string>();
   CLI::App* row = app.add_subcommand("bench-row", "Run one bench row (internal: nflash bench runs it in a child)");

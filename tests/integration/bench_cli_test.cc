@@ -375,5 +375,30 @@ TEST_F(BenchCliTest, UsageErrors) {
   }
 }
 
+// Flags no row of the grid uses are said to be unused (a warning each), where bench ignored them without a word before
+// session 50 (its JSON even recorded --prompt-tokens and --lookahead for rows that never read them). An in-memory pp
+// grid uses none of these; a full-mode tg grid with a deployment uses all but --activation (its rows read the
+// deployment's).
+TEST_F(BenchCliTest, FlagsNoRowUsesAreWarnedAbout) {
+  std::string model, deploy;
+  ASSERT_NO_FATAL_FAILURE(MakeReluDeployment(&model, &deploy));
+  const std::string hw = dir_->File("hw.json");
+  testing::WriteText(hw, "{}");  // never read: no row reports floors
+  const std::string flags = " --memory 8M --prompt-tokens 5 --lookahead 7 --deploy " + deploy;
+  const std::string bench = testing::NflashBinary() + " bench -m " + model + " -r 1 --warmup 0 -t 1 --output json ";
+  auto none = testing::RunCommand(bench + "--modes in-memory --tests pp8 --hw " + hw + flags);
+  ASSERT_EQ(none.exit_code, 0) << none.output;
+  for (const char* flag : {"--memory", "--prompt-tokens", "--lookahead", "--deploy", "--hw"}) {
+    EXPECT_NE(none.output.find(std::string("warning: ") + flag + ": no row of this grid uses it"), std::string::npos)
+        << flag << ": " << none.output;
+  }
+  auto all = testing::RunCommand(bench + "--modes full --tests tg8 --activation relu" + flags);
+  ASSERT_EQ(all.exit_code, 0) << all.output;
+  for (const char* flag : {"--memory", "--prompt-tokens", "--lookahead", "--deploy"}) {
+    EXPECT_EQ(all.output.find(std::string("warning: ") + flag + ": no row"), std::string::npos) << all.output;
+  }
+  EXPECT_NE(all.output.find("warning: --activation: no row of this grid uses it"), std::string::npos) << all.output;
+}
+
 }  // namespace
 }  // namespace nflash
