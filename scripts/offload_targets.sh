@@ -65,6 +65,6 @@ echo "machine: $(nproc) CPUs, $cpu, $(date -u '+%F %T UTC')"
 NFLASH=$NF ROUNDS=$ROUNDS HW=hw.json LLMFLASH=1 "$ROOT/scripts/ab_offload.sh" s7b16r.gguf s7b16r.deploy:plan-calibrated.json
 if [ "${DENSE:-0}" = 1 ]; then
   # The same budget as the plan's (--offload 0.5: every non-FFN byte, half of the FFN and the KV cache).
-  "$NF" bench -m s7b16r.gguf --deploy s7b16r.deploy --modes dense-mmap --offload 0.5 --tests tg16 -r 1
+  "$NF" bench -m s7b16r.gguf --modes dense-mmap --offload 0.5 --tests tg16 -r 1
 fi
 echo "targets (issue 6): full >= 0.7x the in-memory run, within 1.3x of the floor, >= 3x llmflash. SYNTHETIC weights."

@@ -153,8 +153,9 @@ Status RunBench(const BenchFlags& f) {
   unused("--deploy", any_row(offloaded), "only full, llmflash and bundles rows read a deployment");
   unused("--hw", any_row([&](const RowSpec& s) { return offloaded(s) && s.test.decode; }),
          "floors are reported for the offloaded modes' tg rows");
+  // (--offload loads the model itself to size its budgets.)
   for (const char* flag : {"--tokenizer", "--activation"}) {
-    unused(flag, any_row([&](const RowSpec& s) { return !offloaded(s); }),
+    unused(flag, !fractions.empty() || any_row([&](const RowSpec& s) { return !offloaded(s); }),
            "offloaded rows read the deployment's tokenizer and activation");
   }
 
