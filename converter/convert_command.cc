@@ -62,6 +62,12 @@ Status RunConvert(const ConvertFlags& flags) {
                 *type != GgmlType::kQ8_0 && *type != GgmlType::kQ4_0)) {
     return Status::InvalidArgument("--type " + flags.type + " is not supported; choose f32, f16, bf16, q8_0 or q4_0");
   }
+  // The rounding choice exists for Q4_0 blocks only (the head stays Q8_0 even then): with another type the flag
+  // would change nothing.
+  if (flags.q4_reference && *type != GgmlType::kQ4_0) {
+    return Status::InvalidArgument("--q4-reference applies to --type q4_0 only (the rounding of Q4_0 blocks); "
+                                   "--type is " + flags.type);
+  }
   std::optional<FfnActivation> activation;
   if (!flags.activation.empty()) {
     activation = ParseFfnActivation(flags.activation);
@@ -150,7 +156,8 @@ void RegisterConvertCommand(CLI::App& app, cli::CommandAction* action) {
                   "FFN activation silu|relu|drelu (default: what the input says; silu for llama2.c)");
   cmd->add_flag("--force", flags->force, "Overwrite the output if it exists");
   cmd->add_flag("--q4-reference", flags->q4_reference,
-                "Q4_0 with ggml's reference rounding (bit-identical to llama.cpp) instead of error-minimising scales");
+                "--type q4_0 only: ggml's reference rounding (bit-identical to llama.cpp) instead of error-minimising "
+                "scales");
   cmd->callback([flags, action] { *action = [flags] { return RunConvert(*flags); }; });
 }
 

@@ -277,6 +277,22 @@ TEST(Cli, ExitCodesForMissingInputAndExistingOutput) {
   EXPECT_EQ(synth_exists.output.find("SiLU is never exactly zero"), std::string::npos) << synth_exists.output;
 }
 
+// --q4-reference chooses how Q4_0 blocks are rounded: with another --type (the default f32 included) it would change
+// nothing, so it is a usage error naming the type (it used to be ignored), and nothing is written.
+TEST(Cli, Q4ReferenceNeedsTypeQ4_0) {
+  TempDir dir;
+  for (const std::string type : {" --type q8_0", ""}) {
+    EXPECT_TRUE(testing::FailsAsUsageError(NflashBinary() + " convert " + Stories() + " -o " + dir.File("r.gguf") +
+                                               type + " --q4-reference",
+                                           "--q4-reference applies to --type q4_0 only"))
+        << type;
+    EXPECT_FALSE(std::filesystem::exists(dir.File("r.gguf"))) << type;
+  }
+  CommandResult q4 = Nflash("-q convert " + Stories() + " -o " + dir.File("r.gguf") + " --type q4_0 --q4-reference");
+  EXPECT_EQ(q4.exit_code, 0) << q4.output;
+  EXPECT_TRUE(std::filesystem::exists(dir.File("r.gguf")));
+}
+
 TEST(Cli, ReluModelNeedsTokenizerAndActivation) {
   TempDir dir;
   const std::string relu = SharedPath("models/stories260K-relu/stories260K-relu.bin");
