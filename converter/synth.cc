@@ -647,6 +647,11 @@ Result<ModelConfig> SynthConfig(const SynthOptions& o) {
     if (c.architecture == "qwen3moe" && c.n_experts == 0) {
       return Status::InvalidArgument("--arch qwen3moe needs --experts (its FFN is experts only)");
     }
+    // A dense FFN routes nothing: --top-k would be dropped without a word.
+    if (o.top_k != 0 && c.n_experts == 0) {
+      return Status::InvalidArgument("--top-k " + std::to_string(o.top_k) +
+                                     ": experts used per token need --experts N > 0 (the FFN is dense without it)");
+    }
     if (c.architecture == "qwen3" && c.n_experts > 0) {
       return Status::InvalidArgument("--arch qwen3 is dense: --experts " + std::to_string(c.n_experts) +
                                      " needs --arch qwen3moe (or llama, Mixtral's layout)");

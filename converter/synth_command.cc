@@ -21,6 +21,7 @@ struct SynthFlags {
   std::string activation = "relu";
   std::string output;
   bool force = false;
+  bool gate_noise_given = false;  // --gate-noise on the command line (its default is not 0, so a count is needed)
 };
 
 Status RunSynth(SynthFlags flags) {
@@ -32,6 +33,14 @@ Status RunSynth(SynthFlags flags) {
   }
   const auto activation = ParseFfnActivation(flags.activation);
   if (!activation) return Status::InvalidArgument("--activation " + flags.activation + " is not relu, drelu or silu");
+  // The noise is that of the low-rank gates: without them the weights are i.i.d. and the value would be dropped.
+  if (flags.gate_noise_given && flags.options.gate_rank == 0) {
+    char noise[32];
+    std::snprintf(noise, sizeof noise, "%g", flags.options.gate_noise);
+    return Status::InvalidArgument("--gate-noise " + std::string(noise) +
+                                   " applies to predictable gates only: it needs --gate-rank R > 0 (without it the "
+                                   "weights are i.i.d.)");
+  }
   flags.options.type = *type;
   flags.options.activation = *activation;
   if (!flags.force && FileExists(flags.output)) {
@@ -99,7 +108,7 @@ void RegisterSynthCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--kv-heads", o.kv_heads, "custom: key/value heads (default: heads)");
   cmd->add_option("--head-dim", o.head_dim, "custom: head size (default: dim / heads)");
   cmd->add_option("--experts", o.experts, "custom: MoE experts (0: dense FFN)");
-  cmd->add_option("--top-k", o.top_k, "custom: experts used per token (default 2)");
+  cmd->add_option("--top-k", o.top_k, "custom, with --experts: experts used per token (default 2)");
   cmd->add_option("--vocab", o.vocab, "custom: vocabulary size (>= 259)");
   cmd->add_option("--ctx", o.context, "Context length recorded in the file (default: the shape's)");
   cmd->add_option("--type", flags->type, "Weight type: f32, f16, q8_0, q4_0 (norms and routers stay f32)")
@@ -114,15 +123,19 @@ void RegisterSynthCommand(CLI::App& app, cli::CommandAction* action) {
   cmd->add_option("--gate-rank", o.gate_rank,
                   "Gate/up weights = rank-R product + noise, so a low-rank predictor can learn activity (0: i.i.d.)")
       ->capture_default_str();
-  cmd->add_option("--gate-noise", o.gate_noise, "With --gate-rank: relative std of the i.i.d. part")
-      ->capture_default_str();
+  CLI::Option* gate_noise =
+      cmd->add_option("--gate-noise", o.gate_noise, "With --gate-rank only: relative std of the i.i.d. part")
+          ->capture_default_str();
   cmd->add_option("--calib-tokens", o.calib_tokens, "Tokens per calibration sequence")->capture_default_str();
   cmd->add_option("--calib-sequences", o.calib_sequences, "Calibration sequences (the last one is held out)")
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "Threads (0: all)")->capture_default_str();
   cmd->add_option("-o,--output", flags->output, "Output .gguf path")->required();
   cmd->add_flag("--force", flags->force, "Overwrite the output if it exists");
-  cmd->callback([flags, action] { *action = [flags] { return RunSynth(*flags); }; });
+  cmd->callback([flags, action, gate_noise] {
+    flags->gate_noise_given = gate_noise->count() > 0;
+    *action = [flags] { return RunSynth(*flags); };
+  });
 }
 
 }  // namespace nflash::converter

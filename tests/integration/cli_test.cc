@@ -293,6 +293,26 @@ TEST(Cli, Q4ReferenceNeedsTypeQ4_0) {
   EXPECT_TRUE(std::filesystem::exists(dir.File("r.gguf")));
 }
 
+// synth flags that only shape something another flag turns on used to be dropped without a word: --gate-noise without
+// --gate-rank (the weights are then i.i.d.) and --top-k without --experts (a dense FFN). Each is a usage error naming
+// what it needs, nothing is written; with the flag it needs, each runs.
+TEST(Cli, SynthFlagsNeedWhatTheyShape) {
+  TempDir dir;
+  const std::string synth =
+      NflashBinary() + " -q synth --shape custom --dim 64 --ffn 64 --heads 4 --vocab 300 --layers 1";
+  EXPECT_TRUE(testing::FailsAsUsageError(synth + " --gate-noise 0.5 -o " + dir.File("n.gguf"),
+                                         "--gate-noise 0.5 applies to predictable gates only: it needs --gate-rank"));
+  EXPECT_TRUE(testing::FailsAsUsageError(synth + " --gate-rank 0 --gate-noise 0.5 -o " + dir.File("n.gguf"),
+                                         "it needs --gate-rank R > 0"));
+  EXPECT_TRUE(testing::FailsAsUsageError(synth + " --top-k 3 -o " + dir.File("n.gguf"),
+                                         "--top-k 3: experts used per token need --experts N > 0"));
+  EXPECT_FALSE(std::filesystem::exists(dir.File("n.gguf")));
+  CommandResult rank = RunCommand(synth + " --gate-rank 8 --gate-noise 0.5 -o " + dir.File("rank.gguf"));
+  EXPECT_EQ(rank.exit_code, 0) << rank.output;
+  CommandResult moe = RunCommand(synth + " --experts 4 --top-k 3 -o " + dir.File("moe.gguf"));
+  EXPECT_EQ(moe.exit_code, 0) << moe.output;
+}
+
 TEST(Cli, ReluModelNeedsTokenizerAndActivation) {
   TempDir dir;
   const std::string relu = SharedPath("models/stories260K-relu/stories260K-relu.bin");

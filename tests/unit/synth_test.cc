@@ -228,6 +228,7 @@ TEST(SynthConfigTest, RejectsImpossibleFlags) {
       {"dim below 64", [](SynthOptions& o) { o.dim = 32, o.heads = 2, o.kv_heads = 1; }, "--dim must be at least 64"},
       {"vocab below 259", [](SynthOptions& o) { o.vocab = 258; }, "--vocab must be at least 259"},
       {"top-k above experts", [](SynthOptions& o) { o.experts = 4, o.top_k = 5; }, "--top-k 5 must be in 1..4"},
+      {"top-k without experts", [](SynthOptions& o) { o.top_k = 2; }, "--top-k 2: experts used per token need"},
       {"sparsity 1", [](SynthOptions& o) { o.sparsity = 1.0; }, "--sparsity must be in [0, 1)"},
       {"negative hot skew", [](SynthOptions& o) { o.hot_skew = -1; }, "--hot-skew >= 0"},
       {"gate rank = dim", [](SynthOptions& o) { o.gate_rank = 256; }, "--gate-rank 256 must be in [0, dim 256)"},
@@ -360,6 +361,7 @@ TEST(SynthFileTest, Qwen3MoeTensorsAsLlamaCpp) {
   // A dense qwen3 has the norms too, and no key_length when the head size is dim / heads.
   o.arch = "qwen3";
   o.experts = 0;
+  o.top_k = 0;  // a dense FFN routes nothing: a top-k is refused
   o.head_dim = 32;
   ASSERT_EQ(Write(o, dir.File("q3.gguf")), "");
   f = GgufFile::OpenPath(dir.File("q3.gguf"));
