@@ -328,10 +328,34 @@ Status InspectLlama2c(const InspectFlags& flags) {
   return Status::Ok();
 }
 
+// What inspect prints for each kind of input: a model as text or JSON, with its tensors or not; a profile as text,
+// with --plot also its curves; a deployment as text. A view flag the input's kind has no use for is refused by name
+// (it printed the same as without it).
+enum class InputKind { kModel, kProfile, kDeployment };
+
+Status CheckViewFlags(const InspectFlags& flags, InputKind kind, const std::string& what) {
+  const bool model = kind == InputKind::kModel;
+  std::string flag;
+  if (!model && flags.json) {
+    flag = "--json";
+  } else if (!model && flags.tensors) {
+    flag = "--tensors";
+  } else if (kind != InputKind::kProfile && !flags.plot.empty()) {
+    flag = "--plot";
+  }
+  if (flag.empty()) return Status::Ok();
+  const std::string supports = model ? "as text or --json, with or without --tensors (--plot is for profiles)"
+                               : kind == InputKind::kProfile ? "as text only, with --plot also its curves"
+                                                             : "as text only";
+  return Status::InvalidArgument(flag + " does not apply to " + flags.path + ", " + what + ": inspect prints it " +
+                                 supports);
+}
+
 Status RunInspect(const InspectFlags& flags) {
   std::error_code ec;
   if (std::filesystem::is_directory(flags.path, ec)) {
     if (!flags.delegates.deployment) return Status::Unsupported(flags.path + ": a directory, and no deployment reader");
+    NF_RETURN_IF_ERROR(CheckViewFlags(flags, InputKind::kDeployment, "a deployment directory"));
     return flags.delegates.deployment(flags.path);
   }
   NF_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, OpenPreadFile(flags.path));
@@ -343,14 +367,22 @@ Status RunInspect(const InspectFlags& flags) {
   if (n >= 4 && magic == kGgufMagic) {
     if (flags.delegates.profile) {
       NF_ASSIGN_OR_RETURN(GgufFile f, GgufFile::OpenPath(flags.path));
-      if (f.Find("nflash.profile.schema_version") != nullptr) return flags.delegates.profile(flags.path, flags.plot);
+      if (f.Find("nflash.profile.schema_version") != nullptr) {
+        NF_RETURN_IF_ERROR(CheckViewFlags(flags, InputKind::kProfile, "a profile"));
+        return flags.delegates.profile(flags.path, flags.plot);
+      }
     }
+    NF_RETURN_IF_ERROR(CheckViewFlags(flags, InputKind::kModel, "a GGUF model"));
     return InspectGguf(flags);
   }
   uint64_t header_len = 0;
   std::memcpy(&header_len, head, 8);
   // safetensors: a u64 JSON length that fits the file, then the JSON object's opening brace.
-  if (n == sizeof head && head[8] == '{' && header_len <= file->Size() - 8) return InspectSafetensors(flags);
+  if (n == sizeof head && head[8] == '{' && header_len <= file->Size() - 8) {
+    NF_RETURN_IF_ERROR(CheckViewFlags(flags, InputKind::kModel, "a safetensors file"));
+    return InspectSafetensors(flags);
+  }
+  NF_RETURN_IF_ERROR(CheckViewFlags(flags, InputKind::kModel, "a llama2.c checkpoint"));
   return InspectLlama2c(flags);
 }
 
@@ -363,9 +395,9 @@ void RegisterInspectCommand(CLI::App& app, cli::CommandAction* action, const Ins
       "inspect", "Summarize a GGUF model, a safetensors file, a llama2.c checkpoint, a profile or a deployment directory");
   cmd->add_option("file", flags->path, "File or deployment directory to inspect (format detected from its contents)")
       ->required();
-  cmd->add_option("--plot", flags->plot, "Profiles: also draw popularity and hit-rate curves to this .png/.svg");
-  cmd->add_flag("--json", flags->json, "Print JSON instead of text");
-  cmd->add_flag("--tensors", flags->tensors, "List every tensor (name, type, shape, bytes)");
+  cmd->add_option("--plot", flags->plot, "Profiles only: also draw popularity and hit-rate curves to this .png/.svg");
+  cmd->add_flag("--json", flags->json, "Models only (GGUF, safetensors, llama2.c): print JSON instead of text");
+  cmd->add_flag("--tensors", flags->tensors, "Models only: list every tensor (name, type, shape, bytes)");
   cmd->callback([flags, action] { *action = [flags] { return RunInspect(*flags); }; });
 }
 

@@ -313,6 +313,23 @@ TEST(Cli, SynthFlagsNeedWhatTheyShape) {
   EXPECT_EQ(moe.exit_code, 0) << moe.output;
 }
 
+// --plot draws a profile's curves: for a model (GGUF, llama2.c) it used to print the summary and draw nothing; now a
+// usage error naming the input's kind and what inspect prints for it, and no image. The model's own views still run.
+TEST(Cli, InspectPlotIsForProfiles) {
+  TempDir dir;
+  const std::string gguf = dir.File("s.gguf");
+  ASSERT_EQ(Nflash("-q convert " + Stories() + " -o " + gguf).exit_code, 0);
+  EXPECT_TRUE(testing::FailsAsUsageError(NflashBinary() + " inspect " + gguf + " --plot " + dir.File("c.png"),
+                                         "--plot does not apply to " + gguf + ", a GGUF model: inspect prints it as "
+                                         "text or --json, with or without --tensors (--plot is for profiles)"));
+  EXPECT_TRUE(testing::FailsAsUsageError(NflashBinary() + " inspect --json " + Stories() + " --plot " +
+                                             dir.File("c.png"),
+                                         "--plot does not apply to " + Stories() + ", a llama2.c checkpoint"));
+  EXPECT_FALSE(std::filesystem::exists(dir.File("c.png")));
+  CommandResult views = Nflash("-q inspect --json --tensors " + gguf);
+  EXPECT_EQ(views.exit_code, 0) << views.output;
+}
+
 TEST(Cli, ReluModelNeedsTokenizerAndActivation) {
   TempDir dir;
   const std::string relu = SharedPath("models/stories260K-relu/stories260K-relu.bin");

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <vector>
 
 #include <unistd.h>
 
@@ -110,6 +111,15 @@ TEST_F(PackCliTest, PackVerifyInspectBothTypesAndOrders) {
       EXPECT_NE(i.output.find("dim 64, n_ff 172, layers 5"), std::string::npos) << i.output;
     }
   }
+  // A deployment is printed as text only: --json, --tensors and --plot used to print the same text (and draw
+  // nothing); now usage errors naming the flag and the input's kind.
+  const std::string dir = Dir("f32_hotness");
+  for (const std::string& view : std::vector<std::string>{"--json", "--tensors", "--plot " + Dir("d.png")}) {
+    EXPECT_TRUE(testing::FailsAsUsageError(Nflash() + " inspect " + dir + " " + view,
+                                           view.substr(0, view.find(' ')) + " does not apply to " + dir +
+                                               ", a deployment directory: inspect prints it as text only"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(Dir("d.png")));
 }
 
 TEST_F(PackCliTest, ReplayReportsReadsPerToken) {

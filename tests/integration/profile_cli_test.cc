@@ -213,6 +213,13 @@ TEST_F(ProfileCli, InspectPrintsSummaryAndPlots) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("stories260K-relu"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("hit25%"), std::string::npos);
+  // A profile is printed as text only: --json and --tensors used to print the same text; now usage errors that say so.
+  for (const char* view : {" --json", " --tensors"}) {
+    EXPECT_TRUE(testing::FailsAsUsageError(NflashBinary() + " inspect " + dir_->File("relu.prof") + view,
+                                           std::string(view + 1) + " does not apply to " + dir_->File("relu.prof") +
+                                               ", a profile: inspect prints it as text only, with --plot also its "
+                                               "curves"));
+  }
   if (std::system("command -v gnuplot > /dev/null") == 0) {
     const auto pl = RunCommand(NflashBinary() + " inspect " + dir_->File("relu.prof") + " --plot " +
                                dir_->File("curves.svg"));
