@@ -63,6 +63,9 @@ struct ProfileFlags {
   uint64_t seed = 1;
   int threads = 0;
   bool force = false;
+  // Given on the command line (their defaults are in use either way, so a count is needed to tell).
+  bool threshold_tokens_given = false;
+  bool coact_tokens_given = false;
 };
 
 // Byte offset of the first invalid UTF-8 sequence (overlongs, surrogates and code points > U+10FFFF are invalid),
@@ -255,6 +258,11 @@ Status RunProfile(const ProfileFlags& f) {
                              " does not exist or is not writable");
     }
   }
+  // No partners kept, nothing sampled: the sample size would be dropped without a word.
+  if (f.coact_tokens_given && f.coact_k == 0) {
+    return Status::InvalidArgument("--coact-tokens " + std::to_string(f.coact_tokens) +
+                                   " needs --coact-k > 0 (with --coact-k 0 no co-activation is sampled)");
+  }
   {
     std::stringstream ss(f.batch_sizes);
     std::string item;
@@ -326,6 +334,13 @@ Status RunProfile(const ProfileFlags& f) {
   std::vector<float> thresholds(static_cast<size_t>(n_ffns), 0.0f);
   std::vector<std::vector<float>> report(static_cast<size_t>(n_ffns));
   const bool need_pass1 = (!relu_like && target > 0) || !f.report_sparsities.empty();
+  // Without pass 1 the threshold sample size has nothing to size (a ReLU-family model's test is act > 0).
+  if (f.threshold_tokens_given && !need_pass1) {
+    return Status::InvalidArgument("--threshold-tokens " + std::to_string(f.threshold_tokens) +
+                                   ": no threshold is calibrated for this " + act_name + " model " +
+                                   (relu_like ? "" : "at --target-sparsity 0 ") + "(needs --report-thresholds" +
+                                   (relu_like ? ")" : " or --target-sparsity > 0)"));
+  }
   if (need_pass1) {
     const int64_t n1 = std::min(n_tokens, f.threshold_tokens);
     const int64_t stride = std::max<int64_t>(1, n1 * hp.n_ff / kMaxThresholdSamples);
@@ -480,24 +495,36 @@ void RegisterProfileCommand(CLI::App& app, cli::CommandAction* action) {
                   "Also compute and print thresholds for these sparsities, e.g. 0,0.3,0.5,0.7,0.9")
       ->delimiter(',')
       ->check(CLI::Range(0.0, 0.999));
-  sub->add_option("--threshold-tokens", f->threshold_tokens, "Tokens used to calibrate thresholds")
-      ->check(cli::kPositive);
+  CLI::Option* threshold_tokens =
+      sub->add_option("--threshold-tokens", f->threshold_tokens,
+                      "Tokens used to calibrate thresholds (--report-thresholds, or a silu model's --target-sparsity)")
+          ->check(cli::kPositive);
   sub->add_option("--coact-k", f->coact_k, "Co-activation partners kept per neuron")->check(cli::kNonNegative);
-  sub->add_option("--coact-tokens", f->coact_tokens, "Tokens sampled for co-activation counts")
-      ->check(cli::kPositive);
+  CLI::Option* coact_tokens =
+      sub->add_option("--coact-tokens", f->coact_tokens, "Tokens sampled for co-activation counts (--coact-k > 0)")
+          ->check(cli::kPositive);
   sub->add_option("--traces", f->traces, "Also write per-token active bitsets here (zstd)");
-  sub->add_option("--generate", f->generate,
-                  "Record the model's own decode instead of the text: per window, --prompt-tokens of text prefilled "
-                  "(not recorded), then this many tokens generated one at a time and recorded (0: the text itself)")
-      ->check(cli::kNonNegative);
+  CLI::Option* generate =
+      sub->add_option("--generate", f->generate,
+                      "Record the model's own decode instead of the text: per window, --prompt-tokens of text "
+                      "prefilled (not recorded), then this many tokens generated one at a time and recorded (0: the "
+                      "text itself)")
+          ->check(cli::kNonNegative);
+  // The decode's settings: the text source reads none of them, so without --generate CLI11 refuses them by name.
   sub->add_option("--prompt-tokens", f->prompt_tokens, "--generate: text tokens prefilled before each window's decode")
-      ->check(cli::kPositive);
+      ->check(cli::kPositive)
+      ->needs(generate);
   sub->add_option("--temp", f->temperature, "--generate: sampling temperature (0: greedy)")
-      ->check(CLI::Range(0.0, 10.0));
-  sub->add_option("--seed", f->seed, "--generate: sampling seed (window w uses seed + w)");
+      ->check(CLI::Range(0.0, 10.0))
+      ->needs(generate);
+  sub->add_option("--seed", f->seed, "--generate: sampling seed (window w uses seed + w)")->needs(generate);
   sub->add_option("-t,--threads", f->threads, "Compute threads (0: all cores)");
   sub->add_flag("--force", f->force, "Overwrite existing outputs");
-  sub->callback([f, action] { *action = [f] { return RunProfile(*f); }; });
+  sub->callback([f, action, threshold_tokens, coact_tokens] {
+    f->threshold_tokens_given = threshold_tokens->count() > 0;
+    f->coact_tokens_given = coact_tokens->count() > 0;
+    *action = [f] { return RunProfile(*f); };
+  });
 }
 
 }  // namespace nflash::profiler

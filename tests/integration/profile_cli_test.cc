@@ -426,5 +426,34 @@ TEST(ProfileCliBadInput, FlagsOutOfRangeAreNamed) {
   }
 }
 
+// Flags that only shape a part of the run another flag (or the model) turns on used to be dropped without a word:
+// the decode's --prompt-tokens, --temp and --seed without --generate (CLI11: "requires --generate"),
+// --threshold-tokens without a threshold pass (a ReLU model, no --report-thresholds), --coact-tokens with --coact-k 0.
+// Each is a usage error naming the flag and what it needs, nothing is written; with what they need they run, and a
+// SiLU model's threshold pass (its default --target-sparsity) still takes --threshold-tokens.
+TEST(ProfileCliBadInput, FlagsTheRunWouldIgnoreAreRefused) {
+  TempDir dir;
+  const std::string text = SharedPath("text/tinystories_calib.txt");
+  for (const auto& [flags, message] : std::vector<std::pair<std::string, std::string>>{
+           {"--tokens 200 --prompt-tokens 4", "--prompt-tokens requires --generate"},
+           {"--tokens 200 --temp 0.9", "--temp requires --generate"},
+           {"--tokens 200 --seed 5", "--seed requires --generate"},
+           {"--tokens 200 --threshold-tokens 100",
+            "--threshold-tokens 100: no threshold is calibrated for this relu model (needs --report-thresholds)"},
+           {"--tokens 200 --coact-k 0 --coact-tokens 64", "--coact-tokens 64 needs --coact-k > 0"}}) {
+    EXPECT_TRUE(testing::FailsAsUsageError(ProfileCmd(text, dir.File("a.prof"), flags), message));
+    EXPECT_FALSE(std::filesystem::exists(dir.File("a.prof"))) << flags;
+  }
+  for (const std::string flags : {"--tokens 200 --threshold-tokens 100 --report-thresholds 0.5 --coact-k 4 "
+                                  "--coact-tokens 64",
+                                  "--tokens 16 --generate 8 --prompt-tokens 4 --temp 0.9 --seed 5 --ctx 32"}) {
+    const auto r = RunCommand(ProfileCmd(text, dir.File("ok.prof"), flags + " --force"));
+    EXPECT_EQ(r.exit_code, 0) << flags << "\n" << r.output;
+  }
+  const auto silu = RunCommand(NflashBinary() + " -q profile -m " + SharedPath("models/stories260K/stories260K.bin") +
+                               " -f " + text + " --tokens 200 --threshold-tokens 100 -o " + dir.File("silu.prof"));
+  EXPECT_EQ(silu.exit_code, 0) << silu.output;
+}
+
 }  // namespace
 }  // namespace nflash::profiler
