@@ -32,6 +32,8 @@ struct TrainFlags {
   bool force = false;
   TrainOptions train;
   LowRankOptions lowrank;
+  // The flags given on the command line that only one method reads (named, for the refusal under the other).
+  std::vector<std::string> mlp_only, lowrank_only;
 };
 
 // The first `n` tokens of a text file (BOS + the text as one string, as perplexity encodes it). Only a prefix of the
@@ -55,6 +57,15 @@ Status RunTrain(TrainFlags f) {
   if (!lowrank && f.method != "mlp") {
     return Status::InvalidArgument("--method must be mlp or lowrank, not '" + f.method + "'");
   }
+  // Each method reads its own settings only: another method's would be dropped without a word.
+  const std::vector<std::string>& foreign = lowrank ? f.mlp_only : f.lowrank_only;
+  if (!foreign.empty()) {
+    return Status::InvalidArgument(foreign.front() + " applies to --method " + (lowrank ? "mlp" : "lowrank") +
+                                   " only (" + (lowrank ? "Adam training" : "subspace iterations") +
+                                   "); --method is " + f.method);
+  }
+  // The defaults are trimmed to --max-rank; a rank asked for by name above it would be dropped without a word.
+  const bool ranks_given = !f.ranks.empty();
   if (f.ranks.empty()) f.ranks = lowrank ? "16,32,64" : "16,32,64,128,256";
   f.train.ranks.clear();
   std::stringstream ss(f.ranks);
@@ -66,9 +77,16 @@ Status RunTrain(TrainFlags f) {
       return Status::InvalidArgument("--ranks: '" + item + "' is not a number");
     }
     if (r <= 0) return Status::InvalidArgument("--ranks: rank " + item + " must be positive");
+    if (ranks_given && r > f.max_rank) {
+      return Status::InvalidArgument("--ranks: rank " + item + " is above --max-rank " + std::to_string(f.max_rank) +
+                                     " (raise --max-rank or leave the rank out)");
+    }
     if (r <= f.max_rank) f.train.ranks.push_back(r);
   }
-  if (f.train.ranks.empty()) return Status::InvalidArgument("no --ranks value is <= --max-rank");
+  if (f.train.ranks.empty()) {
+    return Status::InvalidArgument("no default rank (" + f.ranks + ") is <= --max-rank " +
+                                   std::to_string(f.max_rank));
+  }
   const auto wt = ParseGgmlType(f.weight_type);
   if (!wt || (*wt != GgmlType::kF32 && *wt != GgmlType::kF16)) {
     return Status::InvalidArgument("--weight-type must be f32 or f16");
@@ -261,24 +279,37 @@ void RegisterTrainPredictorCommand(CLI::App& app, cli::CommandAction* action) {
   sub->add_option("--method", f->method,
                   "mlp: PowerInfer's MLP trained with Adam; lowrank: closed-form projection of the model's own gate "
                   "onto the principal directions of its pre-activations (file rank 2 x r)");
-  sub->add_option("--iterations", f->lowrank.iterations, "lowrank: subspace iterations")->check(cli::kPositive);
+  CLI::Option* iterations =
+      sub->add_option("--iterations", f->lowrank.iterations, "lowrank only: subspace iterations")
+          ->check(cli::kPositive);
   sub->add_option("--recall", f->train.target_recall, "Target recall (micro, per layer)");
   sub->add_option("--max-rank", f->max_rank, "Largest candidate rank")->check(cli::kPositive);
   sub->add_option("--ranks", f->ranks, "Candidate ranks, comma-separated, tried smallest first (mlp: 16,32,64,128,256; "
                   "lowrank: subspace ranks r, 16,32,64)");
   sub->add_option("--max-ratio", f->train.max_predicted_ratio, "Accept a rank when predicted <= this x true active");
   sub->add_option("--target-sparsity", f->target_sparsity, "SiLU models: fraction of neurons counted inactive");
-  sub->add_option("--epochs", f->train.epochs, "Training epochs")->check(cli::kPositive);
-  sub->add_option("--lr", f->train.learning_rate, "Adam learning rate");
-  sub->add_option("--pos-weight", f->train.pos_weight, "BCE weight of active neurons");
+  const std::vector<CLI::Option*> mlp_only = {
+      sub->add_option("--epochs", f->train.epochs, "mlp only: training epochs")->check(cli::kPositive),
+      sub->add_option("--lr", f->train.learning_rate, "mlp only: Adam learning rate"),
+      sub->add_option("--pos-weight", f->train.pos_weight, "mlp only: BCE weight of active neurons")};
   sub->add_option("--seed", f->train.seed, "Random seed (initialisation, shuffling)");
-  sub->add_option("--eval-text", f->eval_file, "Held-out text for the recall/precision report")->check(CLI::ExistingFile);
-  sub->add_option("--eval-tokens", f->eval_tokens, "Held-out tokens to evaluate")->check(cli::kPositive);
+  CLI::Option* eval_text = sub->add_option("--eval-text", f->eval_file, "Held-out text for the recall/precision report")
+                               ->check(CLI::ExistingFile);
+  // Without a held-out text nothing is evaluated: CLI11 refuses the count by name ("requires --eval-text").
+  sub->add_option("--eval-tokens", f->eval_tokens, "Held-out tokens to evaluate (with --eval-text)")
+      ->check(cli::kPositive)
+      ->needs(eval_text);
   sub->add_option("--weight-type", f->weight_type, "Predictor weight type: f32 or f16");
   sub->add_option("-t,--threads", f->threads, "Compute threads (0: all cores)");
   sub->add_option("-o,--output", f->output, "Output predictor file (.gguf)")->required();
   sub->add_flag("--force", f->force, "Overwrite the output");
-  sub->callback([f, action] { *action = [f] { return RunTrain(*f); }; });
+  sub->callback([f, action, iterations, mlp_only] {
+    for (CLI::Option* o : mlp_only) {
+      if (o->count() > 0) f->mlp_only.push_back(o->get_name());
+    }
+    if (iterations->count() > 0) f->lowrank_only.push_back(iterations->get_name());
+    *action = [f] { return RunTrain(*f); };
+  });
 }
 
 }  // namespace nflash::profiler

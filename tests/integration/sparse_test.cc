@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <regex>
 #include <string>
+#include <vector>
 
 #include "tests/test_util.h"
 
@@ -70,8 +71,9 @@ TEST(SparseCliTest, TrainPredictorAndSparsePerplexity) {
 }
 
 // train-predictor refuses each bad flag by name, as a usage error, before it trains: recall outside (0, 1], an unknown
-// method, a rank of 0, ranks all above --max-rank, a weight type other than f32/f16, --target-sparsity on a ReLU
-// model and its absence on a SiLU one, too few calibration tokens for a layer's split, an existing output.
+// method, a rank of 0, a rank above --max-rank (or the defaults all above it), a flag the chosen method does not read,
+// --eval-tokens without --eval-text, a weight type other than f32/f16, --target-sparsity on a ReLU model and its
+// absence on a SiLU one, too few calibration tokens for a layer's split, an existing output.
 TEST(SparseCliTest, TrainPredictorRefusesBadFlags) {
   testing::TempDir dir;
   const std::string base = testing::NflashBinary() + " train-predictor -f " +
@@ -84,13 +86,35 @@ TEST(SparseCliTest, TrainPredictorRefusesBadFlags) {
   expect_usage(kRelu, "--recall 1.5", "--recall must be in (0, 1]");
   expect_usage(kRelu, "--method tree", "--method must be mlp or lowrank, not 'tree'");
   expect_usage(kRelu, "--ranks 16,0", "--ranks: rank 0 must be positive");
-  expect_usage(kRelu, "--ranks 128,256 --max-rank 64", "no --ranks value is <= --max-rank");
+  expect_usage(kRelu, "--max-rank 8", "no default rank (16,32,64,128,256) is <= --max-rank 8");
+  // A rank asked for by name above --max-rank used to be dropped without a word (the others trained).
+  expect_usage(kRelu, "--ranks 8,500 --max-rank 16", "--ranks: rank 500 is above --max-rank 16");
+  expect_usage(kRelu, "--ranks 128,256 --max-rank 64", "--ranks: rank 128 is above --max-rank 64");
+  // Flags the chosen method never reads used to be dropped without a word; --eval-tokens without a held-out text too
+  // (CLI11: "requires --eval-text").
+  expect_usage(kRelu, "--iterations 3", "--iterations applies to --method lowrank only (subspace iterations); "
+                                        "--method is mlp");
+  for (const char* mlp : {"--epochs 3", "--lr 0.01", "--pos-weight 3"}) {
+    expect_usage(kRelu, std::string("--method lowrank ") + mlp,
+                 std::string(mlp).substr(0, std::string(mlp).find(' ')) +
+                     " applies to --method mlp only (Adam training); --method is lowrank");
+  }
+  expect_usage(kRelu, "--eval-tokens 100", "--eval-tokens requires --eval-text");
   expect_usage(kRelu, "--weight-type q8_0", "--weight-type must be f32 or f16");
   expect_usage(kRelu, "--target-sparsity 0.5", "--target-sparsity applies to SiLU models");
   const std::string silu = " -m " + testing::SharedPath("models/stories260K/stories260K.bin");
   expect_usage(silu, "", "a SiLU model has no exact zeros: pass --target-sparsity S in (0, 1)");
   expect_usage(silu, "--target-sparsity 1", "a SiLU model has no exact zeros");
   expect_usage(kRelu, "--tokens 2", "calibration tokens, too few");
+  // The flags each method does read still run with it (small and fast: 2000 tokens, one rank).
+  for (const std::string& flags : std::vector<std::string>{"--method lowrank --iterations 2 --ranks 8 --max-rank 8",
+                                                           "--method mlp --epochs 1 --lr 0.003 --pos-weight 3 "
+                                                           "--ranks 8 --max-rank 8 --eval-text " +
+                                                               testing::SharedPath("text/tinystories_cased_197K.txt") +
+                                                               " --eval-tokens 200"}) {
+    auto ok = testing::RunCommand(base + kRelu + " --tokens 2000 --force " + flags);
+    EXPECT_EQ(ok.exit_code, 0) << flags << "\n" << ok.output;
+  }
   // An existing output, refused before any work (the predictor file's writer would refuse too, after the training).
   testing::WriteText(dir.File("p.gguf"), "x");
   auto r = testing::RunCommand(base + kRelu);
