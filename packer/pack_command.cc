@@ -113,13 +113,19 @@ void RegisterVerifyCommand(CLI::App& app, cli::CommandAction* action) {
   CLI::App* cmd = app.add_subcommand("verify", "Check a deployment directory fully: manifest, sizes, hashes, every "
                                                "bundle checksum and the padding of ffn.bin");
   cmd->add_option("deploy_dir", flags->dir, "Deployment directory from nflash pack")->required();
-  cmd->add_option("--replay-text", flags->replay.text_path,
-                  "Also replay the source model's activations on this held-out text through the layout and report "
-                  "bytes and read requests per token")->check(CLI::ExistingFile);
+  CLI::Option* replay = cmd->add_option("--replay-text", flags->replay.text_path,
+                                        "Also replay the source model's activations on this held-out text through "
+                                        "the layout and report bytes and read requests per token")
+                            ->check(CLI::ExistingFile);
+  // The replay's settings: the checks alone read none of them, so without --replay-text CLI11 refuses them by name.
   cmd->add_option("-m,--model", flags->replay.model_path, "Source model GGUF (for --replay-text)")
-      ->check(CLI::ExistingFile);
-  cmd->add_option("--tokens", flags->replay.tokens, "Tokens replayed")->check(cli::kPositive);
-  cmd->add_option("--threads,-t", flags->threads, "Threads (0: all cores)");
+      ->check(CLI::ExistingFile)
+      ->needs(replay);
+  cmd->add_option("--tokens", flags->replay.tokens, "Tokens replayed (with --replay-text)")
+      ->check(cli::kPositive)
+      ->needs(replay);
+  cmd->add_option("--threads,-t", flags->threads, "Threads of the replay (with --replay-text; 0: all cores)")
+      ->needs(replay);
   cmd->callback([flags, action] { *action = [flags] { return RunVerify(*flags); }; });
 }
 

@@ -139,6 +139,11 @@ TEST_F(PackCliTest, ReplayReportsReadsPerToken) {
                              SharedPath("text/tinystories_cased_197K.txt"));
   EXPECT_NE(no_model.exit_code, 0);
   EXPECT_NE(no_model.output.find("--replay-text needs --model"), std::string::npos) << no_model.output;
+  // The replay's settings without a replay used to be dropped (verify checked and said OK): CLI11 refuses each by
+  // name ("requires --replay-text").
+  for (const std::string& flag : std::vector<std::string>{"-m " + Model("f32"), "--tokens 5", "-t 2"}) {
+    EXPECT_TRUE(testing::FailsAsUsageError(Nflash() + " verify " + dir + " " + flag, "requires --replay-text"));
+  }
 }
 
 TEST_F(PackCliTest, CorruptionAndUsageErrors) {
