@@ -25,6 +25,7 @@ struct PackFlags {
   double hot_fraction = -1.0;
   bool force = false;
   int threads = 0;
+  bool order_given = false;  // --order on the command line (not the default)
 };
 
 std::string Mib(uint64_t b) {
@@ -44,6 +45,19 @@ Status RunPack(const PackFlags& flags) {
   options.profile_path = flags.profile;
   options.overwrite = flags.force;
   NF_ASSIGN_OR_RETURN(profiler::ModelProfile profile, profiler::LoadProfile(flags.profile));
+  // Asked for by name, the co-activation order falls back to hotness where the profile has no partners (made with
+  // --coact-k 0): said, since the layout is then the one --order hotness makes.
+  if (flags.order_given && options.order == NeuronOrder::kCoactivation) {
+    size_t without = 0;
+    for (const profiler::FfnProfile& ffn : profile.ffns) without += EffectiveOrder(ffn, options.order) != options.order;
+    if (without == profile.ffns.size()) {
+      NF_LOG(Warning) << "--order coactivation: " << flags.profile
+                      << " has no co-activation data (profiled with --coact-k 0); the hotness order is used";
+    } else if (without > 0) {
+      NF_LOG(Warning) << "--order coactivation: " << without << " of " << profile.ffns.size() << " FFNs of "
+                      << flags.profile << " have no co-activation data; they use the hotness order";
+    }
+  }
   NF_ASSIGN_OR_RETURN(uint64_t profile_hash, HashFile(flags.profile));
   ThreadPool pool(flags.threads);
   NF_ASSIGN_OR_RETURN(PackStats s, PackDeployment(flags.model, profile, HashToHex(profile_hash), flags.output,
@@ -98,14 +112,20 @@ void RegisterPackCommand(CLI::App& app, cli::CommandAction* action) {
       ->required()->check(CLI::ExistingFile);
   cmd->add_option("-p,--profile", flags->profile, "Profile from nflash profile")->required()->check(CLI::ExistingFile);
   cmd->add_option("-o,--output", flags->output, "Deployment directory to create")->required();
-  cmd->add_option("--order", flags->order, "Cold neuron order: coactivation (greedy chains of co-activation partners; popularity where the profile has none) or hotness (popularity)");
+  CLI::Option* order = cmd->add_option("--order", flags->order,
+                                       "Cold neuron order: coactivation (greedy chains of co-activation partners; "
+                                       "popularity where the profile has none, with a warning when asked for) or "
+                                       "hotness (popularity)");
   cmd->add_option("--hot-fraction", flags->hot_fraction,
                   "Share of each layer's neurons placed in the hot region (default: the most popular neurons that "
                   "cover 50% of the profile's activations)");
   cmd->add_option("--predictor", flags->predictor, "Predictor GGUF to ship in the deployment")->check(CLI::ExistingFile);
   cmd->add_option("--threads,-t", flags->threads, "Threads (0: all cores)");
   cmd->add_flag("--force", flags->force, "Replace DEPLOY_DIR if it exists");
-  cmd->callback([flags, action] { *action = [flags] { return RunPack(*flags); }; });
+  cmd->callback([flags, action, order] {
+    flags->order_given = order->count() > 0;
+    *action = [flags] { return RunPack(*flags); };
+  });
 }
 
 void RegisterVerifyCommand(CLI::App& app, cli::CommandAction* action) {

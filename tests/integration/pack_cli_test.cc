@@ -146,6 +146,31 @@ TEST_F(PackCliTest, ReplayReportsReadsPerToken) {
   }
 }
 
+// --order coactivation asked for by name on a profile without co-activation data (profiled with --coact-k 0) packs in
+// hotness order, as --help says; it used to do so without a word, now with a warning. The default order (not given)
+// stays silent, and a profile with the data gives no warning.
+TEST_F(PackCliTest, CoactivationOrderWithoutTheDataIsWarnedAbout) {
+  const std::string prof = tmp_->File("nocoact.prof");
+  auto p = RunCommand(Nflash() + " -q profile -m " + Model("f32") + " -f " + SharedPath("text/tinystories_calib.txt") +
+                      " --tokens 1000 --coact-k 0 -t 2 -o " + prof);
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  const std::string kWarning = "warning: --order coactivation: " + prof + " has no co-activation data (profiled with "
+                               "--coact-k 0); the hotness order is used";
+  auto asked = RunCommand(Nflash() + " pack -m " + Model("f32") + " -p " + prof + " -o " + Dir("nocoact_asked") +
+                          " --order coactivation");
+  ASSERT_EQ(asked.exit_code, 0) << asked.output;
+  EXPECT_NE(asked.output.find(kWarning), std::string::npos) << asked.output;
+  auto i = RunCommand(Nflash() + " inspect " + Dir("nocoact_asked"));
+  EXPECT_NE(i.output.find("order            hotness"), std::string::npos) << i.output;
+  auto by_default = RunCommand(Nflash() + " pack -m " + Model("f32") + " -p " + prof + " -o " + Dir("nocoact_default"));
+  ASSERT_EQ(by_default.exit_code, 0) << by_default.output;
+  EXPECT_EQ(by_default.output.find("warning"), std::string::npos) << by_default.output;
+  auto with_data = RunCommand(Nflash() + " pack -m " + Model("f32") + " -p " + Model("f32") + ".prof -o " +
+                              Dir("coact_asked") + " --order coactivation");
+  ASSERT_EQ(with_data.exit_code, 0) << with_data.output;
+  EXPECT_EQ(with_data.output.find("warning"), std::string::npos) << with_data.output;
+}
+
 TEST_F(PackCliTest, CorruptionAndUsageErrors) {
   const std::string dir = Dir("corrupt");
   ASSERT_EQ(RunCommand(Nflash() + " -q pack -m " + Model("q8_0") + " -p " + Model("q8_0") + ".prof -o " + dir).exit_code, 0);
